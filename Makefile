@@ -1,0 +1,29 @@
+# Mini-Infer: `make run` (the main job) and `make test` (the whole suite) install first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test lint bench clean
+
+install: $(STAMP)
+	@$(BIN)/mini-infer fetch-model >/dev/null
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+run: install
+	$(BIN)/mini-infer demo
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/mini-infer bench engine
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,57 @@
+"""What the engine hands back: whole results (`RequestOutput`) and stream deltas (`RequestDelta`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Engine finish reasons. The worker maps "abort" to its own "cancelled"/"expired".
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class RequestDelta:
+    """New output of one request after one engine step.
+
+    Deltas of a request concatenate to its final text; `text` never ends inside a character and
+    never contains (part of) a stop string. The last delta has `finished=True` and a finish reason.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far, including this delta
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    num_blocks_total: int
+    num_blocks_free: int
+    num_blocks_cached: int  # free blocks that still hold a reusable prefix
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_prefix_queries: int  # prompt tokens looked up in the prefix cache
+    num_prefix_hits: int  # of which found
+    num_tokens_computed: int
+    num_tokens_reused: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_prefix_hits / self.num_prefix_queries if self.num_prefix_queries else 0.0
