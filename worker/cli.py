@@ -9,11 +9,17 @@ import sys
 
 # name -> (module, help). Each module defines `add_arguments(parser)` and `main(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("worker.app", "run a worker (starts an embedded broker when no bootstrap servers are set)"),
+    "serve": (
+        "worker.app",
+        "run a worker (starts an embedded broker when no bootstrap servers are set)",
+    ),
     "broker": ("worker.broker", "run the embedded Kafka-compatible broker alone"),
     "generate": ("worker.generate_cli", "send one request and stream the reply to stdout"),
     "demo": ("worker.demo", "embedded broker + worker + a client streaming three answers"),
-    "fetch-model": ("worker.fetch_model_cli", "download/convert the default model and print its path"),
+    "fetch-model": (
+        "worker.fetch_model_cli",
+        "download/convert the default model and print its path",
+    ),
     "bench": ("worker.bench_cli", "benchmarks: `bench engine`, `bench e2e` (JSON + table)"),
 }
 
@@ -28,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
     known, _ = parser.parse_known_args(args_list)
     module = importlib.import_module(known._module)
-    full = argparse.ArgumentParser(prog=f"mini-infer {known.command}", description=COMMANDS[known.command][1])
+    full = argparse.ArgumentParser(
+        prog=f"mini-infer {known.command}", description=COMMANDS[known.command][1]
+    )
     module.add_arguments(full)
     args = full.parse_args(args_list[1:])
     try:

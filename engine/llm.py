@@ -1,0 +1,108 @@
+"""`LLM`: the offline, vLLM-style entry point. `LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model once, generate for many prompts with continuous batching.
+
+    `model`: a Hugging Face Llama-family checkpoint directory, a `.gguf` file, or the alias
+    `smollm2-135m`. Extra keyword arguments are `EngineConfig` fields.
+    """
+
+    def __init__(
+        self,
+        model: str | Path = "smollm2-135m",
+        dtype: str = "float32",
+        quantization: str | None = None,
+        **engine_config,
+    ) -> None:
+        self.engine = LLMEngine(model, dtype=dtype, quantization=quantization, **engine_config)
+        self._num_calls = 0
+
+    @property
+    def model_path(self) -> Path:
+        return self.engine.model_path
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_stats(self):
+        return self.engine.get_stats()
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priorities: Sequence[int] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for all prompts together; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
+        priorities = list(priorities) if priorities is not None else [0] * len(prompts)
+
+        self._num_calls += 1
+        ids = [f"llm-{self._num_calls}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p, prio in zip(ids, prompts, params_list, priorities, strict=True):
+            try:
+                self.engine.add_request(rid, prompt, p, priority=prio)
+            except ValueError:
+                for added in ids:  # leave the engine as it was
+                    self.engine.abort_request(added)
+                raise
+
+        prompt_ids = {rid: self.engine.scheduler.requests[rid].prompt_token_ids for rid in ids}
+        texts = {rid: [] for rid in ids}
+        tokens = {rid: [] for rid in ids}
+        results: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids), use_tqdm)
+        try:
+            while len(results) < len(ids):
+                for d in self.engine.step():
+                    texts[d.request_id].append(d.text)
+                    tokens[d.request_id].extend(d.token_ids)
+                    if d.finished:
+                        results[d.request_id] = RequestOutput(
+                            request_id=d.request_id,
+                            prompt_token_ids=prompt_ids[d.request_id],
+                            text="".join(texts[d.request_id]),
+                            token_ids=tokens[d.request_id],
+                            finish_reason=d.finish_reason,
+                            num_cached_tokens=d.num_cached_tokens,
+                        )
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            for rid in ids:
+                if rid not in results:
+                    self.engine.abort_request(rid)
+        return [results[rid] for rid in ids]
+
+
+def _progress(total: int, use_tqdm: bool | None):
+    if use_tqdm is None:
+        use_tqdm = sys.stderr.isatty() and total > 1
+    if not use_tqdm:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req", file=sys.stderr)

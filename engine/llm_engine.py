@@ -1,0 +1,207 @@
+"""LLMEngine: the streaming core. `step()` is three calls: schedule, run the model, post-process.
+
+Single-threaded by design: the worker runs it on its own thread and talks to it through
+queues. Nothing here knows about asyncio or Kafka.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import structlog
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import cdiv
+from engine.loader import load_tokenizer, resolve_model
+from engine.model_runner import ModelRunner
+from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, RequestDelta
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+def derive_seed(*parts: object) -> int:
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # < 2**63
+
+
+def _eos_token_ids(model_path: Path, hf_config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    gen_path = model_path / "generation_config.json"
+    if gen_path.exists():
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    else:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is not None:
+        ids.update(eos if isinstance(eos, list | tuple) else [eos])
+    return ids
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | Path,
+        dtype: str | torch.dtype = "float32",
+        quantization: str | None = None,
+        **engine_config,
+    ) -> None:
+        self.config = EngineConfig.from_kwargs(**engine_config)
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        self.model_path = resolve_model(model)
+        self.dtype = parse_dtype(dtype)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.runner = ModelRunner(self.model_path, self.config, self.dtype, quantization)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.hf_config.vocab_size
+        self.eos_token_ids = _eos_token_ids(self.model_path, self.runner.hf_config, self.tokenizer)
+        self.scheduler = Scheduler(self.config, self.runner.num_kv_blocks)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._num_arrivals = 0
+        log.info(
+            "engine_ready",
+            model=str(self.model_path),
+            dtype=str(self.dtype),
+            num_kv_blocks=self.runner.num_kv_blocks,
+            block_size=self.config.block_size,
+            kv_cache_mib=round(self.runner.kv_cache_bytes / 2**20, 1),
+            max_model_len=self.max_model_len,
+        )
+
+    # -- requests ------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids, not text")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token id {t!r} is not in [0, {self.vocab_size})")
+        return ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request. Raises ValueError (with a message a user can act on) for an empty
+        or too long prompt, a request that could never fit in the KV cache, or a duplicate id."""
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        prompt_ids = self.encode_prompt(prompt)
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len} tokens "
+                "and at least one must be left to generate"
+            )
+        max_len = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        need = cdiv(max_len, self.config.block_size)
+        if need > self.runner.num_kv_blocks:
+            raise ValueError(
+                f"prompt + max_tokens needs {need} KV blocks, the cache has {self.runner.num_kv_blocks}; "
+                "lower max_tokens or raise kv_cache_memory_bytes"
+            )
+        self._num_arrivals += 1
+        seed = params.seed if params.seed is not None else derive_seed(self.config.seed, self._num_arrivals)
+        req = Request(
+            request_id, prompt_ids, params, priority=priority, arrival_index=self._num_arrivals, seed=seed
+        )
+        self.scheduler.add_request(req)
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks now. Emits no delta."""
+        self._detokenizers.pop(request_id, None)
+        return self.scheduler.finish_request(request_id, FINISH_ABORT) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # -- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            if out.finished_request_ids:
+                self.runner.execute(out)  # lets the runner drop per-request state
+            return []
+        sampled = self.runner.execute(out)
+        updated = self.scheduler.update_from_output(out, sampled)
+        return [self._postprocess(req) for req in updated]
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return FINISH_STOP
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FINISH_LENGTH
+        return None
+
+    def _postprocess(self, req: Request) -> RequestDelta:
+        token = req.all_token_ids[-1]
+        reason = self._finish_reason(req, token)
+        detok = self._detokenizers[req.request_id]
+        detok.add_token(token, is_last=reason is not None)
+        if reason is None and detok.stopped_on is not None:
+            reason = FINISH_STOP
+        finished = reason is not None
+        delta = RequestDelta(
+            request_id=req.request_id,
+            text=detok.flush(finished),
+            token_ids=[token],
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens or 0,
+        )
+        if finished:
+            self.scheduler.finish_request(req.request_id, reason)
+            self._detokenizers.pop(req.request_id, None)
+        return delta
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_blocks_total=s.kv.num_blocks,
+            num_blocks_free=s.kv.num_free_blocks,
+            num_blocks_cached=s.kv.pool.num_cached_free_blocks,
+            num_running=len(s.running),
+            num_waiting=s.num_waiting,
+            num_preemptions=s.num_preemptions,
+            num_prefix_queries=s.num_prefix_queries,
+            num_prefix_hits=s.num_prefix_hits,
+            num_tokens_computed=s.num_tokens_computed,
+            num_tokens_reused=s.num_tokens_reused,
+        )

@@ -1,0 +1,206 @@
+"""Iteration-level scheduler: who runs this step, with how many tokens. Pure Python.
+
+Policy only. Each step has a token budget (`max_num_batched_tokens`) and a cap on running
+requests (`max_num_seqs`). Requests are served most urgent first (lower priority value), then
+in arrival order. Every request follows one rule: its computed tokens catch up with its tokens.
+
+Preemption is by recompute: a preempted request drops its blocks (they stay in the prefix
+cache until evicted, so resuming is often cheap) and goes back to the waiting queue. It
+happens in two cases:
+1. a running request needs a block and none is free: the least urgent, latest-arrived
+   running request is preempted (possibly the one asking);
+2. a waiting request is more urgent than some running request and cannot be admitted for
+   lack of blocks or of a running slot: the least urgent running request makes room
+   (vLLM v1 admits waiting work only when it fits, so urgent work waits behind bulk work).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        self.config = config
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self._waiting: list[tuple[tuple[int, int], str]] = []  # heap of (sort_key, id); lazy deletion
+        self._finished_ids: list[str] = []
+        # Counters for EngineStats.
+        self.num_preemptions = 0
+        self.num_prefix_queries = 0  # prompt tokens looked up at first admission
+        self.num_prefix_hits = 0
+        self.num_tokens_computed = 0
+        self.num_tokens_reused = 0  # tokens served from the prefix cache, resumes included
+
+    # -- queue management ----------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in the engine")
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.WAITING
+        heapq.heappush(self._waiting, (req.sort_key, req.request_id))
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.requests) - len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def finish_request(self, request_id: str, reason: str) -> Request | None:
+        """Remove a request (finished or aborted) and free its blocks at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        # A waiting entry stays in the heap and is skipped when popped.
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.kv.forget(req)
+        self._finished_ids.append(request_id)
+        return req
+
+    def _peek_waiting(self) -> Request | None:
+        while self._waiting:
+            _, rid = self._waiting[0]
+            req = self.requests.get(rid)
+            if req is not None and req.status is RequestStatus.WAITING:
+                return req
+            heapq.heappop(self._waiting)  # stale: finished or already admitted
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        heapq.heappush(self._waiting, (req.sort_key, req.request_id))
+
+    # -- the step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        self._make_room_for_urgent(out)
+        budget = self.config.max_num_batched_tokens
+        preempted_now = False
+
+        # 1. Running requests, most urgent first. Victims come from the unscheduled tail.
+        queue = sorted(self.running, key=lambda r: r.sort_key)
+        scheduled_running: list[tuple[Request, int]] = []
+        while queue and budget > 0:
+            req = queue.pop(0)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = queue.pop() if queue else req
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                preempted_now = True
+                if victim is req:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                scheduled_running.append((req, num_new))
+                budget -= num_new
+        for req, num_new in scheduled_running:
+            out.scheduled.append(self._scheduled(req, num_new))
+
+        # 2. Waiting requests, unless this step already had to preempt (admitting now would thrash).
+        while not preempted_now and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self._peek_waiting()
+            if req is None:
+                break
+            computed = self.kv.get_computed_blocks(req)
+            num_cached = len(computed) * self.config.block_size
+            num_new = req.num_tokens - num_cached
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(req, num_new, computed):
+                break
+            heapq.heappop(self._waiting)
+            self._admit(req, num_cached)
+            out.scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+        return out
+
+    def _admit(self, req: Request, num_cached: int) -> None:
+        if req.num_cached_tokens is None:  # first admission: count the prompt lookup
+            req.num_cached_tokens = num_cached
+            self.num_prefix_queries += req.num_prompt_tokens
+            self.num_prefix_hits += num_cached
+        self.num_tokens_reused += num_cached
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
+        """Preempt less urgent running work while the most urgent waiting request cannot be
+        admitted. Only strictly less urgent requests are victims, so equal priorities never
+        preempt each other (no ping-pong)."""
+        while True:
+            head = self._peek_waiting()
+            if head is None:
+                return
+            victims = [r for r in self.running if r.priority > head.priority]
+            if not victims:
+                return
+            if len(self.running) < self.config.max_num_seqs and self._fits(head):
+                return
+            victim = max(victims, key=lambda r: r.sort_key)
+            self._preempt(victim)
+            out.preempted_request_ids.append(victim.request_id)
+
+    def _fits(self, req: Request) -> bool:
+        """Would the first chunk of this waiting request fit in the free blocks right now?"""
+        computed = self.kv.get_computed_blocks(req)
+        num_cached = len(computed) * self.config.block_size
+        num_new = min(req.num_tokens - num_cached, self.config.max_num_batched_tokens)
+        # Keep one block per running request for its next decode step, so admitting the
+        # urgent request does not immediately force a preemption in the running pass.
+        reserve = sum(
+            1
+            for r in self.running
+            if cdiv(r.num_tokens, self.config.block_size) > self.kv.num_blocks_of(r.request_id)
+        )
+        num_hits_free = sum(1 for b in computed if b.ref_count == 0)
+        need = self.kv.num_blocks_needed(req, num_new, len(computed))
+        return need + reserve <= self.kv.num_free_blocks - num_hits_free
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        self.num_tokens_computed += num_new
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start : start + num_new],
+            start_position=start,
+            block_ids=self.kv.block_ids(req.request_id),
+            needs_sample=start + num_new == req.num_tokens,
+            params=req.params,
+            seed=req.seed,
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, publish full blocks to the prefix
+        cache. Returns the requests that received a new token (in schedule order)."""
+        updated = []
+        for s in out.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # finished or preempted while the step ran
+            req.num_computed_tokens += len(s.token_ids)
+            self.kv.cache_computed_blocks(req)
+            token = sampled.get(s.request_id)
+            if s.needs_sample and token is not None:
+                req.append_token(token)
+                updated.append(req)
+        return updated
