@@ -1,0 +1,122 @@
+"""Paged attention: K/V live in one pre-allocated block pool per layer, read through block tables.
+
+Cache layout, per layer: k_cache, v_cache [num_kv_blocks, block_size, num_kv_heads, head_dim].
+A block is one contiguous run of `block_size * num_kv_heads * head_dim` values, so gathering a
+request's context is an `index_select` of whole blocks (big memcpy rows), and writing a new
+token is one row of the flat view [num_kv_blocks * block_size, num_kv_heads, head_dim] at
+slot = block_id * block_size + position % block_size.
+
+The runner puts single-token requests (decodes) first in the flattened batch. They are attended
+to in one SDPA call over a padded block table. Multi-token chunks (prefill) go one by one with a
+causal mask shifted by their start position, since they may follow cached prefix tokens.
+
+Backends share one interface (`forward(q, k, v, k_cache, v_cache, meta)`) and are picked at
+run time by name; the torch one is the reference that any kernel backend is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One multi-token chunk of a request, tokens [token_start, token_start + num_tokens) of the
+    flattened batch, at positions [start_position, start_position + num_tokens)."""
+
+    token_start: int
+    num_tokens: int
+    start_position: int
+    # [num_blocks] blocks covering positions [0, start_position + num_tokens); None when
+    # start_position == 0, where the chunk attends to its own fresh K/V with a plain causal mask.
+    block_ids: torch.Tensor | None = None
+    # [num_tokens, start_position + num_tokens] bool, True = may attend; None when causal suffices.
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step; built once per step by the model runner."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot written by each new token
+    num_decodes: int = 0  # the first num_decodes tokens are single-token requests
+    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_num_blocks] int64
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_num_blocks * block_size]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class TorchPagedAttention:
+    """Reference backend on torch ops: index_copy_ to write, index_select + SDPA to read."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], already rotated
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], already rotated
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_kv_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], k_cache, v_cache, meta)
+        for chunk in meta.prefills:
+            span = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            out[span] = self._prefill(q[span], k[span], v[span], k_cache, v_cache, chunk)
+        return out
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """cache[block_ids] for block_ids [*batch, num_blocks] -> [*batch, num_blocks * block_size,
+        num_kv_heads, head_dim]."""
+        blocks = cache.index_select(0, block_ids.reshape(-1))
+        return blocks.view(*block_ids.shape[:-1], -1, cache.shape[2], cache.shape[3])
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        num_decodes, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        # [num_decodes, num_kv_heads, max_ctx, head_dim], a strided view: SDPA reads it in place.
+        keys = self._gather(k_cache, meta.decode_block_table).transpose(1, 2)
+        values = self._gather(v_cache, meta.decode_block_table).transpose(1, 2)
+        # GQA without repeating K/V: the query heads of one KV head become that head's "query
+        # rows" ([num_decodes, num_kv_heads, group, head_dim]); head h maps to KV head h // group.
+        grouped_q = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=meta.decode_mask)
+        return out.reshape(num_decodes, num_heads, head_dim)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+        if chunk.block_ids is None:
+            keys, values = k, v
+        else:
+            num_ctx = chunk.start_position + chunk.num_tokens
+            keys = self._gather(k_cache, chunk.block_ids)[:num_ctx]
+            values = self._gather(v_cache, chunk.block_ids)[:num_ctx]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),  # [1, num_heads, num_tokens, head_dim]
+            keys.transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, num_ctx, head_dim]
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
+
+
+def get_attention_backend(name: str) -> TorchPagedAttention:
+    """Resolve EngineConfig.attention_backend ("auto" | "torch" | "triton")."""
+    if name in ("auto", "torch"):
+        return TorchPagedAttention()
+    if name == "triton":
+        raise NotImplementedError(
+            "attention_backend='triton' is not implemented yet (Triton kernels come in a later "
+            "issue); use 'torch' or 'auto'"
+        )
+    raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch' or 'triton'")

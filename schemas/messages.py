@@ -1,0 +1,157 @@
+"""Message models of wire contract v1 (DESIGN.md "Wire contract v1").
+
+Validation here is only what a message can be judged by on its own: types, ranges, topic-name
+syntax, prompt XOR messages. What depends on the deployment (context length, allowed reply
+prefix, served model) is the worker's, and configurable size limits are `codec.Limits`.
+
+Unknown fields are ignored so that a v1 reader accepts messages from a later, extended writer.
+Models are frozen: a decoded message is a value, never a mutable scratchpad.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, get_args
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = 1
+
+MAX_ID_CHARS = 256
+MAX_TOKENS_LIMIT = 1 << 20  # same bound as engine.SamplingParams; schemas may not import engine
+MAX_TEMPERATURE = 100.0
+MAX_SEED = 2**63 - 1
+MAX_MODEL_NAME_CHARS = 256
+MAX_ROLE_CHARS = 64
+MAX_STOP_STRING_CHARS = 1024
+
+FinishReason = Literal["stop", "length", "cancelled", "expired", "error"]
+FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
+
+# Kafka's own rule for topic names; the embedded broker does not enforce it, so we do.
+TOPIC_NAME_PATTERN = r"^[a-zA-Z0-9._-]{1,249}$"
+
+
+def _not_dot_or_dotdot(name: str) -> str:
+    if name in (".", ".."):
+        raise ValueError("a topic cannot be named '.' or '..'")
+    return name
+
+
+RequestId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+TopicName = Annotated[str, Field(pattern=TOPIC_NAME_PATTERN), AfterValidator(_not_dot_or_dotdot)]
+NonNegativeMs = Annotated[float, Field(ge=0)]
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+
+
+class ChatMessage(WireModel):
+    role: str = Field(min_length=1, max_length=MAX_ROLE_CHARS)
+    content: str
+
+
+class Request(WireModel):
+    """One generation request. Sampling fields are flat, as in OpenAI/vLLM.
+
+    `top_k` 0 or -1 means no top-k cut; `temperature` 0 means greedy; `seed` None lets the worker
+    derive one from `id`, so a redelivered request generates the same tokens.
+    """
+
+    id: RequestId
+    reply_to: TopicName
+    prompt: str | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] = []
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
+    ignore_eos: bool = False
+    stream: bool = True
+    deadline_ms: int | None = Field(default=None, ge=0, description="absolute Unix epoch ms")
+    model: str | None = Field(default=None, min_length=1, max_length=MAX_MODEL_NAME_CHARS)
+    schema_version: int = Field(default=SCHEMA_VERSION, ge=1)
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> Request:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+    @property
+    def num_prompt_chars(self) -> int:
+        if self.prompt is not None:
+            return len(self.prompt)
+        return sum(len(m.content) for m in self.messages or ())
+
+
+class Usage(WireModel):
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+
+
+class Timing(WireModel):
+    """Milliseconds from the worker's point of view. `ttft_ms` is None when no token was made."""
+
+    queued_ms: NonNegativeMs
+    ttft_ms: NonNegativeMs | None = None
+    total_ms: NonNegativeMs
+
+
+class ErrorInfo(WireModel):
+    code: str = Field(min_length=1)
+    message: str
+
+
+class _Reply(WireModel):
+    """Common to every reply: `attempt` names one generation try, `seq` counts within it."""
+
+    id: RequestId
+    attempt: str = Field(min_length=1)
+    seq: int = Field(ge=0)
+
+
+class TokenReply(_Reply):
+    type: Literal["token"] = "token"
+    text: str
+    token_ids: list[int] = []
+
+
+class FinalReply(_Reply):
+    """Last message of an attempt. `text` is the whole completion of that attempt."""
+
+    type: Literal["final"] = "final"
+    finish_reason: FinishReason
+    text: str = ""
+    usage: Usage
+    timing: Timing
+    error: ErrorInfo | None = None
+
+    @model_validator(mode="after")
+    def _error_iff_error_reason(self) -> FinalReply:
+        if (self.finish_reason == "error") != (self.error is not None):
+            raise ValueError("'error' is required exactly when finish_reason is 'error'")
+        return self
+
+
+Reply = Annotated[TokenReply | FinalReply, Field(discriminator="type")]
+
+
+class Cancel(WireModel):
+    """On the control topic: stop request `id` wherever it is."""
+
+    type: Literal["cancel"] = "cancel"
+    id: RequestId
+
+
+class ErrorCode:
+    """Error codes a final may carry. Open set: a client must accept codes it does not know."""
+
+    INVALID_REQUEST = "invalid_request"
+    LIMIT_EXCEEDED = "limit_exceeded"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    MODEL_NOT_SERVED = "model_not_served"
+    INTERNAL = "internal"

@@ -1,0 +1,29 @@
+"""Shared fixtures: one embedded broker per session (for `kafka` tests) and tiny random models."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_model import make_tiny_llama
+from worker.broker import EmbeddedBroker
+
+
+@pytest.fixture(scope="session")
+def broker():
+    """The embedded Tansu broker on 127.0.0.1, shared by every `kafka` test of the session.
+    Tests keep apart by using fresh topic names and group ids (`unique_name`)."""
+    with EmbeddedBroker() as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A random tiny Llama checkpoint (HF directory with tokenizer and chat template)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def unique_name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"

@@ -1,0 +1,89 @@
+"""Hypothesis strategies for every wire message, drawing anywhere in the valid ranges."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from schemas.messages import (
+    FINISH_REASONS,
+    MAX_SEED,
+    MAX_TOKENS_LIMIT,
+    Cancel,
+    ChatMessage,
+    ErrorInfo,
+    FinalReply,
+    Request,
+    Timing,
+    TokenReply,
+    Usage,
+)
+
+TOPIC_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-"
+
+ids = st.text(min_size=1, max_size=40)
+topics = st.text(alphabet=TOPIC_ALPHABET, min_size=1, max_size=60).filter(
+    lambda t: t not in (".", "..")
+)
+ms = st.floats(min_value=0, max_value=1e9, allow_nan=False, allow_infinity=False)
+chat_messages = st.builds(
+    ChatMessage,
+    role=st.sampled_from(["system", "user", "assistant", "tool"]),
+    content=st.text(max_size=50),
+)
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> Request:
+    is_chat = draw(st.booleans())
+    return Request(
+        id=draw(ids),
+        reply_to=draw(topics),
+        prompt=None if is_chat else draw(st.text(min_size=1, max_size=200)),
+        messages=draw(st.lists(chat_messages, min_size=1, max_size=5)) if is_chat else None,
+        max_tokens=draw(st.integers(1, MAX_TOKENS_LIMIT)),
+        temperature=draw(st.floats(0, 100, allow_nan=False)),
+        top_p=draw(st.floats(0, 1, exclude_min=True)),
+        top_k=draw(st.integers(-1, 1000)),
+        seed=draw(st.none() | st.integers(0, MAX_SEED)),
+        stop=draw(st.lists(st.text(min_size=1, max_size=10), max_size=16)),
+        stop_token_ids=draw(st.lists(st.integers(0, 2**31), max_size=8)),
+        ignore_eos=draw(st.booleans()),
+        stream=draw(st.booleans()),
+        deadline_ms=draw(st.none() | st.integers(0, 2**53)),
+        model=draw(st.none() | st.text(min_size=1, max_size=30)),
+    )
+
+
+token_replies = st.builds(
+    TokenReply,
+    id=ids,
+    attempt=st.text(min_size=1, max_size=20),
+    seq=st.integers(0, 2**32),
+    text=st.text(max_size=30),
+    token_ids=st.lists(st.integers(0, 2**31), max_size=8),
+)
+
+
+@st.composite
+def final_replies(draw: st.DrawFn) -> FinalReply:
+    reason = draw(st.sampled_from(FINISH_REASONS))
+    error = None
+    if reason == "error":
+        error = ErrorInfo(
+            code=draw(st.text(min_size=1, max_size=20)), message=draw(st.text(max_size=50))
+        )
+    return FinalReply(
+        id=draw(ids),
+        attempt=draw(st.text(min_size=1, max_size=20)),
+        seq=draw(st.integers(0, 2**32)),
+        finish_reason=reason,
+        text=draw(st.text(max_size=100)),
+        usage=Usage(
+            prompt_tokens=draw(st.integers(0, 10**6)), completion_tokens=draw(st.integers(0, 10**6))
+        ),
+        timing=Timing(queued_ms=draw(ms), ttft_ms=draw(st.none() | ms), total_ms=draw(ms)),
+        error=error,
+    )
+
+
+cancels = st.builds(Cancel, id=ids)

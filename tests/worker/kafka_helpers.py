@@ -1,0 +1,171 @@
+"""Helpers for real-broker worker tests: settings for a tiny-model worker on fresh topics, a raw
+request producer, and a reply-topic reader that keeps every message (the SDK would hide the
+attempts and duplicates these tests look at)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from schemas.codec import JSON, MSGPACK, UndecodableError, decode_reply, encode
+from schemas.headers import read_content_type, read_traceparent, request_headers
+from schemas.messages import FinalReply, Request, TokenReply
+from tests.conftest import unique_name
+
+PREFIX = "mini-infer.replies."
+SMALL_ENGINE = {"kv_cache_memory_bytes": 32 << 20, "max_num_seqs": 8}
+
+
+def worker_settings(model_dir: Path, bootstrap_servers: str, group_id: str, request_topic: str, **overrides):
+    """A worker on its own topics and group, with fast test-friendly timings."""
+    from worker.settings import WorkerSettings
+
+    kafka = {
+        "bootstrap_servers": bootstrap_servers,
+        "enable_idempotence": False,
+        "group_id": group_id,
+        "request_topic": request_topic,
+        "control_topic": request_topic + ".control",
+        "dlq_topic": request_topic + ".dlq",
+        "session_timeout_ms": 6000,
+        "heartbeat_interval_ms": 1000,
+        **overrides.pop("kafka", {}),
+    }
+    engine = {**SMALL_ENGINE, **overrides.pop("engine", {})}
+    return WorkerSettings(model=str(model_dir), kafka=kafka, engine=engine, **overrides)
+
+
+def fresh_topics() -> tuple[str, str]:
+    """(request topic, group id), never used before in this broker."""
+    name = unique_name("req")
+    return name, unique_name("group")
+
+
+async def create_topic(bootstrap_servers: str, name: str, num_partitions: int) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, request_timeout_ms=30_000)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, num_partitions, 1)])
+    finally:
+        await admin.close()
+
+
+class Producer:
+    """Sends requests the way any producer would: raw bytes, key = id, wire headers."""
+
+    def __init__(self, bootstrap_servers: str) -> None:
+        self._producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, acks="all")
+
+    async def __aenter__(self) -> Producer:
+        await self._producer.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self._producer.stop()
+
+    async def send(self, topic: str, request: Request, urgency: str = "normal", traceparent: str | None = None, as_json: bool = False) -> None:
+        content_type = JSON if as_json else MSGPACK
+        await self.send_raw(topic, encode(request, content_type), request.id.encode(), request_headers(content_type, urgency, traceparent))
+
+    async def send_raw(self, topic: str, value: bytes | None, key: bytes | None, headers=None, partition: int | None = None) -> None:
+        await self._producer.send_and_wait(topic, value, key=key, headers=headers or [], partition=partition)
+
+
+def make_request(reply_to: str, prompt: str = "Hello there", **fields) -> Request:
+    return Request(id=fields.pop("id", unique_name("r")), reply_to=reply_to, prompt=prompt, **{"temperature": 0.0, "max_tokens": 12, **fields})
+
+
+class ReplyReader:
+    """Reads one reply topic from the start; keeps every message and its traceparent header."""
+
+    def __init__(self, bootstrap_servers: str, topic: str | None = None) -> None:
+        self.topic = topic or unique_name(PREFIX.rstrip(".") + ".t")
+        self.bootstrap_servers = bootstrap_servers
+        self.messages: dict[str, list[TokenReply | FinalReply]] = defaultdict(list)
+        self.traceparents: dict[str, set[str | None]] = defaultdict(set)
+        self.raw_ids: set[str | None] = set()  # keys of every record read, replies or not
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task | None = None
+        self._changed = asyncio.Event()
+
+    async def __aenter__(self) -> ReplyReader:
+        await create_topic(self.bootstrap_servers, self.topic, 1)
+        self._consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap_servers, group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
+        await self._consumer.start()
+        self._consumer.assign([TopicPartition(self.topic, 0)])
+        self._task = asyncio.create_task(self._read())
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.wait_for(self._consumer.stop(), 10)
+
+    async def _read(self) -> None:
+        while True:
+            batches = await self._consumer.getmany(timeout_ms=200)
+            for records in batches.values():
+                for record in records:
+                    self.raw_ids.add(record.key.decode() if record.key else None)
+                    try:
+                        reply = decode_reply(record.value, read_content_type(record.headers))
+                    except UndecodableError:  # a marker the test wrote
+                        continue
+                    self.messages[reply.id].append(reply)
+                    self.traceparents[reply.id].add(read_traceparent(record.headers))
+            self._changed.set()
+
+    def finals(self, request_id: str) -> list[FinalReply]:
+        return [m for m in self.messages.get(request_id, ()) if isinstance(m, FinalReply)]
+
+    def tokens(self, request_id: str, attempt: str | None = None) -> list[TokenReply]:
+        return [m for m in self.messages.get(request_id, ()) if isinstance(m, TokenReply) and attempt in (None, m.attempt)]
+
+    async def wait_until(self, predicate, timeout_s: float = 60.0, what: str = "replies") -> None:
+        deadline_s = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline_s:
+                summary = {k: [(m.type, m.attempt, m.seq) for m in v][-5:] for k, v in self.messages.items()}
+                raise TimeoutError(f"timed out waiting for {what}; have {json.dumps(summary)[:2000]}")
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), 1.0)
+
+    async def final_of(self, request_id: str, timeout_s: float = 60.0) -> FinalReply:
+        await self.wait_until(lambda: self.finals(request_id), timeout_s, f"the final of {request_id}")
+        return self.finals(request_id)[0]
+
+
+def stream_of(reader: ReplyReader, request_id: str, attempt: str) -> list[TokenReply | FinalReply]:
+    return sorted((m for m in reader.messages[request_id] if m.attempt == attempt), key=lambda m: m.seq)
+
+
+async def committed_offsets(bootstrap_servers: str, group_id: str, topic: str, num_partitions: int) -> dict[int, int | None]:
+    """What the group committed, read by a separate consumer of that group (not joining it)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, group_id=group_id, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        return {p: await consumer.committed(TopicPartition(topic, p)) for p in range(num_partitions)}
+    finally:
+        await asyncio.wait_for(consumer.stop(), 10)
+
+
+async def dlq_records(bootstrap_servers: str, topic: str, num_expected: int, timeout_s: float = 30.0) -> list:
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap_servers, group_id=None, auto_offset_reset="earliest")
+    await consumer.start()
+    records: list = []
+    try:
+        deadline_s = time.monotonic() + timeout_s
+        while len(records) < num_expected and time.monotonic() < deadline_s:
+            for batch in (await consumer.getmany(timeout_ms=500)).values():
+                records.extend(batch)
+        return records
+    finally:
+        await asyncio.wait_for(consumer.stop(), 10)

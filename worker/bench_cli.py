@@ -1,0 +1,17 @@
+"""`mini-infer bench engine|e2e`: benchmarks print a table and JSON; they are not tests."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {"engine": "engine.bench", "e2e": "worker.bench_e2e"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("which", choices=sorted(BENCHES), help="which benchmark")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
+
+
+def main(args) -> int:
+    return importlib.import_module(BENCHES[args.which]).main(args.rest)

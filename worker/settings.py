@@ -1,0 +1,202 @@
+"""Worker settings: typed, grouped, read from `MINI_INFER_*` variables (nested with `__`) and
+CLI flags, and validated as a whole at start-up.
+
+There is no module-level instance: the composition root (`worker.app`) builds one
+`WorkerSettings` and hands the pieces down, so tests can run several workers side by side.
+Invalid combinations (SASL without credentials, idempotence forced on against the embedded
+broker, a reply prefix that covers the request topic, ...) raise here, before anything connects.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from engine.config import EngineConfig
+from schemas.headers import Urgency
+from schemas.messages import TOPIC_NAME_PATTERN
+
+TopicName = Annotated[str, Field(pattern=TOPIC_NAME_PATTERN)]
+PositiveMs = Annotated[int, Field(ge=1)]
+
+
+class _Group(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KafkaSettings(_Group):
+    bootstrap_servers: str | None = Field(
+        default=None, description="host:port[,host:port]; None starts the embedded broker"
+    )
+    embedded_port: int | None = Field(
+        default=None, ge=1, le=65535, description="embedded broker port"
+    )
+    request_topic: TopicName = "mini-infer.requests"
+    control_topic: TopicName = "mini-infer.control"
+    dlq_topic: TopicName = "mini-infer.dlq"
+    num_partitions: int = Field(default=4, ge=1, description="for topics the worker creates")
+    replication_factor: int = Field(default=1, ge=1)
+    group_id: str = Field(default="mini-infer-workers", min_length=1)
+    reply_topic_prefix: str = Field(
+        default="mini-infer.replies.", pattern=r"^[a-zA-Z0-9._-]{1,200}$"
+    )
+    client_id: str = "mini-infer-worker"
+    # None: on for an external Kafka, off for the embedded broker (whose InitProducerId answer
+    # stock aiokafka cannot read, see KAFKA_NOTES.md).
+    enable_idempotence: bool | None = None
+    session_timeout_ms: PositiveMs = 10_000
+    heartbeat_interval_ms: PositiveMs = 3_000
+    max_poll_interval_ms: PositiveMs = 300_000
+    # Kafka clients need this well above 5 s; below it a consumer never joined the embedded broker.
+    request_timeout_ms: PositiveMs = 40_000
+    consumer_stop_timeout_s: float = Field(default=10.0, gt=0)
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: Path | None = None
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    ssl_password: SecretStr | None = None
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.bootstrap_servers is None
+
+    @model_validator(mode="after")
+    def _check(self) -> KafkaSettings:
+        topics = [self.request_topic, self.control_topic, self.dlq_topic]
+        if len(set(topics)) != len(topics):
+            raise ValueError("request, control and DLQ topics must be three different topics")
+        covered = [t for t in topics if t.startswith(self.reply_topic_prefix)]
+        if covered:
+            raise ValueError(
+                f"reply_topic_prefix {self.reply_topic_prefix!r} covers {covered}: a request could "
+                "then name a worker topic as its reply_to"
+            )
+        is_sasl = self.security_protocol.startswith("SASL")
+        if is_sasl and (
+            self.sasl_mechanism is None or not self.sasl_username or self.sasl_password is None
+        ):
+            raise ValueError(
+                f"security_protocol {self.security_protocol} needs sasl_mechanism, sasl_username and sasl_password"
+            )
+        if not is_sasl and self.sasl_mechanism is not None:
+            raise ValueError(
+                "sasl_mechanism is set but security_protocol is not SASL_PLAINTEXT or SASL_SSL"
+            )
+        has_ssl_files = any(
+            p is not None for p in (self.ssl_cafile, self.ssl_certfile, self.ssl_keyfile)
+        )
+        if has_ssl_files and not self.security_protocol.endswith("SSL"):
+            raise ValueError("ssl_* files are set but security_protocol is not SSL or SASL_SSL")
+        if self.is_embedded and self.security_protocol != "PLAINTEXT":
+            raise ValueError(
+                "the embedded broker speaks PLAINTEXT only; set bootstrap_servers for SASL/TLS"
+            )
+        if self.is_embedded and self.enable_idempotence:
+            raise ValueError(
+                "enable_idempotence=True does not work against the embedded broker (stock aiokafka "
+                "cannot initialise a producer id there); leave it unset or set bootstrap_servers"
+            )
+        if not self.is_embedded and self.embedded_port is not None:
+            raise ValueError(
+                "embedded_port is set but bootstrap_servers points at an external broker"
+            )
+        if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
+            raise ValueError("heartbeat_interval_ms must be at most a third of session_timeout_ms")
+        if self.request_timeout_ms <= self.session_timeout_ms:
+            raise ValueError("request_timeout_ms must be greater than session_timeout_ms")
+        return self
+
+    @property
+    def use_idempotence(self) -> bool:
+        return (
+            (not self.is_embedded) if self.enable_idempotence is None else self.enable_idempotence
+        )
+
+    def client_options(self) -> dict:
+        """Connection and security options shared by every aiokafka client the worker makes."""
+        options: dict = {"security_protocol": self.security_protocol}
+        if self.sasl_mechanism is not None:
+            options["sasl_mechanism"] = self.sasl_mechanism
+            options["sasl_plain_username"] = self.sasl_username
+            options["sasl_plain_password"] = self.sasl_password.get_secret_value()
+        if self.security_protocol.endswith("SSL"):
+            from aiokafka.helpers import create_ssl_context
+
+            options["ssl_context"] = create_ssl_context(
+                cafile=self.ssl_cafile,
+                certfile=self.ssl_certfile,
+                keyfile=self.ssl_keyfile,
+                password=self.ssl_password.get_secret_value() if self.ssl_password else None,
+            )
+        return options
+
+
+class BatcherSettings(_Group):
+    """How long a request may wait for company before it is released, by urgency. Critical
+    requests never wait; the windows are short enough to be invisible next to a forward pass."""
+
+    critical_window_ms: float = Field(default=0.0, ge=0)
+    high_window_ms: float = Field(default=2.0, ge=0)
+    normal_window_ms: float = Field(default=10.0, ge=0)
+    low_window_ms: float = Field(default=50.0, ge=0)
+    max_batch_tokens: int = Field(
+        default=2048, ge=1, description="prompt tokens released per flush"
+    )
+
+    def window_ms(self, urgency: Urgency) -> float:
+        return getattr(self, f"{urgency.value}_window_ms")
+
+
+class LimitSettings(_Group):
+    max_message_bytes: int = Field(
+        default=1 << 20, ge=1024, description="request and reply size cap"
+    )
+    max_prompt_chars: int = Field(default=32_000, ge=1)
+    max_num_inflight: int = Field(default=64, ge=1, description="consumed, not yet answered")
+
+
+class PublisherSettings(_Group):
+    # 1: one message per engine text delta. N: a message every N tokens. Either way boundaries
+    # depend only on the tokens, so two attempts that agree publish identical messages.
+    tokens_per_message: int = Field(default=1, ge=1)
+    linger_ms: int = Field(default=5, ge=0)
+    compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
+    num_final_retries: int = Field(default=3, ge=0)
+
+
+class ObservabilitySettings(_Group):
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["auto", "json", "console"] = "auto"  # auto: console in a TTY, else JSON
+    trace_exporter: Literal["none", "console"] = "none"
+    metric_exporter: Literal["none", "console"] = "none"
+    metric_export_interval_s: float = Field(default=60.0, gt=0)
+    health_port: int | None = Field(
+        default=None, ge=0, le=65535, description="HTTP /healthz; 0 = any"
+    )
+    ready_file: Path | None = Field(default=None, description="touched when ready, removed at exit")
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="MINI_INFER_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    model: str = Field(default="smollm2-135m", min_length=1, description="alias, HF dir or .gguf")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    quantization: str | None = None
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    batcher: BatcherSettings = Field(default_factory=BatcherSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    publisher: PublisherSettings = Field(default_factory=PublisherSettings)
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    shutdown_grace_s: float = Field(default=30.0, ge=0, description="to finish in-flight work")
+    worker_id: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$", description="None: generated"
+    )
