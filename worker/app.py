@@ -47,13 +47,14 @@ from worker.prompts import PromptRenderer
 from worker.publisher import Publisher
 from worker.replies import ReplyWriter
 from worker.routing import RoutingPolicy
-from worker.settings import WorkerSettings
+from worker.settings import WorkerSettings, add_settings_arguments, settings_from_args
 from worker.telemetry import Telemetry
 from worker.topics import TopicAdmin
 
 log = structlog.get_logger(__name__)
 
 DRAIN_POLL_S = 0.05
+TOPIC_CHECK_INTERVAL_S = 15.0
 
 
 def make_worker_id() -> str:
@@ -118,24 +119,14 @@ class Worker:
         s, kafka = self.settings, self.settings.kafka
         log_ = log.bind(worker_id=self.worker_id)
         await self.health.start()
-        self.topics = TopicAdmin(
-            self.bootstrap_servers,
-            kafka.replication_factor,
-            kafka.client_options(),
-            kafka.request_timeout_ms,
-        )
+        self.topics = TopicAdmin(self.bootstrap_servers, kafka)
         await self.topics.start()
-        await self.topics.create(
-            {
-                kafka.request_topic: kafka.num_partitions,
-                kafka.control_topic: kafka.num_partitions,
-                kafka.dlq_topic: kafka.num_partitions,
-            }
-        )
+        await self.topics.create(self._own_topics())
         self.publisher = Publisher(s, self.bootstrap_servers)
         await self.publisher.start()
         started_s = time.monotonic()
         self.bridge = EngineBridge(self._engine_factory)
+        self.bridge.on_crashed = lambda error: self.failed.set()
         info = await self.bridge.start()
         log_.info(
             "worker.engine_loaded",
@@ -173,9 +164,24 @@ class Worker:
         self._spawn(self.pipeline.batcher.run(), "batcher")
         self._spawn(self.cancels.run(), "cancels")
         self._spawn(self.consumer.run(), "consumer")
+        self._spawn(self._watch_topics(), "topics")
         self.health.set_ready(
             True, worker_id=self.worker_id, model=s.model, group_id=kafka.group_id
         )
+
+    def _own_topics(self) -> dict[str, int]:
+        kafka = self.settings.kafka
+        return dict.fromkeys(
+            (kafka.request_topic, kafka.control_topic, kafka.dlq_topic), kafka.num_partitions
+        )
+
+    async def _watch_topics(self) -> None:
+        while True:
+            await asyncio.sleep(TOPIC_CHECK_INTERVAL_S)
+            try:
+                await self.topics.refresh(self._own_topics())
+            except (KafkaError, OSError) as error:
+                log.warning("worker.topic_check_failed", error=repr(error))
 
     def _spawn(self, coro, name: str) -> None:
         task = asyncio.create_task(coro, name=f"{name}-{self.worker_id}")
@@ -266,56 +272,9 @@ def _load_tokenizer(model_path: str):
 
 # --- `mini-infer serve` ------------------------------------------------------------------------
 
-# flag -> (settings path, type, help). Unset flags leave env/defaults alone.
-SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--bootstrap-servers": (
-        "kafka.bootstrap_servers",
-        str,
-        "Kafka host:port list (default: embedded broker)",
-    ),
-    "--port": ("kafka.embedded_port", int, "port of the embedded broker (default: a free one)"),
-    "--model": ("model", str, "smollm2-135m, a Hugging Face checkpoint dir or a .gguf file"),
-    "--dtype": ("dtype", str, "float32 | bfloat16 | float16"),
-    "--group-id": ("kafka.group_id", str, "consumer group of the worker pool"),
-    "--request-topic": ("kafka.request_topic", str, "topic to consume requests from"),
-    "--partitions": ("kafka.num_partitions", int, "partitions of the topics the worker creates"),
-    "--max-inflight": (
-        "limits.max_num_inflight",
-        int,
-        "consumed but unanswered requests before pausing",
-    ),
-    "--tokens-per-message": (
-        "publisher.tokens_per_message",
-        int,
-        "tokens per streamed reply message",
-    ),
-    "--grace-s": ("shutdown_grace_s", float, "seconds to finish in-flight work on SIGTERM"),
-    "--health-port": ("observability.health_port", int, "serve GET /healthz on this port"),
-    "--ready-file": ("observability.ready_file", str, "touch this file when ready"),
-    "--log-level": ("observability.log_level", str, "debug | info | warning | error"),
-    "--log-format": ("observability.log_format", str, "auto | json | console"),
-    "--worker-id": ("worker_id", str, "names this worker's attempts (default: host-pid-random)"),
-}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for flag, (_, type_, help_text) in SERVE_FLAGS.items():
-        parser.add_argument(flag, type=type_, default=None, help=help_text)
-
-
-def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
-    """Env and defaults, overridden by the flags that were given. Raises ValidationError."""
-    overrides: dict = {}
-    for flag, (path, _, _) in SERVE_FLAGS.items():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
-        if value is None:
-            continue
-        *groups, leaf = path.split(".")
-        target = overrides
-        for group in groups:
-            target = target.setdefault(group, {})
-        target[leaf] = value
-    return WorkerSettings(**overrides)
+    add_settings_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -70,6 +70,7 @@ class EngineBridge:
         self._listener: BridgeListener | None = None
         self._queued_tokens: dict[str, int] = {}  # not started yet -> prompt tokens
         self.on_started: Callable[[], None] = lambda: None  # e.g. wakes the batcher
+        self.on_crashed: Callable[[BaseException], None] = lambda error: None  # the thread died
 
     @property
     def queued_tokens(self) -> int:
@@ -127,11 +128,19 @@ class EngineBridge:
             info = EngineInfo(
                 model_path=str(engine.model_path), max_model_len=int(engine.max_model_len)
             )
-        except BaseException as error:  # noqa: BLE001 - handed to the awaiting coroutine
+        except BaseException as error:  # handed to the awaiting coroutine
             self._loop.call_soon_threadsafe(_set_exception, ready, error)
             return
         self._loop.call_soon_threadsafe(_set_result, ready, info)
         live_ids: set[str] = set()
+        try:
+            self._serve(engine, live_ids)
+        except BaseException as error:  # a bug: say so loudly rather than hang every request
+            log.exception("engine.thread_crashed")
+            self._post("on_failed", sorted(live_ids), f"the engine thread crashed: {error!r}")
+            self._loop.call_soon_threadsafe(self.on_crashed, error)
+
+    def _serve(self, engine, live_ids: set[str]) -> None:
         while True:
             # Block only when idle; while generating, take what arrived and step again.
             command = _get_queue_item(self._inbox, block=not engine.has_unfinished_requests())
@@ -162,8 +171,12 @@ class EngineBridge:
             engine.add_request(
                 request.request_id, request.prompt, request.params, priority=request.priority
             )
-        except ValueError as error:
+        except ValueError as error:  # the engine's word for "this request is invalid"
             self._post("on_rejected", request.request_id, str(error))
+            return
+        except Exception as error:
+            log.exception("engine.add_failed", request_id=request.request_id)
+            self._post("on_failed", [request.request_id], f"{type(error).__name__}: {error}")
             return
         live_ids.add(request.request_id)
 

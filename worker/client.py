@@ -251,7 +251,8 @@ class MiniInferClient:
 
         Raises `RequestFailedError` on an error final and `RequestTimeoutError` (after sending a
         best-effort cancel) when no final comes within `timeout_s`. Leaving the loop early
-        cancels the request too.
+        cancels the request too, once the generator is closed: at once under
+        `contextlib.aclosing(client.stream(...))`, otherwise when it is garbage-collected.
         """
         request = self.build_request(prompt, messages, request_id, **sampling)
         queue = self._router.register(request.id)

@@ -78,6 +78,11 @@ class RequestConsumer:
     def assignment(self) -> set[TopicPartition]:
         return set(self._consumer.assignment())
 
+    @property
+    def is_paused(self) -> bool:
+        """Whether backpressure paused the assigned partitions."""
+        return bool(self._consumer.paused())
+
     async def start(self) -> None:
         await self._consumer.start()
         self._consumer.subscribe([self._settings.kafka.request_topic], listener=_Rebalance(self))
@@ -107,12 +112,13 @@ class RequestConsumer:
         self.tracker.add(partition, record.offset)
         key = record.key.decode("utf-8", errors="replace") if record.key else None
         with structlog.contextvars.bound_contextvars(
-            key=key, partition=partition.partition, offset=record.offset
+            key=key, request_id=None, partition=partition.partition, offset=record.offset
         ):
             decision = route(record.value, record.headers, self._policy)
             if isinstance(decision, DeadLetter):
                 self._dead_letter(partition, record, decision)
                 return
+            structlog.contextvars.bind_contextvars(request_id=decision.request_id)
             try:
                 await self._topics.ensure_reply_topic(decision.reply_to)
             except (KafkaError, OSError) as error:
@@ -133,13 +139,21 @@ class RequestConsumer:
             topic=partition.topic, partition=partition.partition, offset=record.offset,
         )  # fmt: skip
 
-        def on_done(error: BaseException | None, offset: int = record.offset) -> None:
-            if error is None:
-                self.tracker.finish(partition, offset)
+        message = Outgoing(self._settings.kafka.dlq_topic, record.key, record.value, headers)
+        num_tries = 0
 
-        self._publisher.publish(
-            Outgoing(self._settings.kafka.dlq_topic, record.key, record.value, headers, on_done)
-        )
+        def on_done(error: BaseException | None) -> None:
+            nonlocal num_tries
+            if error is None:
+                self.tracker.finish(partition, record.offset)
+            elif num_tries < self._settings.publisher.num_final_retries:
+                num_tries += 1
+                self._publisher.publish(message)
+            else:  # left unfinished: never committed, so it is redelivered after a restart
+                log.error("request.dead_letter_failed", offset=record.offset, error=repr(error))
+
+        message.on_done = on_done
+        self._publisher.publish(message)
 
     def _apply_backpressure(self) -> None:
         is_full = self.tracker.num_unfinished >= self._max_num_inflight
@@ -157,15 +171,13 @@ class RequestConsumer:
             )
 
     async def commit(self, partitions: set[TopicPartition] | None = None) -> None:
-        assigned = self.assignment
-        offsets = self.tracker.to_commit(assigned if partitions is None else partitions & assigned)
+        """Commit the watermarks that moved, of `partitions` (default: all assigned ones)."""
+        offsets = self.tracker.to_commit(self.assignment if partitions is None else partitions)
         if not offsets:
             return
         try:
             await self._consumer.commit(offsets)
-        except (
-            KafkaError
-        ) as error:  # a rebalance in progress: the next commit (or owner) catches up
+        except KafkaError as error:  # mid-rebalance: the next commit, or the next owner, catches up
             log.warning("consumer.commit_failed", error=repr(error))
             return
         self.tracker.mark_committed(offsets)

@@ -9,6 +9,7 @@ broker, a reply prefix that covers the request topic, ...) raise here, before an
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -200,3 +201,57 @@ class WorkerSettings(BaseSettings):
     worker_id: str | None = Field(
         default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$", description="None: generated"
     )
+
+
+# --- the same settings as `mini-infer serve` flags ------------------------------------------
+
+# flag -> (settings path, type, help). Unset flags leave env/defaults alone.
+CLI_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--bootstrap-servers": (
+        "kafka.bootstrap_servers",
+        str,
+        "Kafka host:port list (default: embedded broker)",
+    ),
+    "--port": ("kafka.embedded_port", int, "port of the embedded broker (default: a free one)"),
+    "--model": ("model", str, "smollm2-135m, a Hugging Face checkpoint dir or a .gguf file"),
+    "--dtype": ("dtype", str, "float32 | bfloat16 | float16"),
+    "--group-id": ("kafka.group_id", str, "consumer group of the worker pool"),
+    "--request-topic": ("kafka.request_topic", str, "topic to consume requests from"),
+    "--partitions": ("kafka.num_partitions", int, "partitions of the topics the worker creates"),
+    "--max-inflight": (
+        "limits.max_num_inflight",
+        int,
+        "consumed but unanswered requests before pausing",
+    ),
+    "--tokens-per-message": (
+        "publisher.tokens_per_message",
+        int,
+        "tokens per streamed reply message",
+    ),
+    "--grace-s": ("shutdown_grace_s", float, "seconds to finish in-flight work on SIGTERM"),
+    "--health-port": ("observability.health_port", int, "serve GET /healthz on this port"),
+    "--ready-file": ("observability.ready_file", str, "touch this file when ready"),
+    "--log-level": ("observability.log_level", str, "debug | info | warning | error"),
+    "--log-format": ("observability.log_format", str, "auto | json | console"),
+    "--worker-id": ("worker_id", str, "names this worker's attempts (default: host-pid-random)"),
+}
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, (_, type_, help_text) in CLI_FLAGS.items():
+        parser.add_argument(flag, type=type_, default=None, help=help_text)
+
+
+def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    """Env and defaults, overridden by the flags that were given. Raises ValidationError."""
+    overrides: dict = {}
+    for flag, (path, _, _) in CLI_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is None:
+            continue
+        *groups, leaf = path.split(".")
+        target = overrides
+        for group in groups:
+            target = target.setdefault(group, {})
+        target[leaf] = value
+    return WorkerSettings(**overrides)

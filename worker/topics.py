@@ -13,6 +13,8 @@ import structlog
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import for_code
 
+from worker.settings import KafkaSettings
+
 log = structlog.get_logger(__name__)
 
 TOPIC_ALREADY_EXISTS = 36
@@ -20,20 +22,14 @@ NUM_REPLY_TOPIC_PARTITIONS = 1  # one client reads it; one partition keeps every
 
 
 class TopicAdmin:
-    def __init__(
-        self,
-        bootstrap_servers: str,
-        replication_factor: int,
-        client_options: dict,
-        request_timeout_ms: int,
-    ) -> None:
+    def __init__(self, bootstrap_servers: str, kafka: KafkaSettings) -> None:
         self._admin = AIOKafkaAdminClient(
             bootstrap_servers=bootstrap_servers,
-            request_timeout_ms=request_timeout_ms,
-            client_id="mini-infer-admin",
-            **client_options,
+            request_timeout_ms=kafka.request_timeout_ms,
+            client_id=f"{kafka.client_id}-admin",
+            **kafka.client_options(),
         )
-        self._replication_factor = replication_factor
+        self._replication_factor = kafka.replication_factor
         self._known: set[str] = set()
         self._creating: dict[str, asyncio.Future] = {}
 
@@ -58,6 +54,12 @@ class TopicAdmin:
             if error_code == 0:
                 log.info("topic.created", topic=name, num_partitions=missing[name])
             self._known.add(name)
+
+    async def refresh(self, own_topics: dict[str, int]) -> None:
+        """Forget topics that vanished and recreate the worker's own: a restarted embedded broker
+        comes back empty, and reply topics must then be created again too."""
+        self._known = set(await self._admin.list_topics())
+        await self.create(own_topics)
 
     async def ensure_reply_topic(self, name: str) -> None:
         """Make sure `name` exists, creating it once even when many requests name it at once."""

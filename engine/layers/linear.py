@@ -5,8 +5,16 @@ copy) and each carries a `weight_loader(param, loaded, shard_id)` that copies a 
 into it. `MergedLinear` fuses projections that read the same input (q/k/v, gate/up) into one
 matmul: one [num_tokens, hidden] x [hidden, sum(out)] GEMM per layer instead of three.
 
+After loading, `pack()` re-lays each weight out once in oneDNN's blocked GEMM format. A plain
+`F.linear` on CPU repacks the weight on every call, so at decode batch sizes (M = 1..64) it reads
+and writes the weights about three times per step; the packed GEMM reads them once. Measured on
+the target 2-core Xeon (SmolLM2 shapes, M = 32): fp32 layers 140 -> 74 ms, lm_head 28 -> 19 ms;
+bf16 lm_head 6.3 -> 3.1 ms. The packed fp32 GEMM sums in another order than MKL's, so results
+differ from `F.linear` in the last bits.
+
 This is the seam for quantization: a quantized linear only has to provide the same constructor
-arguments, `forward` and `weight_loader`, and `make_linear`/`make_merged_linear` choose the class.
+arguments, `forward`, `weight_loader` and `pack`, and `make_linear`/`make_merged_linear` choose
+the class.
 """
 
 from __future__ import annotations
@@ -14,6 +22,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+_PACKABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def is_packing_supported(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in _PACKABLE_DTYPES
+        and torch.backends.mkldnn.is_available()
+    )
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -33,15 +51,34 @@ class Linear(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None
+    ) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
         if tuple(loaded.shape) != tuple(param.shape):
-            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs {tuple(param.shape)}")
+            raise ValueError(
+                f"shape mismatch: checkpoint {tuple(loaded.shape)} vs {tuple(param.shape)}"
+            )
         param.data.copy_(loaded)
+
+    @property
+    def is_packed(self) -> bool:
+        return self.weight.is_mkldnn
+
+    def pack(self) -> None:
+        """Swap the weight for its oneDNN-packed copy (call once, after loading). The plain
+        weight is freed unless something else holds it (a tied embedding table does)."""
+        if self.is_packed or not is_packing_supported(self.weight):
+            return
+        # The batch-size hint only tunes the layout; any M works with the packed weight.
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 32)
+        self.weight = nn.Parameter(packed, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [num_tokens, in_features] -> [num_tokens, out_features]
+        if self.weight.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -59,9 +96,13 @@ class MergedLinear(Linear):
             self.shard_offsets[name] = offset
             offset += size
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None
+    ) -> None:
         if shard_id not in self.shard_sizes:
-            raise ValueError(f"unknown shard {shard_id!r}; expected one of {list(self.shard_sizes)}")
+            raise ValueError(
+                f"unknown shard {shard_id!r}; expected one of {list(self.shard_sizes)}"
+            )
         target = param.data.narrow(0, self.shard_offsets[shard_id], self.shard_sizes[shard_id])
         if tuple(loaded.shape) != tuple(target.shape):
             raise ValueError(

@@ -22,7 +22,10 @@ from engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 def head_dim_of(hf_config) -> int:
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return (
+        getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads
+    )
 
 
 class LlamaAttention(nn.Module):
@@ -47,7 +50,9 @@ class LlamaAttention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         # q and k are rotated together: one set of rope ops for both.
-        qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = qkv[:, : q_size + kv_size].view(
+            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+        )
         qk = apply_rotary(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -96,7 +101,10 @@ class LlamaModel(nn.Module):
     def __init__(self, hf_config, qkv_bias, o_bias, backend, max_position: int, dtype):
         super().__init__()
         self.embed_tokens = nn.Embedding(
-            hf_config.vocab_size, hf_config.hidden_size, dtype=dtype, _freeze=True,
+            hf_config.vocab_size,
+            hf_config.hidden_size,
+            dtype=dtype,
+            _freeze=True,
             _weight=torch.empty(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype),
         )
         self.layers = nn.ModuleList(
@@ -148,8 +156,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""
-        return self.lm_head(hidden).float()
+        """hidden [num_rows, hidden] -> logits [num_rows, vocab] in the model dtype (greedy
+        sampling needs no float32 copy of them)."""
+        return self.lm_head(hidden)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

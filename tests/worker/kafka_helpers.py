@@ -23,7 +23,9 @@ PREFIX = "mini-infer.replies."
 SMALL_ENGINE = {"kv_cache_memory_bytes": 32 << 20, "max_num_seqs": 8}
 
 
-def worker_settings(model_dir: Path, bootstrap_servers: str, group_id: str, request_topic: str, **overrides):
+def worker_settings(
+    model_dir: Path, bootstrap_servers: str, group_id: str, request_topic: str, **overrides
+):
     """A worker on its own topics and group, with fast test-friendly timings."""
     from worker.settings import WorkerSettings
 
@@ -70,16 +72,42 @@ class Producer:
     async def __aexit__(self, *exc_info) -> None:
         await self._producer.stop()
 
-    async def send(self, topic: str, request: Request, urgency: str = "normal", traceparent: str | None = None, as_json: bool = False) -> None:
+    async def send(
+        self,
+        topic: str,
+        request: Request,
+        urgency: str = "normal",
+        traceparent: str | None = None,
+        as_json: bool = False,
+    ) -> None:
         content_type = JSON if as_json else MSGPACK
-        await self.send_raw(topic, encode(request, content_type), request.id.encode(), request_headers(content_type, urgency, traceparent))
+        await self.send_raw(
+            topic,
+            encode(request, content_type),
+            request.id.encode(),
+            request_headers(content_type, urgency, traceparent),
+        )
 
-    async def send_raw(self, topic: str, value: bytes | None, key: bytes | None, headers=None, partition: int | None = None) -> None:
-        await self._producer.send_and_wait(topic, value, key=key, headers=headers or [], partition=partition)
+    async def send_raw(
+        self,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None,
+        headers=None,
+        partition: int | None = None,
+    ) -> None:
+        await self._producer.send_and_wait(
+            topic, value, key=key, headers=headers or [], partition=partition
+        )
 
 
 def make_request(reply_to: str, prompt: str = "Hello there", **fields) -> Request:
-    return Request(id=fields.pop("id", unique_name("r")), reply_to=reply_to, prompt=prompt, **{"temperature": 0.0, "max_tokens": 12, **fields})
+    return Request(
+        id=fields.pop("id", unique_name("r")),
+        reply_to=reply_to,
+        prompt=prompt,
+        **{"temperature": 0.0, "max_tokens": 12, **fields},
+    )
 
 
 class ReplyReader:
@@ -97,7 +125,12 @@ class ReplyReader:
 
     async def __aenter__(self) -> ReplyReader:
         await create_topic(self.bootstrap_servers, self.topic, 1)
-        self._consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap_servers, group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap_servers,
+            group_id=None,
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+        )
         await self._consumer.start()
         self._consumer.assign([TopicPartition(self.topic, 0)])
         self._task = asyncio.create_task(self._read())
@@ -126,39 +159,62 @@ class ReplyReader:
         return [m for m in self.messages.get(request_id, ()) if isinstance(m, FinalReply)]
 
     def tokens(self, request_id: str, attempt: str | None = None) -> list[TokenReply]:
-        return [m for m in self.messages.get(request_id, ()) if isinstance(m, TokenReply) and attempt in (None, m.attempt)]
+        return [
+            m
+            for m in self.messages.get(request_id, ())
+            if isinstance(m, TokenReply) and attempt in (None, m.attempt)
+        ]
 
     async def wait_until(self, predicate, timeout_s: float = 60.0, what: str = "replies") -> None:
         deadline_s = time.monotonic() + timeout_s
         while not predicate():
             if time.monotonic() > deadline_s:
-                summary = {k: [(m.type, m.attempt, m.seq) for m in v][-5:] for k, v in self.messages.items()}
-                raise TimeoutError(f"timed out waiting for {what}; have {json.dumps(summary)[:2000]}")
+                summary = {
+                    k: [(m.type, m.attempt, m.seq) for m in v][-5:]
+                    for k, v in self.messages.items()
+                }
+                raise TimeoutError(
+                    f"timed out waiting for {what}; have {json.dumps(summary)[:2000]}"
+                )
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), 1.0)
 
     async def final_of(self, request_id: str, timeout_s: float = 60.0) -> FinalReply:
-        await self.wait_until(lambda: self.finals(request_id), timeout_s, f"the final of {request_id}")
+        await self.wait_until(
+            lambda: self.finals(request_id), timeout_s, f"the final of {request_id}"
+        )
         return self.finals(request_id)[0]
 
 
 def stream_of(reader: ReplyReader, request_id: str, attempt: str) -> list[TokenReply | FinalReply]:
-    return sorted((m for m in reader.messages[request_id] if m.attempt == attempt), key=lambda m: m.seq)
+    return sorted(
+        (m for m in reader.messages[request_id] if m.attempt == attempt), key=lambda m: m.seq
+    )
 
 
-async def committed_offsets(bootstrap_servers: str, group_id: str, topic: str, num_partitions: int) -> dict[int, int | None]:
+async def committed_offsets(
+    bootstrap_servers: str, group_id: str, topic: str, num_partitions: int
+) -> dict[int, int | None]:
     """What the group committed, read by a separate consumer of that group (not joining it)."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, group_id=group_id, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap_servers, group_id=group_id, enable_auto_commit=False
+    )
     await consumer.start()
     try:
-        return {p: await consumer.committed(TopicPartition(topic, p)) for p in range(num_partitions)}
+        return {
+            p: await consumer.committed(TopicPartition(topic, p)) for p in range(num_partitions)
+        }
     finally:
         await asyncio.wait_for(consumer.stop(), 10)
 
 
-async def dlq_records(bootstrap_servers: str, topic: str, num_expected: int, timeout_s: float = 30.0) -> list:
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap_servers, group_id=None, auto_offset_reset="earliest")
+async def dlq_records(
+    bootstrap_servers: str, topic: str, num_expected: int, timeout_s: float = 30.0
+) -> list:
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=bootstrap_servers, group_id=None, auto_offset_reset="earliest"
+    )
     await consumer.start()
     records: list = []
     try:

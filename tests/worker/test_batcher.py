@@ -27,7 +27,9 @@ items = st.builds(
     st.integers(-100, 3000),
     st.booleans(),
 )
-def test_select_batch_orders_and_respects_the_budget(pending, budget_tokens, must_take_head) -> None:
+def test_select_batch_orders_and_respects_the_budget(
+    pending, budget_tokens, must_take_head
+) -> None:
     released, kept = select_batch(pending, budget_tokens, must_take_head)
     assert sorted(map(id, released + kept)) == sorted(map(id, pending))
     order = released + kept

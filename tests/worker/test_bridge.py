@@ -46,7 +46,17 @@ class CountingEngine:
         for request_id, state in list(self.requests.items()):
             state[1] += 1
             is_done = state[1] >= state[0]
-            deltas.append(RequestDelta(request_id, f"<{state[1]}>", [state[1]], is_done, "length" if is_done else None, 1, state[1]))
+            deltas.append(
+                RequestDelta(
+                    request_id,
+                    f"<{state[1]}>",
+                    [state[1]],
+                    is_done,
+                    "length" if is_done else None,
+                    1,
+                    state[1],
+                )
+            )
             if is_done:
                 del self.requests[request_id]
         return deltas
@@ -82,7 +92,9 @@ class Recorder:
 
 
 def request(request_id: str, max_tokens: int = 3, num_tokens: int = 5) -> EngineRequest:
-    return EngineRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens), 2, num_tokens)
+    return EngineRequest(
+        request_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens), 2, num_tokens
+    )
 
 
 async def start(engine) -> tuple[EngineBridge, Recorder]:

@@ -48,15 +48,26 @@ def slow_engine_factory(model_dir, step_s: float = 0.03):
     return build
 
 
-async def test_a_request_redelivered_after_a_crash_regenerates_the_same_messages(broker, tiny_model_dir) -> None:
+async def test_a_request_redelivered_after_a_crash_regenerates_the_same_messages(
+    broker, tiny_model_dir
+) -> None:
     topic, group_id = fresh_topics()
     await create_topic(broker.bootstrap_servers, topic, NUM_PARTITIONS)
-    settings_a = worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id="crashing")
-    settings_b = worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id="taking-over")
-    async with Producer(broker.bootstrap_servers) as producer, ReplyReader(broker.bootstrap_servers) as replies:
+    settings_a = worker_settings(
+        tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id="crashing"
+    )
+    settings_b = worker_settings(
+        tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id="taking-over"
+    )
+    async with (
+        Producer(broker.bootstrap_servers) as producer,
+        ReplyReader(broker.bootstrap_servers) as replies,
+    ):
         # Greedy, and sampled without a seed: the worker derives the seed from the request id.
         greedy = make_request(replies.topic, "Hello there", max_tokens=40, ignore_eos=True)
-        sampled = make_request(replies.topic, "Kafka streams", max_tokens=40, ignore_eos=True, temperature=0.9)
+        sampled = make_request(
+            replies.topic, "Kafka streams", max_tokens=40, ignore_eos=True, temperature=0.9
+        )
         worker_a = Worker(settings_a, engine_factory=slow_engine_factory(tiny_model_dir))
         await worker_a.start()
         try:
@@ -64,7 +75,8 @@ async def test_a_request_redelivered_after_a_crash_regenerates_the_same_messages
             await producer.send(topic, greedy)
             await producer.send(topic, sampled)
             await replies.wait_until(
-                lambda: all(len(replies.tokens(r.id)) >= 5 for r in (greedy, sampled)), what="tokens from worker A"
+                lambda: all(len(replies.tokens(r.id)) >= 5 for r in (greedy, sampled)),
+                what="tokens from worker A",
             )
         finally:
             await worker_a.abort()  # dies mid-stream: nothing drained, nothing committed
@@ -76,29 +88,46 @@ async def test_a_request_redelivered_after_a_crash_regenerates_the_same_messages
             for request in (greedy, sampled):
                 final = await replies.final_of(request.id)
                 assert final.attempt.startswith("taking-over:")
-                (first_attempt,) = {m.attempt for m in replies.messages[request.id]} - {final.attempt}
+                (first_attempt,) = {m.attempt for m in replies.messages[request.id]} - {
+                    final.attempt
+                }
                 assert first_attempt.startswith("crashing:")
                 old = stream_of(replies, request.id, first_attempt)
                 new = stream_of(replies, request.id, final.attempt)
                 assert len(old) >= 5 and len(new) > len(old)
                 # Same tokens, same message boundaries, same seq: only the attempt differs.
                 for before, after in zip(old, new, strict=False):
-                    assert before.model_dump(exclude={"attempt"}) == after.model_dump(exclude={"attempt"})
+                    assert before.model_dump(exclude={"attempt"}) == after.model_dump(
+                        exclude={"attempt"}
+                    )
                 assert final.usage.completion_tokens == 40
         finally:
             await worker_b.stop(grace_s=5)
 
 
-async def test_two_workers_share_the_partitions_and_answer_each_request_once(broker, tiny_model_dir) -> None:
+async def test_two_workers_share_the_partitions_and_answer_each_request_once(
+    broker, tiny_model_dir
+) -> None:
     topic, group_id = fresh_topics()
     num_partitions = 4
     await create_topic(broker.bootstrap_servers, topic, num_partitions)
     workers = [
-        Worker(worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id=f"pool-{i}",
-                               kafka={"num_partitions": num_partitions}))  # fmt: skip
+        Worker(
+            worker_settings(
+                tiny_model_dir,
+                broker.bootstrap_servers,
+                group_id,
+                topic,
+                worker_id=f"pool-{i}",
+                kafka={"num_partitions": num_partitions},
+            )
+        )  # fmt: skip
         for i in range(2)
     ]
-    async with Producer(broker.bootstrap_servers) as producer, ReplyReader(broker.bootstrap_servers) as replies:
+    async with (
+        Producer(broker.bootstrap_servers) as producer,
+        ReplyReader(broker.bootstrap_servers) as replies,
+    ):
         await asyncio.gather(*(w.start() for w in workers))
         try:
             await wait_for_split(workers, num_partitions)
@@ -118,7 +147,9 @@ async def test_two_workers_share_the_partitions_and_answer_each_request_once(bro
     assert answered_by == {"pool-0", "pool-1"}
 
 
-async def wait_for_split(workers: list[Worker], num_partitions: int, timeout_s: float = 60.0) -> None:
+async def wait_for_split(
+    workers: list[Worker], num_partitions: int, timeout_s: float = 60.0
+) -> None:
     """Until every worker has partitions and together they hold all of them (a settled rebalance)."""
     deadline_s = time.monotonic() + timeout_s
     while True:
@@ -127,3 +158,48 @@ async def wait_for_split(workers: list[Worker], num_partitions: int, timeout_s: 
             return
         assert time.monotonic() < deadline_s, f"no settled split: {assignments}"
         await asyncio.sleep(0.05)
+
+
+async def test_a_rebalance_mid_generation_hands_unfinished_work_to_the_new_owner(
+    broker, tiny_model_dir
+) -> None:
+    topic, group_id = fresh_topics()
+    num_partitions = 4
+    await create_topic(broker.bootstrap_servers, topic, num_partitions)
+
+    def settings(worker_id: str):
+        return worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id=worker_id,
+                               kafka={"num_partitions": num_partitions})  # fmt: skip
+
+    busy = Worker(settings("busy"), engine_factory=slow_engine_factory(tiny_model_dir, step_s=0.03))
+    joining = Worker(settings("joining"))
+    async with (
+        Producer(broker.bootstrap_servers) as producer,
+        ReplyReader(broker.bootstrap_servers) as replies,
+    ):
+        await busy.start()
+        try:
+            await busy.wait_assigned()
+            requests = [
+                make_request(replies.topic, f"long {i}", max_tokens=300, ignore_eos=True)
+                for i in range(8)
+            ]
+            for request in requests:
+                await producer.send(topic, request)
+            await replies.wait_until(
+                lambda: all(replies.tokens(r.id) for r in requests), what="all to stream"
+            )
+            await joining.start()  # the group rebalances while `busy` is mid-generation
+            for request in requests:
+                await replies.final_of(request.id, timeout_s=120)
+        finally:
+            await asyncio.gather(busy.stop(grace_s=5), joining.stop(grace_s=5))
+        await producer.send(replies.topic, make_request(replies.topic, id="end-marker"))
+        await replies.wait_until(lambda: "end-marker" in replies.raw_ids, what="the end marker")
+    finals = {r.id: replies.finals(r.id) for r in requests}
+    assert all(len(f) == 1 for f in finals.values()), finals  # revoked work sends no final
+    taken_over = [rid for rid, (f,) in finals.items() if f.attempt.startswith("joining:")]
+    assert taken_over, "the joining worker got no partitions with work on them"
+    for rid in taken_over:  # started by `busy`, dropped at the revocation, redone in full
+        attempts = {m.attempt.split(":")[0] for m in replies.messages[rid]}
+        assert attempts == {"busy", "joining"} and finals[rid][0].usage.completion_tokens == 300

@@ -12,7 +12,10 @@ from worker.reply_stream import ReplyStream
 USAGE = Usage(prompt_tokens=3, completion_tokens=0)
 TIMING = Timing(queued_ms=0, ttft_ms=None, total_ms=1)
 
-deltas = st.lists(st.tuples(st.text(max_size=4), st.lists(st.integers(0, 500), min_size=1, max_size=2)), max_size=30)
+deltas = st.lists(
+    st.tuples(st.text(max_size=4), st.lists(st.integers(0, 500), min_size=1, max_size=2)),
+    max_size=30,
+)
 
 
 def run(stream: ReplyStream, pieces) -> list[TokenReply | FinalReply]:
@@ -35,7 +38,9 @@ def test_seq_is_contiguous_and_texts_concatenate_to_the_final(pieces, tokens_per
 
 
 @given(deltas, st.integers(1, 4))
-def test_two_attempts_with_the_same_tokens_publish_identical_messages(pieces, tokens_per_message) -> None:
+def test_two_attempts_with_the_same_tokens_publish_identical_messages(
+    pieces, tokens_per_message
+) -> None:
     first = run(ReplyStream("r", "w1:7", tokens_per_message, True), pieces)
     second = run(ReplyStream("r", "w2:1", tokens_per_message, True), pieces)
     strip = [m.model_dump(exclude={"attempt"}) for m in first]

@@ -15,11 +15,16 @@ from tests.schemas.strategies import requests
 from worker.routing import Accepted, DeadLetter, Rejected, RoutingPolicy, derive_seed, route
 
 PREFIX = "mini-infer.replies."
-POLICY = RoutingPolicy(Limits(max_message_bytes=4096, max_prompt_chars=500), PREFIX, frozenset({"tiny"}))
+POLICY = RoutingPolicy(
+    Limits(max_message_bytes=4096, max_prompt_chars=500), PREFIX, frozenset({"tiny"})
+)
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 header_lists = st.lists(
-    st.tuples(st.sampled_from(["content-type", "urgency", "traceparent", "x"]), st.none() | st.binary(max_size=40)),
+    st.tuples(
+        st.sampled_from(["content-type", "urgency", "traceparent", "x"]),
+        st.none() | st.binary(max_size=40),
+    ),
     max_size=4,
 )
 
@@ -32,14 +37,32 @@ def test_arbitrary_bytes_never_raise(value, headers) -> None:
 
 @given(
     st.dictionaries(
-        st.sampled_from(["id", "reply_to", "prompt", "messages", "max_tokens", "temperature", "seed", "stop", "model"]),
-        st.none() | st.booleans() | st.integers(-5, 2**64 - 1) | st.floats() | st.text(max_size=30)
+        st.sampled_from(
+            [
+                "id",
+                "reply_to",
+                "prompt",
+                "messages",
+                "max_tokens",
+                "temperature",
+                "seed",
+                "stop",
+                "model",
+            ]
+        ),
+        st.none()
+        | st.booleans()
+        | st.integers(-5, 2**64 - 1)
+        | st.floats()
+        | st.text(max_size=30)
         | st.lists(st.text(max_size=5), max_size=3),
     ),
     st.sampled_from([MSGPACK, JSON]),
 )
 @settings(max_examples=300)
-def test_arbitrary_maps_give_a_dead_letter_or_a_final_to_an_allowed_topic(fields, content_type) -> None:
+def test_arbitrary_maps_give_a_dead_letter_or_a_final_to_an_allowed_topic(
+    fields, content_type
+) -> None:
     fields = dict(fields, reply_to=PREFIX + "x") if "reply_to" in fields else fields
     raw = json.dumps(fields).encode() if content_type == JSON else msgpack.packb(fields)
     decision = route(raw, request_headers(content_type), POLICY)

@@ -8,8 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from schemas.headers import Urgency
-from worker.app import add_arguments, settings_from_args
-from worker.settings import WorkerSettings
+from worker.app import add_arguments
+from worker.settings import WorkerSettings, settings_from_args
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -55,7 +55,10 @@ def test_secrets_are_not_printed(monkeypatch) -> None:
     ("overrides", "message"),
     [
         ({"kafka": {"enable_idempotence": True}}, "embedded broker"),
-        ({"kafka": {"bootstrap_servers": "k:1", "security_protocol": "SASL_SSL"}}, "needs sasl_mechanism"),
+        (
+            {"kafka": {"bootstrap_servers": "k:1", "security_protocol": "SASL_SSL"}},
+            "needs sasl_mechanism",
+        ),
         ({"kafka": {"sasl_mechanism": "PLAIN"}}, "not SASL"),
         ({"kafka": {"reply_topic_prefix": "mini-infer."}}, "covers"),
         ({"kafka": {"dlq_topic": "mini-infer.requests"}}, "three different"),

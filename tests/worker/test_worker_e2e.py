@@ -64,7 +64,10 @@ async def env(broker, tiny_model_dir):
         kafka={"num_partitions": NUM_PARTITIONS}, engine={"max_num_seqs": 4}, worker_id="w-e2e",
     )  # fmt: skip
     await create_topic(broker.bootstrap_servers, topic, NUM_PARTITIONS)
-    async with Producer(broker.bootstrap_servers) as producer, ReplyReader(broker.bootstrap_servers) as early_reader:
+    async with (
+        Producer(broker.bootstrap_servers) as producer,
+        ReplyReader(broker.bootstrap_servers) as early_reader,
+    ):
         early = make_request(early_reader.topic, "Produced before any worker ran")
         await producer.send(topic, early)
         spans = InMemorySpanExporter()
@@ -110,7 +113,9 @@ async def test_request_produced_before_the_worker_started_is_served(env) -> None
     assert final.finish_reason == "length" and final.usage.completion_tokens == 12
 
 
-async def test_round_trip_streams_the_engines_own_greedy_output(env, replies, tiny_model_dir) -> None:
+async def test_round_trip_streams_the_engines_own_greedy_output(
+    env, replies, tiny_model_dir
+) -> None:
     prompts = ["Hello there", "The quick brown fox", "Kafka streams prompts"]
     requests = [make_request(replies.topic, p, max_tokens=16) for p in prompts]
     for request in requests:
@@ -130,22 +135,41 @@ async def test_round_trip_streams_the_engines_own_greedy_output(env, replies, ti
         # The producer's trace continues on every reply (same trace id, the worker's span).
         (traceparent,) = replies.traceparents[request.id]
         assert traceparent.split("-")[1] == TRACE_ID
-    worker_spans = [s for s in env.spans.get_finished_spans() if s.attributes["mini_infer.request_id"] in {r.id for r in requests}]
-    assert len(worker_spans) == 3 and all(format(s.context.trace_id, "032x") == TRACE_ID for s in worker_spans)
+    worker_spans = [
+        s
+        for s in env.spans.get_finished_spans()
+        if s.attributes["mini_infer.request_id"] in {r.id for r in requests}
+    ]
+    assert len(worker_spans) == 3 and all(
+        format(s.context.trace_id, "032x") == TRACE_ID for s in worker_spans
+    )
 
 
 async def test_stream_false_json_and_chat_messages(env, replies) -> None:
     quiet = make_request(replies.topic, stream=False)
     as_json = make_request(replies.topic, "JSON please")
-    chat = Request(id="chat-" + quiet.id, reply_to=replies.topic, messages=[ChatMessage(role="user", content="hi")], max_tokens=5, temperature=0)
+    chat = Request(
+        id="chat-" + quiet.id,
+        reply_to=replies.topic,
+        messages=[ChatMessage(role="user", content="hi")],
+        max_tokens=5,
+        temperature=0,
+    )
     await env.producer.send(env.topic, quiet)
     await env.producer.send(env.topic, as_json, as_json=True)
     await env.producer.send(env.topic, chat)
     final = await replies.final_of(quiet.id)
     assert replies.messages[quiet.id] == [final] and final.seq == 0 and final.text
-    assert check_stream(stream_of(replies, as_json.id, (await replies.final_of(as_json.id)).attempt)).usage.completion_tokens == 12
+    assert (
+        check_stream(
+            stream_of(replies, as_json.id, (await replies.final_of(as_json.id)).attempt)
+        ).usage.completion_tokens
+        == 12
+    )
     chat_final = await replies.final_of(chat.id)
-    assert chat_final.finish_reason in ("stop", "length") and chat_final.usage.prompt_tokens > 5  # template applied
+    assert (
+        chat_final.finish_reason in ("stop", "length") and chat_final.usage.prompt_tokens > 5
+    )  # template applied
 
 
 async def test_bad_input_goes_to_dlq_or_error_finals_and_offsets_move_past_it(env, replies) -> None:
@@ -170,8 +194,15 @@ async def test_bad_input_goes_to_dlq_or_error_finals_and_offsets_move_past_it(en
         await p.send_raw(topic, value, b"k", request_headers(MSGPACK), partition=0)
     for request_id in ("good-before", "good-after"):
         assert (await replies.final_of(request_id)).finish_reason == "length"
-    codes = {rid: (await replies.final_of(rid)).error.code for rid in ("invalid", "too-long", "other-model")}
-    assert codes == {"invalid": ErrorCode.INVALID_REQUEST, "too-long": ErrorCode.PROMPT_TOO_LONG, "other-model": ErrorCode.MODEL_NOT_SERVED}
+    codes = {
+        rid: (await replies.final_of(rid)).error.code
+        for rid in ("invalid", "too-long", "other-model")
+    }
+    assert codes == {
+        "invalid": ErrorCode.INVALID_REQUEST,
+        "too-long": ErrorCode.PROMPT_TOO_LONG,
+        "other-model": ErrorCode.MODEL_NOT_SERVED,
+    }
     assert all(replies.finals(rid)[0].finish_reason == "error" for rid in codes)
     assert "outside" not in replies.messages
     dead = await dlq_records(env.bootstrap_servers, env.settings.kafka.dlq_topic, 3)
@@ -182,8 +213,14 @@ async def test_bad_input_goes_to_dlq_or_error_finals_and_offsets_move_past_it(en
     last_offset = max(int(get_text_header(r.headers, SOURCE_OFFSET)) for r in dead)
     deadline_s = time.monotonic() + 20
     while True:  # the commit follows the acks within a poll interval or so
-        committed = await committed_offsets(env.bootstrap_servers, env.settings.kafka.group_id, topic, NUM_PARTITIONS)
-        if committed[0] is not None and committed[0] > last_offset + 1 or time.monotonic() > deadline_s:
+        committed = await committed_offsets(
+            env.bootstrap_servers, env.settings.kafka.group_id, topic, NUM_PARTITIONS
+        )
+        if (
+            committed[0] is not None
+            and committed[0] > last_offset + 1
+            or time.monotonic() > deadline_s
+        ):
             break
         await asyncio.sleep(0.2)
     assert committed[0] is not None and committed[0] > last_offset + 1  # past good-after too
@@ -192,18 +229,33 @@ async def test_bad_input_goes_to_dlq_or_error_finals_and_offsets_move_past_it(en
 async def test_cancel_and_deadlines(env, replies) -> None:
     long = dict(max_tokens=1000, ignore_eos=True)  # seconds of work for the tiny model
     cancelled = make_request(replies.topic, id="to-cancel", **long)
-    expired_before = make_request(replies.topic, id="expired-before", deadline_ms=int(time.time() * 1000) - 1)
-    expires_midway = make_request(replies.topic, id="expires-midway", deadline_ms=int(time.time() * 1000) + 1000, **long)
-    async with MiniInferClient(env.bootstrap_servers, request_topic=env.topic, control_topic=env.settings.kafka.control_topic) as client:
+    expired_before = make_request(
+        replies.topic, id="expired-before", deadline_ms=int(time.time() * 1000) - 1
+    )
+    expires_midway = make_request(
+        replies.topic, id="expires-midway", deadline_ms=int(time.time() * 1000) + 1000, **long
+    )
+    async with MiniInferClient(
+        env.bootstrap_servers,
+        request_topic=env.topic,
+        control_topic=env.settings.kafka.control_topic,
+    ) as client:
         for request in (cancelled, expired_before, expires_midway):
             await env.producer.send(env.topic, request)
-        await replies.wait_until(lambda: len(replies.tokens("to-cancel")) >= 3, what="tokens of to-cancel")
+        await replies.wait_until(
+            lambda: len(replies.tokens("to-cancel")) >= 3, what="tokens of to-cancel"
+        )
         await client.cancel("to-cancel")
         # A cancel that overtakes its request still wins: the worker remembers it.
         await client.cancel("cancel-first")
-        await wait_for(lambda: env.worker.pipeline.is_cancelled("cancel-first"), "the cancel to arrive")
+        await wait_for(
+            lambda: env.worker.pipeline.is_cancelled("cancel-first"), "the cancel to arrive"
+        )
         await env.producer.send(env.topic, make_request(replies.topic, id="cancel-first"))
-        finals = {rid: await replies.final_of(rid) for rid in ("to-cancel", "expired-before", "expires-midway", "cancel-first")}
+        finals = {
+            rid: await replies.final_of(rid)
+            for rid in ("to-cancel", "expired-before", "expires-midway", "cancel-first")
+        }
     assert {rid: f.finish_reason for rid, f in finals.items()} == {
         "to-cancel": "cancelled", "expired-before": "expired", "expires-midway": "expired", "cancel-first": "cancelled",
     }  # fmt: skip
@@ -214,14 +266,23 @@ async def test_cancel_and_deadlines(env, replies) -> None:
 
 
 async def test_critical_overtakes_a_backlog_of_low(env, replies) -> None:
-    backlog = [make_request(replies.topic, f"backlog {i}", id=f"low-{i}", max_tokens=120, ignore_eos=True) for i in range(12)]
+    backlog = [
+        make_request(replies.topic, f"backlog {i}", id=f"low-{i}", max_tokens=500, ignore_eos=True)
+        for i in range(12)
+    ]
     for request in backlog:
         await env.producer.send(env.topic, request, urgency="low")
-    await replies.wait_until(lambda: any(replies.tokens(r.id) for r in backlog), what="the backlog to start")
+    await replies.wait_until(
+        lambda: any(replies.tokens(r.id) for r in backlog), what="the backlog to start"
+    )
     critical = make_request(replies.topic, "urgent!", id="critical", max_tokens=4)
     await env.producer.send(env.topic, critical, urgency="critical")
-    await replies.wait_until(lambda: replies.tokens("critical"), what="the critical request's first token")
+    await replies.wait_until(
+        lambda: replies.tokens("critical"), what="the critical request's first token"
+    )
     num_low_done = sum(1 for r in backlog if replies.finals(r.id))
-    assert num_low_done < len(backlog) // 2, f"{num_low_done} of {len(backlog)} low requests finished first"
+    assert num_low_done < len(backlog) // 2, (
+        f"{num_low_done} of {len(backlog)} low requests finished first"
+    )
     for request in backlog:  # all answered eventually
         assert (await replies.final_of(request.id)).finish_reason == "length"
