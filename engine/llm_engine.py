@@ -16,26 +16,13 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import cdiv
 from engine.loader import load_tokenizer, resolve_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, resolve_dtype
 from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, RequestDelta
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
 log = structlog.get_logger(__name__)
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)}") from None
-
 
 def derive_seed(*parts: object) -> int:
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
@@ -70,7 +57,7 @@ class LLMEngine:
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         self.model_path = resolve_model(model)
-        self.dtype = parse_dtype(dtype)
+        self.dtype = resolve_dtype(dtype)
         self.tokenizer = load_tokenizer(self.model_path)
         self.runner = ModelRunner(self.model_path, self.config, self.dtype, quantization)
         self.max_model_len = self.runner.max_model_len

@@ -20,6 +20,8 @@ from engine.scheduler_output import ScheduledRequest
 
 # Candidate set for a top-p-only row before doubling; nuclei of real models are usually smaller.
 _INITIAL_NUCLEUS_CANDIDATES = 64
+# Temperatures below this are greedy: dividing by them overflows the logits to inf.
+_MIN_TEMPERATURE = 1e-5
 
 
 class Sampler:
@@ -39,11 +41,13 @@ class Sampler:
                 generator = torch.Generator()
                 generator.manual_seed(request.seed)
                 self._generators[request.request_id] = generator
-        random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
+        random_rows = [
+            i for i, r in enumerate(requests) if r.params.temperature >= _MIN_TEMPERATURE
+        ]
         if not random_rows:
             return _argmax(logits).tolist()
         token_ids = [0] * len(requests)
-        greedy_rows = [i for i, r in enumerate(requests) if r.params.is_greedy]
+        greedy_rows = [i for i, r in enumerate(requests) if r.params.temperature < _MIN_TEMPERATURE]
         if greedy_rows:
             for i, token in zip(greedy_rows, _argmax(logits[greedy_rows]).tolist(), strict=True):
                 token_ids[i] = token

@@ -298,26 +298,28 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> 
         async with contextlib.AsyncExitStack() as stack:
             bootstrap_servers = settings.kafka.bootstrap_servers
             if bootstrap_servers is None:
-                broker = await stack.enter_async_context(
-                    EmbeddedBroker(port=settings.kafka.embedded_port)
-                )
-                bootstrap_servers = broker.bootstrap_servers
+                broker = EmbeddedBroker(port=settings.kafka.embedded_port)
+                bootstrap_servers = (await stack.enter_async_context(broker)).bootstrap_servers
                 print(f"embedded broker on {bootstrap_servers}", file=sys.stderr, flush=True)
             worker = Worker(settings, bootstrap_servers)
             await worker.start()
-            waiters = [
-                asyncio.ensure_future(stop.wait()),
-                asyncio.ensure_future(worker.failed.wait()),
-            ]
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            for waiter in waiters:
-                waiter.cancel()
-            log.info("worker.stopping", reason="signal" if stop.is_set() else "task failure")
-            await worker.stop()
-            return 1 if worker.failed.is_set() else 0
-    except (BrokerError, OSError, KafkaError) as error:
-        log.error("worker.start_failed", error=repr(error))
+            return await _run_until_stopped(worker, stop)
+    # Start-up failures a user can fix (no such model, broker unreachable, port taken): one
+    # clear line, not a traceback. Worker.start has already closed what it had opened.
+    except (ValueError, BrokerError, OSError, KafkaError) as error:
+        log.error("worker.start_failed", error=str(error) or repr(error))
+        print(f"mini-infer serve: cannot start: {error}", file=sys.stderr, flush=True)
         return 1
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+
+
+async def _run_until_stopped(worker: Worker, stop: asyncio.Event) -> int:
+    waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(worker.failed.wait())]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for waiter in waiters:
+        waiter.cancel()
+    log.info("worker.stopping", reason="signal" if stop.is_set() else "task failure")
+    await worker.stop()
+    return 1 if worker.failed.is_set() else 0

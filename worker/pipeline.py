@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import structlog
@@ -46,14 +46,12 @@ class Pipeline:
         tracker: OffsetTracker,
         telemetry: Telemetry,
         renderer: PromptRenderer,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._bridge = bridge
         self._replies = replies
         self._tracker = tracker
         self._telemetry = telemetry
         self._renderer = renderer
-        self._clock = clock
         self._worker_id = worker_id
         self._tokens_per_message = settings.publisher.tokens_per_message
         self._num_attempts = 0
@@ -139,7 +137,7 @@ class Pipeline:
                 self._finish(job, "expired")
                 continue
             job.state = JobState.RUNNING
-            job.released_s = self._clock()
+            job.released_s = time.monotonic()
             self._arm_deadline(job)
             requests.append(
                 EngineRequest(
@@ -174,7 +172,7 @@ class Pipeline:
             if job is None or job.state is not JobState.RUNNING or job.stop_reason is not None:
                 continue  # aborted, dropped or finished meanwhile
             if job.first_token_s is None and delta.token_ids:
-                job.first_token_s = self._clock()
+                job.first_token_s = time.monotonic()
             job.num_prompt_tokens = delta.num_prompt_tokens or job.num_prompt_tokens
             job.num_output_tokens = delta.num_output_tokens
             for message in job.stream.add(delta.text, delta.token_ids):
@@ -253,7 +251,7 @@ class Pipeline:
     def _finish(self, job: Job, finish_reason: str, error: ErrorInfo | None = None) -> None:
         job.cancel_deadline()
         job.state = JobState.FINISHING
-        now_s = self._clock()
+        now_s = time.monotonic()
         timing = Timing(
             queued_ms=_ms((job.released_s or now_s) - job.received_s),
             ttft_ms=None if job.first_token_s is None else _ms(job.first_token_s - job.received_s),

@@ -25,7 +25,7 @@ def dense_attention(q, keys, values, start_position):
     return torch.einsum("hnc,chd->nhd", scores.softmax(-1), values)
 
 
-def run_case(specs, num_heads, num_kv_heads, block_size, seed=0):
+def run_case(specs, num_heads, num_kv_heads, block_size, seed=0, max_gather_bytes=16 << 20):
     """specs: (start_position, num_new_tokens) per request. Block ids are drawn at random from
     the pool (shuffled), prefix slots hold random "cached" K/V; returns (out, expected)."""
     gen = torch.Generator().manual_seed(seed)
@@ -48,7 +48,10 @@ def run_case(specs, num_heads, num_kv_heads, block_size, seed=0):
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     # Expected: each request's full K/V = cached prefix + its new rows.
-    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    flat_k, flat_v = (
+        k_cache.view(-1, num_kv_heads, head_dim),
+        v_cache.view(-1, num_kv_heads, head_dim),
+    )
     expected = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float64)
     row = 0
     by_id = {r.request_id: r for r in requests}
@@ -62,23 +65,25 @@ def run_case(specs, num_heads, num_kv_heads, block_size, seed=0):
         values = torch.cat([flat_v[prefix_slots], v[row : row + n]])
         expected[row : row + n] = dense_attention(q[row : row + n], keys, values, start)
         row += n
-    out = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, batch.meta)
+    backend = TorchPagedAttention(max_gather_bytes=max_gather_bytes)
+    out = backend.forward(q, k, v, k_cache, v_cache, batch.meta)
     written = flat_k[batch.meta.slot_mapping]
     return out, expected, written, k
 
 
-def test_decodes_and_prefills_match_dense_attention():
+@pytest.mark.parametrize("max_gather_bytes", [16 << 20, 1], ids=["one-chunk", "row-by-row"])
+def test_decodes_and_prefills_match_dense_attention(max_gather_bytes):
     specs = [(5, 1), (0, 1), (17, 1), (0, 7), (9, 6), (3, 1)]
-    out, expected, written, k = run_case(specs, num_heads=4, num_kv_heads=2, block_size=4)
+    out, expected, written, k = run_case(
+        specs, num_heads=4, num_kv_heads=2, block_size=4, max_gather_bytes=max_gather_bytes
+    )
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(written, k)  # every new token's K landed in its slot
 
 
 @settings(max_examples=40, deadline=None)
 @given(
-    specs=st.lists(
-        st.tuples(st.integers(0, 40), st.integers(1, 12)), min_size=1, max_size=6
-    ),
+    specs=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), min_size=1, max_size=6),
     kv_heads=st.sampled_from([1, 2, 3]),
     group=st.sampled_from([1, 2, 3]),
     block_size=st.sampled_from([1, 4, 16]),

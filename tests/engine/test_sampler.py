@@ -1,0 +1,155 @@
+"""Sampler: greedy is argmax, top-k/top-p never leave their allowed set, seeded streams are
+independent of batch composition."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ScheduledRequest
+
+
+def req(request_id: str, params: SamplingParams, seed: int = 0) -> ScheduledRequest:
+    return ScheduledRequest(request_id, [1], 0, [0], True, params, seed)
+
+
+def logits_arrays(max_vocab: int = 60):
+    return st.integers(2, max_vocab).flatmap(
+        lambda v: arrays(np.float32, (v,), elements=st.floats(-20, 20, width=32), unique=True)
+    )
+
+
+def allowed_tokens(logits: np.ndarray, params: SamplingParams) -> set[int]:
+    """The tokens the spec allows, computed independently in float64 (with a little slack at
+    the top-p boundary for float32 rounding in the sampler)."""
+    order = np.argsort(-logits.astype(np.float64), kind="stable")
+    if 0 < params.top_k < len(logits):
+        order = order[: params.top_k]
+    scaled = logits.astype(np.float64)[order] / params.temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    cumulative = np.cumsum(probs)
+    num_kept = int(np.searchsorted(cumulative, params.top_p - 1e-6)) + 2  # +1 rank, +1 slack
+    return set(order[:num_kept].tolist())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(
+        arrays(np.float32, (17,), elements=st.floats(-30, 30, width=32), unique=True),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_greedy_is_argmax(rows):
+    logits = torch.tensor(np.stack(rows))
+    requests = [req(str(i), SamplingParams(temperature=0.0)) for i in range(len(rows))]
+    assert Sampler()(logits, requests) == logits.argmax(-1).tolist()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    logits=logits_arrays(),
+    top_k=st.integers(0, 70),
+    top_p=st.floats(0.01, 1.0),
+    temperature=st.floats(0.05, 3.0),
+    seed=st.integers(0, 2**32),
+)
+def test_top_k_top_p_stay_in_allowed_set(logits, top_k, top_p, temperature, seed):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    sampler = Sampler()
+    allowed = allowed_tokens(logits, params)
+    row = torch.tensor(logits)[None]
+    for _ in range(5):
+        (token,) = sampler(row, [req("r", params, seed)])
+        assert token in allowed
+
+
+def test_top_k_exact_set():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.0, 3.0, -1.0]])
+    params = SamplingParams(temperature=5.0, top_k=3)
+    sampler = Sampler()
+    seen = {sampler(logits, [req("r", params, 1)])[0] for _ in range(300)}
+    assert seen == {1, 3, 4}
+
+
+def test_top_p_applies_to_the_top_k_distribution():
+    # Top-2 renormalised is [0.73, 0.27]: a 0.6 nucleus holds token 0 alone. Measured against
+    # the whole vocabulary (token 0 has only 0.43 of it) both tokens would be needed.
+    logits = torch.tensor([[3.0, 2.0, 1.0] + [0.0] * 17])
+    params = SamplingParams(temperature=1.0, top_k=2, top_p=0.6)
+    sampler = Sampler()
+    assert {sampler(logits, [req("r", params, s)])[0] for s in range(100)} == {0}
+
+
+def test_tiny_top_p_is_greedy_and_big_nucleus_grows_candidates():
+    logits = torch.randn(1, 500)
+    sampler = Sampler()
+    params = SamplingParams(temperature=1.0, top_p=1e-4)
+    assert {sampler(logits, [req("g", params, s)])[0] for s in range(20)} == {int(logits.argmax())}
+    # Nearly flat logits: the 0.9 nucleus holds ~450 tokens, far past the first 64 candidates.
+    flat = -torch.arange(500, dtype=torch.float32)[None] * 1e-4
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    tokens = [sampler(flat, [req("f", params, 3)])[0] for _ in range(400)]
+    assert max(tokens) > 64
+    allowed = allowed_tokens(flat[0].numpy(), params)
+    assert set(tokens) <= allowed and len(allowed) < 460
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]]))
+    sampler = Sampler()
+    params = SamplingParams(temperature=1.0)
+    counts = Counter(sampler(logits, [req("d", params, 5)])[0] for _ in range(4000))
+    assert counts[3] == 0
+    for token, p in ((0, 0.5), (1, 0.3), (2, 0.2)):
+        assert abs(counts[token] / 4000 - p) < 0.04
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**62),
+    mates=st.lists(
+        st.tuples(st.floats(0.0, 2.0), st.integers(0, 20), st.floats(0.1, 1.0)), max_size=4
+    ),
+    position=st.integers(0, 4),
+)
+def test_seeded_stream_independent_of_batch(seed, mates, position):
+    vocab = 40
+    gen = torch.Generator().manual_seed(0)
+    steps = [torch.randn(vocab, generator=gen) * 3 for _ in range(6)]
+    params = SamplingParams(temperature=0.8, top_k=25, top_p=0.9)
+
+    def run(with_mates: bool) -> list[int]:
+        sampler, out = Sampler(), []
+        for step_logits in steps:
+            requests, rows = [], []
+            if with_mates:
+                for i, (t, k, p) in enumerate(mates):
+                    mate = SamplingParams(temperature=t, top_k=k, top_p=p)
+                    requests.append(req(f"m{i}", mate, seed=i))
+                    rows.append(torch.randn(vocab, generator=gen))
+            at = min(position, len(requests))
+            requests.insert(at, req("me", params, seed))
+            rows.insert(at, step_logits)
+            out.append(sampler(torch.stack(rows), requests)[at])
+        return out
+
+    assert run(False) == run(True)
+
+
+def test_drop_restarts_the_stream():
+    logits = torch.zeros(1, 1000)
+    params = SamplingParams(temperature=1.0)
+    sampler = Sampler()
+    first = [sampler(logits, [req("a", params, 9)])[0] for _ in range(5)]
+    assert len(set(first)) > 1  # the stream advances between steps
+    sampler.drop(["a"])
+    assert [sampler(logits, [req("a", params, 9)])[0] for _ in range(5)] == first

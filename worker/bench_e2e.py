@@ -1,0 +1,170 @@
+"""End-to-end benchmark: workload W2 through Kafka versus the engine called directly, same run.
+
+W2: 32 distinct chat prompts submitted together, 128 new tokens each, greedy, EOS ignored.
+- direct: `LLMEngine` in this process, TTFT measured from submission to the first delta;
+- e2e: embedded broker + one `mini-infer serve` worker process + the client SDK in this
+  process; TTFT from `send` to the first streamed token on the reply topic.
+The two runs never overlap (each owns both cores while it runs). Targets from the issue:
+e2e throughput >= 90% of direct, TTFT overhead p50 <= 20 ms.
+
+    mini-infer bench e2e [--dtype float32] [--max-tokens 128] [--out r.json] [--plot r.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from engine.bench import TOPICS, _percentile
+
+
+def _messages(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"Explain {TOPICS[i % len(TOPICS)]} to a curious child."}]
+
+
+def _stats(ttfts_s: list[float], num_tokens: int, elapsed_s: float) -> dict:
+    return {
+        "output_tokens": num_tokens,
+        "elapsed_s": round(elapsed_s, 3),
+        "tokens_per_s": round(num_tokens / elapsed_s, 1),
+        "ttft_p50_ms": round(_percentile(ttfts_s, 50) * 1000, 1),
+        "ttft_p99_ms": round(_percentile(ttfts_s, 99) * 1000, 1),
+        "ttfts_ms": [round(t * 1000, 1) for t in sorted(ttfts_s)],
+    }
+
+
+def run_direct(model: str, dtype: str, n: int, max_tokens: int) -> dict:
+    from engine import LLMEngine, SamplingParams
+
+    eng = LLMEngine(model, dtype=dtype)
+    tok = eng.tokenizer
+    prompts = [
+        tok.encode(tok.apply_chat_template(_messages(i), add_generation_prompt=True, tokenize=False))
+        for i in range(n)
+    ]
+    eng.add_request("warmup", prompts[0], SamplingParams(max_tokens=4, temperature=0.0))
+    while eng.has_unfinished_requests():
+        eng.step()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    first: dict[str, float] = {}
+    num_tokens = 0
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    while eng.has_unfinished_requests():
+        for d in eng.step():
+            num_tokens += len(d.token_ids)
+            first.setdefault(d.request_id, time.perf_counter() - start)
+    return _stats(list(first.values()), num_tokens, time.perf_counter() - start)
+
+
+async def run_e2e(bootstrap: str, n: int, max_tokens: int) -> dict:
+    from worker.client import MiniInferClient
+
+    async with MiniInferClient(bootstrap) as client:
+        # Warm-up: waits for the worker to join its group and for the model to be loaded.
+        await client.generate(messages=_messages(0), max_tokens=4, temperature=0.0, timeout_s=600)
+
+        async def one(i: int) -> tuple[float, int]:
+            sent = time.perf_counter()
+            ttft, num_tokens = None, 0
+            async for delta in client.stream(
+                messages=_messages(i), max_tokens=max_tokens, temperature=0.0,
+                ignore_eos=True, timeout_s=600,
+            ):
+                if ttft is None and delta.token_ids:
+                    ttft = time.perf_counter() - sent
+                num_tokens += len(delta.token_ids)
+            return ttft, num_tokens
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(i) for i in range(n)))
+        elapsed = time.perf_counter() - start
+    return _stats([t for t, _ in results], sum(k for _, k in results), elapsed)
+
+
+def start_worker(bootstrap: str, model: str, dtype: str, ready_file: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "worker.cli", "serve", "--bootstrap-servers", bootstrap,
+           "--model", model, "--dtype", dtype, "--log-level", "warning",
+           "--ready-file", str(ready_file)]  # fmt: skip
+    return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="TTFT distribution plot (PNG)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mini-infer bench e2e", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    from engine.loader import resolve_model
+    from worker.broker import EmbeddedBroker
+
+    model = str(resolve_model(args.model))
+    print("[bench] direct engine ...", file=sys.stderr, flush=True)
+    direct = run_direct(model, args.dtype, args.num_requests, args.max_tokens)
+    print("[bench] through Kafka ...", file=sys.stderr, flush=True)
+    with EmbeddedBroker() as broker, tempfile.TemporaryDirectory() as tmp:
+        worker = start_worker(broker.bootstrap_servers, model, args.dtype, Path(tmp) / "ready")
+        try:
+            e2e = asyncio.run(run_e2e(broker.bootstrap_servers, args.num_requests, args.max_tokens))
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(timeout=60)
+    doc = {
+        "workload": f"W2: {args.num_requests} chat prompts x {args.max_tokens} tokens, greedy, EOS ignored",
+        "dtype": args.dtype,
+        "direct": direct,
+        "e2e": e2e,
+        "throughput_ratio_e2e_over_direct": round(e2e["tokens_per_s"] / direct["tokens_per_s"], 3),
+        "ttft_overhead_p50_ms": round(e2e["ttft_p50_ms"] - direct["ttft_p50_ms"], 1),
+        "ttft_overhead_p99_ms": round(e2e["ttft_p99_ms"] - direct["ttft_p99_ms"], 1),
+    }
+    print(f"{'run':8} {'tok/s':>8} {'ttft p50':>10} {'ttft p99':>10}")
+    for name in ("direct", "e2e"):
+        r = doc[name]
+        print(f"{name:8} {r['tokens_per_s']:8.1f} {r['ttft_p50_ms']:8.1f}ms {r['ttft_p99_ms']:8.1f}ms")
+    print(f"e2e/direct throughput: {doc['throughput_ratio_e2e_over_direct']:.3f}; "
+          f"TTFT overhead p50 {doc['ttft_overhead_p50_ms']} ms, p99 {doc['ttft_overhead_p99_ms']} ms")
+    print(json.dumps({k: v for k, v in doc.items()}, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(doc, indent=2))
+    if args.plot:
+        _plot(doc, args.plot)
+    return 0
+
+
+def _plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in ("direct", "e2e"):
+        xs = doc[name]["ttfts_ms"]
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+    ax.set_xlabel("time to first token (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"TTFT CDF, {doc['workload']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
