@@ -31,7 +31,6 @@ from worker.topics import TopicAdmin
 
 log = structlog.get_logger(__name__)
 
-POLL_TIMEOUT_MS = 100
 REVOKE_FLUSH_TIMEOUT_S = 5.0
 REPLY_TOPIC_UNAVAILABLE = "reply_topic_unavailable"
 
@@ -69,7 +68,7 @@ class RequestConsumer:
             heartbeat_interval_ms=kafka.heartbeat_interval_ms,
             max_poll_interval_ms=kafka.max_poll_interval_ms,
             request_timeout_ms=kafka.request_timeout_ms,
-            fetch_max_wait_ms=POLL_TIMEOUT_MS,
+            fetch_max_wait_ms=kafka.fetch_max_wait_ms,
             max_partition_fetch_bytes=max(1 << 20, settings.limits.max_message_bytes + (64 << 10)),
             **kafka.client_options(),
         )
@@ -96,7 +95,7 @@ class RequestConsumer:
             room = self._max_num_inflight - self.tracker.num_unfinished
             try:
                 batches = await self._consumer.getmany(
-                    timeout_ms=POLL_TIMEOUT_MS, max_records=max(1, room)
+                    timeout_ms=self._settings.kafka.fetch_max_wait_ms, max_records=max(1, room)
                 )
             except KafkaError as error:
                 log.warning("consumer.poll_failed", error=repr(error))
