@@ -3,10 +3,12 @@
 It owns the model, the pre-allocated KV-cache pool and the sampler. Each step it flattens every
 scheduled token of every request into one batch (single-token decodes first, then multi-token
 prefill chunks), maps positions to cache slots through the block ids the scheduler handed out,
-runs the model, computes logits only for rows that sample, and samples.
+runs the model, computes logits only for rows that sample, and samples. `compute_logits` runs
+the same step but returns those logits instead of sampling (the tests compare them with HF's).
 
-KV pool: one tensor [2, num_layers, num_kv_blocks, block_size, num_kv_heads, head_dim]
-(zero-filled, so padded reads are finite), each layer's attention holding views of its K and V.
+KV pool: one tensor [num_layers, num_kv_blocks, block_size, 2, num_kv_heads, head_dim] (K and V
+of a slot side by side; zero-filled, so padded reads are finite), each layer's attention holding
+a view of its slice.
 """
 
 from __future__ import annotations
@@ -137,14 +139,13 @@ class ModelRunner:
             1, self.config.kv_cache_memory_bytes // bytes_per_block
         )
         self.kv_cache = torch.zeros(
-            2, num_layers, self.num_kv_blocks, self.block_size, num_kv_heads, head_dim,
+            num_layers, self.num_kv_blocks, self.block_size, 2, num_kv_heads, head_dim,
             dtype=self.dtype,
         )  # fmt: skip
         self.kv_cache_bytes = self.kv_cache.numel() * element_bytes
-        attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
+        attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache")]
         for layer_index, attention in enumerate(attention_layers):
-            attention.k_cache = self.kv_cache[0, layer_index]
-            attention.v_cache = self.kv_cache[1, layer_index]
+            attention.kv_cache = self.kv_cache[layer_index]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
@@ -176,7 +177,7 @@ class ModelRunner:
     def _prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         for request in scheduled:
             self._check(request)
-        return prepare_step(scheduled, self.block_size)
+        return prepare_step(scheduled, self.block_size, self.dtype)
 
     def _check(self, request: ScheduledRequest) -> None:
         end = request.start_position + len(request.token_ids)
@@ -190,7 +191,9 @@ class ModelRunner:
             raise ValueError(f"request {request.request_id}: block id outside the pool")
 
 
-def prepare_step(scheduled: list[ScheduledRequest], block_size: int) -> StepBatch:
+def prepare_step(
+    scheduled: list[ScheduledRequest], block_size: int, dtype: torch.dtype = torch.float32
+) -> StepBatch:
     """Flatten one step's requests into model inputs and attention metadata.
 
     Single-token requests (decodes) come first so attention can batch them; multi-token chunks
@@ -217,8 +220,8 @@ def prepare_step(scheduled: list[ScheduledRequest], block_size: int) -> StepBatc
             sample_rows.append(len(input_ids) - 1)
             sample_requests.append(request)
     meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64))
-    _add_decodes(decodes, block_size, meta)
-    _add_prefills(prefills, block_size, len(decodes), meta)
+    _add_decodes(decodes, block_size, dtype, meta)
+    _add_prefills(prefills, block_size, dtype, len(decodes), meta)
     return StepBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),
@@ -232,7 +235,14 @@ def _num_blocks(num_positions: int, block_size: int) -> int:
     return -(-num_positions // block_size)
 
 
-def _add_decodes(decodes: list[ScheduledRequest], block_size: int, meta: AttentionMetadata) -> None:
+def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool (True = may attend) -> 0 / -inf in the model dtype, what SDPA adds to the scores."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+
+
+def _add_decodes(
+    decodes: list[ScheduledRequest], block_size: int, dtype: torch.dtype, meta: AttentionMetadata
+) -> None:
     if not decodes:
         return
     context_lens = [r.start_position + 1 for r in decodes]
@@ -246,11 +256,15 @@ def _add_decodes(decodes: list[ScheduledRequest], block_size: int, meta: Attenti
     meta.num_decodes = len(decodes)
     meta.decode_block_table = torch.tensor(table, dtype=torch.int64)
     # [num_decodes, 1, 1, max_ctx]: broadcast over KV heads and grouped query rows.
-    meta.decode_mask = (key_positions[None, :] < lens[:, None])[:, None, None, :]
+    meta.decode_mask = _additive_mask(key_positions[None, :] < lens[:, None], dtype)[:, None, None]
 
 
 def _add_prefills(
-    prefills: list[ScheduledRequest], block_size: int, token_start: int, meta: AttentionMetadata
+    prefills: list[ScheduledRequest],
+    block_size: int,
+    dtype: torch.dtype,
+    token_start: int,
+    meta: AttentionMetadata,
 ) -> None:
     for request in prefills:
         start, num_tokens = request.start_position, len(request.token_ids)
@@ -261,6 +275,8 @@ def _add_prefills(
                 request.block_ids[: _num_blocks(num_ctx, block_size)], dtype=torch.int64
             )
             query_positions = torch.arange(start, num_ctx)
-            chunk.mask = torch.arange(num_ctx)[None, :] <= query_positions[:, None]
+            chunk.mask = _additive_mask(
+                torch.arange(num_ctx)[None, :] <= query_positions[:, None], dtype
+            )
         meta.prefills.append(chunk)
         token_start += num_tokens

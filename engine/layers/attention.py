@@ -1,17 +1,20 @@
 """Paged attention: K/V live in one pre-allocated block pool per layer, read through block tables.
 
-Cache layout, per layer: k_cache, v_cache [num_kv_blocks, block_size, num_kv_heads, head_dim].
-A block is one contiguous run of `block_size * num_kv_heads * head_dim` values, so gathering a
-request's context is an `index_select` of whole blocks (big memcpy rows), and writing a new
-token is one row of the flat view [num_kv_blocks * block_size, num_kv_heads, head_dim] at
-slot = block_id * block_size + position % block_size.
+Cache layout, per layer: kv_cache [num_kv_blocks, block_size, 2, num_kv_heads, head_dim], K and
+V of a slot side by side. The fused q/k/v projection leaves a token's k and v adjacent too, so
+writing a step's new K/V is one `index_copy_` into the flat view [num_slots, 2, kv, hd] at
+slot = block_id * block_size + position % block_size, and gathering a request's context is one
+`index_select` of whole blocks (contiguous rows of block_size * 2 * kv * hd values); K and V
+are strided views of the result that SDPA reads in place.
 
 The runner puts single-token requests (decodes) first in the flattened batch. They are attended
 to in one SDPA call over a padded block table. Multi-token chunks (prefill) go one by one with a
 causal mask shifted by their start position, since they may follow cached prefix tokens.
+Masks are additive float masks in the model dtype, built once per step by the runner (a bool
+mask would be converted inside SDPA in every layer).
 
-Backends share one interface (`forward(q, k, v, k_cache, v_cache, meta)`) and are picked at
-run time by name; the torch one is the reference that any kernel backend is tested against.
+Backends share one interface (`forward(q, kv, kv_cache, meta)`) and are picked at run time by
+name; the torch one is the reference that any kernel backend is tested against.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ class PrefillChunk:
     # [num_blocks] blocks covering positions [0, start_position + num_tokens); None when
     # start_position == 0, where the chunk attends to its own fresh K/V with a plain causal mask.
     block_ids: torch.Tensor | None = None
-    # [num_tokens, start_position + num_tokens] bool, True = may attend; None when causal suffices.
+    # [num_tokens, start_position + num_tokens], 0 = may attend, -inf = may not; None when
+    # a plain causal mask suffices.
     mask: torch.Tensor | None = None
 
 
@@ -44,96 +48,88 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot written by each new token
     num_decodes: int = 0  # the first num_decodes tokens are single-token requests
     decode_block_table: torch.Tensor | None = None  # [num_decodes, max_num_blocks] int64
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_num_blocks * block_size]
+    # [num_decodes, 1, 1, max_num_blocks * block_size] additive (0 / -inf), model dtype
+    decode_mask: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
 class TorchPagedAttention:
     """Reference backend on torch ops: index_copy_ to write, index_select + SDPA to read.
 
-    Gathered K/V go into buffers reused by every layer and step: a fresh multi-megabyte tensor
+    Gathered K/V go into a buffer reused by every layer and step: a fresh multi-megabyte tensor
     per layer costs page faults that doubled decode attention time in fp32. Decode rows are
-    processed in chunks whose gathered K stays under `max_gather_bytes`, which bounds those
-    buffers whatever the context length.
+    processed in chunks whose gathered K/V stay under `max_gather_bytes`, which bounds that
+    buffer whatever the context length.
     """
 
     name = "torch"
 
-    def __init__(self, max_gather_bytes: int = 16 << 20):
+    def __init__(self, max_gather_bytes: int = 32 << 20):
         self.max_gather_bytes = max_gather_bytes
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffer: torch.Tensor | None = None
 
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim], already rotated
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], already rotated
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_kv_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
+        kv: torch.Tensor,  # [num_tokens, 2, num_kv_heads, head_dim] new K (rotated) and V
+        kv_cache: torch.Tensor,  # [num_kv_blocks, block_size, 2, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        kv_cache.view(-1, *kv_cache.shape[2:]).index_copy_(0, meta.slot_mapping, kv)
+        num_decodes = meta.num_decodes
         if not meta.prefills:  # decode-only step: no output assembly needed
-            return self._decode(q, k_cache, v_cache, meta)
+            return self._decode(q, kv_cache, meta)
         out = torch.empty_like(q)
-        if meta.num_decodes:
-            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], k_cache, v_cache, meta)
+        if num_decodes:
+            out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, meta)
         for chunk in meta.prefills:
             span = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[span] = self._prefill(q[span], k[span], v[span], k_cache, v_cache, chunk)
+            out[span] = self._prefill(q[span], kv[span], kv_cache, chunk)
         return out
 
-    def _gather(self, name: str, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """cache[block_ids] for block_ids [*batch, num_blocks] -> [*batch, num_blocks * block_size,
-        num_kv_heads, head_dim], written into a reused buffer."""
-        num_blocks = block_ids.numel()
-        block_numel = cache[0].numel()
-        buffer = self._buffers.get(name)
+    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """kv_cache[block_ids] for block_ids [*batch, num_blocks] -> [*batch, num_blocks *
+        block_size, 2, num_kv_heads, head_dim], written into the reused buffer."""
+        num_blocks, block_numel = block_ids.numel(), kv_cache[0].numel()
+        buffer = self._buffer
         if (
             buffer is None
             or buffer.numel() < num_blocks * block_numel
-            or buffer.dtype != cache.dtype
+            or buffer.dtype != kv_cache.dtype
         ):
-            buffer = torch.empty(num_blocks * block_numel, dtype=cache.dtype)
-            self._buffers[name] = buffer
-        out = buffer[: num_blocks * block_numel].view(num_blocks, *cache.shape[1:])
-        torch.index_select(cache, 0, block_ids.reshape(-1), out=out)
-        return out.view(*block_ids.shape[:-1], -1, cache.shape[2], cache.shape[3])
+            buffer = self._buffer = torch.empty(num_blocks * block_numel, dtype=kv_cache.dtype)
+        out = buffer[: num_blocks * block_numel].view(num_blocks, *kv_cache.shape[1:])
+        torch.index_select(kv_cache, 0, block_ids.reshape(-1), out=out)
+        return out.view(*block_ids.shape[:-1], -1, *kv_cache.shape[2:])
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         num_decodes, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
+        num_kv_heads = kv_cache.shape[3]
         table, mask = meta.decode_block_table, meta.decode_mask
         # GQA without repeating K/V: the query heads of one KV head become that head's "query
         # rows" ([num_decodes, num_kv_heads, group, head_dim]); head h maps to KV head h // group.
         grouped_q = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        row_bytes = table.shape[1] * k_cache[0].numel() * k_cache.element_size()
+        row_bytes = table.shape[1] * kv_cache[0].numel() * kv_cache.element_size()
         rows_per_chunk = max(1, self.max_gather_bytes // row_bytes)
         outs = []
         for start in range(0, num_decodes, rows_per_chunk):
             rows = slice(start, start + rows_per_chunk)
-            # [rows, num_kv_heads, max_ctx, head_dim], strided views SDPA reads in place.
-            keys = self._gather("k", k_cache, table[rows]).transpose(1, 2)
-            values = self._gather("v", v_cache, table[rows]).transpose(1, 2)
+            context = self._gather(kv_cache, table[rows])  # [rows, max_ctx, 2, kv, hd]
+            keys = context[:, :, 0].transpose(1, 2)  # [rows, kv, max_ctx, hd], strided view
+            values = context[:, :, 1].transpose(1, 2)
             outs.append(
                 F.scaled_dot_product_attention(grouped_q[rows], keys, values, attn_mask=mask[rows])
             )
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(num_decodes, num_heads, head_dim)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
-        if chunk.block_ids is None:
-            keys, values = k, v
-        else:
-            num_ctx = chunk.start_position + chunk.num_tokens
-            keys = self._gather("k", k_cache, chunk.block_ids)[:num_ctx]
-            values = self._gather("v", v_cache, chunk.block_ids)[:num_ctx]
+    def _prefill(self, q, kv, kv_cache, chunk: PrefillChunk) -> torch.Tensor:
+        if chunk.block_ids is not None:
+            kv = self._gather(kv_cache, chunk.block_ids)[: chunk.start_position + chunk.num_tokens]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, num_heads, num_tokens, head_dim]
-            keys.transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, num_ctx, head_dim]
-            values.transpose(0, 1).unsqueeze(0),
+            kv[:, 0].transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, num_ctx, head_dim]
+            kv[:, 1].transpose(0, 1).unsqueeze(0),
             attn_mask=chunk.mask,
             is_causal=chunk.mask is None,
             enable_gqa=True,

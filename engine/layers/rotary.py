@@ -27,17 +27,21 @@ class RotaryEmbedding(nn.Module):
         self.cos_table: torch.Tensor | None = None
         self.sin_table: torch.Tensor | None = None
         if not self.is_seq_len_dependent:
-            # [max_position, head_dim // 2]: HF's cos/sin are cat(freqs, freqs); half suffices.
+            # [max_position, head_dim], in the model dtype like HF's
             self.cos_table, self.sin_table = self._compute(torch.arange(max_position))
 
     def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF's cos, and its sin with the first half negated: rotate_half(x) * sin is then
+        roll(x, head_dim // 2) * signed_sin, one op fewer per layer."""
         probe = torch.empty(0, dtype=self.dtype)
-        cos, sin = self.hf_rope(probe, positions[None, :])  # [1, n, head_dim]
-        half = cos.shape[-1] // 2
-        return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
+        cos, sin = self.hf_rope(probe, positions[None, :])  # [1, n, head_dim] each
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+        return cos[0].contiguous(), signed_sin
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens] -> cos, sin [num_tokens, 1, head_dim // 2] (broadcast over heads)."""
+        """positions [num_tokens] -> cos, signed sin [num_tokens, 1, head_dim] (broadcast over
+        heads), computed once per step for all layers."""
         if self.is_seq_len_dependent:
             cos, sin = self._compute(positions)
         else:
@@ -45,10 +49,13 @@ class RotaryEmbedding(nn.Module):
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [num_tokens, num_heads, head_dim] by cos/sin [num_tokens, 1, head_dim // 2].
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [num_tokens, num_heads, head_dim] in place (x may be a view into the fused
+    q/k/v projection output); cos/signed_sin [num_tokens, 1, head_dim] from forward().
 
-    Same arithmetic as HF's `q * cos + rotate_half(q) * sin`, so fp32 results are bit-identical.
+    HF computes x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1); here
+    roll(x) = cat(x2, x1) meets the negated first half of sin instead. (-a) * b == -(a * b)
+    exactly, so fp32 and bf16 results are bit-identical to HF's.
     """
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    rotated = x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    return torch.add(x * cos, rotated, out=x)

@@ -18,7 +18,7 @@ from torch import nn
 from engine.layers.attention import AttentionMetadata, TorchPagedAttention
 from engine.layers.linear import make_linear, make_merged_linear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.layers.rotary import RotaryEmbedding, apply_rotary_
 
 
 def head_dim_of(hf_config) -> int:
@@ -40,24 +40,19 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = make_linear(q_size, hf_config.hidden_size, o_bias, dtype)
         self.backend = backend
-        # Views into the runner's pool, bound by ModelRunner; [num_kv_blocks, block_size, kv, hd].
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
+        # This layer's view of the runner's pool: [num_kv_blocks, block_size, 2, kv, head_dim].
+        self.kv_cache: torch.Tensor | None = None
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        # q and k are rotated together: one set of rope ops for both.
-        qk = qkv[:, : q_size + kv_size].view(
-            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
-        )
-        qk = apply_rotary(qk, cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
-        return self.o_proj(out.view(num_tokens, q_size))
+        heads = qkv.view(num_tokens, -1, self.head_dim)
+        # q and k are rotated together and in place, leaving k next to v for the cache write.
+        apply_rotary_(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        q = heads[:, : self.num_heads]
+        kv = heads[:, self.num_heads :].view(num_tokens, 2, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, kv, self.kv_cache, meta)
+        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):

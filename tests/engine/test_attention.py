@@ -27,17 +27,17 @@ def dense_attention(q, keys, values, start_position):
 
 def run_case(specs, num_heads, num_kv_heads, block_size, seed=0, max_gather_bytes=16 << 20):
     """specs: (start_position, num_new_tokens) per request. Block ids are drawn at random from
-    the pool (shuffled), prefix slots hold random "cached" K/V; returns (out, expected)."""
+    the pool (shuffled), prefix slots hold random "cached" K/V.
+    Returns (out, expected, written K, new K)."""
     gen = torch.Generator().manual_seed(seed)
     head_dim = 8
     blocks_needed = [-(-(s + n) // block_size) for s, n in specs]
     num_blocks = sum(blocks_needed) + 3
-    pool = torch.randperm(num_blocks, generator=gen).tolist()
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
+    kv_cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=gen)
     requests = []
     for i, (start, num_new) in enumerate(specs):
-        ids = [pool.pop() for _ in range(blocks_needed[i])]
+        ids = [free_blocks.pop() for _ in range(blocks_needed[i])]
         requests.append(
             ScheduledRequest(f"r{i}", [1] * num_new, start, ids, True, SamplingParams(), seed=0)
         )
@@ -48,10 +48,7 @@ def run_case(specs, num_heads, num_kv_heads, block_size, seed=0, max_gather_byte
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     # Expected: each request's full K/V = cached prefix + its new rows.
-    flat_k, flat_v = (
-        k_cache.view(-1, num_kv_heads, head_dim),
-        v_cache.view(-1, num_kv_heads, head_dim),
-    )
+    flat_k, flat_v = kv_cache.view(-1, 2, num_kv_heads, head_dim).unbind(1)
     expected = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float64)
     row = 0
     by_id = {r.request_id: r for r in requests}
@@ -66,16 +63,16 @@ def run_case(specs, num_heads, num_kv_heads, block_size, seed=0, max_gather_byte
         expected[row : row + n] = dense_attention(q[row : row + n], keys, values, start)
         row += n
     backend = TorchPagedAttention(max_gather_bytes=max_gather_bytes)
-    out = backend.forward(q, k, v, k_cache, v_cache, batch.meta)
-    written = flat_k[batch.meta.slot_mapping]
-    return out, expected, written, k
+    out = backend.forward(q, torch.stack((k, v), dim=1), kv_cache, batch.meta)
+    torch.testing.assert_close(flat_v[batch.meta.slot_mapping], v)
+    return out, expected, flat_k[batch.meta.slot_mapping], k
 
 
 @pytest.mark.parametrize("max_gather_bytes", [16 << 20, 1], ids=["one-chunk", "row-by-row"])
 def test_decodes_and_prefills_match_dense_attention(max_gather_bytes):
     specs = [(5, 1), (0, 1), (17, 1), (0, 7), (9, 6), (3, 1)]
     out, expected, written, k = run_case(
-        specs, num_heads=4, num_kv_heads=2, block_size=4, max_gather_bytes=max_gather_bytes
+        specs, 4, 2, block_size=4, max_gather_bytes=max_gather_bytes
     )
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(written, k)  # every new token's K landed in its slot
