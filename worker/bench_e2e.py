@@ -73,9 +73,9 @@ async def run_e2e(bootstrap: str, n: int, max_tokens: int) -> dict:
         # Warm-up: waits for the worker to join its group and for the model to be loaded.
         await client.generate(messages=_messages(0), max_tokens=4, temperature=0.0, timeout_s=600)
 
-        async def one(i: int) -> tuple[float, int]:
+        async def one(i: int) -> tuple[float, int, float | None]:
             sent = time.perf_counter()
-            ttft, num_tokens = None, 0
+            ttft, num_tokens, worker_ttft_s = None, 0, None
             async for delta in client.stream(
                 messages=_messages(i), max_tokens=max_tokens, temperature=0.0,
                 ignore_eos=True, timeout_s=600,
@@ -83,12 +83,20 @@ async def run_e2e(bootstrap: str, n: int, max_tokens: int) -> dict:
                 if ttft is None and delta.token_ids:
                     ttft = time.perf_counter() - sent
                 num_tokens += len(delta.token_ids)
-            return ttft, num_tokens
+                if delta.final is not None and delta.final.timing.ttft_ms is not None:
+                    worker_ttft_s = delta.final.timing.ttft_ms / 1000
+            return ttft, num_tokens, worker_ttft_s
 
         start = time.perf_counter()
         results = await asyncio.gather(*(one(i) for i in range(n)))
         elapsed = time.perf_counter() - start
-    return _stats([t for t, _ in results], sum(k for _, k in results), elapsed)
+    stats = _stats([t for t, _, _ in results], sum(k for _, k, _ in results), elapsed)
+    # The worker's own TTFT (from receiving the message to its first token): the rest of the
+    # client's TTFT is transport (produce, fetch waits, publish).
+    worker_ttfts = [w for _, _, w in results if w is not None]
+    if worker_ttfts:
+        stats["worker_ttft_p50_ms"] = round(_percentile(worker_ttfts, 50) * 1000, 1)
+    return stats
 
 
 def start_worker(bootstrap: str, model: str, dtype: str, ready_file: Path) -> subprocess.Popen:
