@@ -32,36 +32,62 @@ TOPICS = [
 ]
 
 
+def chat_messages(i: int) -> list[dict]:
+    """The i-th W2 conversation (32 distinct topics)."""
+    return [{"role": "user", "content": f"Explain {TOPICS[i % len(TOPICS)]} to a curious child."}]
+
+
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    prompts = []
-    for i in range(n):
-        msg = [{"role": "user", "content": f"Explain {TOPICS[i % len(TOPICS)]} to a curious child."}]
-        text = tokenizer.apply_chat_template(msg, add_generation_prompt=True, tokenize=False)
-        prompts.append(tokenizer.encode(text))
-    return prompts
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(chat_messages(i), add_generation_prompt=True, tokenize=False)
+        )
+        for i in range(n)
+    ]
 
 
-def _percentile(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     if len(xs) == 1:
         return xs[0]
     return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
 
 
-def _summary(num_tokens: int, elapsed_s: float, ttfts_s: list[float]) -> dict:
+def summarize(num_tokens: int, elapsed_s: float, ttfts_s: list[float]) -> dict:
     return {
         "output_tokens": num_tokens,
         "elapsed_s": round(elapsed_s, 3),
         "tokens_per_s": round(num_tokens / elapsed_s, 1),
-        "ttft_p50_ms": round(_percentile(ttfts_s, 50) * 1000, 1),
-        "ttft_p99_ms": round(_percentile(ttfts_s, 99) * 1000, 1),
+        "ttft_p50_ms": round(percentile(ttfts_s, 50) * 1000, 1),
+        "ttft_p99_ms": round(percentile(ttfts_s, 99) * 1000, 1),
+        "ttfts_ms": [round(t * 1000, 1) for t in sorted(ttfts_s)],
     }
+
+
+def emit(doc: dict, out: Path | None, plot: Path | None, draw) -> None:
+    """Print the JSON document, and write it and its plot where asked."""
+    print(json.dumps(doc, indent=2))
+    if out:
+        out.write_text(json.dumps(doc, indent=2))
+    if plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig = draw(plt)
+        fig.tight_layout()
+        fig.savefig(plot, dpi=100)
+
+
+# Engine options of every benchmark run (the e2e benchmark gives its worker the same ones).
+ENGINE_OPTIONS = {"max_num_seqs": 64, "max_num_batched_tokens": 2048}
 
 
 def run_engine(model: str, dtype: str, prompts: list[list[int]], max_tokens: int) -> dict:
     from engine import LLMEngine, SamplingParams
 
-    eng = LLMEngine(model, dtype=dtype, max_num_seqs=64, max_num_batched_tokens=2048)
+    eng = LLMEngine(model, dtype=dtype, **ENGINE_OPTIONS)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     eng.add_request("warmup", prompts[0], SamplingParams(max_tokens=4, temperature=0.0))
     while eng.has_unfinished_requests():
@@ -76,7 +102,7 @@ def run_engine(model: str, dtype: str, prompts: list[list[int]], max_tokens: int
             num_tokens += len(d.token_ids)
             first.setdefault(d.request_id, time.perf_counter() - start)
     elapsed = time.perf_counter() - start
-    return _summary(num_tokens, elapsed, list(first.values()))
+    return summarize(num_tokens, elapsed, list(first.values()))
 
 
 def run_hf(model_path: str, dtype: str, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -115,7 +141,7 @@ def run_hf(model_path: str, dtype: str, prompts: list[list[int]], max_tokens: in
     generate(prompts[:1], 4)  # warm-up
     num_tokens, elapsed, ttft = generate(prompts, max_tokens)
     # A static batch delivers every request's first token at the same moment.
-    return _summary(num_tokens, elapsed, [ttft] * len(prompts))
+    return summarize(num_tokens, elapsed, [ttft] * len(prompts))
 
 
 def _child(impl: str, model: str, model_path: str, dtype: str, max_tokens: int, n: int, q) -> None:
@@ -182,20 +208,11 @@ def run(args) -> int:
         print(f"{impl:8} {dtype:9} {w:3} {s['tokens_per_s']:8.1f} {s['ttft_p50_ms']:8.1f}ms "
               f"{s['ttft_p99_ms']:8.1f}ms {rss:7.0f}MiB")
     print("speedup engine/hf:", doc["speedup_vs_hf"])
-    print(json.dumps(doc, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(doc, indent=2))
-    if args.plot:
-        _plot(doc, args.plot)
+    emit(doc, args.out, args.plot, lambda plt: _draw(doc, plt))
     return 0
 
 
-def _plot(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _draw(doc: dict, plt):
     names = list(doc["runs"])
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, w in zip(axes, ("W1", "W2"), strict=True):
@@ -203,8 +220,7 @@ def _plot(doc: dict, path: Path) -> None:
         ax.bar(names, vals, color=["#999" if n.startswith("hf") else "#2a7" for n in names])
         ax.set_title(f"{w}: output tokens/s (higher is better)")
         ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    return fig
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -23,47 +22,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.bench import TOPICS, _percentile
-
-
-def _messages(i: int) -> list[dict]:
-    return [{"role": "user", "content": f"Explain {TOPICS[i % len(TOPICS)]} to a curious child."}]
-
-
-def _stats(ttfts_s: list[float], num_tokens: int, elapsed_s: float) -> dict:
-    return {
-        "output_tokens": num_tokens,
-        "elapsed_s": round(elapsed_s, 3),
-        "tokens_per_s": round(num_tokens / elapsed_s, 1),
-        "ttft_p50_ms": round(_percentile(ttfts_s, 50) * 1000, 1),
-        "ttft_p99_ms": round(_percentile(ttfts_s, 99) * 1000, 1),
-        "ttfts_ms": [round(t * 1000, 1) for t in sorted(ttfts_s)],
-    }
+from engine.bench import (
+    ENGINE_OPTIONS,
+    chat_messages,
+    chat_prompts,
+    emit,
+    percentile,
+    run_engine,
+    summarize,
+)
 
 
 def run_direct(model: str, dtype: str, n: int, max_tokens: int) -> dict:
-    from engine import LLMEngine, SamplingParams
+    from engine.loader import load_tokenizer
 
-    eng = LLMEngine(model, dtype=dtype)
-    tok = eng.tokenizer
-    prompts = [
-        tok.encode(tok.apply_chat_template(_messages(i), add_generation_prompt=True, tokenize=False))
-        for i in range(n)
-    ]
-    eng.add_request("warmup", prompts[0], SamplingParams(max_tokens=4, temperature=0.0))
-    while eng.has_unfinished_requests():
-        eng.step()
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    first: dict[str, float] = {}
-    num_tokens = 0
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), p, params)
-    while eng.has_unfinished_requests():
-        for d in eng.step():
-            num_tokens += len(d.token_ids)
-            first.setdefault(d.request_id, time.perf_counter() - start)
-    return _stats(list(first.values()), num_tokens, time.perf_counter() - start)
+    return run_engine(model, dtype, chat_prompts(load_tokenizer(Path(model)), n), max_tokens)
 
 
 async def run_e2e(bootstrap: str, n: int, max_tokens: int) -> dict:
@@ -71,13 +44,13 @@ async def run_e2e(bootstrap: str, n: int, max_tokens: int) -> dict:
 
     async with MiniInferClient(bootstrap) as client:
         # Warm-up: waits for the worker to join its group and for the model to be loaded.
-        await client.generate(messages=_messages(0), max_tokens=4, temperature=0.0, timeout_s=600)
+        await client.generate(messages=chat_messages(0), max_tokens=4, temperature=0.0, timeout_s=600)
 
         async def one(i: int) -> tuple[float, int, float | None]:
             sent = time.perf_counter()
             ttft, num_tokens, worker_ttft_s = None, 0, None
             async for delta in client.stream(
-                messages=_messages(i), max_tokens=max_tokens, temperature=0.0,
+                messages=chat_messages(i), max_tokens=max_tokens, temperature=0.0,
                 ignore_eos=True, timeout_s=600,
             ):
                 if ttft is None and delta.token_ids:
@@ -90,12 +63,12 @@ async def run_e2e(bootstrap: str, n: int, max_tokens: int) -> dict:
         start = time.perf_counter()
         results = await asyncio.gather(*(one(i) for i in range(n)))
         elapsed = time.perf_counter() - start
-    stats = _stats([t for t, _, _ in results], sum(k for _, k, _ in results), elapsed)
+    stats = summarize(sum(k for _, k, _ in results), elapsed, [t for t, _, _ in results])
     # The worker's own TTFT (from receiving the message to its first token): the rest of the
     # client's TTFT is transport (produce, fetch waits, publish).
     worker_ttfts = [w for _, _, w in results if w is not None]
     if worker_ttfts:
-        stats["worker_ttft_p50_ms"] = round(_percentile(worker_ttfts, 50) * 1000, 1)
+        stats["worker_ttft_p50_ms"] = round(percentile(worker_ttfts, 50) * 1000, 1)
     return stats
 
 
@@ -103,7 +76,8 @@ def start_worker(bootstrap: str, model: str, dtype: str, ready_file: Path) -> su
     cmd = [sys.executable, "-m", "worker.cli", "serve", "--bootstrap-servers", bootstrap,
            "--model", model, "--dtype", dtype, "--log-level", "warning",
            "--ready-file", str(ready_file)]  # fmt: skip
-    return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    engine_env = {f"MINI_INFER_ENGINE__{k.upper()}": str(v) for k, v in ENGINE_OPTIONS.items()}
+    return subprocess.Popen(cmd, env={**os.environ, **engine_env, "PYTHONUNBUFFERED": "1"})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -148,20 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:8} {r['tokens_per_s']:8.1f} {r['ttft_p50_ms']:8.1f}ms {r['ttft_p99_ms']:8.1f}ms")
     print(f"e2e/direct throughput: {doc['throughput_ratio_e2e_over_direct']:.3f}; "
           f"TTFT overhead p50 {doc['ttft_overhead_p50_ms']} ms, p99 {doc['ttft_overhead_p99_ms']} ms")
-    print(json.dumps({k: v for k, v in doc.items()}, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(doc, indent=2))
-    if args.plot:
-        _plot(doc, args.plot)
+    emit(doc, args.out, args.plot, lambda plt: _draw(doc, plt))
     return 0
 
 
-def _plot(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _draw(doc: dict, plt):
     fig, ax = plt.subplots(figsize=(7, 4))
     for name in ("direct", "e2e"):
         xs = doc[name]["ttfts_ms"]
@@ -170,8 +135,7 @@ def _plot(doc: dict, path: Path) -> None:
     ax.set_ylabel("fraction of requests")
     ax.set_title(f"TTFT CDF, {doc['workload']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    return fig
 
 
 if __name__ == "__main__":
