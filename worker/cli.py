@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mini-infer", description="Mini-Infer LLM worker")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, add_help=False)
         p.set_defaults(_module=module_name)
         # Only the chosen command's module is imported to register its arguments.
     args_list = sys.argv[1:] if argv is None else argv
