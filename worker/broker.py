@@ -181,14 +181,17 @@ def main(args: argparse.Namespace) -> int:
         nonlocal is_stopped
         is_stopped = True
 
-    previous = signal.signal(signal.SIGTERM, _stop)
+    # SIGINT explicitly too: a shell starts background jobs with SIGINT ignored, and Python
+    # then never raises KeyboardInterrupt.
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         while not is_stopped and broker.is_running:
             time.sleep(0.2)
     except KeyboardInterrupt:
         is_stopped = True
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         has_died = not broker.is_running
         broker.stop()
     if has_died and not is_stopped:
