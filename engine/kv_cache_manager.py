@@ -82,11 +82,15 @@ class KVCacheManager:
         have = self.num_blocks_of(req.request_id) + num_computed_blocks
         return max(0, cdiv(total_tokens, self.block_size) - have)
 
-    def can_allocate(self, req: Request, num_new_tokens: int, computed: list[Block] = ()) -> bool:
-        # Free blocks among the prefix hits leave the free queue when touched: they can't count twice.
+    def can_allocate(
+        self, req: Request, num_new_tokens: int, computed: list[Block] = (), num_reserved: int = 0
+    ) -> bool:
+        """Whether the pool can hold `num_new_tokens` more tokens and still keep `num_reserved`
+        blocks free. Free blocks among the prefix hits leave the free queue when touched, so
+        they can't count twice."""
         num_hits_free = sum(1 for b in computed if b.ref_count == 0)
         need = self.num_blocks_needed(req, num_new_tokens, len(computed))
-        return need <= self.pool.num_free_blocks - num_hits_free
+        return need + num_reserved <= self.pool.num_free_blocks - num_hits_free
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and after the

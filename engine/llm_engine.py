@@ -6,7 +6,6 @@ queues. Nothing here knows about asyncio or Kafka.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import structlog
@@ -19,15 +18,10 @@ from engine.loader import load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, RequestDelta
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, derive_seed
 from engine.scheduler import Scheduler
 
 log = structlog.get_logger(__name__)
-
-def derive_seed(*parts: object) -> int:
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1  # < 2**63
-
 
 def _eos_token_ids(model_path: Path, hf_config, tokenizer) -> set[int]:
     ids: set[int] = set()
@@ -117,7 +111,9 @@ class LLMEngine:
                 "lower max_tokens or raise kv_cache_memory_bytes"
             )
         self._num_arrivals += 1
-        seed = params.seed if params.seed is not None else derive_seed(self.config.seed, self._num_arrivals)
+        seed = params.seed
+        if seed is None:
+            seed = derive_seed(f"engine:{self.config.seed}:{self._num_arrivals}")
         req = Request(
             request_id, prompt_ids, params, priority=priority, arrival_index=self._num_arrivals, seed=seed
         )

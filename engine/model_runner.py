@@ -23,6 +23,7 @@ import torch
 from transformers import AutoConfig
 
 from engine.config import EngineConfig
+from engine.kv_cache_manager import cdiv
 from engine.layers.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from engine.layers.linear import Linear
 from engine.loader import load_weights
@@ -231,10 +232,6 @@ def prepare_step(
     )
 
 
-def _num_blocks(num_positions: int, block_size: int) -> int:
-    return -(-num_positions // block_size)
-
-
 def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool (True = may attend) -> 0 / -inf in the model dtype, what SDPA adds to the scores."""
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
@@ -246,7 +243,7 @@ def _add_decodes(
     if not decodes:
         return
     context_lens = [r.start_position + 1 for r in decodes]
-    max_num_blocks = _num_blocks(max(context_lens), block_size)
+    max_num_blocks = cdiv(max(context_lens), block_size)
     table = []
     for request in decodes:
         ids = request.block_ids[:max_num_blocks]
@@ -272,7 +269,7 @@ def _add_prefills(
         if start > 0:
             num_ctx = start + num_tokens
             chunk.block_ids = torch.tensor(
-                request.block_ids[: _num_blocks(num_ctx, block_size)], dtype=torch.int64
+                request.block_ids[: cdiv(num_ctx, block_size)], dtype=torch.int64
             )
             query_positions = torch.arange(start, num_ctx)
             chunk.mask = _additive_mask(

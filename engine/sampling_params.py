@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOP_STRINGS = 16
+
+
+def derive_seed(key: str) -> int:
+    """A stable seed in [0, 2**63) from a string: the same key always gives the same seed, in
+    any process (unlike Python's `hash`), so a retried request samples the same tokens."""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass(frozen=True)

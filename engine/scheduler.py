@@ -171,9 +171,7 @@ class Scheduler:
             for r in self.running
             if cdiv(r.num_tokens, self.config.block_size) > self.kv.num_blocks_of(r.request_id)
         )
-        num_hits_free = sum(1 for b in computed if b.ref_count == 0)
-        need = self.kv.num_blocks_needed(req, num_new, len(computed))
-        return need + reserve <= self.kv.num_free_blocks - num_hits_free
+        return self.kv.can_allocate(req, num_new, computed, num_reserved=reserve)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens

@@ -12,12 +12,11 @@ behind the bad message.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, replace
 
 import structlog
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, derive_seed
 from schemas.codec import (
     InvalidRequestError,
     Limits,
@@ -72,12 +71,6 @@ class RoutingPolicy:
     limits: Limits
     reply_topic_prefix: str
     served_models: frozenset[str]  # names a request's `model` may use for the model we serve
-
-
-def derive_seed(request_id: str) -> int:
-    """A stable seed from the request id, so a redelivered request samples the same tokens."""
-    digest = hashlib.blake2b(request_id.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1  # in [0, 2**63)
 
 
 def route(
