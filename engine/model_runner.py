@@ -14,10 +14,12 @@ a view of its slice.
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import structlog
 import torch
 from transformers import AutoConfig
@@ -48,6 +50,22 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if resolved not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
     return resolved
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros whose memory the OS commits page by page on first write.
+
+    `torch.zeros` writes every byte, so a 512 MiB KV pool costs 512 MiB of RSS before the first
+    request. calloc of a large block returns fresh anonymous pages that are already zero, and
+    they count only once a block is used: a worker's memory follows its load, while the pool
+    (and so the scheduler's limit) keeps its configured size. Zero, not garbage, matters: a
+    decode reads whole blocks, and masked-out slots must not hold NaN bit patterns (0 * NaN in
+    the attention sum is NaN)."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    num_bytes = math.prod(shape) * element_size
+    raw = np.zeros(num_bytes + 64, dtype=np.uint8)  # calloc
+    start = -raw.ctypes.data % 64  # cache-line aligned, like torch's own allocations
+    return torch.from_numpy(raw[start : start + num_bytes]).view(dtype).view(shape)
 
 
 def _keep_freed_memory() -> None:
@@ -139,10 +157,10 @@ class ModelRunner:
         self.num_kv_blocks = self.config.num_kv_blocks or max(
             1, self.config.kv_cache_memory_bytes // bytes_per_block
         )
-        self.kv_cache = torch.zeros(
-            num_layers, self.num_kv_blocks, self.block_size, 2, num_kv_heads, head_dim,
-            dtype=self.dtype,
-        )  # fmt: skip
+        self.kv_cache = _lazy_zeros(
+            (num_layers, self.num_kv_blocks, self.block_size, 2, num_kv_heads, head_dim),
+            self.dtype,
+        )
         self.kv_cache_bytes = self.kv_cache.numel() * element_bytes
         attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache")]
         for layer_index, attention in enumerate(attention_layers):
