@@ -84,10 +84,13 @@ def emit(doc: dict, out: Path | None, plot: Path | None, draw) -> None:
 ENGINE_OPTIONS = {"max_num_seqs": 64, "max_num_batched_tokens": 2048}
 
 
-def run_engine(model: str, dtype: str, prompts: list[list[int]], max_tokens: int) -> dict:
+def run_engine(
+    model: str, dtype: str, prompts: list[list[int]], max_tokens: int, **options
+) -> dict:
+    """W1/W2 on `LLMEngine` (ENGINE_OPTIONS, overridden by `options`)."""
     from engine import LLMEngine, SamplingParams
 
-    eng = LLMEngine(model, dtype=dtype, **ENGINE_OPTIONS)
+    eng = LLMEngine(model, dtype=dtype, **{**ENGINE_OPTIONS, **options})
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     eng.add_request("warmup", prompts[0], SamplingParams(max_tokens=4, temperature=0.0))
     while eng.has_unfinished_requests():

@@ -33,10 +33,11 @@ from engine.bench import (
 )
 
 
-def run_direct(model: str, dtype: str, n: int, max_tokens: int) -> dict:
+def run_direct(model: str, dtype: str, n: int, max_tokens: int, engine_options: dict) -> dict:
     from engine.loader import load_tokenizer
 
-    return run_engine(model, dtype, chat_prompts(load_tokenizer(Path(model)), n), max_tokens)
+    prompts = chat_prompts(load_tokenizer(Path(model)), n)
+    return run_engine(model, dtype, prompts, max_tokens, **engine_options)
 
 
 async def run_e2e(bootstrap: str, n: int, max_tokens: int) -> dict:
@@ -72,11 +73,14 @@ async def run_e2e(bootstrap: str, n: int, max_tokens: int) -> dict:
     return stats
 
 
-def start_worker(bootstrap: str, model: str, dtype: str, ready_file: Path) -> subprocess.Popen:
+def start_worker(
+    bootstrap: str, model: str, dtype: str, ready_file: Path, engine_options: dict
+) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "worker.cli", "serve", "--bootstrap-servers", bootstrap,
            "--model", model, "--dtype", dtype, "--log-level", "warning",
            "--ready-file", str(ready_file)]  # fmt: skip
-    engine_env = {f"MINI_INFER_ENGINE__{k.upper()}": str(v) for k, v in ENGINE_OPTIONS.items()}
+    options = {**ENGINE_OPTIONS, **engine_options}
+    engine_env = {f"MINI_INFER_ENGINE__{k.upper()}": str(v) for k, v in options.items()}
     return subprocess.Popen(cmd, env={**os.environ, **engine_env, "PYTHONUNBUFFERED": "1"})
 
 
@@ -85,6 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument(
+        "--num-threads", type=int, default=None,
+        help="torch threads of the engine, both runs (default: torch's, one per core); fewer "
+        "than the cores leaves the broker, client and worker I/O a core of their own",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="TTFT distribution plot (PNG)")
 
@@ -98,10 +107,13 @@ def main(argv: list[str] | None = None) -> int:
 
     model = str(resolve_model(args.model))
     print("[bench] direct engine ...", file=sys.stderr, flush=True)
-    direct = run_direct(model, args.dtype, args.num_requests, args.max_tokens)
+    engine_options = {} if args.num_threads is None else {"num_threads": args.num_threads}
+    direct = run_direct(model, args.dtype, args.num_requests, args.max_tokens, engine_options)
     print("[bench] through Kafka ...", file=sys.stderr, flush=True)
     with EmbeddedBroker() as broker, tempfile.TemporaryDirectory() as tmp:
-        worker = start_worker(broker.bootstrap_servers, model, args.dtype, Path(tmp) / "ready")
+        worker = start_worker(
+            broker.bootstrap_servers, model, args.dtype, Path(tmp) / "ready", engine_options
+        )
         try:
             e2e = asyncio.run(run_e2e(broker.bootstrap_servers, args.num_requests, args.max_tokens))
         finally:
@@ -110,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "workload": f"W2: {args.num_requests} chat prompts x {args.max_tokens} tokens, greedy, EOS ignored",
         "dtype": args.dtype,
+        "engine_threads": args.num_threads or "torch default",
+        "cpu_count": os.cpu_count(),
         "direct": direct,
         "e2e": e2e,
         "throughput_ratio_e2e_over_direct": round(e2e["tokens_per_s"] / direct["tokens_per_s"], 3),
