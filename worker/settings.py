@@ -170,7 +170,10 @@ class PublisherSettings(_Group):
     # 1: one message per engine text delta. N: a message every N tokens. Either way boundaries
     # depend only on the tokens, so two attempts that agree publish identical messages.
     tokens_per_message: int = Field(default=1, ge=1)
-    linger_ms: int = Field(default=5, ge=0)
+    # 0: a step's deltas reach the publisher in one event-loop callback, so they share produce
+    # batches anyway; lingering only delayed every token (W2 through Kafka: 24 -> 18 ms p50
+    # from the worker's first token to the client's, no throughput change).
+    linger_ms: int = Field(default=0, ge=0)
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
     num_final_retries: int = Field(default=3, ge=0)
 
