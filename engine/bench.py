@@ -13,7 +13,6 @@ absolute speed depends on the machine.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import multiprocessing as mp
 import resource
@@ -161,10 +160,6 @@ def _child(impl: str, model: str, model_path: str, dtype: str, max_tokens: int, 
             results[name] = run_engine(model, dtype, batch, max_tokens)
         else:
             results[name] = run_hf(model_path, dtype, batch, max_tokens)
-        # The model of the last workload is garbage now, but parameters and the modules that
-        # load them form reference cycles: collect them before the next one loads, or the two
-        # models' weights would share the peak.
-        gc.collect()
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     q.put({"results": results, "peak_rss_mib": round(peak_rss_mib, 1), "threads": torch.get_num_threads()})
 

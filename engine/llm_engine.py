@@ -6,6 +6,7 @@ queues. Nothing here knows about asyncio or Kafka.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import structlog
@@ -60,6 +61,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.runner.num_kv_blocks)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._num_arrivals = 0
+        # Libraries imported lazily while loading leave exception/traceback cycles whose frames
+        # hold this engine: collected now, a dropped engine frees its weights and KV pool at
+        # once instead of at some later cyclic GC (found as a doubled peak RSS in the bench).
+        gc.collect()
         log.info(
             "engine_ready",
             model=str(self.model_path),

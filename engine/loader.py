@@ -122,10 +122,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
 
 def load_weights(model: nn.Module, path: Path) -> None:
     """Copy every tensor of the checkpoint's safetensors files (memory-mapped) into `model`'s
-    pre-allocated parameters, casting to their dtype. Raises on missing or unexpected weights."""
+    pre-allocated parameters, casting to their dtype, through the owning module's
+    `weight_loader(param, tensor, shard)` where it has one (fused projections load shard by
+    shard). Raises on missing or unexpected weights."""
     params = dict(model.named_parameters())  # tied lm_head is deduplicated away here
+    owners = {name: model.get_submodule(name.rpartition(".")[0]) for name in params}
     mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
-    expected = {(name, shard) for name, p in params.items() for shard in _shards_of(p)}
+    expected = {(name, shard) for name in params for shard in _shards_of(owners[name])}
     loaded: set[tuple[str, str | None]] = set()
     for key, tensor in _iter_checkpoint(Path(path)):
         name, shard = _map_name(key, mapping)
@@ -136,7 +139,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 f"checkpoint tensor {key!r} has no parameter in {type(model).__name__}"
             )
         param = params[name]
-        loader = getattr(param, "weight_loader", None)
+        loader = getattr(owners[name], "weight_loader", None)
         if loader is None:
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(f"{key}: checkpoint {tuple(tensor.shape)} vs {tuple(param.shape)}")
@@ -149,9 +152,8 @@ def load_weights(model: nn.Module, path: Path) -> None:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} weight(s): {missing[:8]}")
 
 
-def _shards_of(param: nn.Parameter) -> list[str | None]:
-    owner = getattr(getattr(param, "weight_loader", None), "__self__", None)
-    return list(getattr(owner, "shard_sizes", None) or [None])
+def _shards_of(module: nn.Module) -> list[str | None]:
+    return list(getattr(module, "shard_sizes", None) or [None])
 
 
 def _map_name(key: str, mapping: dict[str, tuple[str, str]]) -> tuple[str, str | None]:

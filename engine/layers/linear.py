@@ -1,9 +1,11 @@
 """Linear layers whose weights are filled in place by the loader.
 
 Parameters are allocated once with `torch.empty` in the target dtype (no random init, no second
-copy) and each carries a `weight_loader(param, loaded, shard_id)` that copies a checkpoint tensor
-into it. `MergedLinear` fuses projections that read the same input (q/k/v, gate/up) into one
-matmul: one [num_tokens, hidden] x [hidden, sum(out)] GEMM per layer instead of three.
+copy); the loader calls the layer's `weight_loader(param, loaded, shard_id)` to copy a checkpoint
+tensor into one of them. (A bound loader stored on each parameter, vLLM's way, would make every
+layer a reference cycle: a dropped engine would keep its weights until the cyclic GC runs.)
+`MergedLinear` fuses projections that read the same input (q/k/v, gate/up) into one matmul: one
+[num_tokens, hidden] x [hidden, sum(out)] GEMM per layer instead of three.
 
 After loading, `pack()` re-lays bf16/fp16 weights out once in oneDNN's blocked GEMM format: a
 plain `F.linear` in those dtypes repacks the weight on every call, and the packed GEMM is about
@@ -49,10 +51,7 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.weight = _param((out_features, in_features), dtype)
-        self.weight.weight_loader = self.weight_loader
         self.bias = _param((out_features,), dtype) if bias else None
-        if self.bias is not None:
-            self.bias.weight_loader = self.weight_loader
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None

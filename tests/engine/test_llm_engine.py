@@ -142,3 +142,26 @@ def test_stop_string_is_cut_from_text(tiny_dir):
     out = llm.generate([[7, 8, 9]], SamplingParams(**params, stop=[stop]))[0]
     assert out.finish_reason == "stop"
     assert out.text == text[: text.find(stop)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dropped_engine_frees_weights_and_kv_pool_without_the_cyclic_gc(tiny_dir, dtype):
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()  # only reference counting may free it
+    try:
+        eng = LLMEngine(tiny_dir, dtype=dtype, block_size=4, num_kv_blocks=64)
+        eng.add_request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3, temperature=0.0))
+        _drain(eng)
+        layer = eng.runner.model.model.layers[0]
+        alive = [
+            weakref.ref(layer.self_attn.qkv_proj),  # a Linear with a loader
+            weakref.ref(eng.runner.model.model.embed_tokens.weight),
+            weakref.ref(eng.runner.kv_cache),
+        ]
+        del eng, layer
+        assert [r() is None for r in alive] == [True, True, True]
+    finally:
+        gc.enable()
