@@ -61,8 +61,7 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     (and so the scheduler's limit) keeps its configured size. Zero, not garbage, matters: a
     decode reads whole blocks, and masked-out slots must not hold NaN bit patterns (0 * NaN in
     the attention sum is NaN)."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    num_bytes = math.prod(shape) * element_size
+    num_bytes = math.prod(shape) * dtype.itemsize
     raw = np.zeros(num_bytes + 64, dtype=np.uint8)  # calloc
     start = -raw.ctypes.data % 64  # cache-line aligned, like torch's own allocations
     return torch.from_numpy(raw[start : start + num_bytes]).view(dtype).view(shape)
@@ -152,7 +151,7 @@ class ModelRunner:
             hf.num_key_value_heads,
             head_dim_of(hf),
         )
-        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        element_bytes = self.dtype.itemsize
         bytes_per_block = 2 * num_layers * self.block_size * num_kv_heads * head_dim * element_bytes
         self.num_kv_blocks = self.config.num_kv_blocks or max(
             1, self.config.kv_cache_memory_bytes // bytes_per_block

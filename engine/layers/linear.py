@@ -10,10 +10,9 @@ layer a reference cycle: a dropped engine would keep its weights until the cycli
 After loading, `pack()` re-lays bf16/fp16 weights out once in oneDNN's blocked GEMM format: a
 plain `F.linear` in those dtypes repacks the weight on every call, and the packed GEMM is about
 1.7x faster at every decode batch size (SmolLM2, 30 layers, 2-core Xeon: M = 1 13.3 -> 7.4 ms,
-M = 32 17.6 -> 9.7 ms). fp32 weights stay plain: MKL's fp32 GEMM does not repack small-M inputs
-the same way, and there the trade goes the other way at one row. Measured in the engine
-(SmolLM2 fp32, whole decode step): one request 30 ms plain vs 37 ms packed; 32 requests 83 ms
-plain vs 79 ms packed. Plain also lets the tied lm_head share the embedding table instead of
+M = 32 17.6 -> 9.7 ms). fp32 weights stay plain, because there packing wins only for many rows.
+Measured in the engine (SmolLM2 fp32, whole decode step): one request 30 ms plain vs 37 ms
+packed; 32 requests 83 ms plain vs 79 ms packed. Plain also lets the tied lm_head share the embedding table instead of
 holding a 113 MB packed copy. A single-request stream is the latency case people feel, so fp32
 takes plain.
 
