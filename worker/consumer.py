@@ -50,6 +50,9 @@ class RequestConsumer:
         kafka = settings.kafka
         self._settings = settings
         self._pipeline = pipeline
+        pipeline.dead_letter = lambda job, reason, message: self._dead_letter(
+            job.partition, job.record, DeadLetter(reason, message)
+        )
         self._publisher = publisher
         self._topics = topics
         self._policy = policy
@@ -126,9 +129,9 @@ class RequestConsumer:
                 )
                 return
             if isinstance(decision, Rejected):
-                self._pipeline.reject(decision, partition, record.offset, received_s)
+                self._pipeline.reject(decision, partition, record, received_s)
             else:
-                self._pipeline.accept(decision, partition, record.offset, received_s)
+                self._pipeline.accept(decision, partition, record, received_s)
 
     def _dead_letter(self, partition: TopicPartition, record, letter: DeadLetter) -> None:
         log.warning("request.dead_lettered", reason=letter.reason, error=letter.message)

@@ -47,6 +47,9 @@ class Job:
     stop_reason: str | None = None  # "cancelled" | "expired" once an engine abort was asked for
     deadline_timer: asyncio.TimerHandle | None = None
     num_final_tries: int = 0
+    # The consumed record (key, value, headers): dead-lettered as it came if the final can never
+    # be delivered, so that its offset is still committed and the request is not lost.
+    record: Any = None
 
     @property
     def deadline_ms(self) -> int | None:

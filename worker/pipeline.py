@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import structlog
@@ -27,7 +27,7 @@ from worker.offsets import OffsetTracker
 from worker.prompts import PromptRenderer
 from worker.replies import ReplyWriter, reply_headers
 from worker.reply_stream import ReplyStream
-from worker.routing import Accepted, Rejected
+from worker.routing import DLQ_REASON_FINAL_UNDELIVERABLE, Accepted, Rejected
 from worker.settings import WorkerSettings
 from worker.telemetry import Telemetry, end_span, traceparent_of
 
@@ -62,6 +62,9 @@ class Pipeline:
         self.batcher = Batcher(settings.batcher, self._release, lambda: bridge.queued_tokens)
         bridge.on_started = self.batcher.wake
         replies.on_acked = self._on_final_acked
+        replies.on_undeliverable = self._on_final_undeliverable
+        # Set by the consumer: dead-letters a job's record; the DLQ's ack finishes its offset.
+        self.dead_letter: Callable[[Job, str, str], None] = lambda job, reason, message: None
 
     @property
     def num_running(self) -> int:
@@ -73,10 +76,10 @@ class Pipeline:
 
     # --- admission ---------------------------------------------------------------------------
 
-    def accept(self, accepted: Accepted, partition: Any, offset: int, received_s: float) -> Job:
+    def accept(self, accepted: Accepted, partition: Any, record: Any, received_s: float) -> Job:
         """Queue a valid request, or answer it at once (cancelled before, expired, invalid)."""
         request = accepted.request
-        job = self._new_job(accepted, partition, offset, received_s)
+        job = self._new_job(accepted, partition, record, received_s)
         if request.id in self._cancelled_ids:
             self._finish(job, "cancelled")
         elif self._is_past_deadline(job):
@@ -91,15 +94,16 @@ class Pipeline:
                 self.batcher.submit(job, job.urgency, job.deadline_ms, job.num_prompt_tokens)
         return job
 
-    def reject(self, rejected: Rejected, partition: Any, offset: int, received_s: float) -> Job:
+    def reject(self, rejected: Rejected, partition: Any, record: Any, received_s: float) -> Job:
         """A request that decoded but is invalid: an error final, nothing else."""
-        job = self._new_job(rejected, partition, offset, received_s)
+        job = self._new_job(rejected, partition, record, received_s)
         self._finish(job, "error", ErrorInfo(code=rejected.code, message=rejected.message))
         return job
 
     def _new_job(
-        self, decision: Accepted | Rejected, partition: Any, offset: int, received_s: float
+        self, decision: Accepted | Rejected, partition: Any, record: Any, received_s: float
     ) -> Job:
+        offset = record.offset
         request = decision.request if isinstance(decision, Accepted) else None
         request_id, urgency = decision.request_id, decision.urgency
         self._num_attempts += 1
@@ -116,7 +120,7 @@ class Pipeline:
             params=decision.params if request is not None else None,
             reply_headers=reply_headers(traceparent_of(span)),
             stream=ReplyStream(request_id, attempt, self._tokens_per_message, is_streaming),
-            received_s=received_s,
+            received_s=received_s, record=record,
         )  # fmt: skip
         self._register(job)
         self._telemetry.requests_received.add(1, {"urgency": urgency.value})
@@ -295,6 +299,17 @@ class Pipeline:
         self._tracker.finish(job.partition, job.offset)
         end_span(job.span, job.stream.finish_reason or "stop")
         self._forget(job)
+
+    def _on_final_undeliverable(self, job: Job, error: BaseException) -> None:
+        """ReplyWriter callback: every try failed. Left unfinished, the offset would hold back
+        its partition's commits until a restart; dead-lettered, the request is kept (replayable
+        from the DLQ) and the partition moves on."""
+        job.state = JobState.DONE
+        end_span(job.span, "error")
+        self._forget(job)
+        self.dead_letter(
+            job, DLQ_REASON_FINAL_UNDELIVERABLE, f"the final to {job.reply_to} failed: {error!r}"
+        )
 
     def _forget(self, job: Job) -> None:
         if self._jobs.pop(job.attempt, None) is None:

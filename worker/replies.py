@@ -39,6 +39,8 @@ class ReplyWriter:
         self._max_message_bytes = max_message_bytes
         self._num_final_retries = num_final_retries
         self.on_acked: Callable[[Job], None] = lambda job: None
+        # Every retry failed: the caller dead-letters the request so its offset can move on.
+        self.on_undeliverable: Callable[[Job, BaseException], None] = lambda job, error: None
 
     def send(self, job: Job, message: TokenReply | FinalReply) -> None:
         value = encode(message, MSGPACK)
@@ -70,6 +72,7 @@ class ReplyWriter:
             reply_to=job.reply_to,
             error=repr(error),
         )
+        self.on_undeliverable(job, error)
 
 
 def _too_large(final: FinalReply, num_bytes: int, max_bytes: int) -> FinalReply:

@@ -30,6 +30,7 @@ from schemas.messages import ErrorCode, Request
 log = structlog.get_logger(__name__)
 
 DLQ_REASON_INTERNAL = "internal"
+DLQ_REASON_FINAL_UNDELIVERABLE = "final_undeliverable"  # the reply topic refused every try
 
 
 @dataclass(frozen=True)

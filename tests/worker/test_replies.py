@@ -1,4 +1,5 @@
-"""Delivery rules of finals: resend on failure, shrink when too large, never ack a lost one."""
+"""Delivery rules of finals: resend on failure, shrink when too large, never ack a lost one
+(report it given up instead)."""
 
 from __future__ import annotations
 
@@ -45,20 +46,23 @@ def final(text: str) -> FinalReply:
 
 
 def test_a_failed_final_is_resent_then_given_up_without_an_ack() -> None:
-    publisher, acked = RecordingPublisher(), []
+    publisher, acked, given_up = RecordingPublisher(), [], []
     writer = ReplyWriter(publisher, max_message_bytes=10_000, num_final_retries=2)
     writer.on_acked = acked.append
+    writer.on_undeliverable = lambda job, error: given_up.append((job, str(error)))
     job = make_job()
     writer.send(job, final("hi"))
     for _ in range(2):
         publisher.sent[-1].on_done(TimeoutError("no broker"))
     assert len(publisher.sent) == 3  # the first try and two retries, all the same message
+    assert given_up == []
     assert (
         len({m.value for m in publisher.sent}) == 1
         and decode_reply(publisher.sent[0].value).seq == 3
     )
     publisher.sent[-1].on_done(TimeoutError("still none"))
-    assert len(publisher.sent) == 3 and acked == []  # offset stays uncommitted: redelivered later
+    assert len(publisher.sent) == 3 and acked == []  # never acked: its owner dead-letters it
+    assert given_up == [(job, "still none")]
     writer.send(job, final("again"))
     publisher.sent[-1].on_done(None)
     assert acked == [job]
