@@ -160,6 +160,8 @@ class ModelRunner:
             (num_layers, self.num_kv_blocks, self.block_size, 2, num_kv_heads, head_dim),
             self.dtype,
         )
+        if self.config.kv_cache_prefault:
+            self.kv_cache.fill_(0)  # commits every page now (it is zero already)
         self.kv_cache_bytes = self.kv_cache.numel() * element_bytes
         attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache")]
         for layer_index, attention in enumerate(attention_layers):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -165,3 +167,25 @@ def test_dropped_engine_frees_weights_and_kv_pool_without_the_cyclic_gc(tiny_dir
         assert [r() is None for r in alive] == [True, True, True]
     finally:
         gc.enable()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("prefault", [False, True])
+def test_kv_pool_is_committed_on_use_or_at_start_up(tiny_dir, prefault):
+    pool_bytes = 96 << 20
+    before = _rss_bytes()
+    eng = LLMEngine(tiny_dir, kv_cache_memory_bytes=pool_bytes, kv_cache_prefault=prefault)
+    grown = _rss_bytes() - before
+    assert eng.runner.kv_cache_bytes > pool_bytes * 0.9
+    if prefault:
+        assert grown >= eng.runner.kv_cache_bytes * 0.95
+    else:  # a tiny model and untouched blocks: a small fraction of the pool
+        assert grown < pool_bytes // 3
+    eng.add_request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(_drain(eng)["r"]) == 4
