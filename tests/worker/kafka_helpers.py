@@ -209,6 +209,24 @@ async def committed_offsets(
         await asyncio.wait_for(consumer.stop(), 10)
 
 
+async def wait_for_commit(
+    bootstrap_servers: str,
+    group_id: str,
+    topic: str,
+    num_partitions: int,
+    is_done,
+    timeout_s: float = 20.0,
+) -> dict[int, int | None]:
+    """Poll the group's committed offsets until `is_done(committed)` or the timeout (the commit
+    follows the acks within a poll interval or so); returns the last offsets read."""
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        committed = await committed_offsets(bootstrap_servers, group_id, topic, num_partitions)
+        if is_done(committed) or time.monotonic() > deadline_s:
+            return committed
+        await asyncio.sleep(0.2)
+
+
 async def dlq_records(
     bootstrap_servers: str, topic: str, num_expected: int, timeout_s: float = 30.0
 ) -> list:

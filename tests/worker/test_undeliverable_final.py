@@ -8,7 +8,6 @@ to one reply topic (as a broker refusing that topic would), and delivers everyth
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -19,11 +18,11 @@ from tests.worker.kafka_helpers import (
     PREFIX,
     Producer,
     ReplyReader,
-    committed_offsets,
     create_topic,
     dlq_records,
     fresh_topics,
     make_request,
+    wait_for_commit,
     worker_settings,
 )
 from worker.app import Worker
@@ -70,12 +69,9 @@ async def test_an_undeliverable_final_is_dead_lettered_and_its_offset_committed(
                 await producer.send(topic, request)
             assert (await replies.final_of("after")).finish_reason == "length"
             (dead,) = await dlq_records(broker.bootstrap_servers, settings.kafka.dlq_topic, 1)
-            deadline_s = time.monotonic() + 20
-            while True:  # the commit follows the DLQ's ack within a poll interval or so
-                committed = await committed_offsets(broker.bootstrap_servers, group_id, topic, 1)
-                if committed[0] == 2 or time.monotonic() > deadline_s:
-                    break
-                await asyncio.sleep(0.2)
+            committed = await wait_for_commit(
+                broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == 2
+            )
         finally:
             await worker.stop(grace_s=5)
     assert get_text_header(dead.headers, ERROR_REASON) == DLQ_REASON_FINAL_UNDELIVERABLE

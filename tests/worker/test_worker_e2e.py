@@ -23,12 +23,12 @@ from schemas.messages import ChatMessage, ErrorCode, FinalReply, Request, TokenR
 from tests.worker.kafka_helpers import (
     Producer,
     ReplyReader,
-    committed_offsets,
     create_topic,
     dlq_records,
     fresh_topics,
     make_request,
     stream_of,
+    wait_for_commit,
     worker_settings,
 )
 from worker.app import Worker
@@ -211,18 +211,10 @@ async def test_bad_input_goes_to_dlq_or_error_finals_and_offsets_move_past_it(en
     assert b"\xc1 not msgpack" in [r.value for r in dead]  # the original bytes, untouched
     assert all(get_text_header(r.headers, SOURCE_OFFSET) is not None for r in dead)
     last_offset = max(int(get_text_header(r.headers, SOURCE_OFFSET)) for r in dead)
-    deadline_s = time.monotonic() + 20
-    while True:  # the commit follows the acks within a poll interval or so
-        committed = await committed_offsets(
-            env.bootstrap_servers, env.settings.kafka.group_id, topic, NUM_PARTITIONS
-        )
-        if (
-            committed[0] is not None
-            and committed[0] > last_offset + 1
-            or time.monotonic() > deadline_s
-        ):
-            break
-        await asyncio.sleep(0.2)
+    committed = await wait_for_commit(
+        env.bootstrap_servers, env.settings.kafka.group_id, topic, NUM_PARTITIONS,
+        lambda c: c[0] is not None and c[0] > last_offset + 1,
+    )  # fmt: skip
     assert committed[0] is not None and committed[0] > last_offset + 1  # past good-after too
 
 
