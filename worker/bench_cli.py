@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = {"engine": "engine.bench", "e2e": "worker.bench_e2e"}
+BENCHES = {"engine": "loadtest.bench_engine", "e2e": "loadtest.bench_e2e"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

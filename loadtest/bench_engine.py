@@ -4,7 +4,7 @@ W1: one request, 128 new tokens. W2: 32 distinct chat prompts submitted together
 tokens each, greedy, EOS ignored. The baseline is HF `generate` with a static left-padded batch
 in the same dtype. Each (implementation, dtype) runs in its own process so peak RSS is its own.
 
-    python -m engine.bench [--dtypes float32,bfloat16] [--max-tokens 128] [--out results.json]
+    mini-infer bench engine [--dtypes float32,bfloat16] [--max-tokens 128] [--out results.json]
 
 Prints a table and a JSON document; the ratios (engine / HF) are the numbers to read, since
 absolute speed depends on the machine.
@@ -13,75 +13,14 @@ absolute speed depends on the machine.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import resource
-import statistics
 import sys
 import time
 from pathlib import Path
 
-TOPICS = [
-    "the water cycle", "black holes", "how vaccines work", "the history of Rome", "photosynthesis",
-    "machine learning", "the French revolution", "volcanoes", "the stock market", "climate change",
-    "the human heart", "quantum computing", "honey bees", "the Silk Road", "electric cars",
-    "the moon landing", "coral reefs", "the printing press", "earthquakes", "the immune system",
-    "renewable energy", "ancient Egypt", "the internet", "rainforests", "the theory of evolution",
-    "jazz music", "the Olympic games", "DNA", "the Great Wall of China", "recycling",
-    "the solar system", "chess",
-]
-
-
-def chat_messages(i: int) -> list[dict]:
-    """The i-th W2 conversation (32 distinct topics)."""
-    return [{"role": "user", "content": f"Explain {TOPICS[i % len(TOPICS)]} to a curious child."}]
-
-
-def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    return [
-        tokenizer.encode(
-            tokenizer.apply_chat_template(chat_messages(i), add_generation_prompt=True, tokenize=False)
-        )
-        for i in range(n)
-    ]
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    if len(xs) == 1:
-        return xs[0]
-    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
-
-
-def summarize(num_tokens: int, elapsed_s: float, ttfts_s: list[float]) -> dict:
-    return {
-        "output_tokens": num_tokens,
-        "elapsed_s": round(elapsed_s, 3),
-        "tokens_per_s": round(num_tokens / elapsed_s, 1),
-        "ttft_p50_ms": round(percentile(ttfts_s, 50) * 1000, 1),
-        "ttft_p99_ms": round(percentile(ttfts_s, 99) * 1000, 1),
-        "ttfts_ms": [round(t * 1000, 1) for t in sorted(ttfts_s)],
-    }
-
-
-def emit(doc: dict, out: Path | None, plot: Path | None, draw) -> None:
-    """Print the JSON document, and write it and its plot where asked."""
-    print(json.dumps(doc, indent=2))
-    if out:
-        out.write_text(json.dumps(doc, indent=2))
-    if plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig = draw(plt)
-        fig.tight_layout()
-        fig.savefig(plot, dpi=100)
-
-
-# Engine options of every benchmark run (the e2e benchmark gives its worker the same ones).
-ENGINE_OPTIONS = {"max_num_seqs": 64, "max_num_batched_tokens": 2048}
+from loadtest.report import emit, summarize
+from loadtest.workloads import ENGINE_OPTIONS, chat_prompts
 
 
 def run_engine(
@@ -135,8 +74,13 @@ def run_hf(model_path: str, dtype: str, prompts: list[list[int]], max_tokens: in
         crit = FirstToken(start)
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                do_sample=False, pad_token_id=pad, stopping_criteria=StoppingCriteriaList([crit]),
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=pad,
+                stopping_criteria=StoppingCriteriaList([crit]),
             )
         elapsed = time.perf_counter() - start
         return (out.shape[1] - width) * len(batch), elapsed, crit.at
@@ -161,7 +105,13 @@ def _child(impl: str, model: str, model_path: str, dtype: str, max_tokens: int, 
         else:
             results[name] = run_hf(model_path, dtype, batch, max_tokens)
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    q.put({"results": results, "peak_rss_mib": round(peak_rss_mib, 1), "threads": torch.get_num_threads()})
+    q.put(
+        {
+            "results": results,
+            "peak_rss_mib": round(peak_rss_mib, 1),
+            "threads": torch.get_num_threads(),
+        }
+    )
 
 
 def measure(impl: str, model: str, model_path: str, dtype: str, max_tokens: int, n: int) -> dict:
@@ -175,7 +125,9 @@ def measure(impl: str, model: str, model_path: str, dtype: str, max_tokens: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mini-infer bench engine", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="mini-infer bench engine", description=__doc__.split("\n\n")[0]
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
@@ -206,10 +158,14 @@ def run(args) -> int:
             e = doc["runs"][f"engine-{dtype}"]["results"][w]["tokens_per_s"]
             h = doc["runs"][f"hf-{dtype}"]["results"][w]["tokens_per_s"]
             doc.setdefault("speedup_vs_hf", {})[f"{w}-{dtype}"] = round(e / h, 2)
-    print(f"{'impl':8} {'dtype':9} {'wl':3} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'peak RSS':>9}")
+    print(
+        f"{'impl':8} {'dtype':9} {'wl':3} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'peak RSS':>9}"
+    )
     for impl, dtype, w, s, rss in rows:
-        print(f"{impl:8} {dtype:9} {w:3} {s['tokens_per_s']:8.1f} {s['ttft_p50_ms']:8.1f}ms "
-              f"{s['ttft_p99_ms']:8.1f}ms {rss:7.0f}MiB")
+        print(
+            f"{impl:8} {dtype:9} {w:3} {s['tokens_per_s']:8.1f} {s['ttft_p50_ms']:8.1f}ms "
+            f"{s['ttft_p99_ms']:8.1f}ms {rss:7.0f}MiB"
+        )
     print("speedup engine/hf:", doc["speedup_vs_hf"])
     emit(doc, args.out, args.plot, lambda plt: _draw(doc, plt))
     return 0

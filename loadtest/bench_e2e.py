@@ -23,15 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.bench import (
-    ENGINE_OPTIONS,
-    chat_messages,
-    chat_prompts,
-    emit,
-    percentile,
-    run_engine,
-    summarize,
-)
+from loadtest.bench_engine import run_engine
+from loadtest.report import emit, percentile, summarize
+from loadtest.workloads import ENGINE_OPTIONS, chat_messages, chat_prompts
 
 
 def run_direct(model: str, dtype: str, n: int, max_tokens: int, engine_options: dict) -> dict:
@@ -46,14 +40,19 @@ async def run_e2e(bootstrap: str, n: int, max_tokens: int) -> dict:
 
     async with MiniInferClient(bootstrap) as client:
         # Warm-up: waits for the worker to join its group and for the model to be loaded.
-        await client.generate(messages=chat_messages(0), max_tokens=4, temperature=0.0, timeout_s=600)
+        await client.generate(
+            messages=chat_messages(0), max_tokens=4, temperature=0.0, timeout_s=600
+        )
 
         async def one(i: int) -> tuple[float, int, float | None]:
             sent = time.perf_counter()
             ttft, num_tokens, worker_ttft_s = None, 0, None
             async for delta in client.stream(
-                messages=chat_messages(i), max_tokens=max_tokens, temperature=0.0,
-                ignore_eos=True, timeout_s=600,
+                messages=chat_messages(i),
+                max_tokens=max_tokens,
+                temperature=0.0,
+                ignore_eos=True,
+                timeout_s=600,
             ):
                 if ttft is None and delta.token_ids:
                     ttft = time.perf_counter() - sent
@@ -134,7 +133,9 @@ def run_pair(args, model: str, engine_options: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mini-infer bench e2e", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="mini-infer bench e2e", description=__doc__.split("\n\n")[0]
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     from engine.loader import resolve_model
@@ -186,7 +187,9 @@ def _draw(doc: dict, plt):
         ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
     ax.set_xlabel("time to first token (ms)")
     ax.set_ylabel("fraction of requests")
-    ax.set_title(f"TTFT CDF, {doc['workload']}\n(the median of {doc['repeat']} pairs by throughput ratio)")
+    ax.set_title(
+        f"TTFT CDF, {doc['workload']}\n(the median of {doc['repeat']} pairs by throughput ratio)"
+    )
     ax.legend()
     return fig
 
