@@ -9,11 +9,13 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+import numpy as np
 import structlog
 import torch
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import PromptTooLongError
 from engine.kv_cache_manager import cdiv
 from engine.loader import load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner, resolve_dtype
@@ -86,10 +88,15 @@ class LLMEngine:
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt is empty")
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt token id {t!r} is not in [0, {self.vocab_size})")
-        return ids
+        # One vectorised check, not a Python loop per token. Anything that is not a list of
+        # integers (floats, strings, ints beyond 64 bits) gives a non-integer array.
+        array = np.asarray(ids)
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise ValueError("prompt token ids must be a flat list of integers")
+        if array.min() < 0 or array.max() >= self.vocab_size:
+            bad = int(array[(array < 0) | (array >= self.vocab_size)][0])
+            raise ValueError(f"prompt token id {bad} is not in [0, {self.vocab_size})")
+        return array.tolist()
 
     def add_request(
         self,
@@ -104,9 +111,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         prompt_ids = self.encode_prompt(prompt)
         if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len} tokens "
-                "and at least one must be left to generate"
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len} "
+                "tokens and at least one must be left to generate"
             )
         max_len = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         need = cdiv(max_len, self.config.block_size)

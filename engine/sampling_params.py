@@ -5,9 +5,6 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-MAX_TOKENS_LIMIT = 1 << 20
-MAX_STOP_STRINGS = 16
-
 
 def derive_seed(key: str) -> int:
     """A stable seed in [0, 2**63) from a string: the same key always gives the same seed, in
@@ -42,8 +39,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
-            raise ValueError(f"max_tokens must be between 1 and {MAX_TOKENS_LIMIT}, got {self.max_tokens}")
+        # No upper bound here: the context length bounds a request (the wire contract has its own
+        # limit, schemas.contract.MAX_TOKENS_LIMIT, checked before a request reaches an engine).
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
@@ -54,8 +53,6 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
         ):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

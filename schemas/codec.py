@@ -21,6 +21,14 @@ from typing import Any, TypeVar
 import msgpack
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from schemas.contract import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_PROMPT_CHARS,
+    MAX_CHAT_MESSAGES,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    DeadLetterReason,
+)
 from schemas.messages import (
     Cancel,
     ErrorCode,
@@ -51,11 +59,11 @@ M = TypeVar("M", bound=BaseModel)
 class Limits:
     """Per-message size limits, checked while decoding. The defaults suit one worker pod."""
 
-    max_message_bytes: int = 1 << 20
-    max_prompt_chars: int = 100_000
-    max_stop_strings: int = 16
-    max_messages: int = 256
-    max_stop_token_ids: int = 256
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_messages: int = MAX_CHAT_MESSAGES
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
 
     @property
     def max_container_len(self) -> int:
@@ -66,16 +74,7 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
-class UndecodableReason:
-    """Values of the DLQ `x-error-reason` header."""
-
-    TOO_LARGE = "too_large"
-    UNSUPPORTED_CONTENT_TYPE = "unsupported_content_type"
-    MALFORMED = "malformed"
-    NOT_A_MAP = "not_a_map"
-    NO_ID = "no_id"
-    BAD_REPLY_TO = "bad_reply_to"
-    INVALID = "invalid"  # a reply or control message that does not validate
+UndecodableReason = DeadLetterReason  # the reasons decoding can give (contract.py has them all)
 
 
 class DecodeError(ValueError):

@@ -1,4 +1,4 @@
-"""Message models of wire contract v1 (DESIGN.md "Wire contract v1").
+"""Message models of wire contract v1 (docs/CONTRACT.md).
 
 Validation here is only what a message can be judged by on its own: types, ranges, topic-name
 syntax, prompt XOR messages. What depends on the deployment (context length, allowed reply
@@ -14,21 +14,23 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-SCHEMA_VERSION = 1
-
-MAX_ID_CHARS = 256
-MAX_TOKENS_LIMIT = 1 << 20  # same bound as engine.SamplingParams; schemas may not import engine
-MAX_TEMPERATURE = 100.0
-MAX_SEED = 2**63 - 1
-MAX_MODEL_NAME_CHARS = 256
-MAX_ROLE_CHARS = 64
-MAX_STOP_STRING_CHARS = 1024
+from schemas.contract import (
+    MAX_DEADLINE_MS,
+    MAX_ID_CHARS,
+    MAX_MODEL_NAME_CHARS,
+    MAX_ROLE_CHARS,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_TEMPERATURE,
+    MAX_TOKEN_ID,
+    MAX_TOKENS_LIMIT,
+    SCHEMA_VERSION,
+    TOPIC_NAME_PATTERN,
+)
 
 FinishReason = Literal["stop", "length", "cancelled", "expired", "error"]
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
-# Kafka's own rule for topic names; the embedded broker does not enforce it, so we do.
-TOPIC_NAME_PATTERN = r"^[a-zA-Z0-9._-]{1,249}$"
 
 
 def _not_dot_or_dotdot(name: str) -> str:
@@ -65,15 +67,17 @@ class Request(WireModel):
     max_tokens: int = Field(default=256, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, le=MAX_TOKEN_ID)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] = []
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] = []
     ignore_eos: bool = False
     stream: bool = True
-    deadline_ms: int | None = Field(default=None, ge=0, description="absolute Unix epoch ms")
+    deadline_ms: int | None = Field(
+        default=None, ge=0, le=MAX_DEADLINE_MS, description="absolute Unix epoch ms"
+    )
     model: str | None = Field(default=None, min_length=1, max_length=MAX_MODEL_NAME_CHARS)
-    schema_version: int = Field(default=SCHEMA_VERSION, ge=1)
+    schema_version: int = Field(default=SCHEMA_VERSION, ge=1, le=MAX_TOKEN_ID)
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> Request:

@@ -5,17 +5,15 @@ It backs `mini-infer serve` when no bootstrap servers are configured, `mini-infe
 real-broker tests. Storage is memory only: a restart loses every topic (KAFKA_NOTES.md), which
 is why the worker creates its topics itself at start-up.
 
-`mini-infer broker [--port N]` runs it alone until Ctrl-C and prints its address.
+`mini-infer broker [--port N]` (worker/cli/broker.py) runs it alone until Ctrl-C.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -151,50 +149,3 @@ class EmbeddedBroker:
 
     async def __aexit__(self, *exc_info) -> None:
         await asyncio.to_thread(self.stop)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)"
-    )
-
-
-def main(args: argparse.Namespace) -> int:
-    from worker.logging import configure_logging
-
-    configure_logging()
-    broker = EmbeddedBroker(port=args.port)
-    try:
-        broker.start()
-    except BrokerError as error:
-        print(f"mini-infer broker: {error}", file=sys.stderr)
-        return 1
-    print(broker.bootstrap_servers, flush=True)
-    print(
-        f"export MINI_INFER_KAFKA__BOOTSTRAP_SERVERS={broker.bootstrap_servers}  # Ctrl-C stops it",
-        file=sys.stderr,
-        flush=True,
-    )
-    is_stopped = False
-
-    def _stop(*_) -> None:
-        nonlocal is_stopped
-        is_stopped = True
-
-    # SIGINT explicitly too: a shell starts background jobs with SIGINT ignored, and Python
-    # then never raises KeyboardInterrupt.
-    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        while not is_stopped and broker.is_running:
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        is_stopped = True
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        has_died = not broker.is_running
-        broker.stop()
-    if has_died and not is_stopped:
-        print("mini-infer broker: the broker process exited unexpectedly", file=sys.stderr)
-        return 1
-    return 0

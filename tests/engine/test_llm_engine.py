@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, LLMEngine, SamplingParams
-from engine.sampling_params import MAX_TOKENS_LIMIT
 from tests.tiny_model import make_tiny_llama
 
 
@@ -39,7 +38,7 @@ def _drain(eng: LLMEngine) -> dict[str, list]:
     [
         (dict(max_tokens=0), "max_tokens"),
         (dict(max_tokens=-5), "max_tokens"),
-        (dict(max_tokens=MAX_TOKENS_LIMIT + 1), "max_tokens"),
+        (dict(max_tokens=2.5), "max_tokens"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(temperature=-1), "temperature"),
@@ -55,7 +54,7 @@ def test_invalid_sampling_params(kwargs, match):
 
 @settings(max_examples=100, deadline=None)
 @given(
-    max_tokens=st.integers(-10, 2 * MAX_TOKENS_LIMIT),
+    max_tokens=st.integers(-10, 1 << 40),
     top_p=st.one_of(st.floats(-1, 2), st.just(float("nan"))),
     temperature=st.one_of(st.floats(-5, 200), st.just(float("nan"))),
     top_k=st.integers(-5, 100),
@@ -65,7 +64,7 @@ def test_sampling_params_valid_or_value_error(max_tokens, top_p, temperature, to
         p = SamplingParams(max_tokens=max_tokens, top_p=top_p, temperature=temperature, top_k=top_k)
     except ValueError:
         return
-    assert 1 <= p.max_tokens <= MAX_TOKENS_LIMIT and 0 < p.top_p <= 1 and p.top_k >= -1
+    assert p.max_tokens >= 1 and 0 < p.top_p <= 1 and p.top_k >= -1
 
 
 def test_invalid_prompts_raise_and_leak_nothing(engine):

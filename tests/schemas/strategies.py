@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
+from schemas.contract import MAX_DEADLINE_MS, MAX_SEED, MAX_TOKEN_ID, MAX_TOKENS_LIMIT
 from schemas.messages import (
     FINISH_REASONS,
-    MAX_SEED,
-    MAX_TOKENS_LIMIT,
     Cancel,
     ChatMessage,
     ErrorInfo,
@@ -46,10 +45,10 @@ def requests(draw: st.DrawFn) -> Request:
         top_k=draw(st.integers(-1, 1000)),
         seed=draw(st.none() | st.integers(0, MAX_SEED)),
         stop=draw(st.lists(st.text(min_size=1, max_size=10), max_size=16)),
-        stop_token_ids=draw(st.lists(st.integers(0, 2**31), max_size=8)),
+        stop_token_ids=draw(st.lists(st.integers(0, MAX_TOKEN_ID), max_size=8)),
         ignore_eos=draw(st.booleans()),
         stream=draw(st.booleans()),
-        deadline_ms=draw(st.none() | st.integers(0, 2**53)),
+        deadline_ms=draw(st.none() | st.integers(0, MAX_DEADLINE_MS)),
         model=draw(st.none() | st.text(min_size=1, max_size=30)),
     )
 

@@ -27,7 +27,7 @@ def worker_settings(
     model_dir: Path, bootstrap_servers: str, group_id: str, request_topic: str, **overrides
 ):
     """A worker on its own topics and group, with fast test-friendly timings."""
-    from worker.settings import WorkerSettings
+    from worker.service.settings import WorkerSettings
 
     kafka = {
         "bootstrap_servers": bootstrap_servers,

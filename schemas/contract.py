@@ -1,0 +1,56 @@
+"""The constants of wire contract v1, defined once for every side of the wire.
+
+Producers (the client SDK), workers and tools import these; nothing else may restate them. A
+worker deployment can override topic names and limits in its settings, but the defaults here
+are what a producer and a worker agree on out of the box. See docs/CONTRACT.md.
+"""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+
+# --- Topics ------------------------------------------------------------------------------------
+DEFAULT_REQUEST_TOPIC = "mini-infer.requests"
+DEFAULT_CONTROL_TOPIC = "mini-infer.control"
+DEFAULT_DLQ_TOPIC = "mini-infer.dlq"
+# A worker writes only to topics under this prefix; a client's reply topic is <prefix><uuid>.
+DEFAULT_REPLY_TOPIC_PREFIX = "mini-infer.replies."
+# Kafka's own rule for topic names; the embedded broker does not enforce it, so we do.
+TOPIC_NAME_PATTERN = r"^[a-zA-Z0-9._-]{1,249}$"
+NUM_REPLY_TOPIC_PARTITIONS = 1  # one client reads it; one partition keeps its replies in order
+# CreateTopics answers this code for a topic that is already there: success for our purposes.
+KAFKA_TOPIC_ALREADY_EXISTS = 36
+
+# --- Limits (defaults; a deployment may lower or raise the configurable ones) ------------------
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+DEFAULT_MAX_PROMPT_CHARS = 32_000
+MAX_TOKENS_LIMIT = 1 << 20  # the largest max_tokens a request may ask for
+MAX_ID_CHARS = 256
+MAX_TEMPERATURE = 100.0
+MAX_SEED = 2**63 - 1
+# deadline_ms is absolute Unix epoch ms: year 9999 is far enough, and it fits every clock we use.
+MAX_DEADLINE_MS = 253_402_300_799_999
+MAX_MODEL_NAME_CHARS = 256
+MAX_ROLE_CHARS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_STRINGS = 16
+MAX_CHAT_MESSAGES = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_TOKEN_ID = 2**31 - 1
+
+
+class DeadLetterReason:
+    """Values of the DLQ `x-error-reason` header: why a message was set aside."""
+
+    # The bytes are not a request, or name nobody who could be answered.
+    TOO_LARGE = "too_large"
+    UNSUPPORTED_CONTENT_TYPE = "unsupported_content_type"
+    MALFORMED = "malformed"
+    NOT_A_MAP = "not_a_map"
+    NO_ID = "no_id"
+    BAD_REPLY_TO = "bad_reply_to"
+    INVALID = "invalid"  # a reply or control message that does not validate
+    # Decodable, but the worker could not answer it.
+    REPLY_TOPIC_UNAVAILABLE = "reply_topic_unavailable"  # the reply topic could not be created
+    FINAL_UNDELIVERABLE = "final_undeliverable"  # the reply topic refused the final every try
+    INTERNAL = "internal"  # a bug while handling it; the bytes are kept for a replay

@@ -1,0 +1,136 @@
+"""Batch order (urgency, then deadline, then arrival), the token budget, and the windows."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from schemas.headers import Urgency
+from worker.service.batcher import Batcher, PendingItem, select_batch
+from worker.service.settings import BatcherSettings
+
+items = st.builds(
+    PendingItem,
+    item=st.none(),
+    urgency=st.sampled_from(list(Urgency)),
+    deadline_ms=st.none() | st.integers(0, 10),
+    arrival_seq=st.integers(0, 10_000),
+    num_tokens=st.integers(1, 500),
+)
+
+
+@given(
+    st.lists(items, max_size=30, unique_by=lambda p: p.arrival_seq),
+    st.integers(-100, 3000),
+    st.booleans(),
+)
+def test_select_batch_orders_and_respects_the_budget(
+    pending, budget_tokens, must_take_head
+) -> None:
+    released, kept = select_batch(pending, budget_tokens, must_take_head)
+    assert sorted(map(id, released + kept)) == sorted(map(id, pending))
+    order = released + kept
+    keys = [
+        (
+            p.urgency.priority,
+            p.deadline_ms if p.deadline_ms is not None else float("inf"),
+            p.arrival_seq,
+        )
+        for p in order
+    ]
+    assert keys == sorted(keys)  # urgency first, then deadline (none = last), then arrival
+    if pending and must_take_head:
+        assert released  # an idle engine always gets the head: a long prompt is never starved
+    if len(released) > 1 or (released and not must_take_head):
+        assert sum(p.num_tokens for p in released) <= budget_tokens
+    if kept:  # strictly in order: the first kept one did not fit
+        assert sum(p.num_tokens for p in released) + kept[0].num_tokens > budget_tokens
+
+
+def test_a_long_head_goes_alone() -> None:
+    big = PendingItem("big", Urgency.CRITICAL, None, 0, 5000)
+    small = PendingItem("small", Urgency.LOW, None, 1, 10)
+    released, kept = select_batch([small, big], budget_tokens=100)
+    assert [p.item for p in released] == ["big"] and [p.item for p in kept] == ["small"]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def make_batcher(queued_tokens=lambda: 0, **settings):
+    clock = FakeClock()
+    batches: list[list[str]] = []
+    batcher = Batcher(BatcherSettings(**settings), batches.append, queued_tokens, clock)
+    return batcher, batches, clock
+
+
+async def test_windows_by_urgency_and_release_order() -> None:
+    batcher, batches, clock = make_batcher(low_window_ms=50, normal_window_ms=10)
+    batcher.submit("low-1", Urgency.LOW, None, 10)
+    assert batcher.flush_due() == pytest.approx(0.05)  # nothing due: wait for the low window
+    assert batches == []
+    batcher.submit("normal-1", Urgency.NORMAL, None, 10)
+    assert batcher.flush_due() == pytest.approx(0.01)
+    clock.now_s += 0.01  # the normal window closed: everything pending goes, most urgent first
+    batcher.flush_due()
+    assert batches == [["normal-1", "low-1"]]
+
+
+async def test_critical_flushes_at_once_ahead_of_a_waiting_backlog() -> None:
+    batcher, batches, _ = make_batcher()
+    for i in range(3):
+        batcher.submit(f"low-{i}", Urgency.LOW, None, 10)
+    batcher.submit("crit", Urgency.CRITICAL, None, 10)
+    batcher.flush_due()
+    assert batches == [["crit", "low-0", "low-1", "low-2"]]
+
+
+async def test_deadline_orders_within_an_urgency() -> None:
+    batcher, batches, clock = make_batcher()
+    batcher.submit("late", Urgency.HIGH, 9_000, 1)
+    batcher.submit("none", Urgency.HIGH, None, 1)
+    batcher.submit("soon", Urgency.HIGH, 1_000, 1)
+    clock.now_s += 1
+    batcher.flush_due()
+    assert batches == [["soon", "late", "none"]]
+
+
+async def test_budget_counts_tokens_the_engine_has_not_started() -> None:
+    queued = {"tokens": 0}
+    batcher, batches, clock = make_batcher(lambda: queued["tokens"], max_batch_tokens=100)
+    for i in range(4):
+        batcher.submit(f"r{i}", Urgency.CRITICAL, None, 40)
+    batcher.flush_due()
+    assert batches == [["r0", "r1"]]  # 80 tokens; a third would make 120
+    queued["tokens"] = 80  # the engine has not started them yet: 20 tokens of room, r2 needs 40
+    assert batcher.flush_due() is None  # wait to be woken
+    assert len(batches) == 1
+    queued["tokens"] = 0
+    batcher.flush_due()
+    assert batches[-1] == ["r2", "r3"]
+
+
+async def test_run_releases_and_remove_takes_pending_items_out() -> None:
+    batcher, batches, _ = make_batcher()
+    task = asyncio.create_task(batcher.run())
+    try:
+        batcher.submit("keep", Urgency.LOW, None, 1)
+        batcher.submit("gone", Urgency.LOW, None, 1)
+        assert batcher.remove(lambda item: item == "gone") == ["gone"]
+        batcher.submit("now", Urgency.CRITICAL, None, 1)
+        for _ in range(100):
+            if batches:
+                break
+            await asyncio.sleep(0.01)
+        assert batches == [["now", "keep"]]
+        assert batcher.drain() == []
+    finally:
+        task.cancel()

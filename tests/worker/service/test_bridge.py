@@ -1,0 +1,141 @@
+"""The engine thread: requests in, deltas out in engine order, aborts, rejections, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from engine.outputs import RequestDelta
+from engine.sampling_params import SamplingParams
+from worker.service.bridge import Aborted, Deltas, EngineBridge, EngineRequest, Failed, Rejected
+
+
+class CountingEngine:
+    """Stands in for LLMEngine's API: one token per step per request, text "<n>"."""
+
+    model_path = "/models/counting"
+    max_model_len = 64
+
+    def __init__(self, fail_at_step: int | None = None) -> None:
+        self.thread_ids: set[int] = set()  # threads that called into the engine
+        self.requests: dict[str, list] = {}
+        self.num_steps = 0
+        self.fail_at_step = fail_at_step
+
+    def add_request(self, request_id, prompt, params, priority=0) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        self.requests[request_id] = [params.max_tokens, 0]
+
+    def abort_request(self, request_id) -> bool:
+        self.thread_ids.add(threading.get_ident())
+        return self.requests.pop(request_id, None) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestDelta]:
+        self.thread_ids.add(threading.get_ident())
+        self.num_steps += 1
+        if self.num_steps == self.fail_at_step:
+            raise RuntimeError("boom")
+        deltas = []
+        for request_id, state in list(self.requests.items()):
+            state[1] += 1
+            is_done = state[1] >= state[0]
+            deltas.append(
+                RequestDelta(
+                    request_id,
+                    f"<{state[1]}>",
+                    [state[1]],
+                    is_done,
+                    "length" if is_done else None,
+                    1,
+                    state[1],
+                )
+            )
+            if is_done:
+                del self.requests[request_id]
+        return deltas
+
+
+class Recorder:
+    """Reads the bridge's events as the pipeline does, keeping them as tuples."""
+
+    def __init__(self, bridge: EngineBridge) -> None:
+        self.bridge = bridge
+        self.events: list[tuple] = []
+
+    def _drain(self) -> None:
+        while not self.bridge.events.empty():
+            match self.bridge.events.get_nowait():
+                case Deltas(deltas):
+                    self.events += [("delta", d.request_id, d.text, d.finished) for d in deltas]
+                case Rejected(request_id, message):
+                    self.events.append(("rejected", request_id, message))
+                case Aborted(request_id):
+                    self.events.append(("aborted", request_id))
+                case Failed(request_ids, message):
+                    self.events.append(("failed", tuple(request_ids), message))
+
+    async def wait_for(self, predicate, timeout_s: float = 10.0) -> None:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                self._drain()
+                if predicate(self.events):
+                    return
+                await asyncio.sleep(0.005)
+
+
+def request(request_id: str, max_tokens: int = 3, num_tokens: int = 5) -> EngineRequest:
+    return EngineRequest(
+        request_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens), 2, num_tokens
+    )
+
+
+async def start(engine) -> tuple[EngineBridge, Recorder]:
+    bridge = EngineBridge(lambda: engine)
+    info = await bridge.start()
+    assert info.model_path == "/models/counting" and info.max_model_len == 64
+    return bridge, Recorder(bridge)
+
+
+async def test_deltas_come_back_in_order_and_queued_tokens_drain() -> None:
+    engine = CountingEngine()
+    bridge, recorder = await start(engine)
+    bridge.submit([request("a", 3, 10), request("b", 2, 7)])
+    assert bridge.queued_tokens == 17
+    await recorder.wait_for(lambda ev: sum(1 for e in ev if e[0] == "delta" and e[3]) == 2)
+    texts = {rid: "".join(e[2] for e in recorder.events if e[1] == rid) for rid in "ab"}
+    assert texts == {"a": "<1><2><3>", "b": "<1><2>"}
+    assert bridge.queued_tokens == 0
+    await bridge.stop()
+    assert len(engine.thread_ids) == 1 and threading.get_ident() not in engine.thread_ids
+
+
+async def test_rejection_abort_and_step_failure_are_reported() -> None:
+    engine = CountingEngine(fail_at_step=3)
+    bridge, recorder = await start(engine)
+    bridge.submit([request("long", max_tokens=1000)])
+    bridge.submit([request("long", max_tokens=5)])  # duplicate id: the engine's ValueError
+    await recorder.wait_for(lambda ev: any(e[0] == "rejected" for e in ev))
+    await recorder.wait_for(lambda ev: any(e[0] == "failed" for e in ev))
+    failed = next(e for e in recorder.events if e[0] == "failed")
+    assert failed[1] == ("long",) and "boom" in failed[2]
+    bridge.submit([request("next", max_tokens=1000)])  # the engine keeps serving after a failure
+    await recorder.wait_for(lambda ev: any(e[0] == "delta" and e[1] == "next" for e in ev))
+    bridge.abort("next")
+    await recorder.wait_for(lambda ev: ("aborted", "next") in ev)
+    await bridge.stop()
+    assert engine.requests == {}
+
+
+async def test_a_failing_factory_fails_start() -> None:
+    def factory():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        await EngineBridge(factory).start()

@@ -1,0 +1,37 @@
+"""One JSON stream: structlog events with bound context, and stdlib loggers bridged into it."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import structlog
+
+from worker.service.log_config import configure_logging
+
+
+def test_json_events_carry_bound_context_and_stdlib_records_join_them() -> None:
+    stream = io.StringIO()
+    root = logging.getLogger()
+    saved_handlers, saved_level = list(root.handlers), root.level
+    try:
+        configure_logging("info", "auto", stream)  # a StringIO is no terminal: JSON
+        with structlog.contextvars.bound_contextvars(request_id="r-1", partition=3, offset=42):
+            structlog.get_logger("worker.test").info("request.finished", completion_tokens=5)
+            logging.getLogger("some.library").warning("careful: %s", "thing")
+        structlog.get_logger("worker.test").debug("hidden")  # below the level
+        lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    finally:
+        structlog.reset_defaults()
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in saved_handlers:
+            root.addHandler(handler)
+        root.setLevel(saved_level)
+    ours, theirs = lines
+    assert ours["event"] == "request.finished" and ours["level"] == "info"
+    assert (ours["request_id"], ours["partition"], ours["offset"]) == ("r-1", 3, 42)
+    assert ours["completion_tokens"] == 5 and "timestamp" in ours
+    assert theirs["event"] == "careful: thing" and theirs["logger"] == "some.library"
+    assert theirs["level"] == "warning" and theirs["request_id"] == "r-1"

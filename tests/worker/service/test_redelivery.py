@@ -1,0 +1,205 @@
+"""Workers in one group: a worker dying mid-stream, and two workers sharing the partitions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tests.worker.kafka_helpers import (
+    SMALL_ENGINE,
+    Producer,
+    ReplyReader,
+    create_topic,
+    fresh_topics,
+    make_request,
+    stream_of,
+    worker_settings,
+)
+from worker.service.worker import Worker
+
+pytestmark = pytest.mark.kafka
+
+NUM_PARTITIONS = 2
+
+
+class SlowEngine:
+    """The real engine, with a pause per step: slow enough to be caught mid-stream."""
+
+    def __init__(self, engine, step_s: float) -> None:
+        self._engine = engine
+        self._step_s = step_s
+
+    def step(self):
+        time.sleep(self._step_s)
+        return self._engine.step()
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
+def slow_engine_factory(model_dir, step_s: float = 0.03):
+    def build():
+        from engine import LLMEngine
+
+        return SlowEngine(LLMEngine(str(model_dir), **SMALL_ENGINE), step_s)
+
+    return build
+
+
+async def test_a_request_redelivered_after_a_crash_regenerates_the_same_messages(
+    broker, tiny_model_dir
+) -> None:
+    topic, group_id = fresh_topics()
+    await create_topic(broker.bootstrap_servers, topic, NUM_PARTITIONS)
+    settings_a = worker_settings(
+        tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id="crashing"
+    )
+    settings_b = worker_settings(
+        tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id="taking-over"
+    )
+    async with (
+        Producer(broker.bootstrap_servers) as producer,
+        ReplyReader(broker.bootstrap_servers) as replies,
+    ):
+        # Greedy, and sampled without a seed: the worker derives the seed from the request id.
+        greedy = make_request(replies.topic, "Hello there", max_tokens=40, ignore_eos=True)
+        sampled = make_request(
+            replies.topic, "Kafka streams", max_tokens=40, ignore_eos=True, temperature=0.9
+        )
+        worker_a = Worker(settings_a, engine_factory=slow_engine_factory(tiny_model_dir))
+        await worker_a.start()
+        try:
+            await worker_a.wait_assigned()
+            await producer.send(topic, greedy)
+            await producer.send(topic, sampled)
+            await replies.wait_until(
+                lambda: all(len(replies.tokens(r.id)) >= 5 for r in (greedy, sampled)),
+                what="tokens from worker A",
+            )
+        finally:
+            await worker_a.abort()  # dies mid-stream: nothing drained, nothing committed
+        assert not replies.finals(greedy.id) and not replies.finals(sampled.id)
+
+        worker_b = Worker(settings_b)
+        await worker_b.start()
+        try:
+            for request in (greedy, sampled):
+                final = await replies.final_of(request.id)
+                assert final.attempt.startswith("taking-over:")
+                (first_attempt,) = {m.attempt for m in replies.messages[request.id]} - {
+                    final.attempt
+                }
+                assert first_attempt.startswith("crashing:")
+                old = stream_of(replies, request.id, first_attempt)
+                new = stream_of(replies, request.id, final.attempt)
+                assert len(old) >= 5 and len(new) > len(old)
+                # Same tokens, same message boundaries, same seq: only the attempt differs.
+                for before, after in zip(old, new, strict=False):
+                    assert before.model_dump(exclude={"attempt"}) == after.model_dump(
+                        exclude={"attempt"}
+                    )
+                assert final.usage.completion_tokens == 40
+        finally:
+            await worker_b.stop(grace_s=5)
+
+
+async def test_two_workers_share_the_partitions_and_answer_each_request_once(
+    broker, tiny_model_dir
+) -> None:
+    topic, group_id = fresh_topics()
+    num_partitions = 4
+    await create_topic(broker.bootstrap_servers, topic, num_partitions)
+    workers = [
+        Worker(
+            worker_settings(
+                tiny_model_dir,
+                broker.bootstrap_servers,
+                group_id,
+                topic,
+                worker_id=f"pool-{i}",
+                kafka={"num_partitions": num_partitions},
+            )
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    async with (
+        Producer(broker.bootstrap_servers) as producer,
+        ReplyReader(broker.bootstrap_servers) as replies,
+    ):
+        await asyncio.gather(*(w.start() for w in workers))
+        try:
+            await wait_for_split(workers, num_partitions)
+            requests = [make_request(replies.topic, f"prompt {i}", max_tokens=6) for i in range(16)]
+            for request in requests:
+                await producer.send(topic, request)
+            for request in requests:
+                await replies.final_of(request.id)
+        finally:
+            await asyncio.gather(*(w.stop(grace_s=5) for w in workers))
+        # Everything the workers sent is flushed now; a marker shows the reader has read it all.
+        await producer.send(replies.topic, make_request(replies.topic, id="end-marker"))
+        await replies.wait_until(lambda: "end-marker" in replies.raw_ids, what="the end marker")
+    finals_per_id = {r.id: len(replies.finals(r.id)) for r in requests}
+    assert set(finals_per_id.values()) == {1}, finals_per_id
+    answered_by = {replies.finals(r.id)[0].attempt.split(":")[0] for r in requests}
+    assert answered_by == {"pool-0", "pool-1"}
+
+
+async def wait_for_split(
+    workers: list[Worker], num_partitions: int, timeout_s: float = 60.0
+) -> None:
+    """Until every worker has partitions and together they hold all of them (a settled rebalance)."""
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        assignments = [w.consumer.assignment for w in workers]
+        if all(assignments) and sum(len(a) for a in assignments) == num_partitions:
+            return
+        assert time.monotonic() < deadline_s, f"no settled split: {assignments}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_rebalance_mid_generation_hands_unfinished_work_to_the_new_owner(
+    broker, tiny_model_dir
+) -> None:
+    topic, group_id = fresh_topics()
+    num_partitions = 4
+    await create_topic(broker.bootstrap_servers, topic, num_partitions)
+
+    def settings(worker_id: str):
+        return worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id=worker_id,
+                               kafka={"num_partitions": num_partitions})  # fmt: skip
+
+    busy = Worker(settings("busy"), engine_factory=slow_engine_factory(tiny_model_dir, step_s=0.03))
+    joining = Worker(settings("joining"))
+    async with (
+        Producer(broker.bootstrap_servers) as producer,
+        ReplyReader(broker.bootstrap_servers) as replies,
+    ):
+        await busy.start()
+        try:
+            await busy.wait_assigned()
+            requests = [
+                make_request(replies.topic, f"long {i}", max_tokens=300, ignore_eos=True)
+                for i in range(8)
+            ]
+            for request in requests:
+                await producer.send(topic, request)
+            await replies.wait_until(
+                lambda: all(replies.tokens(r.id) for r in requests), what="all to stream"
+            )
+            await joining.start()  # the group rebalances while `busy` is mid-generation
+            for request in requests:
+                await replies.final_of(request.id, timeout_s=120)
+        finally:
+            await asyncio.gather(busy.stop(grace_s=5), joining.stop(grace_s=5))
+        await producer.send(replies.topic, make_request(replies.topic, id="end-marker"))
+        await replies.wait_until(lambda: "end-marker" in replies.raw_ids, what="the end marker")
+    finals = {r.id: replies.finals(r.id) for r in requests}
+    assert all(len(f) == 1 for f in finals.values()), finals  # revoked work sends no final
+    taken_over = [rid for rid, (f,) in finals.items() if f.attempt.startswith("joining:")]
+    assert taken_over, "the joining worker got no partitions with work on them"
+    for rid in taken_over:  # started by `busy`, dropped at the revocation, redone in full
+        attempts = {m.attempt.split(":")[0] for m in replies.messages[rid]}
+        assert attempts == {"busy", "joining"} and finals[rid][0].usage.completion_tokens == 300

@@ -1,0 +1,77 @@
+"""Delivery rules of finals: resend on failure, shrink when too large, never ack a lost one
+(its outcome future says it was given up instead)."""
+
+from __future__ import annotations
+
+from opentelemetry.trace import INVALID_SPAN
+
+from schemas.codec import decode_reply
+from schemas.headers import Urgency
+from schemas.messages import FinalReply, Timing, Usage
+from worker.service.job import Job
+from worker.service.replies import REPLY_TOO_LARGE, ReplyWriter, reply_headers
+from worker.service.reply_stream import ReplyStream
+
+
+class RecordingPublisher:
+    """Stands in for the producer: keeps what would be sent, and lets the test ack it."""
+
+    def __init__(self) -> None:
+        self.sent = []
+
+    def publish(self, message) -> None:
+        self.sent.append(message)
+
+
+def make_job() -> Job:
+    stream = ReplyStream("r1", "w:1", 1, True)
+    return Job(
+        request_id="r1", reply_to="mini-infer.replies.c", attempt="w:1", partition=None, offset=7,
+        urgency=Urgency.NORMAL, request=None, params=None, span=INVALID_SPAN,
+        reply_headers=reply_headers(None), stream=stream, received_s=0.0,
+    )  # fmt: skip
+
+
+def final(text: str) -> FinalReply:
+    timing = Timing(queued_ms=0, total_ms=1)
+    return FinalReply(
+        id="r1",
+        attempt="w:1",
+        seq=3,
+        finish_reason="stop",
+        text=text,
+        usage=Usage(prompt_tokens=1, completion_tokens=2),
+        timing=timing,
+    )
+
+
+async def test_a_failed_final_is_resent_then_given_up_without_an_ack() -> None:
+    publisher = RecordingPublisher()
+    writer = ReplyWriter(publisher, max_message_bytes=10_000, num_final_retries=2)
+    job = make_job()
+    outcome = writer.send(job, final("hi"))
+    for _ in range(2):
+        publisher.sent[-1].on_done(TimeoutError("no broker"))
+    assert len(publisher.sent) == 3  # the first try and two retries, all the same message
+    assert not outcome.done()
+    assert (
+        len({m.value for m in publisher.sent}) == 1
+        and decode_reply(publisher.sent[0].value).seq == 3
+    )
+    publisher.sent[-1].on_done(TimeoutError("still none"))
+    # Given up after the last retry, never acked: its owner dead-letters it.
+    assert len(publisher.sent) == 3 and outcome.done()
+    assert str(outcome.exception()) == "still none"
+    again = writer.send(job, final("again"))
+    publisher.sent[-1].on_done(None)
+    assert again.done() and again.exception() is None
+
+
+async def test_a_final_too_large_for_the_broker_becomes_a_small_error_final() -> None:
+    publisher = RecordingPublisher()
+    writer = ReplyWriter(publisher, max_message_bytes=2048, num_final_retries=0)
+    writer.send(make_job(), final("x" * 5000))
+    (message,) = publisher.sent
+    reply = decode_reply(message.value)
+    assert len(message.value) <= 2048 and reply.finish_reason == "error"
+    assert reply.error.code == REPLY_TOO_LARGE and reply.seq == 3 and message.key == b"r1"

@@ -1,0 +1,59 @@
+"""Message boundaries depend only on tokens; deltas concatenate to the final's text."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from schemas.messages import FinalReply, Timing, TokenReply, Usage
+from worker.service.reply_stream import ReplyStream
+
+USAGE = Usage(prompt_tokens=3, completion_tokens=0)
+TIMING = Timing(queued_ms=0, ttft_ms=None, total_ms=1)
+
+deltas = st.lists(
+    st.tuples(st.text(max_size=4), st.lists(st.integers(0, 500), min_size=1, max_size=2)),
+    max_size=30,
+)
+
+
+def run(stream: ReplyStream, pieces) -> list[TokenReply | FinalReply]:
+    out: list[TokenReply | FinalReply] = []
+    for text, token_ids in pieces:
+        out += stream.add(text, token_ids)
+    return out + stream.finish("length", USAGE, TIMING)
+
+
+@given(deltas, st.integers(1, 5))
+def test_seq_is_contiguous_and_texts_concatenate_to_the_final(pieces, tokens_per_message) -> None:
+    messages = run(ReplyStream("r", "w:1", tokens_per_message, True), pieces)
+    assert [m.seq for m in messages] == list(range(len(messages)))
+    *tokens, final = messages
+    assert isinstance(final, FinalReply) and all(isinstance(m, TokenReply) for m in tokens)
+    assert "".join(m.text for m in tokens) == final.text == "".join(t for t, _ in pieces)
+    assert [i for m in tokens for i in m.token_ids] == [i for _, ids in pieces for i in ids]
+    if tokens_per_message > 1:
+        assert all(len(m.token_ids) >= tokens_per_message for m in tokens[:-1])
+
+
+@given(deltas, st.integers(1, 4))
+def test_two_attempts_with_the_same_tokens_publish_identical_messages(
+    pieces, tokens_per_message
+) -> None:
+    first = run(ReplyStream("r", "w1:7", tokens_per_message, True), pieces)
+    second = run(ReplyStream("r", "w2:1", tokens_per_message, True), pieces)
+    strip = [m.model_dump(exclude={"attempt"}) for m in first]
+    assert strip == [m.model_dump(exclude={"attempt"}) for m in second]
+
+
+def test_not_streaming_sends_only_the_final() -> None:
+    messages = run(ReplyStream("r", "w:1", 1, False), [("a", [1]), ("b", [2])])
+    assert len(messages) == 1 and messages[0].text == "ab" and messages[0].seq == 0
+
+
+def test_one_final_per_attempt() -> None:
+    stream = ReplyStream("r", "w:1", 1, True)
+    stream.finish("stop", USAGE, TIMING)
+    with pytest.raises(RuntimeError):
+        stream.finish("stop", USAGE, TIMING)

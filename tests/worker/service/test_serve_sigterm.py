@@ -1,0 +1,150 @@
+"""`mini-infer serve` as a real process: SIGTERM mid-generation exits 0 within the grace period,
+and the work it could not finish is redelivered to the next worker and answered."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import unique_name
+from tests.worker.kafka_helpers import (
+    Producer,
+    ReplyReader,
+    create_topic,
+    fresh_topics,
+    make_request,
+    worker_settings,
+)
+from worker.service.worker import Worker
+
+pytestmark = pytest.mark.kafka
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+GRACE_S = 0.5
+
+
+def start_serve(
+    bootstrap_servers: str,
+    model_dir: Path,
+    group_id: str,
+    topic: str,
+    ready_file: Path,
+    log_path: Path,
+) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "MINI_INFER_ENGINE__KV_CACHE_MEMORY_BYTES": str(32 << 20),
+        "MINI_INFER_KAFKA__CONTROL_TOPIC": topic + ".control",
+        "MINI_INFER_KAFKA__DLQ_TOPIC": topic + ".dlq",
+        # As in the other tests: the embedded broker makes a successor wait for the leaver's
+        # session to expire, so a shorter (still Kafka-legal) session keeps the test short.
+        "MINI_INFER_KAFKA__SESSION_TIMEOUT_MS": "6000",
+        "MINI_INFER_KAFKA__HEARTBEAT_INTERVAL_MS": "1000",
+    }
+    command = [
+        sys.executable, "-m", "worker.cli", "serve",
+        "--bootstrap-servers", bootstrap_servers, "--model", str(model_dir), "--group-id", group_id,
+        "--request-topic", topic, "--partitions", "2", "--grace-s", str(GRACE_S),
+        "--ready-file", str(ready_file), "--worker-id", "terminated", "--log-format", "json",
+    ]  # fmt: skip
+    with open(log_path, "wb") as log_file:
+        return subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT
+        )
+
+
+async def wait_for_file(
+    path: Path, process: subprocess.Popen, log_path: Path, timeout_s: float = 90.0
+) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while not path.exists():
+        if process.poll() is not None or time.monotonic() > deadline_s:
+            process.kill()
+            raise AssertionError(f"serve did not get ready:\n{log_path.read_text()[-3000:]}")
+        await asyncio.sleep(0.1)
+
+
+def log_events(log_path: Path) -> list[dict]:
+    events = []
+    for line in log_path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # the embedded-broker banner or a library's plain print
+    return events
+
+
+async def test_sigterm_drains_exits_zero_and_unfinished_work_is_redelivered(
+    broker, tiny_model_dir, tmp_path
+) -> None:
+    topic, group_id = fresh_topics()
+    await create_topic(broker.bootstrap_servers, topic, 2)
+    ready_file, log_path = tmp_path / "ready.json", tmp_path / "serve.log"
+    process = start_serve(
+        broker.bootstrap_servers, tiny_model_dir, group_id, topic, ready_file, log_path
+    )
+    try:
+        await wait_for_file(ready_file, process, log_path)
+        async with (
+            Producer(broker.bootstrap_servers) as producer,
+            ReplyReader(broker.bootstrap_servers) as replies,
+        ):
+            short = make_request(replies.topic, "short one", max_tokens=4)
+            await producer.send(topic, short)
+            assert (await replies.final_of(short.id, timeout_s=60)).attempt.startswith(
+                "terminated:"
+            )
+            # Seconds of work each (the context allows ~1000 tokens), far beyond the grace period.
+            long = [
+                make_request(
+                    replies.topic,
+                    f"long {i}",
+                    id=unique_name("long"),
+                    max_tokens=1000,
+                    ignore_eos=True,
+                )
+                for i in range(2)
+            ]
+            for request in long:
+                await producer.send(topic, request)
+            await replies.wait_until(
+                lambda: all(replies.tokens(r.id) for r in long), what="the long requests to stream"
+            )
+            signalled_s = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            return_code = await asyncio.to_thread(process.wait, GRACE_S + 20)
+            assert return_code == 0, log_path.read_text()[-3000:]
+            assert time.monotonic() - signalled_s < GRACE_S + 20
+            # What the grace period could not finish was aborted without a final.
+            unfinished = [r for r in long if not replies.finals(r.id)]
+            assert unfinished, "all long requests finished within the grace period"
+            drained = [e for e in log_events(log_path) if e.get("event") == "worker.drained"]
+            assert drained and drained[0]["num_redelivered"] == len(unfinished)
+            assert not ready_file.exists()
+
+            settings = worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id="next",
+                                       kafka={"control_topic": topic + ".control", "dlq_topic": topic + ".dlq"})  # fmt: skip
+            successor = Worker(settings)
+            await successor.start()
+            try:
+                for request in unfinished:
+                    final = await replies.final_of(request.id, timeout_s=90)
+                    assert final.attempt.startswith("next:")
+                    assert final.usage.completion_tokens == 1000
+                # The short request was committed by the terminated worker: not answered again.
+                assert len(replies.finals(short.id)) == 1
+            finally:
+                await successor.stop(grace_s=5)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -1,0 +1,30 @@
+"""`mini-infer serve`: run one worker until SIGTERM/SIGINT, with an embedded broker when no
+bootstrap servers are configured. Every setting is also a flag (see `--help`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from pydantic import ValidationError
+
+from worker.service.log_config import configure_logging
+from worker.service.settings import add_settings_arguments, settings_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as error:
+        print(f"mini-infer serve: invalid settings:\n{error}", file=sys.stderr)
+        return 2
+    obs = settings.observability
+    configure_logging(obs.log_level, obs.log_format)
+    from worker.service.worker import serve  # imports the engine bridge: only when serving
+
+    return asyncio.run(serve(settings))

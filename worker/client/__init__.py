@@ -1,0 +1,28 @@
+"""The producer-side SDK: what a service that sends requests imports.
+
+    from worker.client import MiniInferClient
+
+Depends on `schemas` and aiokafka only (no torch, no engine): installable with the base
+distribution (`pip install mini-infer`, see the README's "Packaging").
+"""
+
+from worker.client.assembler import Delta, ReplyAssembler
+from worker.client.client import (
+    ClientError,
+    ClientOptions,
+    GenerateResult,
+    MiniInferClient,
+    RequestFailedError,
+    RequestTimeoutError,
+)
+
+__all__ = [
+    "ClientError",
+    "ClientOptions",
+    "Delta",
+    "GenerateResult",
+    "MiniInferClient",
+    "ReplyAssembler",
+    "RequestFailedError",
+    "RequestTimeoutError",
+]

@@ -1,0 +1,331 @@
+"""The producer-side SDK: send requests, stream their replies back.
+
+    async with MiniInferClient("127.0.0.1:9092") as client:
+        async for delta in client.stream(prompt="Hi", max_tokens=32):
+            print(delta.text, end="")
+
+Each client owns one reply topic, `<reply_prefix><uuid>`, with one partition, read by a plain
+consumer (no group: nobody else reads it, and a group join costs seconds) from `earliest`, so a
+reply written before the consumer's first fetch is not lost. One background task reads it and
+routes replies by request id to per-request queues, so many streams share one client. Which
+replies to show is decided by the pure `ReplyAssembler` (the client rule of docs/CONTRACT.md).
+
+Depends on `schemas` and aiokafka only, never on `engine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+
+from schemas.codec import DEFAULT_LIMITS, MSGPACK, Limits, check_limits, encode
+from schemas.contract import (
+    DEFAULT_CONTROL_TOPIC,
+    DEFAULT_REPLY_TOPIC_PREFIX,
+    DEFAULT_REQUEST_TOPIC,
+    NUM_REPLY_TOPIC_PARTITIONS,
+    TOPIC_NAME_PATTERN,
+)
+from schemas.headers import CONTENT_TYPE, Urgency, request_headers
+from schemas.messages import (
+    Cancel,
+    ChatMessage,
+    FinalReply,
+    Request,
+    Timing,
+    TokenReply,
+    Usage,
+)
+from worker.client.assembler import Delta, ReplyAssembler
+from worker.client.router import Item, ReplyRouter
+from worker.topics import create_topics
+
+log = structlog.get_logger(__name__)
+
+STOP_TIMEOUT_S = 5.0  # aiokafka's stop() can hang (docs/KAFKA.md); never wait longer
+CANCEL_TIMEOUT_S = 5.0
+# Apache Kafka answers a fetch as soon as data arrives, but the embedded broker holds it for the
+# whole fetch_max_wait_ms (measured: 500 ms, aiokafka's default, put ~250 ms on every reply).
+# A short wait costs an idle client ~50 empty fetches/s, which either broker shrugs off.
+DEFAULT_REPLY_FETCH_MAX_WAIT_MS = 20
+# Request fields a caller may pass as keyword arguments; the client fills in the rest.
+SAMPLING_FIELDS = frozenset(Request.model_fields) - {"id", "reply_to", "prompt", "messages"}
+
+
+class ClientError(RuntimeError):
+    pass
+
+
+class RequestFailedError(ClientError):
+    """The worker answered with `finish_reason: error`."""
+
+    def __init__(self, code: str, message: str, final: FinalReply | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.final = final
+
+
+class RequestTimeoutError(ClientError, TimeoutError):
+    pass
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    text: str
+    finish_reason: str
+    usage: Usage
+    timing: Timing
+    attempt: str
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """How a client reaches the workers. The defaults are the contract's (schemas.contract)."""
+
+    request_topic: str = DEFAULT_REQUEST_TOPIC
+    reply_prefix: str = DEFAULT_REPLY_TOPIC_PREFIX
+    control_topic: str = DEFAULT_CONTROL_TOPIC
+    client_id: str | None = None
+    enable_idempotence: bool = False  # the embedded broker cannot do it (docs/KAFKA.md)
+    reply_replication_factor: int = 1
+    reply_fetch_max_wait_ms: int = DEFAULT_REPLY_FETCH_MAX_WAIT_MS
+    # Checked before sending; keep them equal to the workers' (MINI_INFER_LIMITS__*).
+    limits: Limits = DEFAULT_LIMITS
+    # Passed to every aiokafka client as they are: security_protocol, sasl_mechanism,
+    # sasl_plain_username, ssl_context, request_timeout_ms, ...
+    kafka: Mapping[str, Any] = field(default_factory=dict)
+
+
+class MiniInferClient:
+    def __init__(self, bootstrap_servers: str, options: ClientOptions | None = None) -> None:
+        options = options or ClientOptions()
+        instance_id = uuid.uuid4().hex
+        self.bootstrap_servers = bootstrap_servers
+        self.options = options
+        self.request_topic = options.request_topic
+        self.control_topic = options.control_topic
+        self.reply_topic = f"{options.reply_prefix}{instance_id}"
+        if not re.fullmatch(TOPIC_NAME_PATTERN, self.reply_topic):
+            raise ValueError(
+                f"reply_prefix {options.reply_prefix!r} does not make a valid topic name"
+            )
+        self.client_id = options.client_id or f"mini-infer-client-{instance_id[:8]}"
+        self._kafka_options = {
+            "bootstrap_servers": bootstrap_servers,
+            "client_id": self.client_id,
+            **options.kafka,
+        }
+        self._producer: AIOKafkaProducer | None = None
+        self._consumer: AIOKafkaConsumer | None = None
+        self._reader: asyncio.Task | None = None
+        self._router = ReplyRouter()
+        self._background: set[asyncio.Task] = set()
+
+    async def __aenter__(self) -> MiniInferClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        try:
+            await self._create_reply_topic()
+            self._producer = AIOKafkaProducer(
+                **self._kafka_options,
+                acks="all",
+                enable_idempotence=self.options.enable_idempotence,
+            )
+            await self._producer.start()
+            self._consumer = AIOKafkaConsumer(
+                **self._kafka_options,
+                group_id=None,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                fetch_max_wait_ms=self.options.reply_fetch_max_wait_ms,
+            )
+            await self._consumer.start()
+            self._consumer.assign([TopicPartition(self.reply_topic, 0)])
+        except BaseException:
+            await self.close()
+            raise
+        self._reader = asyncio.create_task(
+            self._router.run(self._consumer, ClientError), name="mini-infer-reply-reader"
+        )
+        log.info("client.started", reply_topic=self.reply_topic, client_id=self.client_id)
+
+    async def _create_reply_topic(self) -> None:
+        admin = AIOKafkaAdminClient(**self._kafka_options)
+        await admin.start()
+        try:
+            await create_topics(
+                admin,
+                {self.reply_topic: NUM_REPLY_TOPIC_PARTITIONS},
+                self.options.reply_replication_factor,
+            )
+        finally:
+            await admin.close()
+
+    async def close(self) -> None:
+        """Finish best-effort cancels, stop reading, stop producing. The reply topic is kept:
+        deleting a topic that is being read breaks consumers on the embedded broker."""
+        if self._background:
+            await asyncio.wait(self._background, timeout=CANCEL_TIMEOUT_S)
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
+        self._router.fail_all(ClientError("the client was closed"))
+        for name, part in (("consumer", self._consumer), ("producer", self._producer)):
+            if part is None:
+                continue
+            try:
+                await asyncio.wait_for(part.stop(), STOP_TIMEOUT_S)
+            except (TimeoutError, KafkaError) as exc:
+                log.warning("client.stop_failed", part=name, error=repr(exc))
+        self._consumer = self._producer = None
+
+    def build_request(
+        self,
+        prompt: str | None = None,
+        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
+        request_id: str | None = None,
+        **sampling: Any,
+    ) -> Request:
+        """Validate here, so a bad argument fails in the caller, not as an error final."""
+        unknown = set(sampling) - SAMPLING_FIELDS
+        if unknown:
+            raise TypeError(f"unknown request fields: {sorted(unknown)}")
+        fields = {k: v for k, v in sampling.items() if v is not None}
+        request = Request(
+            id=request_id or uuid.uuid4().hex,
+            reply_to=self.reply_topic,
+            prompt=prompt,
+            messages=list(messages) if messages is not None else None,
+            **fields,
+        )
+        check_limits(request, self.options.limits)
+        return request
+
+    async def send(
+        self,
+        request: Request,
+        urgency: Urgency | str = Urgency.NORMAL,
+        traceparent: str | None = None,
+    ) -> None:
+        """Produce `request` (keyed by its id). Its replies are dropped unless `stream` reads them."""
+        if self._producer is None:
+            raise ClientError("the client is not started")
+        await self._producer.send_and_wait(
+            self.request_topic,
+            encode(request, MSGPACK),
+            key=request.id.encode(),
+            headers=request_headers(MSGPACK, urgency, traceparent),
+        )
+
+    async def cancel(self, request_id: str) -> None:
+        if self._producer is None:
+            raise ClientError("the client is not started")
+        await self._producer.send_and_wait(
+            self.control_topic,
+            encode(Cancel(id=request_id), MSGPACK),
+            key=request_id.encode(),
+            headers=[(CONTENT_TYPE, MSGPACK.encode())],
+        )
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[ChatMessage | Mapping[str, str]] | None = None,
+        urgency: Urgency | str = Urgency.NORMAL,
+        request_id: str | None = None,
+        timeout_s: float = 60.0,
+        traceparent: str | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[Delta]:
+        """Send one request and yield what to show; the last delta carries the `final`.
+
+        Raises `RequestFailedError` on an error final and `RequestTimeoutError` (after sending a
+        best-effort cancel) when no final comes within `timeout_s`. Leaving the loop early
+        cancels the request too, once the generator is closed: at once under
+        `contextlib.aclosing(client.stream(...))`, otherwise when it is garbage-collected.
+        """
+        request = self.build_request(prompt, messages, request_id, **sampling)
+        queue = self._router.register(request.id)
+        assembler = ReplyAssembler()
+        is_cancel_needed = False
+        try:
+            await self.send(request, urgency, traceparent)
+            is_cancel_needed = True
+            deadline_s = asyncio.get_running_loop().time() + timeout_s
+            while not assembler.is_done:
+                for delta in assembler.feed(await self._next_reply(request.id, queue, deadline_s)):
+                    if delta.final is not None:
+                        is_cancel_needed = False
+                        _raise_if_error(delta.final)
+                    yield delta
+        except RequestTimeoutError:
+            is_cancel_needed = False
+            await self._cancel_quietly(request.id)
+            raise
+        finally:
+            self._router.unregister(request.id)
+            if is_cancel_needed:  # the caller stopped reading, or the stream failed
+                self._spawn(self._cancel_quietly(request.id))
+
+    async def _next_reply(
+        self, request_id: str, queue: asyncio.Queue[Item], deadline_s: float
+    ) -> TokenReply | FinalReply:
+        remaining_s = deadline_s - asyncio.get_running_loop().time()
+        try:
+            item = await asyncio.wait_for(queue.get(), max(remaining_s, 0.0))
+        except TimeoutError:
+            log.warning("client.request_timeout", request_id=request_id)
+            raise RequestTimeoutError(
+                f"no final reply for request {request_id!r} in time"
+            ) from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerateResult:
+        """The whole completion at once. Asks for `stream=False` unless told otherwise, so the
+        worker need send only the final."""
+        kwargs.setdefault("stream", False)
+        final = None
+        async for delta in self.stream(prompt, **kwargs):
+            final = delta.final or final
+        if final is None:  # unreachable: stream() ends with a final or raises
+            raise ClientError("the reply stream ended without a final")
+        return GenerateResult(
+            final.text, final.finish_reason, final.usage, final.timing, final.attempt
+        )
+
+    async def _cancel_quietly(self, request_id: str) -> None:
+        try:
+            await asyncio.wait_for(self.cancel(request_id), CANCEL_TIMEOUT_S)
+        except (TimeoutError, KafkaError, ClientError) as exc:
+            log.warning("client.cancel_failed", request_id=request_id, error=repr(exc))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _raise_if_error(final: FinalReply) -> None:
+    if final.finish_reason == "error":
+        error = final.error
+        code, message = (error.code, error.message) if error else ("unknown", "no error details")
+        raise RequestFailedError(code, message, final)

@@ -1,0 +1,140 @@
+"""The urgency batcher: holds decoded requests for a short window, then releases them to the
+engine most urgent first, then earliest deadline, then first come, within a token budget.
+
+Why hold at all, when the engine batches continuously? Because order is decided at release: a
+`critical` request that arrives while a backlog of `low` ones waits here overtakes all of them,
+and the engine's own priority scheduling (urgency is the engine priority) keeps it ahead inside
+the scheduler too. The window is the longest a request waits for more company, by urgency:
+critical never waits, low waits longest (50 ms by default, invisible next to a forward pass).
+
+The token budget keeps the engine's queue short, so that ordering here still matters: a flush
+releases prompt tokens only up to `max_batch_tokens` minus those already handed to the engine
+and not yet started. It adapts to prompt lengths: when the engine has nothing queued the head
+of the queue is released however long its prompt, so a long prompt is never starved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas.headers import Urgency
+from worker.service.settings import BatcherSettings
+
+
+@dataclass
+class PendingItem:
+    item: Any
+    urgency: Urgency
+    deadline_ms: int | None  # absolute Unix epoch ms, None = no deadline
+    arrival_seq: int
+    num_tokens: int
+    due_s: float = field(default=0.0)  # monotonic time at which its window closes
+
+    @property
+    def order_key(self) -> tuple[int, float, int]:
+        deadline = math.inf if self.deadline_ms is None else self.deadline_ms
+        return (self.urgency.priority, deadline, self.arrival_seq)
+
+
+def select_batch(
+    pending: list[PendingItem], budget_tokens: int, must_take_head: bool = True
+) -> tuple[list[PendingItem], list[PendingItem]]:
+    """Split `pending` into (released, kept), both in release order.
+
+    Strictly in order: the first item that does not fit stops the batch (skipping it for smaller
+    ones behind would starve long prompts). With `must_take_head` (the engine is idle) the first
+    item goes even when it alone is over the budget.
+    """
+    ordered = sorted(pending, key=lambda p: p.order_key)
+    num_tokens = 0
+    num_released = 0
+    for p in ordered:
+        is_head_forced = must_take_head and num_released == 0
+        if not is_head_forced and num_tokens + p.num_tokens > budget_tokens:
+            break
+        num_tokens += p.num_tokens
+        num_released += 1
+    return ordered[:num_released], ordered[num_released:]
+
+
+class Batcher:
+    """Async front of `select_batch`. `release` receives each batch (in order) on the event loop;
+    `queued_tokens()` tells how many released prompt tokens the engine has not started yet."""
+
+    def __init__(
+        self,
+        settings: BatcherSettings,
+        release: Callable[[list[Any]], None],
+        queued_tokens: Callable[[], int] = lambda: 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._settings = settings
+        self._release = release
+        self._queued_tokens = queued_tokens
+        self._clock = clock
+        self._pending: list[PendingItem] = []
+        self._num_arrivals = 0
+        self._wakeup = asyncio.Event()
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def submit(self, item: Any, urgency: Urgency, deadline_ms: int | None, num_tokens: int) -> None:
+        window_s = self._settings.window_ms(urgency) / 1000
+        self._pending.append(
+            PendingItem(
+                item, urgency, deadline_ms, self._num_arrivals, num_tokens, self._clock() + window_s
+            )
+        )
+        self._num_arrivals += 1
+        self._wakeup.set()
+
+    def wake(self) -> None:
+        """The engine started work (its queue shrank): maybe there is budget again."""
+        self._wakeup.set()
+
+    def remove(self, predicate: Callable[[Any], bool]) -> list[Any]:
+        """Take out pending items (cancelled, expired, revoked) before they reach the engine."""
+        removed = [p.item for p in self._pending if predicate(p.item)]
+        if removed:
+            self._pending = [p for p in self._pending if not predicate(p.item)]
+        return removed
+
+    def drain(self) -> list[Any]:
+        items = [p.item for p in sorted(self._pending, key=lambda p: p.order_key)]
+        self._pending = []
+        return items
+
+    async def run(self) -> None:
+        while True:
+            timeout_s = self.flush_due()
+            self._wakeup.clear()
+            if timeout_s is None:
+                await self._wakeup.wait()
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), timeout_s)
+
+    def flush_due(self) -> float | None:
+        """Release a batch if a window closed and the engine has room. Returns how long to wait
+        before looking again (None: until woken)."""
+        if not self._pending:
+            return None
+        wait_s = min(p.due_s for p in self._pending) - self._clock()
+        if wait_s > 0:
+            return wait_s
+        queued_tokens = self._queued_tokens()
+        budget_tokens = self._settings.max_batch_tokens - queued_tokens
+        released, self._pending = select_batch(self._pending, budget_tokens, queued_tokens == 0)
+        if released:
+            self._release([p.item for p in released])
+        # Whatever is left waits for the engine to start something (the bridge wakes us), unless
+        # nothing reached the engine (all released items expired): then look again at once.
+        return 0.0 if self._pending and self._queued_tokens() == 0 else None

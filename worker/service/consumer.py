@@ -1,0 +1,197 @@
+"""The request consumer: one aiokafka group member that polls, routes, applies backpressure and
+commits watermarks.
+
+- Commits are manual and only up to each partition's watermark (`OffsetTracker`): a request's
+  offset counts as done once its final (or dead letter) is acknowledged by the broker.
+- At `max_num_inflight` unfinished messages the assigned partitions are paused, so the worker
+  never buffers without bound, and resumed as soon as there is room.
+- On revocation, finished work is committed first (after letting in-flight finals land), then the
+  revoked partitions' unfinished jobs are dropped: the next owner redoes them.
+- A bad message is routed (DLQ or error final), never raised: the poll loop catches only what a
+  broker can throw at it, and logs and goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaError
+
+from schemas.contract import DeadLetterReason
+from worker.service.dead_letters import DeadLetterWriter
+from worker.service.offsets import OffsetTracker
+from worker.service.pipeline import Pipeline
+from worker.service.publisher import Publisher
+from worker.service.routing import DeadLetter, Rejected, RoutingPolicy, route
+from worker.service.settings import WorkerSettings
+from worker.service.telemetry import Telemetry
+from worker.service.topics import TopicAdmin
+
+log = structlog.get_logger(__name__)
+
+REVOKE_FLUSH_TIMEOUT_S = 5.0
+
+
+class RequestConsumer:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        bootstrap_servers: str,
+        pipeline: Pipeline,
+        publisher: Publisher,
+        dead_letters: DeadLetterWriter,
+        topics: TopicAdmin,
+        policy: RoutingPolicy,
+        telemetry: Telemetry,
+        tracker: OffsetTracker,
+    ) -> None:
+        kafka = settings.kafka
+        self._settings = settings
+        self._pipeline = pipeline
+        self._publisher = publisher
+        self._dead_letters = dead_letters
+        self._topics = topics
+        self._policy = policy
+        self._telemetry = telemetry
+        self.tracker = tracker
+        self._max_num_inflight = settings.limits.max_num_inflight
+        self._is_polling = True
+        self._is_paused = False
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap_servers,
+            group_id=kafka.group_id,
+            client_id=f"{kafka.client_id}-consumer",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            session_timeout_ms=kafka.session_timeout_ms,
+            heartbeat_interval_ms=kafka.heartbeat_interval_ms,
+            max_poll_interval_ms=kafka.max_poll_interval_ms,
+            request_timeout_ms=kafka.request_timeout_ms,
+            fetch_max_wait_ms=kafka.fetch_max_wait_ms,
+            max_partition_fetch_bytes=max(1 << 20, settings.limits.max_message_bytes + (64 << 10)),
+            **kafka.client_options(),
+        )
+
+    @property
+    def assignment(self) -> set[TopicPartition]:
+        return set(self._consumer.assignment())
+
+    @property
+    def is_paused(self) -> bool:
+        """Whether backpressure paused the assigned partitions."""
+        return bool(self._consumer.paused())
+
+    async def start(self) -> None:
+        await self._consumer.start()
+        self._consumer.subscribe([self._settings.kafka.request_topic], listener=_Rebalance(self))
+
+    def stop_polling(self) -> None:
+        self._is_polling = False
+
+    async def run(self) -> None:
+        while self._is_polling:
+            self._apply_backpressure()
+            room = self._max_num_inflight - self.tracker.num_unfinished
+            try:
+                batches = await self._consumer.getmany(
+                    timeout_ms=self._settings.kafka.fetch_max_wait_ms, max_records=max(1, room)
+                )
+            except KafkaError as error:
+                log.warning("consumer.poll_failed", error=repr(error))
+                await asyncio.sleep(1.0)
+                continue
+            for partition, records in batches.items():
+                for record in records:
+                    await self._handle(partition, record)
+            await self.commit()
+
+    async def _handle(self, partition: TopicPartition, record) -> None:
+        received_s = time.monotonic()
+        self.tracker.add(partition, record.offset)
+        key = record.key.decode("utf-8", errors="replace") if record.key else None
+        with structlog.contextvars.bound_contextvars(
+            key=key, request_id=None, partition=partition.partition, offset=record.offset
+        ):
+            decision = route(record.value, record.headers, self._policy)
+            if isinstance(decision, DeadLetter):
+                self._dead_letter(partition, record, decision)
+                return
+            structlog.contextvars.bind_contextvars(request_id=decision.request_id)
+            try:
+                await self._topics.ensure_reply_topic(decision.reply_to)
+            except (KafkaError, OSError) as error:
+                self._dead_letter(
+                    partition, record, DeadLetter(DeadLetterReason.REPLY_TOPIC_UNAVAILABLE, repr(error))
+                )
+                return
+            if isinstance(decision, Rejected):
+                self._pipeline.reject(decision, partition, record, received_s)
+            else:
+                self._pipeline.accept(decision, partition, record, received_s)
+
+    def _dead_letter(self, partition: TopicPartition, record, letter: DeadLetter) -> None:
+        self._dead_letters.write(partition, record, letter.reason, letter.message)
+
+    def _apply_backpressure(self) -> None:
+        is_full = self.tracker.num_unfinished >= self._max_num_inflight
+        if is_full:
+            unpaused = self.assignment - self._consumer.paused()
+            if unpaused:
+                self._consumer.pause(*unpaused)
+        elif self._consumer.paused():
+            self._consumer.resume(*self._consumer.paused())
+        if is_full != self._is_paused:
+            self._is_paused = is_full
+            log.info(
+                "consumer.paused" if is_full else "consumer.resumed",
+                num_inflight=self.tracker.num_unfinished,
+            )
+
+    async def commit(self, partitions: set[TopicPartition] | None = None) -> None:
+        """Commit the watermarks that moved, of `partitions` (default: all assigned ones)."""
+        offsets = self.tracker.to_commit(self.assignment if partitions is None else partitions)
+        if not offsets:
+            return
+        try:
+            await self._consumer.commit(offsets)
+        except KafkaError as error:  # mid-rebalance: the next commit, or the next owner, catches up
+            log.warning("consumer.commit_failed", error=repr(error))
+            return
+        self.tracker.mark_committed(offsets)
+
+    async def on_revoked(self, revoked: set[TopicPartition]) -> None:
+        if not revoked:
+            return
+        # Finals already on their way are finished work: let them land, then commit them.
+        await self._publisher.flush(timeout_s=REVOKE_FLUSH_TIMEOUT_S)
+        await self.commit(revoked)
+        num_dropped = self._pipeline.drop(self._pipeline.jobs_of(revoked), "revoked")
+        self.tracker.drop(revoked)
+        log.info(
+            "consumer.revoked",
+            partitions=sorted(p.partition for p in revoked),
+            num_dropped=num_dropped,
+        )
+
+    async def close(self) -> None:
+        """Leave the group. aiokafka can hang here when a topic vanished, so it is bounded."""
+        try:
+            await asyncio.wait_for(
+                self._consumer.stop(), self._settings.kafka.consumer_stop_timeout_s
+            )
+        except TimeoutError:
+            log.warning("consumer.stop_timeout")
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, owner: RequestConsumer) -> None:
+        self._owner = owner
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        await self._owner.on_revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        log.info("consumer.assigned", partitions=sorted(p.partition for p in assigned))

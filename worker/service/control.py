@@ -1,0 +1,81 @@
+"""The control topic: cancel messages that every worker must see.
+
+A cancel must reach whichever worker holds the request, so this consumer is outside the request
+group: it assigns itself every partition of the control topic, with no group and no commits.
+It reads from the earliest offset: starting "at the end" is unreliable on the embedded broker
+(KAFKA_NOTES.md), and old cancels are harmless. A cancel for an id not (yet) here is remembered
+by the pipeline, so a cancel that overtakes its request still wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
+
+from schemas.codec import Limits, UndecodableError, decode_cancel
+from schemas.headers import read_content_type
+from worker.service.pipeline import Pipeline
+from worker.service.settings import KafkaSettings
+
+log = structlog.get_logger(__name__)
+
+POLL_TIMEOUT_MS = 200
+
+
+class CancelListener:
+    def __init__(
+        self, kafka: KafkaSettings, bootstrap_servers: str, pipeline: Pipeline, limits: Limits
+    ) -> None:
+        self._topic = kafka.control_topic
+        self._pipeline = pipeline
+        self._limits = limits
+        self._stop_timeout_s = kafka.consumer_stop_timeout_s
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap_servers,
+            group_id=None,
+            client_id=f"{kafka.client_id}-control",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            request_timeout_ms=kafka.request_timeout_ms,
+            fetch_max_wait_ms=POLL_TIMEOUT_MS,
+            **kafka.client_options(),
+        )
+
+    async def start(self) -> None:
+        await self._consumer.start()
+        await self._consumer.topics()  # fills the metadata that partitions_for_topic reads
+        partition_ids = self._consumer.partitions_for_topic(self._topic) or {0}
+        partitions = [TopicPartition(self._topic, p) for p in sorted(partition_ids)]
+        self._consumer.assign(partitions)
+        await self._consumer.seek_to_beginning(*partitions)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                batches = await self._consumer.getmany(timeout_ms=POLL_TIMEOUT_MS)
+            except KafkaError as error:
+                log.warning("control.poll_failed", error=repr(error))
+                await asyncio.sleep(1.0)
+                continue
+            for records in batches.values():
+                for record in records:
+                    self._handle(record)
+
+    def _handle(self, record) -> None:
+        try:
+            cancel = decode_cancel(record.value, read_content_type(record.headers), self._limits)
+        except UndecodableError as error:
+            log.warning("control.undecodable", offset=record.offset, reason=error.reason)
+            return
+        num_stopped = self._pipeline.cancel(cancel.id)
+        if num_stopped:
+            log.info("request.cancel_received", request_id=cancel.id, num_attempts=num_stopped)
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self._consumer.stop(), self._stop_timeout_s)
+        except TimeoutError:
+            log.warning("control.stop_timeout")

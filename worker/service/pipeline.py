@@ -1,0 +1,341 @@
+"""The life of an accepted request on this worker: batcher -> engine -> replies -> final -> ack.
+
+Everything here runs on the event loop; the engine is reached only through the bridge. A job
+ends in exactly one of two ways:
+- with a final (stop, length, cancelled, expired, error); once the broker acknowledges it, the
+  job's offset is finished in the tracker, so the consumer may commit past it;
+- dropped, without a final (its partition was revoked, or shutdown ran out of grace): its offset
+  stays unfinished, is never committed, and the request is redelivered to the next owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import structlog
+
+from engine.outputs import RequestDelta
+from schemas.contract import DeadLetterReason
+from schemas.messages import ErrorCode, ErrorInfo, Timing, Usage
+from worker.service.batcher import Batcher
+from worker.service.bridge import Aborted, Deltas, EngineBridge, EngineRequest, Failed
+from worker.service.bridge import Rejected as EngineRejected
+from worker.service.dead_letters import DeadLetterWriter
+from worker.service.job import Job, JobState
+from worker.service.offsets import OffsetTracker
+from worker.service.prompts import PromptRenderer
+from worker.service.replies import ReplyWriter, reply_headers
+from worker.service.reply_stream import ReplyStream
+from worker.service.routing import Accepted, Rejected
+from worker.service.settings import WorkerSettings
+from worker.service.telemetry import Telemetry, end_span, traceparent_of
+
+log = structlog.get_logger(__name__)
+
+MAX_REMEMBERED_CANCELS = 100_000
+
+
+class Pipeline:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        worker_id: str,
+        bridge: EngineBridge,
+        replies: ReplyWriter,
+        dead_letters: DeadLetterWriter,
+        tracker: OffsetTracker,
+        telemetry: Telemetry,
+        renderer: PromptRenderer,
+    ) -> None:
+        self._bridge = bridge
+        self._replies = replies
+        self._dead_letters = dead_letters
+        self._tracker = tracker
+        self._telemetry = telemetry
+        self._renderer = renderer
+        self._worker_id = worker_id
+        self._tokens_per_message = settings.publisher.tokens_per_message
+        self._num_attempts = 0
+        self._jobs: dict[str, Job] = {}  # attempt -> job, until DONE or DROPPED
+        self._by_request: dict[str, set[Job]] = {}
+        # Cancels seen for requests not (yet) here: a cancel can overtake its request.
+        self._cancelled_ids: OrderedDict[str, None] = OrderedDict()
+        self.batcher = Batcher(settings.batcher, self._release, lambda: bridge.queued_tokens)
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for j in self._jobs.values() if j.state is JobState.RUNNING)
+
+    @property
+    def num_unacked(self) -> int:
+        return len(self._jobs)
+
+    # --- admission ---------------------------------------------------------------------------
+
+    def accept(self, accepted: Accepted, partition: Any, record: Any, received_s: float) -> Job:
+        """Queue a valid request, or answer it at once (cancelled before, expired, invalid)."""
+        request = accepted.request
+        job = self._new_job(accepted, partition, record, received_s)
+        if request.id in self._cancelled_ids:
+            self._finish(job, "cancelled")
+            return job
+        rendered = self._renderer.render(request)
+        if rendered.error is not None:
+            self._finish(job, "error", rendered.error)
+        elif self._seconds_to_deadline(job) <= 0:
+            self._finish(job, "expired")  # never reaches the engine
+        else:
+            job.prompt_token_ids = rendered.token_ids
+            job.num_prompt_tokens = len(rendered.token_ids)
+            self.batcher.submit(job, job.urgency, job.deadline_ms, job.num_prompt_tokens)
+            self._arm_deadline(job)
+        return job
+
+    def reject(self, rejected: Rejected, partition: Any, record: Any, received_s: float) -> Job:
+        """A request that decoded but is invalid: an error final, nothing else."""
+        job = self._new_job(rejected, partition, record, received_s)
+        self._finish(job, "error", ErrorInfo(code=rejected.code, message=rejected.message))
+        return job
+
+    def _new_job(
+        self, decision: Accepted | Rejected, partition: Any, record: Any, received_s: float
+    ) -> Job:
+        offset = record.offset
+        request = decision.request if isinstance(decision, Accepted) else None
+        request_id, urgency = decision.request_id, decision.urgency
+        self._num_attempts += 1
+        attempt = f"{self._worker_id}:{self._num_attempts}"
+        span = self._telemetry.start_request_span(
+            request_id, decision.traceparent,
+            {"mini_infer.attempt": attempt, "mini_infer.urgency": urgency.value,
+             "messaging.kafka.partition": partition.partition, "messaging.kafka.offset": offset},
+        )  # fmt: skip
+        is_streaming = request.stream if request is not None else False
+        job = Job(
+            request_id=request_id, reply_to=decision.reply_to, attempt=attempt, partition=partition,
+            offset=offset, urgency=urgency, request=request, span=span,
+            params=decision.params if request is not None else None,
+            reply_headers=reply_headers(traceparent_of(span)),
+            stream=ReplyStream(request_id, attempt, self._tokens_per_message, is_streaming),
+            received_s=received_s, record=record,
+        )  # fmt: skip
+        self._register(job)
+        self._telemetry.requests_received.add(1, {"urgency": urgency.value})
+        return job
+
+    def _register(self, job: Job) -> None:
+        self._jobs[job.attempt] = job
+        self._by_request.setdefault(job.request_id, set()).add(job)
+        self._telemetry.inflight_requests.add(1)
+
+    def _release(self, jobs: list[Job]) -> None:
+        """Batcher callback: in release order (urgency, deadline, arrival)."""
+        requests = []
+        for job in jobs:
+            if not job.is_active:
+                continue  # cancelled or expired while it waited (the deadline timer removes it)
+            job.state = JobState.RUNNING
+            job.released_s = time.monotonic()
+            requests.append(
+                EngineRequest(
+                    job.attempt,
+                    job.prompt_token_ids,
+                    job.params,
+                    job.urgency.priority,
+                    job.num_prompt_tokens,
+                )
+            )
+        if requests:
+            self._bridge.submit(requests)
+
+    def _seconds_to_deadline(self, job: Job) -> float:
+        deadline_ms = job.deadline_ms
+        return float("inf") if deadline_ms is None else deadline_ms / 1000 - time.time()
+
+    def _arm_deadline(self, job: Job) -> None:
+        """The one place a deadline is enforced once a job is queued: one timer, which stops the
+        job wherever it is then (in the batcher or in the engine)."""
+        delay_s = self._seconds_to_deadline(job)
+        if delay_s != float("inf"):
+            job.deadline_timer = asyncio.get_running_loop().call_later(
+                max(0.0, delay_s), self._stop, job, "expired"
+            )
+
+    # --- engine events -------------------------------------------------------------------------
+
+    async def run_events(self) -> None:
+        """Handle the engine's events in order, for the life of the worker."""
+        while True:
+            event = await self._bridge.events.get()
+            match event:
+                case Deltas(deltas):
+                    self.on_deltas(deltas)
+                case EngineRejected(request_id, message, is_prompt_too_long):
+                    self.on_rejected(request_id, message, is_prompt_too_long)
+                case Aborted(request_id):
+                    self.on_aborted(request_id)
+                case Failed(request_ids, message):
+                    self.on_failed(request_ids, message)
+            self.batcher.wake()  # the engine's queue may have shrunk: maybe there is budget
+
+    def on_deltas(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            job = self._jobs.get(delta.request_id)
+            if job is None or job.state is not JobState.RUNNING or job.stop_reason is not None:
+                continue  # aborted, dropped or finished meanwhile
+            if job.first_token_s is None and delta.token_ids:
+                job.first_token_s = time.monotonic()
+            job.num_prompt_tokens = delta.num_prompt_tokens or job.num_prompt_tokens
+            job.num_output_tokens = delta.num_output_tokens
+            for message in job.stream.add(delta.text, delta.token_ids):
+                self._replies.send(job, message)
+            if delta.finished:
+                self._finish(job, delta.finish_reason or "stop")
+
+    def on_rejected(self, request_id: str, message: str, is_prompt_too_long: bool = False) -> None:
+        job = self._jobs.get(request_id)
+        if job is not None and job.is_active:
+            code = ErrorCode.PROMPT_TOO_LONG if is_prompt_too_long else ErrorCode.INVALID_REQUEST
+            self._finish(job, "error", ErrorInfo(code=code, message=message))
+
+    def on_aborted(self, request_id: str) -> None:
+        job = self._jobs.get(request_id)
+        if job is not None and job.is_active and job.stop_reason is not None:
+            self._finish(job, job.stop_reason)
+
+    def on_failed(self, request_ids: list[str], message: str) -> None:
+        for request_id in request_ids:
+            job = self._jobs.get(request_id)
+            if job is not None and job.is_active:
+                self._finish(job, "error", ErrorInfo(code=ErrorCode.INTERNAL, message=message))
+
+    # --- cancel, expiry, revocation ----------------------------------------------------------
+
+    def cancel(self, request_id: str) -> int:
+        """Stop every attempt of `request_id` here; remember the id for a request still to come."""
+        self._cancelled_ids[request_id] = None
+        self._cancelled_ids.move_to_end(request_id)
+        while len(self._cancelled_ids) > MAX_REMEMBERED_CANCELS:
+            self._cancelled_ids.popitem(last=False)
+        jobs = [j for j in self._by_request.get(request_id, ()) if j.is_active]
+        for job in jobs:
+            self._stop(job, "cancelled")
+        return len(jobs)
+
+    def is_cancelled(self, request_id: str) -> bool:
+        """Whether a cancel for `request_id` was seen (and is still remembered)."""
+        return request_id in self._cancelled_ids
+
+    def _stop(self, job: Job, reason: str) -> None:
+        if job.state is JobState.PENDING:
+            self.batcher.remove(lambda item: item is job)
+            self._finish(job, reason)
+        elif job.state is JobState.RUNNING and job.stop_reason is None:
+            job.stop_reason = reason  # the final goes out when the engine confirms the abort
+            self._bridge.abort(job.attempt)
+
+    def drop(self, jobs: Iterable[Job], why: str) -> int:
+        """Give jobs up without a final; their offsets stay uncommitted and are redelivered."""
+        num_dropped = 0
+        for job in list(jobs):
+            if not job.is_active:
+                continue
+            if job.state is JobState.PENDING:
+                self.batcher.remove(lambda item, j=job: item is j)
+            else:
+                self._bridge.abort(job.attempt)
+            job.state = JobState.DROPPED
+            job.cancel_deadline()
+            job.span.set_attribute("mini_infer.dropped", why)
+            job.span.end()
+            self._forget(job)
+            num_dropped += 1
+        return num_dropped
+
+    def jobs_of(self, partitions: Iterable[Any]) -> list[Job]:
+        wanted = set(partitions)
+        return [j for j in self._jobs.values() if j.partition in wanted]
+
+    def active_jobs(self) -> list[Job]:
+        return [j for j in self._jobs.values() if j.is_active]
+
+    # --- the end of a job --------------------------------------------------------------------
+
+    def _finish(self, job: Job, finish_reason: str, error: ErrorInfo | None = None) -> None:
+        job.cancel_deadline()
+        job.state = JobState.FINISHING
+        now_s = time.monotonic()
+        timing = Timing(
+            queued_ms=_ms((job.released_s or now_s) - job.received_s),
+            ttft_ms=None if job.first_token_s is None else _ms(job.first_token_s - job.received_s),
+            total_ms=_ms(now_s - job.received_s),
+        )
+        usage = Usage(prompt_tokens=job.num_prompt_tokens, completion_tokens=job.num_output_tokens)
+        for message in job.stream.finish(finish_reason, usage, timing, error):
+            outcome = self._replies.send(job, message)
+        outcome.add_done_callback(lambda _: self._on_final_done(job, outcome.exception()))
+        self._record(job, finish_reason, timing, error)
+
+    def _record(
+        self, job: Job, finish_reason: str, timing: Timing, error: ErrorInfo | None
+    ) -> None:
+        t = self._telemetry
+        t.requests_finished.add(1, {"finish_reason": finish_reason, "urgency": job.urgency.value})
+        t.generated_tokens.add(job.num_output_tokens)
+        t.queued_ms.record(timing.queued_ms)
+        t.total_ms.record(timing.total_ms)
+        if timing.ttft_ms is not None:
+            t.ttft_ms.record(timing.ttft_ms)
+        job.span.set_attribute("mini_infer.completion_tokens", job.num_output_tokens)
+        log.info(
+            "request.finished",
+            request_id=job.request_id,
+            attempt=job.attempt,
+            partition=job.partition.partition,
+            offset=job.offset,
+            urgency=job.urgency.value,
+            finish_reason=finish_reason,
+            error_code=error.code if error else None,
+            prompt_tokens=job.num_prompt_tokens,
+            completion_tokens=job.num_output_tokens,
+            queued_ms=round(timing.queued_ms, 1),
+            ttft_ms=None if timing.ttft_ms is None else round(timing.ttft_ms, 1),
+            total_ms=round(timing.total_ms, 1),
+        )
+
+    def _on_final_done(self, job: Job, error: BaseException | None) -> None:
+        """The final's outcome. Acknowledged: the offset is done. Every try failed: left
+        unfinished, the offset would hold back its partition's commits until a restart;
+        dead-lettered, the request is kept (replayable from the DLQ) and the partition moves on."""
+        job.state = JobState.DONE
+        end_span(job.span, "error" if error else (job.stream.finish_reason or "stop"))
+        self._forget(job)
+        if error is None:
+            self._tracker.finish(job.partition, job.offset)
+            return
+        log.error(
+            "final.undeliverable", request_id=job.request_id, attempt=job.attempt,
+            reply_to=job.reply_to, error=repr(error),
+        )  # fmt: skip
+        self._dead_letters.write(
+            job.partition, job.record, DeadLetterReason.FINAL_UNDELIVERABLE,
+            f"the final to {job.reply_to} failed: {error!r}",
+        )  # fmt: skip
+
+    def _forget(self, job: Job) -> None:
+        if self._jobs.pop(job.attempt, None) is None:
+            return
+        self._telemetry.inflight_requests.add(-1)
+        siblings = self._by_request.get(job.request_id)
+        if siblings is not None:
+            siblings.discard(job)
+            if not siblings:
+                del self._by_request[job.request_id]
+
+
+def _ms(seconds: float) -> float:
+    return max(0.0, seconds * 1000.0)

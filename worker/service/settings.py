@@ -1,0 +1,272 @@
+"""Worker settings: typed, grouped, read from `MINI_INFER_*` variables (nested with `__`) and
+CLI flags, and validated as a whole at start-up.
+
+There is no module-level instance: the composition root (`worker.service.worker`) builds one
+`WorkerSettings` and hands the pieces down, so tests can run several workers side by side.
+Invalid combinations (SASL without credentials, idempotence forced on against the embedded
+broker, a reply prefix that covers the request topic, ...) raise here, before anything connects.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from engine.config import EngineConfig
+from schemas.contract import (
+    DEFAULT_CONTROL_TOPIC,
+    DEFAULT_DLQ_TOPIC,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_PROMPT_CHARS,
+    DEFAULT_REPLY_TOPIC_PREFIX,
+    DEFAULT_REQUEST_TOPIC,
+    TOPIC_NAME_PATTERN,
+)
+from schemas.headers import Urgency
+
+TopicName = Annotated[str, Field(pattern=TOPIC_NAME_PATTERN)]
+PositiveMs = Annotated[int, Field(ge=1)]
+
+
+class _Group(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KafkaSettings(_Group):
+    bootstrap_servers: str | None = Field(
+        default=None, description="host:port[,host:port]; None starts the embedded broker"
+    )
+    embedded_port: int | None = Field(
+        default=None, ge=1, le=65535, description="embedded broker port"
+    )
+    request_topic: TopicName = DEFAULT_REQUEST_TOPIC
+    control_topic: TopicName = DEFAULT_CONTROL_TOPIC
+    dlq_topic: TopicName = DEFAULT_DLQ_TOPIC
+    num_partitions: int = Field(default=4, ge=1, description="for topics the worker creates")
+    replication_factor: int = Field(default=1, ge=1)
+    group_id: str = Field(default="mini-infer-workers", min_length=1)
+    reply_topic_prefix: str = Field(
+        default=DEFAULT_REPLY_TOPIC_PREFIX, pattern=r"^[a-zA-Z0-9._-]{1,200}$"
+    )
+    client_id: str = "mini-infer-worker"
+    # None: on for an external Kafka, off for the embedded broker (whose InitProducerId answer
+    # stock aiokafka cannot read, see KAFKA_NOTES.md).
+    enable_idempotence: bool | None = None
+    session_timeout_ms: PositiveMs = 10_000
+    heartbeat_interval_ms: PositiveMs = 3_000
+    max_poll_interval_ms: PositiveMs = 300_000
+    # Kafka clients need this well above 5 s; below it a consumer never joined the embedded broker.
+    request_timeout_ms: PositiveMs = 40_000
+    # How long a fetch may wait for data. Apache Kafka answers as soon as data arrives, but the
+    # embedded broker holds every fetch for the whole wait (measured: 500 ms put ~250 ms on each
+    # hop), so this bounds the added latency there; an idle worker pays one fetch per wait.
+    fetch_max_wait_ms: PositiveMs = 20
+    consumer_stop_timeout_s: float = Field(default=10.0, gt=0)
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: Path | None = None
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    ssl_password: SecretStr | None = None
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.bootstrap_servers is None
+
+    @model_validator(mode="after")
+    def _check(self) -> KafkaSettings:
+        topics = [self.request_topic, self.control_topic, self.dlq_topic]
+        if len(set(topics)) != len(topics):
+            raise ValueError("request, control and DLQ topics must be three different topics")
+        covered = [t for t in topics if t.startswith(self.reply_topic_prefix)]
+        if covered:
+            raise ValueError(
+                f"reply_topic_prefix {self.reply_topic_prefix!r} covers {covered}: a request could "
+                "then name a worker topic as its reply_to"
+            )
+        is_sasl = self.security_protocol.startswith("SASL")
+        if is_sasl and (
+            self.sasl_mechanism is None or not self.sasl_username or self.sasl_password is None
+        ):
+            raise ValueError(
+                f"security_protocol {self.security_protocol} needs sasl_mechanism, sasl_username and sasl_password"
+            )
+        if not is_sasl and self.sasl_mechanism is not None:
+            raise ValueError(
+                "sasl_mechanism is set but security_protocol is not SASL_PLAINTEXT or SASL_SSL"
+            )
+        has_ssl_files = any(
+            p is not None for p in (self.ssl_cafile, self.ssl_certfile, self.ssl_keyfile)
+        )
+        if has_ssl_files and not self.security_protocol.endswith("SSL"):
+            raise ValueError("ssl_* files are set but security_protocol is not SSL or SASL_SSL")
+        if self.is_embedded and self.security_protocol != "PLAINTEXT":
+            raise ValueError(
+                "the embedded broker speaks PLAINTEXT only; set bootstrap_servers for SASL/TLS"
+            )
+        if self.is_embedded and self.enable_idempotence:
+            raise ValueError(
+                "enable_idempotence=True does not work against the embedded broker (stock aiokafka "
+                "cannot initialise a producer id there); leave it unset or set bootstrap_servers"
+            )
+        if not self.is_embedded and self.embedded_port is not None:
+            raise ValueError(
+                "embedded_port is set but bootstrap_servers points at an external broker"
+            )
+        if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
+            raise ValueError("heartbeat_interval_ms must be at most a third of session_timeout_ms")
+        if self.request_timeout_ms <= self.session_timeout_ms:
+            raise ValueError("request_timeout_ms must be greater than session_timeout_ms")
+        return self
+
+    @property
+    def use_idempotence(self) -> bool:
+        return (
+            (not self.is_embedded) if self.enable_idempotence is None else self.enable_idempotence
+        )
+
+    def client_options(self) -> dict:
+        """Connection and security options shared by every aiokafka client the worker makes."""
+        options: dict = {"security_protocol": self.security_protocol}
+        if self.sasl_mechanism is not None:
+            options["sasl_mechanism"] = self.sasl_mechanism
+            options["sasl_plain_username"] = self.sasl_username
+            options["sasl_plain_password"] = self.sasl_password.get_secret_value()
+        if self.security_protocol.endswith("SSL"):
+            from aiokafka.helpers import create_ssl_context
+
+            options["ssl_context"] = create_ssl_context(
+                cafile=self.ssl_cafile,
+                certfile=self.ssl_certfile,
+                keyfile=self.ssl_keyfile,
+                password=self.ssl_password.get_secret_value() if self.ssl_password else None,
+            )
+        return options
+
+
+class BatcherSettings(_Group):
+    """How long a request may wait for company before it is released, by urgency. Critical
+    requests never wait; the windows are short enough to be invisible next to a forward pass."""
+
+    critical_window_ms: float = Field(default=0.0, ge=0)
+    high_window_ms: float = Field(default=2.0, ge=0)
+    normal_window_ms: float = Field(default=10.0, ge=0)
+    low_window_ms: float = Field(default=50.0, ge=0)
+    max_batch_tokens: int = Field(
+        default=2048, ge=1, description="prompt tokens released per flush"
+    )
+
+    def window_ms(self, urgency: Urgency) -> float:
+        return getattr(self, f"{urgency.value}_window_ms")
+
+
+class LimitSettings(_Group):
+    max_message_bytes: int = Field(
+        default=DEFAULT_MAX_MESSAGE_BYTES, ge=1024, description="request and reply size cap"
+    )
+    max_prompt_chars: int = Field(default=DEFAULT_MAX_PROMPT_CHARS, ge=1)
+    max_num_inflight: int = Field(default=64, ge=1, description="consumed, not yet answered")
+
+
+class PublisherSettings(_Group):
+    # 1: one message per engine text delta. N: a message every N tokens. Either way boundaries
+    # depend only on the tokens, so two attempts that agree publish identical messages.
+    tokens_per_message: int = Field(default=1, ge=1)
+    # 0: a step's deltas reach the publisher in one event-loop callback, so they share produce
+    # batches anyway; lingering only delayed every token (W2 through Kafka: 24 -> 18 ms p50
+    # from the worker's first token to the client's, no throughput change).
+    linger_ms: int = Field(default=0, ge=0)
+    compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
+    num_final_retries: int = Field(default=3, ge=0)
+
+
+class ObservabilitySettings(_Group):
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["auto", "json", "console"] = "auto"  # auto: console in a TTY, else JSON
+    trace_exporter: Literal["none", "console"] = "none"
+    metric_exporter: Literal["none", "console"] = "none"
+    metric_export_interval_s: float = Field(default=60.0, gt=0)
+    health_port: int | None = Field(
+        default=None, ge=0, le=65535, description="HTTP /healthz; 0 = any"
+    )
+    ready_file: Path | None = Field(default=None, description="touched when ready, removed at exit")
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="MINI_INFER_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    model: str = Field(default="smollm2-135m", min_length=1, description="alias, HF dir or .gguf")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    quantization: str | None = None
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    batcher: BatcherSettings = Field(default_factory=BatcherSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    publisher: PublisherSettings = Field(default_factory=PublisherSettings)
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    shutdown_grace_s: float = Field(default=30.0, ge=0, description="to finish in-flight work")
+    worker_id: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$", description="None: generated"
+    )
+
+
+# --- the same settings as `mini-infer serve` flags ------------------------------------------
+
+# flag -> (settings path, type, help). Unset flags leave env/defaults alone.
+CLI_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--bootstrap-servers": (
+        "kafka.bootstrap_servers",
+        str,
+        "Kafka host:port list (default: embedded broker)",
+    ),
+    "--port": ("kafka.embedded_port", int, "port of the embedded broker (default: a free one)"),
+    "--model": ("model", str, "smollm2-135m, a Hugging Face checkpoint dir or a .gguf file"),
+    "--dtype": ("dtype", str, "float32 | bfloat16 | float16"),
+    "--group-id": ("kafka.group_id", str, "consumer group of the worker pool"),
+    "--request-topic": ("kafka.request_topic", str, "topic to consume requests from"),
+    "--partitions": ("kafka.num_partitions", int, "partitions of the topics the worker creates"),
+    "--max-inflight": (
+        "limits.max_num_inflight",
+        int,
+        "consumed but unanswered requests before pausing",
+    ),
+    "--tokens-per-message": (
+        "publisher.tokens_per_message",
+        int,
+        "tokens per streamed reply message",
+    ),
+    "--grace-s": ("shutdown_grace_s", float, "seconds to finish in-flight work on SIGTERM"),
+    "--health-port": ("observability.health_port", int, "serve GET /healthz on this port"),
+    "--ready-file": ("observability.ready_file", str, "touch this file when ready"),
+    "--log-level": ("observability.log_level", str, "debug | info | warning | error"),
+    "--log-format": ("observability.log_format", str, "auto | json | console"),
+    "--worker-id": ("worker_id", str, "names this worker's attempts (default: host-pid-random)"),
+}
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, (_, type_, help_text) in CLI_FLAGS.items():
+        parser.add_argument(flag, type=type_, default=None, help=help_text)
+
+
+def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    """Env and defaults, overridden by the flags that were given. Raises ValidationError."""
+    overrides: dict = {}
+    for flag, (path, _, _) in CLI_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is None:
+            continue
+        *groups, leaf = path.split(".")
+        target = overrides
+        for group in groups:
+            target = target.setdefault(group, {})
+        target[leaf] = value
+    return WorkerSettings(**overrides)

@@ -1,0 +1,316 @@
+"""The composition root: builds a worker from its settings and owns its start-up and shutdown.
+
+Start-up, in dependency order: topics, producer, engine (its thread; the model loads), prompt
+tokenizer, pipeline, cancel listener, request consumer (joins the group), ready.
+
+Shutdown, in the order that loses nothing (at-least-once):
+1. stop polling: no new messages are taken;
+2. stop admitting: requests still in the batcher are dropped (never started: cheap to redo);
+3. drain: requests in the engine may finish within `shutdown_grace_s`;
+4. abort what is left, without a final: its offset stays uncommitted, so it is redelivered;
+5. flush the producer: every final is acknowledged (or failed);
+6. commit the watermarks, which now cover everything acknowledged;
+7. close: cancel listener, consumer (leaves the group, so the rebalance starts at once),
+   engine thread, producer, admin, telemetry.
+
+`mini-infer serve` runs one worker until SIGTERM/SIGINT, with an embedded broker when no
+bootstrap servers are configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+
+import structlog
+from aiokafka.errors import KafkaError
+
+from schemas.codec import Limits
+from worker.broker import BrokerError, EmbeddedBroker
+from worker.service.bridge import EngineBridge
+from worker.service.consumer import RequestConsumer
+from worker.service.control import CancelListener
+from worker.service.dead_letters import DeadLetterWriter
+from worker.service.health import Health
+from worker.service.offsets import OffsetTracker
+from worker.service.pipeline import Pipeline
+from worker.service.prompts import PromptRenderer
+from worker.service.publisher import Publisher
+from worker.service.replies import ReplyWriter
+from worker.service.routing import RoutingPolicy
+from worker.service.settings import WorkerSettings
+from worker.service.telemetry import Telemetry
+from worker.service.topics import TopicAdmin
+
+log = structlog.get_logger(__name__)
+
+DRAIN_POLL_S = 0.05
+TOPIC_CHECK_INTERVAL_S = 15.0
+
+
+def make_worker_id() -> str:
+    return f"{socket.gethostname()[:32]}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def default_engine_factory(settings: WorkerSettings):
+    def build():
+        from engine import LLMEngine
+
+        config = dataclasses.asdict(settings.engine)
+        return LLMEngine(
+            settings.model, dtype=settings.dtype, quantization=settings.quantization, **config
+        )
+
+    return build
+
+
+def served_model_names(configured: str, model_path: str) -> frozenset[str]:
+    """Names a request's `model` may use for what this worker serves."""
+    path = model_path.rstrip("/")
+    base = os.path.basename(path)
+    return frozenset({configured, path, base, base.removesuffix(".gguf")})
+
+
+class Worker:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        bootstrap_servers: str | None = None,
+        *,
+        engine_factory=None,
+        telemetry: Telemetry | None = None,
+    ) -> None:
+        self.settings = settings
+        self.bootstrap_servers = bootstrap_servers or settings.kafka.bootstrap_servers
+        if self.bootstrap_servers is None:
+            raise ValueError("a Worker needs bootstrap servers (serve() starts an embedded broker)")
+        self.worker_id = settings.worker_id or make_worker_id()
+        self.telemetry = telemetry or Telemetry(settings.observability, self.worker_id)
+        self._engine_factory = engine_factory or default_engine_factory(settings)
+        self.health = Health(settings.observability.health_port, settings.observability.ready_file)
+        self.topics: TopicAdmin | None = None
+        self.publisher: Publisher | None = None
+        self.bridge: EngineBridge | None = None
+        self.pipeline: Pipeline | None = None
+        self.consumer: RequestConsumer | None = None
+        self.cancels: CancelListener | None = None
+        self.tracker = OffsetTracker()
+        self._tasks: list[asyncio.Task] = []
+        self.failed = asyncio.Event()  # a background task died: the worker cannot go on
+
+    async def start(self) -> None:
+        """Start everything; on failure, close what was started and raise."""
+        try:
+            await self._start()
+        except BaseException:
+            await self._close()
+            raise
+
+    async def _start(self) -> None:
+        s, kafka = self.settings, self.settings.kafka
+        log_ = log.bind(worker_id=self.worker_id)
+        await self.health.start()
+        self.topics = TopicAdmin(self.bootstrap_servers, kafka)
+        await self.topics.start()
+        await self.topics.create(self._own_topics())
+        self.publisher = Publisher(s, self.bootstrap_servers)
+        await self.publisher.start()
+        started_s = time.monotonic()
+        self.bridge = EngineBridge(self._engine_factory)
+        info = await self.bridge.start()
+        log_.info(
+            "worker.engine_loaded",
+            model=info.model_path,
+            load_s=round(time.monotonic() - started_s, 2),
+        )
+        tokenizer = await asyncio.to_thread(_load_tokenizer, info.model_path)
+        limits = Limits(
+            max_message_bytes=s.limits.max_message_bytes, max_prompt_chars=s.limits.max_prompt_chars
+        )
+        replies = ReplyWriter(
+            self.publisher, s.limits.max_message_bytes, s.publisher.num_final_retries
+        )
+        renderer = PromptRenderer(tokenizer)
+        dead_letters = DeadLetterWriter(
+            self.publisher, self.tracker, self.telemetry, kafka.dlq_topic,
+            s.publisher.num_final_retries,
+        )  # fmt: skip
+        self.pipeline = Pipeline(
+            s, self.worker_id, self.bridge, replies, dead_letters, self.tracker, self.telemetry,
+            renderer,
+        )  # fmt: skip
+        policy = RoutingPolicy(
+            limits, kafka.reply_topic_prefix, served_model_names(s.model, info.model_path)
+        )
+        self.cancels = CancelListener(kafka, self.bootstrap_servers, self.pipeline, limits)
+        await self.cancels.start()
+        self.consumer = RequestConsumer(
+            s,
+            self.bootstrap_servers,
+            self.pipeline,
+            self.publisher,
+            dead_letters,
+            self.topics,
+            policy,
+            self.telemetry,
+            self.tracker,
+        )
+        await self.consumer.start()
+        self._spawn(self.pipeline.batcher.run(), "batcher")
+        self._spawn(self.pipeline.run_events(), "engine-events")
+        self._spawn(self._watch_engine(), "engine-watch")
+        self._spawn(self.cancels.run(), "cancels")
+        self._spawn(self.consumer.run(), "consumer")
+        self._spawn(self._watch_topics(), "topics")
+        self.health.set_ready(
+            True, worker_id=self.worker_id, model=s.model, group_id=kafka.group_id
+        )
+
+    async def _watch_engine(self) -> None:
+        error = await self.bridge.crashed
+        log.error("worker.engine_crashed", error=repr(error))
+        self.failed.set()
+
+    def _own_topics(self) -> dict[str, int]:
+        kafka = self.settings.kafka
+        return dict.fromkeys(
+            (kafka.request_topic, kafka.control_topic, kafka.dlq_topic), kafka.num_partitions
+        )
+
+    async def _watch_topics(self) -> None:
+        while True:
+            await asyncio.sleep(TOPIC_CHECK_INTERVAL_S)
+            try:
+                await self.topics.refresh(self._own_topics())
+            except (KafkaError, OSError) as error:
+                log.warning("worker.topic_check_failed", error=repr(error))
+
+    def _spawn(self, coro, name: str) -> None:
+        task = asyncio.create_task(coro, name=f"{name}-{self.worker_id}")
+        task.add_done_callback(self._on_task_done)
+        self._tasks.append(task)
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("worker.task_died", task=task.get_name(), error=repr(task.exception()))
+            self.failed.set()
+
+    async def wait_assigned(self, timeout_s: float = 60.0) -> None:
+        """Until the group gave this worker partitions (a join takes seconds; tests wait here)."""
+        deadline_s = time.monotonic() + timeout_s
+        while not self.consumer.assignment:
+            if time.monotonic() > deadline_s:
+                raise TimeoutError(f"worker {self.worker_id} got no partitions in {timeout_s} s")
+            await asyncio.sleep(0.05)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """The ordered shutdown described in the module docstring."""
+        grace_s = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        self.health.set_ready(False)
+        if self.consumer is not None:
+            self.consumer.stop_polling()
+            await self._wait_for_task("consumer")
+        num_lost = 0
+        if self.pipeline is not None:
+            num_lost += self.pipeline.drop(self.pipeline.batcher.drain(), "shutdown")
+            deadline_s = time.monotonic() + grace_s
+            while self.pipeline.num_running and time.monotonic() < deadline_s:
+                await asyncio.sleep(DRAIN_POLL_S)
+            num_lost += self.pipeline.drop(self.pipeline.active_jobs(), "shutdown")
+        if self.publisher is not None:
+            await self.publisher.flush(timeout_s=self.settings.kafka.request_timeout_ms / 1000)
+        if self.consumer is not None:
+            await self.consumer.commit()
+        log.info("worker.drained", worker_id=self.worker_id, num_redelivered=num_lost)
+        await self._close()
+
+    async def abort(self) -> None:
+        """Die like a crashed pod: nothing drained, nothing committed (tests of redelivery)."""
+        self.health.set_ready(False)
+        if self.consumer is not None:
+            self.consumer.stop_polling()
+        if self.pipeline is not None:
+            self.pipeline.drop(self.pipeline.batcher.drain(), "abort")
+            self.pipeline.drop(self.pipeline.active_jobs(), "abort")
+        await self._close()
+
+    async def _wait_for_task(self, prefix: str) -> None:
+        for task in self._tasks:
+            if task.get_name().startswith(prefix + "-"):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await asyncio.wait_for(asyncio.shield(task), 5.0)
+
+    async def _close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for closer in (
+            self.cancels.close if self.cancels else None,
+            self.consumer.close if self.consumer else None,
+            self.bridge.stop if self.bridge else None,
+            self.publisher.stop if self.publisher else None,
+            self.topics.close if self.topics else None,
+            self.health.close,
+        ):
+            if closer is None:
+                continue
+            try:
+                await closer()
+            except Exception:  # keep closing the rest
+                log.exception(
+                    "worker.close_failed", part=getattr(closer, "__qualname__", str(closer))
+                )
+        self.cancels = self.consumer = self.bridge = self.publisher = self.topics = None
+        self.telemetry.shutdown()
+        log.info("worker.stopped", worker_id=self.worker_id)
+
+
+def _load_tokenizer(model_path: str):
+    from engine.loader import load_tokenizer
+
+    return load_tokenizer(model_path)
+
+
+async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> int:
+    """Run one worker until SIGTERM/SIGINT (or `stop` is set); 0 after a clean shutdown."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            bootstrap_servers = settings.kafka.bootstrap_servers
+            if bootstrap_servers is None:
+                broker = EmbeddedBroker(port=settings.kafka.embedded_port)
+                bootstrap_servers = (await stack.enter_async_context(broker)).bootstrap_servers
+                print(f"embedded broker on {bootstrap_servers}", file=sys.stderr, flush=True)
+            worker = Worker(settings, bootstrap_servers)
+            await worker.start()
+            return await _run_until_stopped(worker, stop)
+    # Start-up failures a user can fix (no such model, broker unreachable, port taken): one
+    # clear line, not a traceback. Worker.start has already closed what it had opened.
+    except (ValueError, BrokerError, OSError, KafkaError) as error:
+        log.error("worker.start_failed", error=str(error) or repr(error))
+        print(f"mini-infer serve: cannot start: {error}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+
+
+async def _run_until_stopped(worker: Worker, stop: asyncio.Event) -> int:
+    waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(worker.failed.wait())]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for waiter in waiters:
+        waiter.cancel()
+    log.info("worker.stopping", reason="signal" if stop.is_set() else "task failure")
+    await worker.stop()
+    return 1 if worker.failed.is_set() else 0
