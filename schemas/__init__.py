@@ -1,4 +1,4 @@
-"""Mini-Infer wire contract v1 (see DESIGN.md). Imports nothing of ours and nothing of Kafka.
+"""Mini-Infer wire contract v1 (docs/CONTRACT.md). Imports nothing of ours and nothing of Kafka.
 
 Producers build a `Request` and `encode` it; the worker calls `decode_request`, which raises
 `UndecodableError` (dead-letter it) or `InvalidRequestError` (answer with an error final).

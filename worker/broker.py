@@ -2,7 +2,7 @@
 run as a child process on loopback.
 
 It backs `mini-infer serve` when no bootstrap servers are configured, `mini-infer demo`, and the
-real-broker tests. Storage is memory only: a restart loses every topic (KAFKA_NOTES.md), which
+real-broker tests. Storage is memory only: a restart loses every topic (docs/KAFKA.md), which
 is why the worker creates its topics itself at start-up.
 
 `mini-infer broker [--port N]` (worker/cli/broker.py) runs it alone until Ctrl-C.

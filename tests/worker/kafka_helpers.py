@@ -243,3 +243,27 @@ async def dlq_records(
         return records
     finally:
         await asyncio.wait_for(consumer.stop(), 10)
+
+
+class SlowEngine:
+    """The real engine, with a pause per step: slow enough to be caught mid-stream."""
+
+    def __init__(self, engine, step_s: float) -> None:
+        self._engine = engine
+        self._step_s = step_s
+
+    def step(self):
+        time.sleep(self._step_s)
+        return self._engine.step()
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
+def slow_engine_factory(model_dir, step_s: float = 0.03):
+    def build():
+        from engine import LLMEngine
+
+        return SlowEngine(LLMEngine(str(model_dir), **SMALL_ENGINE), step_s)
+
+    return build

@@ -2,7 +2,7 @@
 
 Pure logic (no asyncio, no Kafka) so that every interleaving can be tested exhaustively.
 
-Under redelivery a request can be generated twice (DESIGN.md "Delivery semantics"): attempt A
+Under redelivery a request can be generated twice (docs/CONTRACT.md, "Delivery semantics"): attempt A
 streams some messages and dies, attempt B starts again from seq 0. The client rule:
 - Follow the attempt that has got furthest. Messages of another attempt that agree with what
   was shown are duplicates and are dropped; once that attempt gets further, it takes over.

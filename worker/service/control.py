@@ -3,7 +3,7 @@
 A cancel must reach whichever worker holds the request, so this consumer is outside the request
 group: it assigns itself every partition of the control topic, with no group and no commits.
 It reads from the earliest offset: starting "at the end" is unreliable on the embedded broker
-(KAFKA_NOTES.md), and old cancels are harmless. A cancel for an id not (yet) here is remembered
+(docs/KAFKA.md), and old cancels are harmless. A cancel for an id not (yet) here is remembered
 by the pipeline, so a cancel that overtakes its request still wins.
 """
 

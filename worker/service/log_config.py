@@ -2,9 +2,10 @@
 not a terminal (log shippers parse it), a console renderer in a TTY (people read it).
 
 Stdlib loggers (aiokafka, transformers) go through the same processors, so a broker warning and a
-worker event land in one stream in one format. Per-message context (request_id, partition,
-offset, trace_id) is bound with `structlog.contextvars` by the consumer and so reaches every event
-logged while that message is handled, including those of the engine bridge callbacks.
+worker event land in one stream in one format. Per-message context (key, request_id, partition,
+offset) is bound with `structlog.contextvars` by the consumer while it handles a message, so it
+reaches every event logged during that handling. Events logged later for a request (when the
+engine's output comes back) name their request_id and attempt explicitly.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class KafkaSettings(_Group):
     )
     client_id: str = "mini-infer-worker"
     # None: on for an external Kafka, off for the embedded broker (whose InitProducerId answer
-    # stock aiokafka cannot read, see KAFKA_NOTES.md).
+    # stock aiokafka cannot read, see docs/KAFKA.md).
     enable_idempotence: bool | None = None
     session_timeout_ms: PositiveMs = 10_000
     heartbeat_interval_ms: PositiveMs = 3_000

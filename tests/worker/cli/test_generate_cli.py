@@ -12,7 +12,6 @@ import pytest
 
 from schemas.messages import ErrorInfo, FinalReply, Timing, Usage
 from tests.worker.client.client_fixtures import (  # noqa: F401 (the *_fixture names are fixtures)
-    broker_fixture,
     final_of,
     serve_fixture,
     tokens_of,

@@ -1,4 +1,4 @@
-"""Kafka fixtures for client tests: the embedded broker, fresh topics, and a scripted fake
+"""Kafka fixtures for client tests (on the session broker of tests/conftest.py): fresh topics, and a scripted fake
 worker that answers requests in place of the real one."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from schemas import Request, decode_cancel, decode_request, encode
 from schemas.headers import read_content_type
 from schemas.messages import FinalReply, Timing, TokenReply, Usage
-from worker.broker import EmbeddedBroker
 
 # The embedded broker answers a fetch only after fetch_max_wait_ms even when data is waiting,
 # so the fake worker polls briskly, as the real one does.
@@ -42,12 +41,6 @@ def tokens_of(request: Request, attempt: str, texts: list[str]) -> list[TokenRep
         TokenReply(id=request.id, attempt=attempt, seq=i, text=t, token_ids=[i])
         for i, t in enumerate(texts)
     ]
-
-
-@pytest.fixture(scope="module", name="broker")
-def broker_fixture():
-    with EmbeddedBroker() as running:
-        yield running
 
 
 @pytest.fixture(name="topics")

@@ -12,7 +12,6 @@ from schemas import JSON, InvalidRequestError, Request, Urgency, encode
 from schemas.headers import read_content_type, read_traceparent, read_urgency
 from schemas.messages import ErrorInfo, FinalReply, TokenReply
 from tests.worker.client.client_fixtures import (  # noqa: F401 (the *_fixture names are fixtures)
-    broker_fixture,
     final_of,
     read_cancel,
     serve_fixture,

@@ -14,9 +14,9 @@ from tests.worker.kafka_helpers import (
     create_topic,
     fresh_topics,
     make_request,
+    slow_engine_factory,
     worker_settings,
 )
-from tests.worker.service.test_redelivery import slow_engine_factory
 from worker.service.worker import Worker
 
 pytestmark = pytest.mark.kafka

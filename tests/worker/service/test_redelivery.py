@@ -8,12 +8,12 @@ import time
 import pytest
 
 from tests.worker.kafka_helpers import (
-    SMALL_ENGINE,
     Producer,
     ReplyReader,
     create_topic,
     fresh_topics,
     make_request,
+    slow_engine_factory,
     stream_of,
     worker_settings,
 )
@@ -22,30 +22,6 @@ from worker.service.worker import Worker
 pytestmark = pytest.mark.kafka
 
 NUM_PARTITIONS = 2
-
-
-class SlowEngine:
-    """The real engine, with a pause per step: slow enough to be caught mid-stream."""
-
-    def __init__(self, engine, step_s: float) -> None:
-        self._engine = engine
-        self._step_s = step_s
-
-    def step(self):
-        time.sleep(self._step_s)
-        return self._engine.step()
-
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
-
-
-def slow_engine_factory(model_dir, step_s: float = 0.03):
-    def build():
-        from engine import LLMEngine
-
-        return SlowEngine(LLMEngine(str(model_dir), **SMALL_ENGINE), step_s)
-
-    return build
 
 
 async def test_a_request_redelivered_after_a_crash_regenerates_the_same_messages(

@@ -1,0 +1,1 @@
+"""Everything that runs inside a worker process; `worker.py` is the composition root."""
