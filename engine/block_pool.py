@@ -99,12 +99,6 @@ class BlockPool:
         block.block_hash = None
         self.num_evictions += 1
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix held only by free blocks."""
-        for block in self._free.values():
-            if block.block_hash is not None:
-                self._evict(block)
-
     def check_invariants(self) -> None:
         for block in self.blocks:
             in_free = block.block_id in self._free

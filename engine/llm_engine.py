@@ -140,10 +140,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests)
-
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         out = self.scheduler.schedule()

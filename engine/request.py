@@ -73,10 +73,6 @@ class Request:
         return self.all_token_ids[: self.num_prompt_tokens]
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens :]
-
-    @property
     def sort_key(self) -> tuple[int, int]:
         """Scheduling order: most urgent first, then first come first served."""
         return (self.priority, self.arrival_index)

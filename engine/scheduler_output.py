@@ -38,9 +38,5 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
 
     @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
