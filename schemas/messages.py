@@ -103,6 +103,15 @@ class Timing(WireModel):
     queued_ms: NonNegativeMs
     ttft_ms: NonNegativeMs | None = None
     total_ms: NonNegativeMs
+    # Where the time went (v1.1, optional: old readers ignore them). kafka_ms: the record's
+    # producer timestamp to consumption (clocks of two machines: a hint); batcher_ms: held by
+    # the urgency batcher; engine_queue_ms: handed to the engine until the step that made the
+    # first token started; prefill_ms: that step; decode_ms: first token to the last.
+    kafka_ms: NonNegativeMs | None = None
+    batcher_ms: NonNegativeMs | None = None
+    engine_queue_ms: NonNegativeMs | None = None
+    prefill_ms: NonNegativeMs | None = None
+    decode_ms: NonNegativeMs | None = None
 
 
 class ErrorInfo(WireModel):

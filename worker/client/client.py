@@ -26,6 +26,8 @@ import structlog
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from schemas.codec import DEFAULT_LIMITS, MSGPACK, Limits, check_limits, encode
 from schemas.contract import (
@@ -57,6 +59,7 @@ CANCEL_TIMEOUT_S = 5.0
 # whole fetch_max_wait_ms (measured: 500 ms, aiokafka's default, put ~250 ms on every reply).
 # A short wait costs an idle client ~50 empty fetches/s, which either broker shrugs off.
 DEFAULT_REPLY_FETCH_MAX_WAIT_MS = 20
+_PROPAGATOR = TraceContextTextMapPropagator()
 # Request fields a caller may pass as keyword arguments; the client fills in the rest.
 SAMPLING_FIELDS = frozenset(Request.model_fields) - {"id", "reply_to", "prompt", "messages"}
 
@@ -104,6 +107,9 @@ class ClientOptions:
     # Passed to every aiokafka client as they are: security_protocol, sasl_mechanism,
     # sasl_plain_username, ssl_context, request_timeout_ms, ...
     kafka: Mapping[str, Any] = field(default_factory=dict)
+    # The OpenTelemetry tracer of the producer's `send` spans; None: the global tracer provider
+    # (a no-op unless the application configured one). Only the API package is needed.
+    tracer: trace.Tracer | None = None
 
 
 class MiniInferClient:
@@ -223,15 +229,34 @@ class MiniInferClient:
         urgency: Urgency | str = Urgency.NORMAL,
         traceparent: str | None = None,
     ) -> None:
-        """Produce `request` (keyed by its id). Its replies are dropped unless `stream` reads them."""
+        """Produce `request` (keyed by its id). Its replies are dropped unless `stream` reads them.
+
+        A `send <topic>` span (kind PRODUCER, messaging conventions) wraps the produce, and its
+        context goes out as the `traceparent` header unless the caller passes one: the worker's
+        spans and every reply then continue the producer's trace."""
         if self._producer is None:
             raise ClientError("the client is not started")
-        await self._producer.send_and_wait(
-            self.request_topic,
-            encode(request, MSGPACK),
-            key=request.id.encode(),
-            headers=request_headers(MSGPACK, urgency, traceparent),
-        )
+        tracer = self.options.tracer or trace.get_tracer("mini_infer.client")
+        with tracer.start_as_current_span(
+            f"send {self.request_topic}",
+            kind=trace.SpanKind.PRODUCER,
+            attributes={
+                "messaging.system": "kafka",
+                "messaging.operation.type": "send",
+                "messaging.destination.name": self.request_topic,
+                "messaging.message.id": request.id,
+            },
+        ):
+            if traceparent is None:
+                carrier: dict[str, str] = {}
+                _PROPAGATOR.inject(carrier)
+                traceparent = carrier.get("traceparent")
+            await self._producer.send_and_wait(
+                self.request_topic,
+                encode(request, MSGPACK),
+                key=request.id.encode(),
+                headers=request_headers(MSGPACK, urgency, traceparent),
+            )
 
     async def cancel(self, request_id: str) -> None:
         if self._producer is None:

@@ -17,14 +17,15 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from engine.errors import PromptTooLongError
-from engine.outputs import RequestDelta
+from engine.outputs import EngineStats, RequestDelta
 from engine.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -46,8 +47,22 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
+class StepInfo:
+    """One engine step, for metrics: when it ran and the engine's state after it."""
+
+    started_s: float  # monotonic
+    duration_s: float
+    stats: EngineStats | None
+    # Requests whose first token came from this step: (engine queue s, prefill s). The queue is
+    # from add_request to the start of this step, so for a prompt prefilled in several chunks it
+    # includes the earlier chunks' steps.
+    first_token_times: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Deltas:
     deltas: list[RequestDelta]
+    step: StepInfo | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,10 @@ class EngineBridge:
         self._queued_tokens: dict[str, int] = {}  # not started yet -> prompt tokens
         self.events: asyncio.Queue[EngineEvent] = asyncio.Queue()
         self.crashed: asyncio.Future[BaseException] | None = None  # set if the thread dies
+        # Written by the engine thread, read by liveness probes (float/bool writes are atomic).
+        self._has_work = False
+        self._progress_s = time.monotonic()  # the last finished step, or when work arrived
+        self._added_s: dict[str, float] = {}  # engine thread only: added, no token yet
 
     @property
     def queued_tokens(self) -> int:
@@ -112,6 +131,12 @@ class EngineBridge:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    def is_alive(self, stall_s: float) -> bool:
+        """The engine thread runs and, if it has work, finished a step in the last `stall_s`."""
+        if self._thread is None or not self._thread.is_alive():
+            return False
+        return not self._has_work or time.monotonic() - self._progress_s < stall_s
 
     async def stop(self) -> None:
         if self._thread is None:
@@ -163,8 +188,13 @@ class EngineBridge:
             command = _get_queue_item(self._inbox, block=not engine.has_unfinished_requests())
             if command is not None and not self._handle_commands(engine, command, live_ids):
                 return
-            if engine.has_unfinished_requests():
+            has_work = engine.has_unfinished_requests()
+            if has_work and not self._has_work:
+                self._progress_s = time.monotonic()  # a stall is counted from here
+            self._has_work = has_work
+            if has_work:
                 self._step(engine, live_ids)
+                self._progress_s = time.monotonic()
 
     def _handle_commands(self, engine, first, live_ids: set[str]) -> bool:
         command = first
@@ -176,6 +206,7 @@ class EngineBridge:
             if isinstance(command, _Abort):
                 engine.abort_request(command.request_id)
                 live_ids.discard(command.request_id)
+                self._added_s.pop(command.request_id, None)
                 self._post(Aborted(command.request_id))
             elif isinstance(command, EngineRequest):
                 self._add(engine, command, live_ids)
@@ -197,8 +228,10 @@ class EngineBridge:
             self._post(Failed([request.request_id], f"{type(error).__name__}: {error}"))
             return
         live_ids.add(request.request_id)
+        self._added_s[request.request_id] = time.monotonic()
 
     def _step(self, engine, live_ids: set[str]) -> None:
+        started_s = time.monotonic()
         try:
             deltas = engine.step()
         except Exception as error:
@@ -208,13 +241,21 @@ class EngineBridge:
             for request_id in failed_ids:
                 engine.abort_request(request_id)
             live_ids.clear()
+            self._added_s.clear()
             self._post(Failed(failed_ids, f"{type(error).__name__}: {error}"))
             return
+        duration_s = time.monotonic() - started_s
+        first_token_times = {}
         for delta in deltas:
+            if delta.token_ids and delta.request_id in self._added_s:
+                added_s = self._added_s.pop(delta.request_id)
+                first_token_times[delta.request_id] = (max(0.0, started_s - added_s), duration_s)
             if delta.finished:
+                self._added_s.pop(delta.request_id, None)
                 live_ids.discard(delta.request_id)
+        stats = engine.get_stats() if hasattr(engine, "get_stats") else None
         if deltas:
-            self._post(Deltas(deltas))
+            self._post(Deltas(deltas, StepInfo(started_s, duration_s, stats, first_token_times)))
 
 
 def _get_queue_item(q: queue.Queue, block: bool):

@@ -60,6 +60,7 @@ class RequestConsumer:
         self._max_num_inflight = settings.limits.max_num_inflight
         self._is_polling = True
         self._is_paused = False
+        self.last_poll_ok_s: float | None = None  # monotonic; readiness asks how recent it is
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=bootstrap_servers,
             group_id=kafka.group_id,
@@ -103,6 +104,7 @@ class RequestConsumer:
                 log.warning("consumer.poll_failed", error=repr(error))
                 await asyncio.sleep(1.0)
                 continue
+            self.last_poll_ok_s = time.monotonic()
             for partition, records in batches.items():
                 for record in records:
                     await self._handle(partition, record)
@@ -175,6 +177,21 @@ class RequestConsumer:
             partitions=sorted(p.partition for p in revoked),
             num_dropped=num_dropped,
         )
+
+    def lags(self) -> dict[TopicPartition, int]:
+        """Per assigned partition: the broker's high watermark (from the last fetch) minus the
+        next offset to consume. A hint only: some brokers report the watermark late."""
+        lags = {}
+        for partition in self.assignment:
+            highwater = self._consumer.highwater(partition)
+            position = self.tracker.next_offset(partition)
+            if highwater is not None and position is not None:
+                lags[partition] = max(0, highwater - position)
+        return lags
+
+    @property
+    def num_paused(self) -> int:
+        return len(self._consumer.paused())
 
     async def close(self) -> None:
         """Leave the group. aiokafka can hang here when a topic vanished, so it is bounded."""

@@ -1,71 +1,113 @@
-"""Readiness: a log event, an optional file, and an optional HTTP `GET /healthz`.
+"""Health and metrics over HTTP (aiohttp), a ready file, and a log event.
 
-Kubernetes probes the port, a shell script waits for the file, a person reads the log. The HTTP
-server is a few lines on asyncio rather than a web framework: it answers one path with 200 once
-the worker consumes and 503 before (or while shutting down).
+- `GET /healthz`, liveness: 200 while the worker can make progress. It is answered by the event
+  loop itself, so a blocked loop fails the probe by timing out; and it asks the worker whether
+  the engine thread is alive and not stalled (it has work but finished no step for
+  `engine_stall_s`). Kubernetes restarts a pod that fails it.
+- `GET /readyz`, readiness: 200 once the model is loaded and warmed up, the worker holds
+  partitions of the request topic, and polling the broker succeeds. A worker with no partitions
+  (more replicas than partitions) is alive but not ready: it serves nothing.
+- `GET /metrics`: the worker's OpenTelemetry metrics in Prometheus text format.
+
+Each check answers JSON naming every condition, so a failing probe says why.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 from pathlib import Path
+from typing import Protocol
 
 import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 log = structlog.get_logger(__name__)
 
 
+class Probes(Protocol):
+    """What the worker reports about itself; each value is one named condition."""
+
+    def liveness(self) -> dict[str, bool]: ...
+    def readiness(self) -> dict[str, bool]: ...
+
+
 class Health:
-    def __init__(self, port: int | None, ready_file: Path | None) -> None:
+    def __init__(
+        self,
+        port: int | None,
+        ready_file: Path | None,
+        probes: Probes,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self._port = port
         self._ready_file = ready_file
-        self._server: asyncio.AbstractServer | None = None
-        self.is_ready = False
+        self._probes = probes
+        self._registry = registry
+        self._runner: web.AppRunner | None = None
+        self.bound_port: int | None = None
+        self.is_started = False  # model loaded, warmed up, consuming
         self.details: dict = {}
 
     @property
     def port(self) -> int | None:
         """The bound port (useful when configured as 0: any free port)."""
-        if self._server is None:
-            return None
-        return self._server.sockets[0].getsockname()[1]
+        return self.bound_port
 
     async def start(self) -> None:
-        if self._port is not None:
-            self._server = await asyncio.start_server(self._serve, "0.0.0.0", self._port)
+        if self._port is None:
+            return
+        app = web.Application()
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "0.0.0.0", self._port)
+        await site.start()
+        self.bound_port = self._runner.addresses[0][1]
 
-    def set_ready(self, is_ready: bool, **details) -> None:
-        self.is_ready = is_ready
+    def set_ready(self, is_started: bool, **details) -> None:
+        """The worker finished starting (True) or began stopping (False)."""
+        self.is_started = is_started
         self.details.update(details)
         if self._ready_file is not None:
-            if is_ready:
+            if is_started:
                 self._ready_file.write_text(json.dumps(self.details, default=str))
             else:
                 self._ready_file.unlink(missing_ok=True)
         log.info(
-            "worker.ready" if is_ready else "worker.not_ready", health_port=self.port, **details
+            "worker.ready" if is_started else "worker.not_ready",
+            health_port=self.port,
+            **details,
         )
+
+    def readiness(self) -> dict[str, bool]:
+        return {"started": self.is_started, **(self._probes.readiness() if self.is_started else {})}
 
     async def close(self) -> None:
         if self._ready_file is not None:
             self._ready_file.unlink(missing_ok=True)
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(Exception):
-            request_line = await asyncio.wait_for(reader.readline(), 5.0)
-            parts = request_line.decode("latin-1").split()
-            path = parts[1] if len(parts) > 1 else ""
-            if path.split("?")[0] in ("/healthz", "/readyz"):
-                status = "200 OK" if self.is_ready else "503 Service Unavailable"
-                body = json.dumps({"ready": self.is_ready, **self.details}, default=str).encode()
-            else:
-                status, body = "404 Not Found", b"{}"
-            head = f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            writer.write(head.encode() + body)
-            await writer.drain()
-        writer.close()
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return _answer(self._probes.liveness(), self.details)
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        return _answer(self.readiness(), self.details)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self._registry is None:
+            raise web.HTTPNotFound(text="metrics are off (observability.prometheus=false)")
+        body = generate_latest(self._registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _answer(checks: dict[str, bool], details: dict) -> web.Response:
+    is_ok = all(checks.values())
+    body = json.dumps({"ok": is_ok, "checks": checks, **details}, default=str)
+    return web.Response(
+        status=200 if is_ok else 503, text=body, content_type="application/json"
+    )

@@ -44,6 +44,11 @@ class Job:
     num_output_tokens: int = 0
     released_s: float | None = None
     first_token_s: float | None = None
+    last_token_s: float | None = None
+    finished_s: float | None = None  # the final handed to the publisher
+    kafka_wait_s: float | None = None  # producer timestamp -> consumed (a cross-clock hint)
+    engine_queue_s: float | None = None  # added to the engine -> its first token's step began
+    prefill_s: float | None = None  # that step's duration
     stop_reason: str | None = None  # "cancelled" | "expired" once an engine abort was asked for
     deadline_timer: asyncio.TimerHandle | None = None
     # The consumed record (key, value, headers): dead-lettered as it came if the final can never

@@ -49,6 +49,10 @@ class PartitionOffsets:
     def unfinished_offsets(self) -> list[int]:
         return sorted(self._unfinished)
 
+    @property
+    def next_offset(self) -> int | None:
+        return self._next_offset
+
     def watermark(self) -> int | None:
         """The offset to commit: the lowest unfinished one, or one past the highest seen when
         everything is done; None before anything was seen."""
@@ -77,6 +81,11 @@ class OffsetTracker:
     @property
     def num_unfinished(self) -> int:
         return sum(p.num_unfinished for p in self._partitions.values())
+
+    def next_offset(self, partition: Hashable) -> int | None:
+        """One past the highest offset seen on `partition` (None before its first record)."""
+        offsets = self._partitions.get(partition)
+        return offsets.next_offset if offsets is not None else None
 
     def unfinished(self, partition: Hashable) -> list[int]:
         offsets = self._partitions.get(partition)

@@ -21,8 +21,9 @@ import structlog
 from engine.outputs import RequestDelta
 from schemas.contract import DeadLetterReason
 from schemas.messages import ErrorCode, ErrorInfo, Timing, Usage
+from worker.service import request_metrics
 from worker.service.batcher import Batcher
-from worker.service.bridge import Aborted, Deltas, EngineBridge, EngineRequest, Failed
+from worker.service.bridge import Aborted, Deltas, EngineBridge, EngineRequest, Failed, StepInfo
 from worker.service.bridge import Rejected as EngineRejected
 from worker.service.dead_letters import DeadLetterWriter
 from worker.service.job import Job, JobState
@@ -32,7 +33,7 @@ from worker.service.replies import ReplyWriter, reply_headers
 from worker.service.reply_stream import ReplyStream
 from worker.service.routing import Accepted, Rejected
 from worker.service.settings import WorkerSettings
-from worker.service.telemetry import Telemetry, end_span, traceparent_of
+from worker.service.telemetry import Telemetry, end_span, trace_id_of, traceparent_of
 
 log = structlog.get_logger(__name__)
 
@@ -60,6 +61,7 @@ class Pipeline:
         self._worker_id = worker_id
         self._tokens_per_message = settings.publisher.tokens_per_message
         self._num_attempts = 0
+        self._engine_totals = request_metrics.EngineTotals()
         self._jobs: dict[str, Job] = {}  # attempt -> job, until DONE or DROPPED
         self._by_request: dict[str, set[Job]] = {}
         # Cancels seen for requests not (yet) here: a cancel can overtake its request.
@@ -110,7 +112,7 @@ class Pipeline:
         self._num_attempts += 1
         attempt = f"{self._worker_id}:{self._num_attempts}"
         span = self._telemetry.start_request_span(
-            request_id, decision.traceparent,
+            partition.topic, request_id, decision.traceparent,
             {"mini_infer.attempt": attempt, "mini_infer.urgency": urgency.value,
              "messaging.kafka.partition": partition.partition, "messaging.kafka.offset": offset},
         )  # fmt: skip
@@ -121,16 +123,15 @@ class Pipeline:
             params=decision.params if request is not None else None,
             reply_headers=reply_headers(traceparent_of(span)),
             stream=ReplyStream(request_id, attempt, self._tokens_per_message, is_streaming),
-            received_s=received_s, record=record,
+            received_s=received_s, record=record, kafka_wait_s=request_metrics.kafka_wait_s(record),
         )  # fmt: skip
         self._register(job)
-        self._telemetry.requests_received.add(1, {"urgency": urgency.value})
+        request_metrics.on_arrival(self._telemetry, job)
         return job
 
     def _register(self, job: Job) -> None:
         self._jobs[job.attempt] = job
         self._by_request.setdefault(job.request_id, set()).add(job)
-        self._telemetry.inflight_requests.add(1)
 
     def _release(self, jobs: list[Job]) -> None:
         """Batcher callback: in release order (urgency, deadline, arrival)."""
@@ -172,7 +173,9 @@ class Pipeline:
         while True:
             event = await self._bridge.events.get()
             match event:
-                case Deltas(deltas):
+                case Deltas(deltas, step):
+                    if step is not None:
+                        self._on_step(step)
                     self.on_deltas(deltas)
                 case EngineRejected(request_id, message, is_prompt_too_long):
                     self.on_rejected(request_id, message, is_prompt_too_long)
@@ -182,13 +185,20 @@ class Pipeline:
                     self.on_failed(request_ids, message)
             self.batcher.wake()  # the engine's queue may have shrunk: maybe there is budget
 
+    def _on_step(self, step: StepInfo) -> None:
+        request_metrics.on_step(self._telemetry, step, self._engine_totals)
+        for attempt, (queue_s, prefill_s) in step.first_token_times.items():
+            job = self._jobs.get(attempt)
+            if job is not None:
+                job.engine_queue_s, job.prefill_s = queue_s, prefill_s
+
     def on_deltas(self, deltas: list[RequestDelta]) -> None:
+        now_s = time.monotonic()
         for delta in deltas:
             job = self._jobs.get(delta.request_id)
             if job is None or job.state is not JobState.RUNNING or job.stop_reason is not None:
                 continue  # aborted, dropped or finished meanwhile
-            if job.first_token_s is None and delta.token_ids:
-                job.first_token_s = time.monotonic()
+            request_metrics.on_tokens(self._telemetry, job, len(delta.token_ids), now_s)
             job.num_prompt_tokens = delta.num_prompt_tokens or job.num_prompt_tokens
             job.num_output_tokens = delta.num_output_tokens
             for message in job.stream.add(delta.text, delta.token_ids):
@@ -268,12 +278,8 @@ class Pipeline:
     def _finish(self, job: Job, finish_reason: str, error: ErrorInfo | None = None) -> None:
         job.cancel_deadline()
         job.state = JobState.FINISHING
-        now_s = time.monotonic()
-        timing = Timing(
-            queued_ms=_ms((job.released_s or now_s) - job.received_s),
-            ttft_ms=None if job.first_token_s is None else _ms(job.first_token_s - job.received_s),
-            total_ms=_ms(now_s - job.received_s),
-        )
+        now_s = job.finished_s = time.monotonic()
+        timing = request_metrics.timing_of(job, now_s)
         usage = Usage(prompt_tokens=job.num_prompt_tokens, completion_tokens=job.num_output_tokens)
         for message in job.stream.finish(finish_reason, usage, timing, error):
             outcome = self._replies.send(job, message)
@@ -283,13 +289,7 @@ class Pipeline:
     def _record(
         self, job: Job, finish_reason: str, timing: Timing, error: ErrorInfo | None
     ) -> None:
-        t = self._telemetry
-        t.requests_finished.add(1, {"finish_reason": finish_reason, "urgency": job.urgency.value})
-        t.generated_tokens.add(job.num_output_tokens)
-        t.queued_ms.record(timing.queued_ms)
-        t.total_ms.record(timing.total_ms)
-        if timing.ttft_ms is not None:
-            t.ttft_ms.record(timing.ttft_ms)
+        request_metrics.on_final(self._telemetry, job, finish_reason, timing)
         job.span.set_attribute("mini_infer.completion_tokens", job.num_output_tokens)
         log.info(
             "request.finished",
@@ -305,6 +305,7 @@ class Pipeline:
             queued_ms=round(timing.queued_ms, 1),
             ttft_ms=None if timing.ttft_ms is None else round(timing.ttft_ms, 1),
             total_ms=round(timing.total_ms, 1),
+            trace_id=trace_id_of(job.span),
         )
 
     def _on_final_done(self, job: Job, error: BaseException | None) -> None:
@@ -312,6 +313,7 @@ class Pipeline:
         unfinished, the offset would hold back its partition's commits until a restart;
         dead-lettered, the request is kept (replayable from the DLQ) and the partition moves on."""
         job.state = JobState.DONE
+        request_metrics.record_stages(self._telemetry, job, time.monotonic())
         end_span(job.span, "error" if error else (job.stream.finish_reason or "stop"))
         self._forget(job)
         if error is None:
@@ -336,6 +338,3 @@ class Pipeline:
             if not siblings:
                 del self._by_request[job.request_id]
 
-
-def _ms(seconds: float) -> float:
-    return max(0.0, seconds * 1000.0)

@@ -189,13 +189,22 @@ class PublisherSettings(_Group):
 class ObservabilitySettings(_Group):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "console"] = "auto"  # auto: console in a TTY, else JSON
-    trace_exporter: Literal["none", "console"] = "none"
-    metric_exporter: Literal["none", "console"] = "none"
+    trace_exporter: Literal["none", "console", "otlp"] = "none"
+    metric_exporter: Literal["none", "console", "otlp"] = "none"
     metric_export_interval_s: float = Field(default=60.0, gt=0)
+    # OTLP/HTTP collector base URL (http://collector:4318); None: the exporter's OTEL_* env.
+    otlp_endpoint: str | None = None
+    prometheus: bool = Field(default=True, description="serve GET /metrics on the health port")
     health_port: int | None = Field(
-        default=None, ge=0, le=65535, description="HTTP /healthz; 0 = any"
+        default=None, ge=0, le=65535, description="HTTP /healthz, /readyz, /metrics; 0 = any"
     )
     ready_file: Path | None = Field(default=None, description="touched when ready, removed at exit")
+    # Liveness fails when the engine has had work but finished no step for this long (a stuck
+    # kernel or a deadlock), or when the event loop does not answer (the probe times out).
+    engine_stall_s: float = Field(default=120.0, gt=0)
+    # Readiness fails when no poll of the request topic succeeded for this long.
+    broker_stale_s: float = Field(default=30.0, gt=0)
+    kafka_sample_interval_s: float = Field(default=5.0, gt=0, description="lag/paused gauges")
 
 
 class WorkerSettings(BaseSettings):

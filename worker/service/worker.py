@@ -94,7 +94,9 @@ class Worker:
         self.worker_id = settings.worker_id or make_worker_id()
         self.telemetry = telemetry or Telemetry(settings.observability, self.worker_id)
         self._engine_factory = engine_factory or default_engine_factory(settings)
-        self.health = Health(settings.observability.health_port, settings.observability.ready_file)
+        obs = settings.observability
+        registry = self.telemetry.prometheus_registry if obs.prometheus else None
+        self.health = Health(obs.health_port, obs.ready_file, self, registry)
         self.topics: TopicAdmin | None = None
         self.publisher: Publisher | None = None
         self.bridge: EngineBridge | None = None
@@ -169,6 +171,7 @@ class Worker:
         self._spawn(self.cancels.run(), "cancels")
         self._spawn(self.consumer.run(), "consumer")
         self._spawn(self._watch_topics(), "topics")
+        self._spawn(self._sample_kafka(), "kafka-gauges")
         self.health.set_ready(
             True, worker_id=self.worker_id, model=s.model, group_id=kafka.group_id
         )
@@ -177,6 +180,40 @@ class Worker:
         error = await self.bridge.crashed
         log.error("worker.engine_crashed", error=repr(error))
         self.failed.set()
+
+    # --- health probes (Health asks) and Kafka gauges -------------------------------------------
+
+    def liveness(self) -> dict[str, bool]:
+        """The event loop answers (this runs on it) and the engine thread makes progress."""
+        stall_s = self.settings.observability.engine_stall_s
+        return {"engine_thread": self.bridge is not None and self.bridge.is_alive(stall_s)}
+
+    def readiness(self) -> dict[str, bool]:
+        """Model loaded and warmed up (asked only then), partitions held, broker polled."""
+        consumer = self.consumer
+        last_poll_s = consumer.last_poll_ok_s if consumer is not None else None
+        stale_s = self.settings.observability.broker_stale_s
+        return {
+            "engine_thread": self.bridge is not None and self.bridge.is_alive(float("inf")),
+            "partitions_assigned": consumer is not None and bool(consumer.assignment),
+            "broker_reachable": last_poll_s is not None
+            and time.monotonic() - last_poll_s < stale_s,
+        }
+
+    async def _sample_kafka(self) -> None:
+        t = self.telemetry
+        while True:
+            consumer = self.consumer
+            if consumer is not None:
+                for partition, lag in consumer.lags().items():
+                    attributes = {
+                        "messaging.destination.name": partition.topic,
+                        "messaging.destination.partition.id": str(partition.partition),
+                    }
+                    t.consumer_lag.set(lag, attributes)
+                t.paused_partitions.set(consumer.num_paused)
+                t.assigned_partitions.set(len(consumer.assignment))
+            await asyncio.sleep(self.settings.observability.kafka_sample_interval_s)
 
     def _own_topics(self) -> dict[str, int]:
         kafka = self.settings.kafka

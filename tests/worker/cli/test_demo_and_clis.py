@@ -15,10 +15,8 @@ from pathlib import Path
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
-from tests.worker.kafka_helpers import fresh_topics, worker_settings
 from worker.cli.demo import QUESTIONS, run_demo
 from worker.service.settings import WorkerSettings
-from worker.service.worker import Worker
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -85,29 +83,6 @@ def test_fetch_model_prints_the_resolved_directory(tiny_model_dir) -> None:
         timeout=120,
     )
     assert missing.returncode == 1 and "does not exist" in missing.stderr and missing.stdout == ""
-
-
-@pytest.mark.kafka
-async def test_health_endpoint_and_ready_file_follow_the_worker(broker, tiny_model_dir, tmp_path) -> None:
-    topic, group_id = fresh_topics()
-    ready_file = tmp_path / "ready.json"
-    settings = worker_settings(
-        tiny_model_dir, broker.bootstrap_servers, group_id, topic,
-        observability={"health_port": 0, "ready_file": ready_file},
-    )  # fmt: skip
-    worker = Worker(settings)
-    await worker.start()
-    try:
-        url = f"http://127.0.0.1:{worker.health.port}/healthz"
-        status, body = await asyncio.to_thread(fetch, url)
-        assert status == 200 and '"ready": true' in body
-        assert ready_file.exists()
-        assert (await asyncio.to_thread(fetch, url.replace("healthz", "nope")))[0] == 404
-        worker.health.set_ready(False)
-        assert (await asyncio.to_thread(fetch, url))[0] == 503
-    finally:
-        await worker.stop(grace_s=1)
-    assert not ready_file.exists()
 
 
 def fetch(url: str) -> tuple[int, str]:

