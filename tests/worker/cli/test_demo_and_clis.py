@@ -8,8 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -85,9 +83,3 @@ def test_fetch_model_prints_the_resolved_directory(tiny_model_dir) -> None:
     assert missing.returncode == 1 and "does not exist" in missing.stderr and missing.stdout == ""
 
 
-def fetch(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
