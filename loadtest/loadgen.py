@@ -229,6 +229,7 @@ async def embedded_service(model: str, dtype: str, num_threads: int | None):
             if num_threads is not None:
                 options["num_threads"] = num_threads
             env = {f"MINI_INFER_ENGINE__{k.upper()}": str(v) for k, v in options.items()}
+            env["MINI_INFER_KAFKA__ENABLE_IDEMPOTENCE"] = "false"  # the embedded broker lacks it
             command = [sys.executable, "-m", "worker.cli", "serve",
                        "--bootstrap-servers", broker.bootstrap_servers, "--model", model,
                        "--dtype", dtype, "--log-level", "warning",
