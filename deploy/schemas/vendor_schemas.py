@@ -50,7 +50,8 @@ def vendor_kubernetes() -> None:
     )
     out = HERE / "kubernetes" / f"v{KUBERNETES_VERSION}-strict"
     out.mkdir(parents=True, exist_ok=True)
-    definitions = json.loads(root.joinpath("_definitions.json").read_text())["$defs"]
+    full = json.loads(root.joinpath("_definitions.json").read_text())
+    definitions = full["$defs"]
     wanted: set[str] = set()
     todo: list[str] = []
     for kind in KINDS:
@@ -62,7 +63,8 @@ def vendor_kubernetes() -> None:
         if name not in wanted:
             wanted.add(name)
             todo += sorted(_refs(definitions[name]))
-    subset = {"$defs": {name: definitions[name] for name in sorted(wanted)}}
+    subset = {k: v for k, v in full.items() if k != "$defs"}  # $schema, $id
+    subset["$defs"] = {name: definitions[name] for name in sorted(wanted)}
     (out / "_definitions.json").write_text(json.dumps(subset, indent=1) + "\n")
 
 
