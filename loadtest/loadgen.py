@@ -225,9 +225,7 @@ async def embedded_service(model: str, dtype: str, num_threads: int | None):
     async with EmbeddedBroker() as broker:
         with tempfile.TemporaryDirectory() as tmp:
             ready_file = Path(tmp) / "ready"
-            options = dict(ENGINE_OPTIONS)
-            if num_threads is not None:
-                options["num_threads"] = num_threads
+            options = {**ENGINE_OPTIONS, "num_threads": num_threads or default_num_threads()}
             env = {f"MINI_INFER_ENGINE__{k.upper()}": str(v) for k, v in options.items()}
             env["MINI_INFER_KAFKA__ENABLE_IDEMPOTENCE"] = "false"  # the embedded broker lacks it
             command = [sys.executable, "-m", "worker.cli", "serve",
@@ -241,6 +239,14 @@ async def embedded_service(model: str, dtype: str, num_threads: int | None):
             finally:
                 worker.send_signal(signal.SIGTERM)
                 await asyncio.to_thread(worker.wait, 60)
+
+
+def default_num_threads() -> int:
+    """A core left to the broker, the client and the worker's event loop. Torch's threads spin
+    while they wait for work, so with one per core they fight the Kafka side for the CPU. On
+    the 2-core development machine (rate 4, 12 prompts, 64 in / 16 out; other jobs running):
+    2 engine threads took 67 s, 1 thread 10.6 s (see loadtest/README_loadgen_section.md)."""
+    return max(1, (os.cpu_count() or 2) - 1)
 
 
 async def _wait_ready(worker: subprocess.Popen, ready_file: Path) -> None:
@@ -271,7 +277,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     service.add_argument("--model", default="smollm2-135m", help="embedded worker's model")
     service.add_argument("--dtype", default="float32", help="embedded worker's dtype")
     service.add_argument(
-        "--num-threads", type=int, default=None, help="embedded worker's torch threads"
+        "--num-threads",
+        type=int,
+        default=None,
+        help="embedded worker's torch threads (default: cores - 1)",
     )
     load = parser.add_argument_group("load (as vllm bench serve)")
     load.add_argument("--num-prompts", type=int, default=16)

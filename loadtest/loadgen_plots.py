@@ -45,7 +45,8 @@ def plot_cdfs(path: Path, doc: dict, results: Sequence[RequestResult]) -> None:
             xs = _samples_ms(group, metric)
             if not xs or (name != "overall" and len(groups) == 2):
                 continue
-            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            # From (first, 0) so every curve starts on the axis, then up 1/n at each sample.
+            xs, ys = [xs[0], *xs], [0.0] + [(i + 1) / len(xs) for i in range(len(xs))]
             style = {"color": "black", "linewidth": 2} if name == "overall" else {}
             ax.step(xs, ys, where="post", label=f"{name} ({len(xs)})", **style)
         ax.set_xlabel(f"{title} (ms)")
