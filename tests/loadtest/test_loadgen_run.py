@@ -76,3 +76,23 @@ async def test_short_real_run(broker, tiny_model_dir, tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "latency_cdf_rate_20.png", "latency_cdf_rate_inf.png", "sweep.png",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--num-prompts", "0"],
+        ["--urgency-mix", "critical:0.5"],
+        ["--request-rate", "0"],
+        ["--burstiness", "-1"],
+        ["--goodput", "itl:5"],
+        ["--cancel-fraction", "1.5"],
+        ["--range-ratio", "1"],
+        ["--percentiles", "50,101"],
+    ],
+)
+def test_bad_input_fails_before_anything_starts(argv: list[str], capsys) -> None:
+    from loadtest.loadgen import main
+
+    assert main(parse(argv)) == 2  # no broker or worker was started: it returns at once
+    assert "mini-infer loadtest:" in capsys.readouterr().err
