@@ -46,9 +46,10 @@ def plot_cdfs(path: Path, doc: dict, results: Sequence[RequestResult]) -> None:
             if not xs or (name != "overall" and len(groups) == 2):
                 continue
             # From (first, 0) so every curve starts on the axis, then up 1/n at each sample.
-            xs, ys = [xs[0], *xs], [0.0] + [(i + 1) / len(xs) for i in range(len(xs))]
+            n = len(xs)
+            xs, ys = [xs[0], *xs], [0.0] + [(i + 1) / n for i in range(n)]
             style = {"color": "black", "linewidth": 2} if name == "overall" else {}
-            ax.step(xs, ys, where="post", label=f"{name} ({len(xs)})", **style)
+            ax.step(xs, ys, where="post", label=f"{name} ({n})", **style)
         ax.set_xlabel(f"{title} (ms)")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
