@@ -4,12 +4,15 @@ Not run by the tests (they read the vendored files, offline); run by hand, in a 
 virtual environment, when the target Kubernetes or KEDA version changes:
 
     python -m venv /tmp/schemas && /tmp/schemas/bin/pip install kubernetes-validate \
-        cloudcoil-models-keda
+        cloudcoil-models-keda check-jsonschema
     /tmp/schemas/bin/python deploy/schemas/vendor_schemas.py
 
 Kubernetes: the strict (`additionalProperties: false`) schemas that the `kubernetes-validate`
 package ships, for the kinds deploy/k8s/ uses, with `_definitions.json` cut down to the
 definitions they reach (same content, fewer unrelated kinds).
+
+Compose: the Compose Specification's schema as the `check-jsonschema` package vendors it (with
+its Apache-2.0 licence).
 
 KEDA: no package on the registry ships the ScaledObject and TriggerAuthentication CRD schemas as JSON, so it is derived
 from `cloudcoil-models-keda` (pydantic models generated from the KEDA CRDs) with pydantic's
@@ -96,6 +99,18 @@ def vendor_keda() -> None:
         (out / name).write_text(json.dumps(schema, indent=1) + "\n")
 
 
+def vendor_compose() -> None:
+    import importlib.resources
+
+    vendor = importlib.resources.files("check_jsonschema").joinpath("builtin_schemas/vendor")
+    out = HERE / "compose"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compose-spec.json").write_text(vendor.joinpath("compose-spec.json").read_text())
+    licence = vendor.joinpath("licenses/LICENSE.compose-spec").read_text()
+    (out / "LICENSE.compose-spec").write_text(licence)
+
+
 if __name__ == "__main__":
     vendor_kubernetes()
     vendor_keda()
+    vendor_compose()

@@ -14,6 +14,7 @@ import re
 import tomllib
 from pathlib import Path
 
+import dockerfile
 import jsonschema
 import pytest
 import yaml
@@ -270,6 +271,15 @@ SERVICES = COMPOSE["services"]
 WORKERS = ("worker-1", "worker-2")
 
 
+def test_compose_matches_the_compose_specification() -> None:
+    schema = json.loads((SCHEMAS / "compose" / "compose-spec.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    assert [e.message for e in validator.iter_errors(COMPOSE)] == []
+    broken = copy.deepcopy(COMPOSE)
+    broken["services"]["kafka"]["healthchek"] = broken["services"]["kafka"].pop("healthcheck")
+    assert list(validator.iter_errors(broken))  # the schema catches a misspelt key
+
+
 def test_compose_services() -> None:
     assert set(SERVICES) == {
         "kafka", "topics", "worker-1", "worker-2", "loadgen", "otel-collector", "prometheus",
@@ -362,18 +372,32 @@ def test_otel_collector_pipelines_are_wired() -> None:
 
 @pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])
 def test_dockerfile_shape(name: str) -> None:
-    text = (DEPLOY / name).read_text()
-    stages = re.findall(r"^FROM \S+ AS (\w+)", text, re.M)
+    """Parsed by BuildKit's own parser (the `dockerfile` package), so a syntax error fails too."""
+    commands = dockerfile.parse_file(str(DEPLOY / name))
+    by_cmd: dict[str, list] = {}
+    for command in commands:
+        by_cmd.setdefault(command.cmd.upper(), []).append(command)
+    stages = [
+        c.value[2] for c in by_cmd["FROM"] if len(c.value) == 3 and c.value[1].upper() == "AS"
+    ]
     assert stages == ["build", "model", "runtime"]
-    user = re.search(r"^USER (\d+)", text, re.M)
-    assert user and int(user.group(1)) != 0
-    assert re.search(r"^HEALTHCHECK .*\n?.*/healthz", text, re.M)
-    assert re.search(r"^EXPOSE 8080$", text, re.M)
-    assert "MINI_INFER_OBSERVABILITY__HEALTH_PORT=8080" in text
-    assert "mini-infer fetch-model" in text and "BAKE_MODEL" in text
+    (user,) = by_cmd["USER"]
+    assert int(user.value[0].split(":")[0]) != 0
+    (healthcheck,) = by_cmd["HEALTHCHECK"]
+    assert healthcheck.value[0] == "CMD" and "/healthz" in " ".join(healthcheck.value)
+    assert [c.value for c in by_cmd["EXPOSE"]] == [("8080",)]
+    env = {k: v for c in by_cmd["ENV"] for k, v in zip(c.value[::2], c.value[1::2], strict=True)}
+    assert env["MINI_INFER_OBSERVABILITY__HEALTH_PORT"] == "8080"
+    assert by_cmd["ENTRYPOINT"][0].value == ("mini-infer",)
+    assert by_cmd["STOPSIGNAL"][0].value == ("SIGTERM",)
+    runs = " ".join(c.value[0] for c in by_cmd["RUN"])
+    assert "mini-infer fetch-model" in runs and "BAKE_MODEL" in runs
     # torch as pyproject.toml pins it.
     dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     (pin,) = [d for d in dependencies if d.startswith("torch==")]
-    assert f"ARG TORCH_VERSION={pin.removeprefix('torch==')}" in text
-    for copied in re.findall(r"^COPY (?!--)(\S+)", text, re.M):
-        assert (ROOT / copied).exists(), copied
+    args = dict(c.value[0].split("=", 1) for c in by_cmd["ARG"] if "=" in c.value[0])
+    assert args["TORCH_VERSION"] == pin.removeprefix("torch==")
+    for copy_command in by_cmd["COPY"]:
+        if not any(flag.startswith("--from=") for flag in copy_command.flags):
+            for source in copy_command.value[:-1]:
+                assert (ROOT / source).exists(), source
