@@ -256,6 +256,11 @@ def _check(args: argparse.Namespace) -> tuple[dict[str, float] | None, list[floa
     percentiles = [float(p) for p in args.percentiles.split(",")]
     if any(not 0 <= p <= 100 for p in percentiles):
         raise ValueError("--percentiles must be in [0, 100]")
+    if args.plot_dir is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot-dir needs matplotlib (the dev extras)") from None
     build_workload(args)  # lengths, ratio and urgency mix
     arrival_gaps_s(1, args.request_rate, args.burstiness, args.seed)
     return (parse_goodput(args.goodput) if args.goodput else None), percentiles

@@ -49,6 +49,14 @@ async def test_short_real_run(broker, tiny_model_dir, tmp_path) -> None:
             "--plot-dir", str(tmp_path), "--no-progress",
         ])  # fmt: skip
         doc = await run_command(args, broker.bootstrap_servers)
+        # A deadline of 0 ms after sending has passed when the worker reads the request.
+        expired = await run_command(
+            parse([
+                "--request-topic", topic, "--control-topic", topic + ".control",
+                "--num-prompts", "2", "--deadline-ms", "0", "--no-progress",
+            ]),
+            broker.bootstrap_servers,
+        )  # fmt: skip
     finally:
         await worker.stop(grace_s=5)
 
@@ -73,6 +81,8 @@ async def test_short_real_run(broker, tiny_model_dir, tmp_path) -> None:
         # tokens can be partial characters, which the worker holds back and sends together).
         assert len(run["ttfts"]) == 4
         assert all(len(itls) <= OUTPUT_LEN - 1 for itls in run["itls"])
+    assert expired["finish_reasons"] == {"expired": 2}
+    assert (expired["completed"], expired["failed"], expired["request_throughput"]) == (0, 2, 0)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "latency_cdf_rate_20.png", "latency_cdf_rate_inf.png", "sweep.png",
     ]  # fmt: skip
