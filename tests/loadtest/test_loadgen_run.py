@@ -49,11 +49,12 @@ async def test_short_real_run(broker, tiny_model_dir, tmp_path) -> None:
             "--plot-dir", str(tmp_path), "--no-progress",
         ])  # fmt: skip
         doc = await run_command(args, broker.bootstrap_servers)
-        # A deadline of 0 ms after sending has passed when the worker reads the request.
+        # A deadline of 0 ms after sending has passed when the worker reads the request (and
+        # the chat dataset's messages go through the worker's chat template).
         expired = await run_command(
             parse([
                 "--request-topic", topic, "--control-topic", topic + ".control",
-                "--num-prompts", "2", "--deadline-ms", "0", "--no-progress",
+                "--num-prompts", "2", "--deadline-ms", "0", "--dataset", "chat", "--no-progress",
             ]),
             broker.bootstrap_servers,
         )  # fmt: skip
