@@ -150,7 +150,7 @@ def _take_final(result: RequestResult, final, elapsed_s: float) -> None:
     result.e2el_s = elapsed_s
     result.prompt_len = final.usage.prompt_tokens
     result.output_len = final.usage.completion_tokens
-    result.worker_timing = final.timing.model_dump()
+    result.worker_timing = final.timing.model_dump(exclude_none=True)
 
 
 async def run_load(
@@ -351,7 +351,7 @@ def format_table(doc: dict) -> str:
             f"{m['median_tpot_ms']:>10.1f}{m.get('p99_itl_ms', 0):>9.1f}{m.get('p99_e2el_ms', 0):>9.1f}"
         )
     split = doc["latency_split"]
-    parts = ("kafka", "batcher", "engine_queue_prefill", "decode")
+    parts = [p for p in split if p != "num_requests"]
     lines.append(
         "mean split (ms): " + ", ".join(f"{p} {split[p][f'mean_{p}_ms']:.1f}" for p in parts)
     )

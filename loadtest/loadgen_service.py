@@ -23,7 +23,7 @@ READY_TIMEOUT_S = 600.0
 def kafka_settings(args: argparse.Namespace, bootstrap_servers: str):
     """The worker's own Kafka settings (MINI_INFER_KAFKA__* from the environment, so the same
     ConfigMap and Secret configure both), with this command's flags on top."""
-    from worker.settings import WorkerSettings
+    from worker.service.settings import WorkerSettings
 
     overrides: dict = {"bootstrap_servers": bootstrap_servers}
     for name in ("request_topic", "control_topic"):
@@ -33,18 +33,18 @@ def kafka_settings(args: argparse.Namespace, bootstrap_servers: str):
 
 
 def make_client(kafka):
-    from worker.client import MiniInferClient
+    from worker.client import ClientOptions, MiniInferClient
 
-    return MiniInferClient(
-        kafka.bootstrap_servers,
+    options = ClientOptions(
         request_topic=kafka.request_topic,
         control_topic=kafka.control_topic,
         reply_prefix=kafka.reply_topic_prefix,
         # Off unless MINI_INFER_KAFKA__ENABLE_IDEMPOTENCE says so: the SDK's default, and the
         # embedded broker cannot do it. A duplicated request is only generated twice.
         enable_idempotence=bool(kafka.enable_idempotence),
-        kafka_options=kafka.client_options(),
+        kafka=kafka.client_options(),
     )
+    return MiniInferClient(kafka.bootstrap_servers, options)
 
 
 @contextlib.asynccontextmanager

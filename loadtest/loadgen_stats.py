@@ -257,23 +257,25 @@ def latency_split_ms(
     - `kafka`: client E2E - worker total: producing the request, the worker's fetch, the replies'
       way back (both directions together; the two clocks are not compared);
     - `batcher`: `queued_ms`, from receipt to release by the urgency batcher;
-    - `engine_queue_prefill`: `ttft_ms - queued_ms`, the engine's waiting queue and the prefill
-      together (the reply timing does not separate them);
+    - `engine_queue` and `prefill`: the worker's `engine_queue_ms` and `prefill_ms` (contract
+      v1.1); from a worker that does not send them, `engine_queue_prefill` = `ttft_ms -
+      queued_ms`, the two together;
     - `decode`: `total_ms - ttft_ms`.
     """
-    parts: dict[str, list[float]] = {
-        "kafka": [],
-        "batcher": [],
-        "engine_queue_prefill": [],
-        "decode": [],
-    }
+    parts: dict[str, list[float]] = {"kafka": [], "batcher": [], "decode": []}
     for r in results:
         timing = r.worker_timing
         if not r.is_served or timing is None or timing.get("ttft_ms") is None:
             continue
         parts["kafka"].append(r.e2el_s * 1000 - timing["total_ms"])
         parts["batcher"].append(timing["queued_ms"])
-        parts["engine_queue_prefill"].append(timing["ttft_ms"] - timing["queued_ms"])
+        if timing.get("engine_queue_ms") is not None and timing.get("prefill_ms") is not None:
+            parts.setdefault("engine_queue", []).append(timing["engine_queue_ms"])
+            parts.setdefault("prefill", []).append(timing["prefill_ms"])
+        else:
+            parts.setdefault("engine_queue_prefill", []).append(
+                timing["ttft_ms"] - timing["queued_ms"]
+            )
         parts["decode"].append(timing["total_ms"] - timing["ttft_ms"])
     # latency_stats_ms scales seconds to ms; these are ms already.
     return {

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from referencing import Registry, Resource
 
 from loadtest.loadgen import add_arguments
-from worker.settings import WorkerSettings
+from worker.service.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -393,8 +393,8 @@ def test_dockerfile_shape(name: str) -> None:
     runs = " ".join(c.value[0] for c in by_cmd["RUN"])
     assert "mini-infer fetch-model" in runs and "BAKE_MODEL" in runs
     # torch as pyproject.toml pins it.
-    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    (pin,) = [d for d in dependencies if d.startswith("torch==")]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (pin,) = [d for d in project["optional-dependencies"]["serve"] if d.startswith("torch==")]
     args = dict(c.value[0].split("=", 1) for c in by_cmd["ARG"] if "=" in c.value[0])
     assert args["TORCH_VERSION"] == pin.removeprefix("torch==")
     for copy_command in by_cmd["COPY"]:

@@ -9,7 +9,7 @@ import pytest
 
 from loadtest.loadgen import add_arguments, build_workload, run_command
 from tests.worker.kafka_helpers import create_topic, fresh_topics, worker_settings
-from worker.app import Worker
+from worker.service.worker import Worker
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]
 

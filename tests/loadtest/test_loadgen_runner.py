@@ -11,7 +11,7 @@ from loadtest.loadgen import RequestSpec, RunOptions, run_load, run_one
 from loadtest.loadgen_stats import arrival_gaps_s, arrival_offsets_s
 from schemas.messages import ErrorInfo, FinalReply, Timing, Usage
 from worker.client import RequestFailedError, RequestTimeoutError
-from worker.reply_assembler import Delta
+from worker.client.assembler import Delta
 
 
 def final(finish_reason: str = "length", tokens: int = 3, **fields) -> FinalReply:

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "download/convert the default model and print its path",
     ),
     "bench": ("worker.cli.bench", "benchmarks: `bench engine`, `bench e2e` (JSON + table)"),
+    "loadtest": ("loadtest.loadgen", "load generator through Kafka, reports like vllm bench serve"),
 }
 
 
