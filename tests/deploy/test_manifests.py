@@ -362,9 +362,12 @@ def test_otel_collector_pipelines_are_wired() -> None:
         assert set(pipeline.get("processors", [])) <= set(config["processors"])
         assert set(pipeline["exporters"]) <= set(config["exporters"])
     assert "otlp" in config["receivers"]
-    endpoint = SERVICES["worker-1"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
-    grpc = config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
-    assert endpoint.rsplit(":", 1)[1] == grpc.rsplit(":", 1)[1]
+    # The workers speak OTLP/HTTP (opentelemetry-exporter-otlp-proto-http).
+    environment = SERVICES["worker-1"]["environment"]
+    assert environment["MINI_INFER_OBSERVABILITY__TRACE_EXPORTER"] == "otlp"
+    endpoint = environment["MINI_INFER_OBSERVABILITY__OTLP_ENDPOINT"]
+    http = config["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
+    assert endpoint.rsplit(":", 1)[1] == http.rsplit(":", 1)[1]
 
 
 # --- Dockerfiles ------------------------------------------------------------------------------
