@@ -31,3 +31,13 @@ def check_device(*tensors: torch.Tensor) -> None:
             "only in the Triton interpreter: set TRITON_INTERPRET=1 before the engine is imported "
             "(or use attention_backend='torch')"
         )
+
+
+def require_usable() -> None:
+    """Fail at start-up, not at the first step, where the kernels cannot run at all."""
+    if not torch.cuda.is_available() and not is_interpreted():
+        raise RuntimeError(
+            "attention_backend='triton' needs a CUDA GPU; on CPU the Triton kernels run only in "
+            "Triton's interpreter: set TRITON_INTERPRET=1 before the engine is imported (slow, "
+            "for tests), or use attention_backend='torch'"
+        )

@@ -144,10 +144,11 @@ def _decode_reduce_kernel(
     part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + s
     m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
     l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
-    m_max = tl.max(m, 0)
     # Splits past a sequence's end hold m = -inf, l = 0, acc = 0: weight 0. All of them empty
-    # (a zero-length padding row) gives zeros.
-    w = tl.where(s_mask & (m > float("-inf")), tl.exp2(m - m_max), 0.0)
+    # (a zero-length padding row) gives zeros. (-inf - -inf is kept out of the exp2.)
+    is_full = s_mask & (m > float("-inf"))
+    m_max = tl.max(tl.where(is_full, m, -1e30), 0)
+    w = tl.where(is_full, tl.exp2(tl.where(is_full, m, m_max) - m_max), 0.0)
     acc = tl.load(
         part_acc_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], mask=s_mask[:, None], other=0.0
     )
@@ -174,7 +175,7 @@ def choose_num_splits(
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: a few splits, so the split path is exercised
+    return 8  # the interpreter: a few splits, so the split path is exercised
 
 
 def paged_decode_attention(
