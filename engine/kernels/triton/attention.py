@@ -89,7 +89,8 @@ def _decode_kernel(
     d_mask = d < HEAD_DIM
     q = tl.load(
         q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )  # [GROUP_PAD, HEAD_DIM_PAD]
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -120,7 +121,8 @@ def _decode_kernel(
         out = acc / denom[:, None]
         tl.store(
             out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-            out.to(out_ptr.dtype.element_ty), mask=out_mask,
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
         )
     else:
         # partials: acc [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM_PAD], (m, l) [..., 2]
@@ -143,7 +145,7 @@ def _decode_reduce_kernel(
     s_mask = s < NUM_SPLITS
     part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + s
     m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
+    l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
     # Splits past a sequence's end hold m = -inf, l = 0, acc = 0: weight 0. All of them empty
     # (a zero-length padding row) gives zeros. (-inf - -inf is kept out of the exp2.)
     is_full = s_mask & (m > float("-inf"))
@@ -152,17 +154,16 @@ def _decode_reduce_kernel(
     acc = tl.load(
         part_acc_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], mask=s_mask[:, None], other=0.0
     )
-    denom = tl.sum(l * w, 0)
+    denom = tl.sum(l_s * w, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(
         out_ptr + seq * stride_ot + head * stride_oh + d,
-        out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
     )
 
 
-def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int
-) -> int:
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
     """Splits per (sequence, KV head) so that about two waves of programs fill `num_sms`
     multiprocessors, never more splits than key tiles (each split gets at least one tile)."""
     programs = num_seqs * num_kv_heads
@@ -265,7 +266,8 @@ def _prefill_kernel(
     d_mask = d < HEAD_DIM
     q = tl.load(
         q_ptr + (q_begin + offs_m)[:, None] * stride_qt + head * stride_qh + d[None, :],
-        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )  # [BLOCK_M, HEAD_DIM_PAD]
     q_pos = prefix_len + offs_m
     # Causal: this tile's last query sees keys up to its own position.
@@ -296,7 +298,8 @@ def _prefill_kernel(
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + (q_begin + offs_m)[:, None] * stride_ot + head * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
     )
 
 
