@@ -30,6 +30,7 @@ from engine.cuda_graphs import (
 from engine.kv_cache_manager import cdiv
 from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import Linear
+from engine.layers.rotary import RotaryEmbedding
 from engine.model_runner import ModelRunner, StepBatch
 from engine.models.llama import head_dim_of
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -94,6 +95,10 @@ class CudaModelRunner(ModelRunner):
         if getattr(self.model, "tie_word_embeddings", False):
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
         self.model.to(self.device)
+        for module in self.model.modules():  # the rotary tables are plain attributes
+            if isinstance(module, RotaryEmbedding) and module.cos_table is not None:
+                module.cos_table = module.cos_table.to(self.device)
+                module.sin_table = module.sin_table.to(self.device)
         hf = self.hf_config
         shape_per_block = (self.block_size, 2, hf.num_key_value_heads, head_dim_of(hf))
         bytes_per_block = hf.num_hidden_layers * self.dtype.itemsize

@@ -30,6 +30,7 @@ convention). fp32 dots use IEEE precision (TF32 would cost about 1e-3 relative e
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -42,6 +43,8 @@ LOG2_E = 1.4426950408889634
 _DECODE_BLOCK_N = 64  # keys per inner-loop tile
 _PREFILL_BLOCK_M = 32  # query tokens per program
 _PREFILL_BLOCK_N = 32
+# Split counts are runtime values (one compiled kernel for every batch size and context), and
+# the reduction always spans this many, masked.
 _MAX_SPLITS = 64
 
 
@@ -73,7 +76,7 @@ def _decode_kernel(
     stride_tb, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -115,7 +118,7 @@ def _decode_kernel(
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not IS_SPLIT:
         # A zero-length row (CUDA-graph padding) has l = 0: write zeros, not NaN.
         denom = tl.where(l_i > 0, l_i, 1.0)
         out = acc / denom[:, None]
@@ -126,7 +129,7 @@ def _decode_kernel(
         )
     else:
         # partials: acc [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM_PAD], (m, l) [..., 2]
-        part = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        part = (seq * (GROUP * tl.num_programs(1)) + heads) * tl.num_programs(2) + split
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc, mask=out_mask)
         tl.store(part_ml_ptr + part * 2, m_i, mask=g_mask)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_mask)
@@ -134,16 +137,15 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
-    s_mask = s < NUM_SPLITS
-    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + s
+    s_mask = s < num_splits
+    part = (seq * tl.num_programs(1) + head) * num_splits + s
     m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
     l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
     # Splits past a sequence's end hold m = -inf, l = 0, acc = 0: weight 0. All of them empty
@@ -173,6 +175,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, nu
     return max(1, min(max_tiles, triton.cdiv(2 * num_sms, programs), _MAX_SPLITS))
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -207,6 +210,8 @@ def paged_decode_attention(
     max_context_len = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, _num_sms(q.device))
+    if not 1 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}")
     tiles_per_split = triton.cdiv(triton.cdiv(max(max_context_len, 1), _DECODE_BLOCK_N), num_splits)
     tokens_per_split = tiles_per_split * _DECODE_BLOCK_N
     head_dim_pad = triton.next_power_of_2(head_dim)
@@ -227,14 +232,13 @@ def paged_decode_attention(
         block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=_DECODE_BLOCK_N,
-        NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype),
+        IS_SPLIT=num_splits > 1, DOT_PRECISION=_dot_precision(q.dtype),
         UPCAST=_upcast_dots(q.dtype),
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            part_acc, part_ml, out, out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=_MAX_SPLITS,
         )  # fmt: skip
     return out
 
