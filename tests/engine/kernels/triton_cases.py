@@ -1,6 +1,7 @@
-"""Shared builders for the Triton kernel tests: a paged KV cache poisoned with NaN outside the
-slots a case uses (a kernel that reads past a context end, or a padded table entry, turns the
-output NaN) and tolerances per dtype."""
+"""Shared builders for the Triton kernel tests, which run on a CUDA GPU when there is one, else
+in Triton's interpreter (switched on by tests/conftest.py before anything imports Triton): a
+paged KV cache poisoned with NaN outside the slots a case uses (a kernel that reads past a
+context end, or a padded table entry, turns the output NaN) and tolerances per dtype."""
 
 from __future__ import annotations
 
