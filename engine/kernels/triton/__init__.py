@@ -1,5 +1,15 @@
 """Triton kernels for the CUDA path, each beside its torch reference.
 
+- attention.py: paged decode attention (GQA, split-K + reduction), paged prefill/extend.
+- kv_store.py: scatter a step's K/V into their cache slots (slot < 0: skipped).
+- pointwise.py: fused residual add + RMSNorm, RoPE in place on q and k, SiLU * mul.
+- backend.py: `TritonPagedAttention`, the attention-backend adapter
+  (`get_attention_backend("triton")`; the CUDA runner resolves "auto" to it).
+
+Dispatch: engine/layers (norm, rotary) and the Llama MLP call the pointwise kernels for CUDA
+tensors and keep their torch code for CPU ones; attention goes through Triton when the backend
+is "triton", which works anywhere Triton can run (a GPU, or the interpreter on CPU for tests).
+
 Importing this package does not import Triton: the kernel modules are imported where they are
 used, because `triton.jit` decides at decoration time whether a kernel is compiled for the GPU
 or run by the interpreter (`TRITON_INTERPRET=1`, read when a kernel module is first imported).
