@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter. `triton.jit` reads this when a
+# kernel is decorated, and triton.language's own helpers are decorated when Triton is first
+# imported, which importing transformers below already does: so it is set here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.tiny_model import make_tiny_llama
 from worker.broker import EmbeddedBroker

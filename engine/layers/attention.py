@@ -50,6 +50,9 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None = None  # [num_decodes, max_num_blocks] int64
     # [num_decodes, 1, 1, max_num_blocks * block_size] additive (0 / -inf), model dtype
     decode_mask: torch.Tensor | None = None
+    # [num_decodes] int: context lengths, for kernels that read lengths instead of the mask
+    # (Triton); None: they count them from decode_mask.
+    decode_context_lens: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -142,8 +145,8 @@ def get_attention_backend(name: str) -> TorchPagedAttention:
     if name in ("auto", "torch"):
         return TorchPagedAttention()
     if name == "triton":
-        raise NotImplementedError(
-            "attention_backend='triton' is not implemented yet (Triton kernels come in a later "
-            "issue); use 'torch' or 'auto'"
-        )
+        # Imported here: Triton is needed only when asked for (CUDA, or its CPU interpreter).
+        from engine.kernels.triton.backend import TritonPagedAttention
+
+        return TritonPagedAttention()
     raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch' or 'triton'")

@@ -33,6 +33,10 @@ class RMSNorm(nn.Module):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the
         pre-norm transformer's "add the branch output, then normalise" in one call.
         x, residual: [num_tokens, hidden]."""
+        if x.is_cuda:  # the add and the norm in one Triton kernel, HF's rounding kept
+            from engine.kernels.triton.pointwise import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

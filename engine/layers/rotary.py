@@ -55,7 +55,12 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) 
 
     HF computes x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1); here
     roll(x) = cat(x2, x1) meets the negated first half of sin instead. (-a) * b == -(a * b)
-    exactly, so fp32 and bf16 results are bit-identical to HF's.
+    exactly, so fp32 and bf16 results are bit-identical to HF's. On CUDA one Triton kernel
+    does the same arithmetic with the same roundings.
     """
+    if x.is_cuda:
+        from engine.kernels.triton.pointwise import rotary_
+
+        return rotary_(x, cos, signed_sin)
     rotated = x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
     return torch.add(x * cos, rotated, out=x)

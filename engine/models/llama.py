@@ -69,6 +69,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # 2 x [num_tokens, intermediate]
+        if x.is_cuda:  # one Triton kernel instead of silu, mul and their round trips
+            from engine.kernels.triton.pointwise import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
 
 

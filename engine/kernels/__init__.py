@@ -1,0 +1,1 @@
+"""Kernels beside their torch references: CPU paths and Triton (CUDA) paths."""

@@ -1,0 +1,53 @@
+"""Triton kernels for the CUDA path, each beside its torch reference.
+
+- attention.py: paged decode attention (GQA, split-K + reduction), paged prefill/extend.
+- kv_store.py: scatter a step's K/V into their cache slots (slot < 0: skipped).
+- pointwise.py: fused residual add + RMSNorm, RoPE in place on q and k, SiLU * mul.
+- backend.py: `TritonPagedAttention`, the attention-backend adapter
+  (`get_attention_backend("triton")`; the CUDA runner resolves "auto" to it).
+
+Dispatch: engine/layers (norm, rotary) and the Llama MLP call the pointwise kernels for CUDA
+tensors and keep their torch code for CPU ones; attention goes through Triton when the backend
+is "triton", which works anywhere Triton can run (a GPU, or the interpreter on CPU for tests).
+
+Importing this package does not import Triton: the kernel modules are imported where they are
+used, because `triton.jit` decides at decoration time whether a kernel is compiled for the GPU
+or run by the interpreter (`TRITON_INTERPRET=1`, read when a kernel module is first imported).
+On CPU tensors the kernels only run interpreted; `check_device` turns anything else into a
+clear error instead of a crash deep inside Triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def is_interpreted() -> bool:
+    """True when Triton kernels run in its interpreter (on CPU tensors, slowly, for tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """Raise unless every tensor is on CUDA, or on CPU with the Triton interpreter on."""
+    for tensor in tensors:
+        if tensor.is_cuda:
+            continue
+        if tensor.device.type == "cpu" and is_interpreted():
+            continue
+        raise RuntimeError(
+            f"Triton kernels need CUDA tensors, got a {tensor.device.type} tensor; on CPU they run "
+            "only in the Triton interpreter: set TRITON_INTERPRET=1 before the engine is imported "
+            "(or use attention_backend='torch')"
+        )
+
+
+def require_usable() -> None:
+    """Fail at start-up, not at the first step, where the kernels cannot run at all."""
+    if not torch.cuda.is_available() and not is_interpreted():
+        raise RuntimeError(
+            "attention_backend='triton' needs a CUDA GPU; on CPU the Triton kernels run only in "
+            "Triton's interpreter: set TRITON_INTERPRET=1 before the engine is imported (slow, "
+            "for tests), or use attention_backend='torch'"
+        )
