@@ -23,8 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from schemas.headers import Urgency
 from worker.service.settings import BatcherSettings
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -38,8 +42,17 @@ class PendingItem:
 
     @property
     def order_key(self) -> tuple[int, float, int]:
-        deadline = math.inf if self.deadline_ms is None else self.deadline_ms
+        # Compared as a float, and bounded: any int compares with inf, but a producer's integer
+        # must never be able to make ordering raise (the contract bounds it too).
+        deadline = math.inf if self.deadline_ms is None else _bounded(self.deadline_ms)
         return (self.urgency.priority, deadline, self.arrival_seq)
+
+
+def _bounded(deadline_ms: int) -> float:
+    try:
+        return float(deadline_ms)
+    except (OverflowError, TypeError, ValueError):
+        return math.inf
 
 
 def select_batch(
@@ -73,9 +86,13 @@ class Batcher:
         release: Callable[[list[Any]], None],
         queued_tokens: Callable[[], int] = lambda: 0,
         clock: Callable[[], float] = time.monotonic,
+        on_error: Callable[[Any, BaseException], None] | None = None,
     ) -> None:
         self._settings = settings
         self._release = release
+        # Told about an item whose release raised; that item is out of the batcher, its batch
+        # neighbours are released all the same, and the batcher task lives on.
+        self._on_error = on_error
         self._queued_tokens = queued_tokens
         self._clock = clock
         self._pending: list[PendingItem] = []
@@ -112,9 +129,38 @@ class Batcher:
         self._pending = []
         return items
 
+    def _release_isolated(self, items: list[Any]) -> None:
+        """Release `items` as one batch; if that raises, release them one by one so that only
+        the item that raises is lost to the batch (and reported to `on_error`)."""
+        try:
+            self._release(items)
+            return
+        except Exception:
+            log.exception("batcher.release_failed", num_items=len(items))
+        for item in items:
+            try:
+                self._release([item])
+            except Exception as error:
+                self._report(item, error)
+
+    def _report(self, item: Any, error: BaseException) -> None:
+        if self._on_error is None:
+            log.error("batcher.item_failed", error=repr(error))
+            return
+        try:
+            self._on_error(item, error)
+        except Exception:
+            log.exception("batcher.on_error_failed")
+
     async def run(self) -> None:
         while True:
-            timeout_s = self.flush_due()
+            try:
+                timeout_s = self.flush_due()
+            except Exception as error:  # a bug in ordering: fail what is pending, keep serving
+                log.exception("batcher.flush_failed")
+                for item in self.drain():
+                    self._report(item, error)
+                timeout_s = None
             self._wakeup.clear()
             if timeout_s is None:
                 await self._wakeup.wait()
@@ -134,7 +180,7 @@ class Batcher:
         budget_tokens = self._settings.max_batch_tokens - queued_tokens
         released, self._pending = select_batch(self._pending, budget_tokens, queued_tokens == 0)
         if released:
-            self._release([p.item for p in released])
+            self._release_isolated([p.item for p in released])
         # Whatever is left waits for the engine to start something (the bridge wakes us), unless
         # nothing reached the engine (all released items expired): then look again at once.
         return 0.0 if self._pending and self._queued_tokens() == 0 else None

@@ -8,7 +8,14 @@ commits watermarks.
 - On revocation, finished work is committed first (after letting in-flight finals land), then the
   revoked partitions' unfinished jobs are dropped: the next owner redoes them.
 - A bad message is routed (DLQ or error final), never raised: the poll loop catches only what a
-  broker can throw at it, and logs and goes on.
+  broker can throw at it, and logs and goes on. Handling one record is total: a bug while
+  handling it dead-letters that record (reason `internal`), so no message can kill the task and,
+  with it, every worker that takes the partition over.
+- Every record is stamped with its partition's assignment epoch (`OffsetTracker`); a record of a
+  partition revoked meanwhile (during an await) is not ours any more and is left alone.
+- A record aiokafka cannot return (`RecordTooLargeError`: bigger than the fetch size) is skipped
+  by aiokafka; its offset is tracked and a stub dead letter written for it, so the watermark
+  never commits over it silently.
 """
 
 from __future__ import annotations
@@ -18,14 +25,14 @@ import time
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, RecordTooLargeError
 
 from schemas.contract import DeadLetterReason
 from worker.service.dead_letters import DeadLetterWriter
 from worker.service.offsets import OffsetTracker
 from worker.service.pipeline import Pipeline
 from worker.service.publisher import Publisher
-from worker.service.routing import DeadLetter, Rejected, RoutingPolicy, route
+from worker.service.routing import DeadLetter, Rejected, RoutingPolicy, route, safe_for_log
 from worker.service.settings import WorkerSettings
 from worker.service.telemetry import Telemetry
 from worker.service.topics import TopicAdmin
@@ -99,6 +106,9 @@ class RequestConsumer:
                 batches = await self._consumer.getmany(
                     timeout_ms=self._settings.kafka.fetch_max_wait_ms, max_records=max(1, room)
                 )
+            except RecordTooLargeError as error:
+                self.on_record_too_large(error)
+                continue
             except KafkaError as error:
                 log.warning("consumer.poll_failed", error=repr(error))
                 await asyncio.sleep(1.0)
@@ -110,30 +120,56 @@ class RequestConsumer:
 
     async def _handle(self, partition: TopicPartition, record) -> None:
         received_s = time.monotonic()
-        self.tracker.add(partition, record.offset)
-        key = record.key.decode("utf-8", errors="replace") if record.key else None
+        epoch = self.tracker.add(partition, record.offset)
+        if epoch is None:
+            return  # its partition was revoked while this batch was handled: the next owner's
         with structlog.contextvars.bound_contextvars(
-            key=key, request_id=None, partition=partition.partition, offset=record.offset
+            request_id=None, partition=partition.partition, offset=record.offset
         ):
-            decision = route(record.value, record.headers, self._policy)
-            if isinstance(decision, DeadLetter):
-                self._dead_letter(partition, record, decision)
-                return
-            structlog.contextvars.bind_contextvars(request_id=decision.request_id)
             try:
-                await self._topics.ensure_reply_topic(decision.reply_to)
-            except (KafkaError, OSError) as error:
-                self._dead_letter(
-                    partition, record, DeadLetter(DeadLetterReason.REPLY_TOPIC_UNAVAILABLE, repr(error))
-                )
-                return
-            if isinstance(decision, Rejected):
-                self._pipeline.reject(decision, partition, record, received_s)
-            else:
-                self._pipeline.accept(decision, partition, record, received_s)
+                await self._route(partition, record, received_s, epoch)
+            except Exception as error:  # a bug: park this record, keep the partition moving
+                log.exception("request.handling_failed")
+                letter = DeadLetter(DeadLetterReason.INTERNAL, f"{type(error).__name__}: {error}")
+                self._dead_letter(partition, record, letter, epoch)
 
-    def _dead_letter(self, partition: TopicPartition, record, letter: DeadLetter) -> None:
-        self._dead_letters.write(partition, record, letter.reason, letter.message)
+    async def _route(self, partition: TopicPartition, record, received_s: float, epoch) -> None:
+        decision = route(record.value, record.headers, self._policy)
+        if isinstance(decision, DeadLetter):
+            self._dead_letter(partition, record, decision, epoch)
+            return
+        structlog.contextvars.bind_contextvars(request_id=safe_for_log(decision.request_id))
+        try:
+            await self._topics.ensure_reply_topic(decision.reply_to)
+        except (KafkaError, OSError) as error:
+            letter = DeadLetter(DeadLetterReason.REPLY_TOPIC_UNAVAILABLE, repr(error))
+            if self.tracker.is_current(partition, epoch):
+                self._dead_letter(partition, record, letter, epoch)
+            return
+        if not self.tracker.is_current(partition, epoch):
+            return  # revoked during the await: the next owner handles it
+        if isinstance(decision, Rejected):
+            self._pipeline.reject(decision, partition, record, received_s, epoch)
+        else:
+            self._pipeline.accept(decision, partition, record, received_s, epoch)
+
+    def _dead_letter(self, partition: TopicPartition, record, letter: DeadLetter, epoch) -> None:
+        self._dead_letters.write(partition, record, letter.reason, letter.message, epoch=epoch)
+
+    def on_record_too_large(self, error: RecordTooLargeError) -> None:
+        """aiokafka skipped a record it cannot return (it already moved past it): track its
+        offset and dead-letter a stub for it, so the commit passes it only once that is done."""
+        skipped = skipped_record(error)
+        log.error("consumer.record_too_large", error=str(error)[:500])
+        if skipped is None:
+            return
+        partition, offset = skipped
+        epoch = self.tracker.add(partition, offset)
+        if epoch is None:
+            return
+        record = _SkippedRecord(offset)
+        message = f"record at offset {offset} is larger than the fetch size; not read"
+        self._dead_letter(partition, record, DeadLetter(DeadLetterReason.TOO_LARGE, message), epoch)
 
     def _apply_backpressure(self) -> None:
         is_full = self.tracker.num_unfinished >= self._max_num_inflight
@@ -194,4 +230,26 @@ class _Rebalance(ConsumerRebalanceListener):
         await self._owner.on_revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned) -> None:
+        self._owner.tracker.assign(assigned)
         log.info("consumer.assigned", partitions=sorted(p.partition for p in assigned))
+
+
+class _SkippedRecord:
+    """Stands in for a record aiokafka skipped: only its offset is known."""
+
+    key = None
+    value = None
+    headers: list = []
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+
+def skipped_record(error: RecordTooLargeError) -> tuple[TopicPartition, int] | None:
+    """(partition, offset) of the record aiokafka skipped, from the error's arguments."""
+    partitions = [a for a in error.args if isinstance(a, TopicPartition)]
+    offsets = [a for a in error.args if isinstance(a, int) and not isinstance(a, bool)]
+    if not partitions or not offsets:
+        return None
+    return partitions[0], offsets[0]
+

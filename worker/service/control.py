@@ -18,6 +18,7 @@ from aiokafka.errors import KafkaError
 from schemas.codec import Limits, UndecodableError, decode_cancel
 from schemas.headers import read_content_type
 from worker.service.pipeline import Pipeline
+from worker.service.routing import safe_for_log
 from worker.service.settings import KafkaSettings
 
 log = structlog.get_logger(__name__)
@@ -72,7 +73,11 @@ class CancelListener:
             return
         num_stopped = self._pipeline.cancel(cancel.id)
         if num_stopped:
-            log.info("request.cancel_received", request_id=cancel.id, num_attempts=num_stopped)
+            log.info(
+                "request.cancel_received",
+                request_id=safe_for_log(cancel.id),
+                num_attempts=num_stopped,
+            )
 
     async def close(self) -> None:
         try:

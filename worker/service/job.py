@@ -49,6 +49,9 @@ class Job:
     # The consumed record (key, value, headers): dead-lettered as it came if the final can never
     # be delivered, so that its offset is still committed and the request is not lost.
     record: Any = None
+    # The assignment epoch its record was consumed in (`OffsetTracker.add`): an ack from another
+    # epoch is stale and finishes nothing.
+    epoch: Any = None
 
     @property
     def deadline_ms(self) -> int | None:

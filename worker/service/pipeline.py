@@ -22,7 +22,14 @@ from engine.outputs import RequestDelta
 from schemas.contract import DeadLetterReason
 from schemas.messages import ErrorCode, ErrorInfo, Timing, Usage
 from worker.service.batcher import Batcher
-from worker.service.bridge import Aborted, Deltas, EngineBridge, EngineRequest, Failed
+from worker.service.bridge import (
+    Aborted,
+    Deltas,
+    EngineBridge,
+    EngineEvent,
+    EngineRequest,
+    Failed,
+)
 from worker.service.bridge import Rejected as EngineRejected
 from worker.service.dead_letters import DeadLetterWriter
 from worker.service.job import Job, JobState
@@ -30,7 +37,7 @@ from worker.service.offsets import OffsetTracker
 from worker.service.prompts import PromptRenderer
 from worker.service.replies import ReplyWriter, reply_headers
 from worker.service.reply_stream import ReplyStream
-from worker.service.routing import Accepted, Rejected
+from worker.service.routing import Accepted, Rejected, safe_for_log
 from worker.service.settings import WorkerSettings
 from worker.service.telemetry import Telemetry, end_span, traceparent_of
 
@@ -64,7 +71,9 @@ class Pipeline:
         self._by_request: dict[str, set[Job]] = {}
         # Cancels seen for requests not (yet) here: a cancel can overtake its request.
         self._cancelled_ids: OrderedDict[str, None] = OrderedDict()
-        self.batcher = Batcher(settings.batcher, self._release, lambda: bridge.queued_tokens)
+        self.batcher = Batcher(
+            settings.batcher, self._release, lambda: bridge.queued_tokens, on_error=self.fail
+        )
 
     @property
     def num_running(self) -> int:
@@ -76,13 +85,23 @@ class Pipeline:
 
     # --- admission ---------------------------------------------------------------------------
 
-    def accept(self, accepted: Accepted, partition: Any, record: Any, received_s: float) -> Job:
-        """Queue a valid request, or answer it at once (cancelled before, expired, invalid)."""
-        request = accepted.request
-        job = self._new_job(accepted, partition, record, received_s)
+    def accept(
+        self, accepted: Accepted, partition: Any, record: Any, received_s: float, epoch: Any = None
+    ) -> Job:
+        """Queue a valid request, or answer it at once (cancelled before, expired, invalid).
+
+        Total: whatever goes wrong while admitting this one request becomes its error final."""
+        job = self._new_job(accepted, partition, record, received_s, epoch)
+        try:
+            self._admit(job, accepted.request)
+        except Exception as error:
+            self.fail(job, error)
+        return job
+
+    def _admit(self, job: Job, request) -> None:
         if request.id in self._cancelled_ids:
             self._finish(job, "cancelled")
-            return job
+            return
         rendered = self._renderer.render(request)
         if rendered.error is not None:
             self._finish(job, "error", rendered.error)
@@ -93,16 +112,18 @@ class Pipeline:
             job.num_prompt_tokens = len(rendered.token_ids)
             self.batcher.submit(job, job.urgency, job.deadline_ms, job.num_prompt_tokens)
             self._arm_deadline(job)
-        return job
 
-    def reject(self, rejected: Rejected, partition: Any, record: Any, received_s: float) -> Job:
+    def reject(
+        self, rejected: Rejected, partition: Any, record: Any, received_s: float, epoch: Any = None
+    ) -> Job:
         """A request that decoded but is invalid: an error final, nothing else."""
-        job = self._new_job(rejected, partition, record, received_s)
+        job = self._new_job(rejected, partition, record, received_s, epoch)
         self._finish(job, "error", ErrorInfo(code=rejected.code, message=rejected.message))
         return job
 
     def _new_job(
-        self, decision: Accepted | Rejected, partition: Any, record: Any, received_s: float
+        self, decision: Accepted | Rejected, partition: Any, record: Any, received_s: float,
+        epoch: Any,
     ) -> Job:
         offset = record.offset
         request = decision.request if isinstance(decision, Accepted) else None
@@ -121,7 +142,7 @@ class Pipeline:
             params=decision.params if request is not None else None,
             reply_headers=reply_headers(traceparent_of(span)),
             stream=ReplyStream(request_id, attempt, self._tokens_per_message, is_streaming),
-            received_s=received_s, record=record,
+            received_s=received_s, record=record, epoch=epoch,
         )  # fmt: skip
         self._register(job)
         self._telemetry.requests_received.add(1, {"urgency": urgency.value})
@@ -138,17 +159,17 @@ class Pipeline:
         for job in jobs:
             if not job.is_active:
                 continue  # cancelled or expired while it waited (the deadline timer removes it)
+            try:  # one bad job fails alone; its batch neighbours still go to the engine
+                request = EngineRequest(
+                    job.attempt, job.prompt_token_ids, job.params, job.urgency.priority,
+                    job.num_prompt_tokens,
+                )  # fmt: skip
+            except Exception as error:
+                self.fail(job, error)
+                continue
             job.state = JobState.RUNNING
             job.released_s = time.monotonic()
-            requests.append(
-                EngineRequest(
-                    job.attempt,
-                    job.prompt_token_ids,
-                    job.params,
-                    job.urgency.priority,
-                    job.num_prompt_tokens,
-                )
-            )
+            requests.append(request)
         if requests:
             self._bridge.submit(requests)
 
@@ -171,30 +192,42 @@ class Pipeline:
         """Handle the engine's events in order, for the life of the worker."""
         while True:
             event = await self._bridge.events.get()
-            match event:
-                case Deltas(deltas):
-                    self.on_deltas(deltas)
-                case EngineRejected(request_id, message, is_prompt_too_long):
-                    self.on_rejected(request_id, message, is_prompt_too_long)
-                case Aborted(request_id):
-                    self.on_aborted(request_id)
-                case Failed(request_ids, message):
-                    self.on_failed(request_ids, message)
+            try:
+                self.on_event(event)
+            except Exception:  # a bug: the per-job guards below should have caught it
+                log.exception("pipeline.event_failed", event=type(event).__name__)
             self.batcher.wake()  # the engine's queue may have shrunk: maybe there is budget
+
+    def on_event(self, event: EngineEvent) -> None:
+        match event:
+            case Deltas(deltas):
+                self.on_deltas(deltas)
+            case EngineRejected(request_id, message, is_prompt_too_long):
+                self.on_rejected(request_id, message, is_prompt_too_long)
+            case Aborted(request_id):
+                self.on_aborted(request_id)
+            case Failed(request_ids, message):
+                self.on_failed(request_ids, message)
 
     def on_deltas(self, deltas: list[RequestDelta]) -> None:
         for delta in deltas:
             job = self._jobs.get(delta.request_id)
             if job is None or job.state is not JobState.RUNNING or job.stop_reason is not None:
                 continue  # aborted, dropped or finished meanwhile
-            if job.first_token_s is None and delta.token_ids:
-                job.first_token_s = time.monotonic()
-            job.num_prompt_tokens = delta.num_prompt_tokens or job.num_prompt_tokens
-            job.num_output_tokens = delta.num_output_tokens
-            for message in job.stream.add(delta.text, delta.token_ids):
-                self._replies.send(job, message)
-            if delta.finished:
-                self._finish(job, delta.finish_reason or "stop")
+            try:  # one job's bad delta must not cost the rest of the batch theirs
+                self._on_delta(job, delta)
+            except Exception as error:
+                self.fail(job, error)
+
+    def _on_delta(self, job: Job, delta: RequestDelta) -> None:
+        if job.first_token_s is None and delta.token_ids:
+            job.first_token_s = time.monotonic()
+        job.num_prompt_tokens = delta.num_prompt_tokens or job.num_prompt_tokens
+        job.num_output_tokens = delta.num_output_tokens
+        for message in job.stream.add(delta.text, delta.token_ids):
+            self._replies.send(job, message)
+        if delta.finished:
+            self._finish(job, delta.finish_reason or "stop")
 
     def on_rejected(self, request_id: str, message: str, is_prompt_too_long: bool = False) -> None:
         job = self._jobs.get(request_id)
@@ -212,6 +245,33 @@ class Pipeline:
             job = self._jobs.get(request_id)
             if job is not None and job.is_active:
                 self._finish(job, "error", ErrorInfo(code=ErrorCode.INTERNAL, message=message))
+
+    def fail(self, job: Job, error: BaseException) -> None:
+        """A bug while handling this one job: it gets an `error/internal` final (its neighbours
+        and the worker go on). If even the final cannot be made, the request is dead-lettered
+        as it came, so its offset still moves on."""
+        log.error(
+            "request.internal_error", request_id=job.request_id, attempt=job.attempt,
+            error_type=type(error).__name__, exc_info=error,
+        )  # fmt: skip
+        try:
+            if job.state is JobState.PENDING:
+                self.batcher.remove(lambda item: item is job)
+            elif job.state is JobState.RUNNING:
+                self._bridge.abort(job.attempt)
+            if job.is_active:
+                message = f"internal error while handling the request ({type(error).__name__})"
+                self._finish(job, "error", ErrorInfo(code=ErrorCode.INTERNAL, message=message))
+        except Exception as second:
+            log.exception("request.final_failed", request_id=safe_for_log(job.request_id))
+            job.cancel_deadline()
+            job.state = JobState.DONE
+            self._forget(job)
+            self._dead_letters.write(
+                job.partition, job.record, DeadLetterReason.INTERNAL,
+                f"{type(error).__name__}, then {type(second).__name__} making its final",
+                epoch=job.epoch,
+            )  # fmt: skip
 
     # --- cancel, expiry, revocation ----------------------------------------------------------
 
@@ -293,7 +353,7 @@ class Pipeline:
         job.span.set_attribute("mini_infer.completion_tokens", job.num_output_tokens)
         log.info(
             "request.finished",
-            request_id=job.request_id,
+            request_id=safe_for_log(job.request_id),
             attempt=job.attempt,
             partition=job.partition.partition,
             offset=job.offset,
@@ -315,7 +375,7 @@ class Pipeline:
         end_span(job.span, "error" if error else (job.stream.finish_reason or "stop"))
         self._forget(job)
         if error is None:
-            self._tracker.finish(job.partition, job.offset)
+            self._tracker.finish(job.partition, job.offset, job.epoch)
             return
         log.error(
             "final.undeliverable", request_id=job.request_id, attempt=job.attempt,
@@ -323,7 +383,7 @@ class Pipeline:
         )  # fmt: skip
         self._dead_letters.write(
             job.partition, job.record, DeadLetterReason.FINAL_UNDELIVERABLE,
-            f"the final to {job.reply_to} failed: {error!r}",
+            f"the final to {job.reply_to} failed: {error!r}", epoch=job.epoch,
         )  # fmt: skip
 
     def _forget(self, job: Job) -> None:

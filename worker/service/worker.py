@@ -140,7 +140,7 @@ class Worker:
         renderer = PromptRenderer(tokenizer)
         dead_letters = DeadLetterWriter(
             self.publisher, self.tracker, self.telemetry, kafka.dlq_topic,
-            s.publisher.num_final_retries,
+            s.publisher.num_final_retries, s.limits.max_message_bytes, self._fail,
         )  # fmt: skip
         self.pipeline = Pipeline(
             s, self.worker_id, self.bridge, replies, dead_letters, self.tracker, self.telemetry,
@@ -172,6 +172,13 @@ class Worker:
         self.health.set_ready(
             True, worker_id=self.worker_id, model=s.model, group_id=kafka.group_id
         )
+
+    def _fail(self, error: BaseException) -> None:
+        """A fault the worker cannot serve through (the DLQ unwritable, the engine failing step
+        after step): stop being ready at once; `serve` then stops and exits non-zero."""
+        log.error("worker.failed", error=repr(error))
+        self.health.set_ready(False)
+        self.failed.set()
 
     async def _watch_engine(self) -> None:
         error = await self.bridge.crashed

@@ -134,3 +134,45 @@ async def test_run_releases_and_remove_takes_pending_items_out() -> None:
         assert batcher.drain() == []
     finally:
         task.cancel()
+
+
+async def test_a_release_that_raises_for_one_item_loses_only_that_item() -> None:
+    """Guards against one bad request in a release batch killing the batcher task (and the
+    worker) or taking its batch neighbours down with it."""
+    clock, released, failed = FakeClock(), [], []
+
+    def release(batch: list[str]) -> None:
+        if "bad" in batch:
+            raise OverflowError("int too large")
+        released.extend(batch)
+
+    batcher = Batcher(
+        BatcherSettings(), release, clock=clock, on_error=lambda item, e: failed.append(item)
+    )
+    task = asyncio.create_task(batcher.run())
+    try:
+        for name in ("a", "bad", "b"):
+            batcher.submit(name, Urgency.CRITICAL, None, 1)
+        for _ in range(100):
+            if len(released) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert released == ["a", "b"] and failed == ["bad"]
+        batcher.submit("later", Urgency.CRITICAL, None, 1)
+        for _ in range(100):
+            if "later" in released:
+                break
+            await asyncio.sleep(0.01)
+        assert released == ["a", "b", "later"] and not task.done()
+    finally:
+        task.cancel()
+
+
+def test_a_huge_deadline_cannot_break_ordering() -> None:
+    """Guards against a deadline too large for a float raising while batches are ordered."""
+    pending = [
+        PendingItem("huge", Urgency.NORMAL, 10**400, 0, 1),
+        PendingItem("soon", Urgency.NORMAL, 5, 1, 1),
+    ]
+    released, _ = select_batch(pending, 100)
+    assert [p.item for p in released] == ["soon", "huge"]
