@@ -29,7 +29,9 @@ from worker.service.bridge import (
     EngineEvent,
     EngineRequest,
     Failed,
+    Restarted,
 )
+from worker.service.bridge import Dropped as EngineDropped
 from worker.service.bridge import Rejected as EngineRejected
 from worker.service.dead_letters import DeadLetterWriter
 from worker.service.job import Job, JobState
@@ -208,6 +210,12 @@ class Pipeline:
                 self.on_aborted(request_id)
             case Failed(request_ids, message):
                 self.on_failed(request_ids, message)
+            case Restarted(request_ids):
+                self.on_restarted(request_ids)
+            case EngineDropped(request_ids, message):
+                jobs = [self._jobs[i] for i in request_ids if i in self._jobs]
+                num_dropped = self.drop(jobs, "engine_failed")
+                log.error("pipeline.engine_dropped", num_dropped=num_dropped, error=message)
 
     def on_deltas(self, deltas: list[RequestDelta]) -> None:
         for delta in deltas:
@@ -240,6 +248,24 @@ class Pipeline:
         if job is not None and job.is_active and job.stop_reason is not None:
             self._finish(job, job.stop_reason)
 
+    def on_restarted(self, request_ids: list[str]) -> None:
+        """The engine runs these again from the start (it is isolating a failed step). One that
+        already streamed opens a new attempt, as a redelivery would: same seed, so the same
+        tokens, and the client's seq/attempt rule hides the repeat."""
+        for request_id in request_ids:
+            job = self._jobs.get(request_id)
+            if job is None or job.state is not JobState.RUNNING or job.stop_reason is not None:
+                continue
+            if job.stream.num_messages or job.num_output_tokens or job.stream.text:
+                self._num_attempts += 1
+                attempt = f"{self._worker_id}:{self._num_attempts}"
+                job.stream = ReplyStream(
+                    job.request_id, attempt, self._tokens_per_message, job.stream.is_streaming
+                )
+                job.span.set_attribute("mini_infer.restarted_as", attempt)
+            job.num_output_tokens = 0
+            job.first_token_s = None
+
     def on_failed(self, request_ids: list[str], message: str) -> None:
         for request_id in request_ids:
             job = self._jobs.get(request_id)
@@ -251,7 +277,8 @@ class Pipeline:
         and the worker go on). If even the final cannot be made, the request is dead-lettered
         as it came, so its offset still moves on."""
         log.error(
-            "request.internal_error", request_id=job.request_id, attempt=job.attempt,
+            "request.internal_error", request_id=safe_for_log(job.request_id),
+            attempt=job.stream.attempt,
             error_type=type(error).__name__, exc_info=error,
         )  # fmt: skip
         try:
@@ -354,7 +381,7 @@ class Pipeline:
         log.info(
             "request.finished",
             request_id=safe_for_log(job.request_id),
-            attempt=job.attempt,
+            attempt=job.stream.attempt,
             partition=job.partition.partition,
             offset=job.offset,
             urgency=job.urgency.value,
@@ -378,7 +405,8 @@ class Pipeline:
             self._tracker.finish(job.partition, job.offset, job.epoch)
             return
         log.error(
-            "final.undeliverable", request_id=job.request_id, attempt=job.attempt,
+            "final.undeliverable", request_id=safe_for_log(job.request_id),
+            attempt=job.stream.attempt,
             reply_to=job.reply_to, error=repr(error),
         )  # fmt: skip
         self._dead_letters.write(

@@ -172,6 +172,9 @@ class LimitSettings(_Group):
     )
     max_prompt_chars: int = Field(default=DEFAULT_MAX_PROMPT_CHARS, ge=1)
     max_num_inflight: int = Field(default=64, ge=1, description="consumed, not yet answered")
+    # Engine steps that may fail in a row before the worker gives up (exits non-zero, answering
+    # nothing more). Isolating one bad request among k costs about log2(k) + 1 of them.
+    max_consecutive_step_failures: int = Field(default=8, ge=1)
 
 
 class PublisherSettings(_Group):

@@ -123,7 +123,7 @@ class Worker:
         self.publisher = Publisher(s, self.bootstrap_servers)
         await self.publisher.start()
         started_s = time.monotonic()
-        self.bridge = EngineBridge(self._engine_factory)
+        self.bridge = EngineBridge(self._engine_factory, s.limits.max_consecutive_step_failures)
         info = await self.bridge.start()
         log_.info(
             "worker.engine_loaded",
