@@ -126,13 +126,18 @@ class EngineBridge:
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queued_tokens: dict[str, int] = {}  # not started yet -> prompt tokens
+        # Not started yet: request id -> (priority, prompt tokens).
+        self._queued_tokens: dict[str, tuple[int, int]] = {}
         self.events: asyncio.Queue[EngineEvent] = asyncio.Queue()
         self.crashed: asyncio.Future[BaseException] | None = None  # set if the thread dies
 
     @property
     def queued_tokens(self) -> int:
-        return sum(self._queued_tokens.values())
+        return sum(n for _, n in self._queued_tokens.values())
+
+    def queued_tokens_at_least_as_urgent_as(self, priority: int) -> int:
+        """Prompt tokens not started yet of requests with priority value <= `priority`."""
+        return sum(n for p, n in self._queued_tokens.values() if p <= priority)
 
     async def start(self) -> EngineInfo:
         """Build the engine on its thread (loading the model takes seconds) and wait for it."""
@@ -145,7 +150,10 @@ class EngineBridge:
 
     def submit(self, requests: list[EngineRequest]) -> None:
         for request in requests:
-            self._queued_tokens[request.request_id] = request.num_prompt_tokens
+            self._queued_tokens[request.request_id] = (
+                request.priority,
+                request.num_prompt_tokens,
+            )
             self._inbox.put(request)
 
     def abort(self, request_id: str) -> None:

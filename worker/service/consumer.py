@@ -3,8 +3,10 @@ commits watermarks.
 
 - Commits are manual and only up to each partition's watermark (`OffsetTracker`): a request's
   offset counts as done once its final (or dead letter) is acknowledged by the broker.
-- At `max_num_inflight` unfinished messages the assigned partitions are paused, so the worker
-  never buffers without bound, and resumed as soon as there is room.
+- At `max_num_inflight` unfinished messages, or `max_inflight_bytes` of their estimated memory,
+  the assigned partitions are paused, so the worker never buffers without bound, and resumed as
+  soon as there is room. Below the bounds it reads ahead of the engine, so that the batcher can
+  admit by urgency (see `LimitSettings`).
 - On revocation, finished work is committed first (after letting in-flight finals land), then the
   revoked partitions' unfinished jobs are dropped: the next owner redoes them.
 - A bad message is routed (DLQ or error final), never raised: the poll loop catches only what a
@@ -65,6 +67,7 @@ class RequestConsumer:
         self._telemetry = telemetry
         self.tracker = tracker
         self._max_num_inflight = settings.limits.max_num_inflight
+        self._max_inflight_bytes = settings.limits.max_inflight_bytes
         self._is_polling = True
         self._is_paused = False
         self._consumer = AIOKafkaConsumer(
@@ -172,7 +175,10 @@ class RequestConsumer:
         self._dead_letter(partition, record, DeadLetter(DeadLetterReason.TOO_LARGE, message), epoch)
 
     def _apply_backpressure(self) -> None:
-        is_full = self.tracker.num_unfinished >= self._max_num_inflight
+        is_full = (
+            self.tracker.num_unfinished >= self._max_num_inflight
+            or self._pipeline.inflight_bytes >= self._max_inflight_bytes
+        )
         if is_full:
             unpaused = self.assignment - self._consumer.paused()
             if unpaused:
@@ -184,6 +190,7 @@ class RequestConsumer:
             log.info(
                 "consumer.paused" if is_full else "consumer.resumed",
                 num_inflight=self.tracker.num_unfinished,
+                inflight_bytes=self._pipeline.inflight_bytes,
             )
 
     async def commit(self, partitions: set[TopicPartition] | None = None) -> None:

@@ -52,6 +52,7 @@ class Job:
     # The assignment epoch its record was consumed in (`OffsetTracker.add`): an ack from another
     # epoch is stale and finishes nothing.
     epoch: Any = None
+    memory_bytes: int = 0  # estimated, counted against `limits.max_inflight_bytes`
 
     @property
     def deadline_ms(self) -> int | None:

@@ -46,6 +46,9 @@ from worker.service.telemetry import Telemetry, end_span, traceparent_of
 log = structlog.get_logger(__name__)
 
 MAX_REMEMBERED_CANCELS = 100_000
+# A tokenized prompt held as a Python list: an 8-byte pointer plus, for ids above 256, a 28-byte
+# int object each.
+BYTES_PER_PROMPT_TOKEN = 40
 
 
 class Pipeline:
@@ -70,11 +73,13 @@ class Pipeline:
         self._tokens_per_message = settings.publisher.tokens_per_message
         self._num_attempts = 0
         self._jobs: dict[str, Job] = {}  # attempt -> job, until DONE or DROPPED
+        self._inflight_bytes = 0
         self._by_request: dict[str, set[Job]] = {}
         # Cancels seen for requests not (yet) here: a cancel can overtake its request.
         self._cancelled_ids: OrderedDict[str, None] = OrderedDict()
         self.batcher = Batcher(
-            settings.batcher, self._release, lambda: bridge.queued_tokens, on_error=self.fail
+            settings.batcher, self._release, bridge.queued_tokens_at_least_as_urgent_as,
+            on_error=self.fail,
         )
 
     @property
@@ -84,6 +89,11 @@ class Pipeline:
     @property
     def num_unacked(self) -> int:
         return len(self._jobs)
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Estimated memory of the jobs not yet answered (the consumer pauses past a budget)."""
+        return self._inflight_bytes
 
     # --- admission ---------------------------------------------------------------------------
 
@@ -112,6 +122,7 @@ class Pipeline:
         else:
             job.prompt_token_ids = rendered.token_ids
             job.num_prompt_tokens = len(rendered.token_ids)
+            self._add_memory(job, BYTES_PER_PROMPT_TOKEN * job.num_prompt_tokens)
             self.batcher.submit(job, job.urgency, job.deadline_ms, job.num_prompt_tokens)
             self._arm_deadline(job)
 
@@ -150,7 +161,12 @@ class Pipeline:
         self._telemetry.requests_received.add(1, {"urgency": urgency.value})
         return job
 
+    def _add_memory(self, job: Job, num_bytes: int) -> None:
+        job.memory_bytes += num_bytes
+        self._inflight_bytes += num_bytes
+
     def _register(self, job: Job) -> None:
+        self._add_memory(job, len(getattr(job.record, "value", None) or b""))
         self._jobs[job.attempt] = job
         self._by_request.setdefault(job.request_id, set()).add(job)
         self._telemetry.inflight_requests.add(1)
@@ -417,6 +433,7 @@ class Pipeline:
     def _forget(self, job: Job) -> None:
         if self._jobs.pop(job.attempt, None) is None:
             return
+        self._inflight_bytes -= job.memory_bytes
         self._telemetry.inflight_requests.add(-1)
         siblings = self._by_request.get(job.request_id)
         if siblings is not None:

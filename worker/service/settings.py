@@ -167,11 +167,24 @@ class BatcherSettings(_Group):
 
 
 class LimitSettings(_Group):
+    """Size limits and the consumption bound.
+
+    The worker reads ahead of what its engine can run (up to `max_num_inflight` requests and
+    `max_inflight_bytes` of estimated memory: record bytes plus tokenized prompts) and lets the
+    batcher admit by urgency, so a `critical` request behind a backlog of `low` ones is read and
+    reaches the engine within about one step. Only past either bound are partitions paused;
+    then, as on any Kafka log, a request waits behind those before it in its partition (a
+    deployment needing hard isolation runs a request topic and worker group per urgency).
+    """
+
     max_message_bytes: int = Field(
         default=DEFAULT_MAX_MESSAGE_BYTES, ge=1024, description="request and reply size cap"
     )
     max_prompt_chars: int = Field(default=DEFAULT_MAX_PROMPT_CHARS, ge=1)
-    max_num_inflight: int = Field(default=64, ge=1, description="consumed, not yet answered")
+    max_num_inflight: int = Field(default=1024, ge=1, description="consumed, not yet answered")
+    max_inflight_bytes: int = Field(
+        default=256 << 20, ge=1 << 16, description="their estimated memory, before pausing"
+    )
     # Engine steps that may fail in a row before the worker gives up (exits non-zero, answering
     # nothing more). Isolating one bad request among k costs about log2(k) + 1 of them.
     max_consecutive_step_failures: int = Field(default=8, ge=1)
