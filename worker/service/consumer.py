@@ -37,7 +37,7 @@ from worker.service.publisher import Publisher
 from worker.service.routing import DeadLetter, Rejected, RoutingPolicy, route, safe_for_log
 from worker.service.settings import WorkerSettings
 from worker.service.telemetry import Telemetry
-from worker.service.topics import TopicAdmin
+from worker.service.topics import TopicAdmin, TopicCreationRefused
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +69,7 @@ class RequestConsumer:
         self._max_num_inflight = settings.limits.max_num_inflight
         self._max_inflight_bytes = settings.limits.max_inflight_bytes
         self._is_polling = True
+        self._admissions: set[asyncio.Task] = set()  # requests waiting for their reply topic
         self._is_paused = False
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=bootstrap_servers,
@@ -118,10 +119,10 @@ class RequestConsumer:
                 continue
             for partition, records in batches.items():
                 for record in records:
-                    await self._handle(partition, record)
+                    self._handle(partition, record)
             await self.commit()
 
-    async def _handle(self, partition: TopicPartition, record) -> None:
+    def _handle(self, partition: TopicPartition, record) -> None:
         received_s = time.monotonic()
         epoch = self.tracker.add(partition, record.offset)
         if epoch is None:
@@ -130,27 +131,53 @@ class RequestConsumer:
             request_id=None, partition=partition.partition, offset=record.offset
         ):
             try:
-                await self._route(partition, record, received_s, epoch)
+                self._route(partition, record, received_s, epoch)
             except Exception as error:  # a bug: park this record, keep the partition moving
                 log.exception("request.handling_failed")
                 letter = DeadLetter(DeadLetterReason.INTERNAL, f"{type(error).__name__}: {error}")
                 self._dead_letter(partition, record, letter, epoch)
 
-    async def _route(self, partition: TopicPartition, record, received_s: float, epoch) -> None:
+    def _route(self, partition: TopicPartition, record, received_s: float, epoch) -> None:
         decision = route(record.value, record.headers, self._policy)
         if isinstance(decision, DeadLetter):
             self._dead_letter(partition, record, decision, epoch)
             return
         structlog.contextvars.bind_contextvars(request_id=safe_for_log(decision.request_id))
-        try:
-            await self._topics.ensure_reply_topic(decision.reply_to)
-        except (KafkaError, OSError) as error:
-            letter = DeadLetter(DeadLetterReason.REPLY_TOPIC_UNAVAILABLE, repr(error))
-            if self.tracker.is_current(partition, epoch):
-                self._dead_letter(partition, record, letter, epoch)
+        if self._topics.is_known(decision.reply_to):
+            self._admit(partition, record, decision, received_s, epoch)
             return
+        # A reply topic to create: out of line, so that polling (and every other request) goes
+        # on while the broker answers; the offset is tracked already, so nothing is committed
+        # past it meanwhile.
+        task = asyncio.create_task(
+            self._admit_after_topic(partition, record, decision, received_s, epoch)
+        )
+        self._admissions.add(task)
+        task.add_done_callback(self._admissions.discard)
+
+    async def _admit_after_topic(self, partition, record, decision, received_s, epoch) -> None:
+        with structlog.contextvars.bound_contextvars(
+            request_id=safe_for_log(decision.request_id), partition=partition.partition,
+            offset=record.offset,
+        ):  # fmt: skip
+            try:
+                try:
+                    await self._topics.ensure_reply_topic(decision.reply_to)
+                except (TopicCreationRefused, KafkaError, OSError, TimeoutError) as error:
+                    if self.tracker.is_current(partition, epoch):
+                        letter = DeadLetter(DeadLetterReason.REPLY_TOPIC_UNAVAILABLE, repr(error))
+                        self._dead_letter(partition, record, letter, epoch)
+                    return
+                self._admit(partition, record, decision, received_s, epoch)
+            except Exception as error:  # a bug: park this record, keep the partition moving
+                log.exception("request.handling_failed")
+                if self.tracker.is_current(partition, epoch):
+                    letter = DeadLetter(DeadLetterReason.INTERNAL, f"{type(error).__name__}")
+                    self._dead_letter(partition, record, letter, epoch)
+
+    def _admit(self, partition, record, decision, received_s: float, epoch) -> None:
         if not self.tracker.is_current(partition, epoch):
-            return  # revoked during the await: the next owner handles it
+            return  # revoked meanwhile: the next owner handles it
         if isinstance(decision, Rejected):
             self._pipeline.reject(decision, partition, record, received_s, epoch)
         else:
@@ -221,6 +248,9 @@ class RequestConsumer:
 
     async def close(self) -> None:
         """Leave the group. aiokafka can hang here when a topic vanished, so it is bounded."""
+        for task in list(self._admissions):
+            task.cancel()
+        await asyncio.gather(*self._admissions, return_exceptions=True)
         try:
             await asyncio.wait_for(
                 self._consumer.stop(), self._settings.kafka.consumer_stop_timeout_s

@@ -36,6 +36,17 @@ class _Group(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class ReplyTopicSettings(_Group):
+    """How a worker may create reply topics, which producers name (see `TopicAdmin`)."""
+
+    create: bool = Field(default=True, description="False: pre-provisioned reply topics only")
+    max_created: int = Field(default=10_000, ge=0, description="reply topics one worker creates")
+    max_creations_per_s: float = Field(default=20.0, gt=0)
+    max_creation_burst: int = Field(default=100, ge=1)
+    num_retries: int = Field(default=3, ge=0, description="of a transient CreateTopics failure")
+    retry_backoff_s: float = Field(default=0.5, gt=0, description="doubled after each try")
+
+
 class KafkaSettings(_Group):
     bootstrap_servers: str | None = Field(
         default=None, description="host:port[,host:port]; None starts the embedded broker"
@@ -53,6 +64,7 @@ class KafkaSettings(_Group):
         default=DEFAULT_REPLY_TOPIC_PREFIX, pattern=r"^[a-zA-Z0-9._-]{1,200}$"
     )
     client_id: str = "mini-infer-worker"
+    reply_topics: ReplyTopicSettings = Field(default_factory=ReplyTopicSettings)
     # None: on for an external Kafka, off for the embedded broker (whose InitProducerId answer
     # stock aiokafka cannot read, see KAFKA_NOTES.md).
     enable_idempotence: bool | None = None
