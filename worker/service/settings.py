@@ -13,7 +13,14 @@ import argparse
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig
@@ -28,7 +35,16 @@ from schemas.contract import (
 )
 from schemas.headers import Urgency
 
-TopicName = Annotated[str, Field(pattern=TOPIC_NAME_PATTERN)]
+
+def _not_dot_or_dotdot(name: str) -> str:
+    if name in (".", ".."):
+        raise ValueError("a topic cannot be named '.' or '..'")
+    return name
+
+
+TopicName = Annotated[str, Field(pattern=TOPIC_NAME_PATTERN), AfterValidator(_not_dot_or_dotdot)]
+# Kafka's own topics: a reply prefix must never let a producer name one of them.
+KAFKA_INTERNAL_TOPICS = ("__consumer_offsets", "__transaction_state", "__cluster_metadata")
 PositiveMs = Annotated[int, Field(ge=1)]
 
 
@@ -96,7 +112,11 @@ class KafkaSettings(_Group):
         topics = [self.request_topic, self.control_topic, self.dlq_topic]
         if len(set(topics)) != len(topics):
             raise ValueError("request, control and DLQ topics must be three different topics")
-        covered = [t for t in topics if t.startswith(self.reply_topic_prefix)]
+        covered = [
+            t for t in (*topics, *KAFKA_INTERNAL_TOPICS) if t.startswith(self.reply_topic_prefix)
+        ]
+        if self.reply_topic_prefix.startswith("_") or self.reply_topic_prefix in (".", ".."):
+            covered.append(self.reply_topic_prefix)
         if covered:
             raise ValueError(
                 f"reply_topic_prefix {self.reply_topic_prefix!r} covers {covered}: a request could "
@@ -133,6 +153,11 @@ class KafkaSettings(_Group):
             )
         if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
             raise ValueError("heartbeat_interval_ms must be at most a third of session_timeout_ms")
+        if self.max_poll_interval_ms < self.session_timeout_ms:
+            raise ValueError(
+                "max_poll_interval_ms must be at least session_timeout_ms: a shorter one throws the "
+                "worker out of its group between two polls"
+            )
         if self.request_timeout_ms <= self.session_timeout_ms:
             raise ValueError("request_timeout_ms must be greater than session_timeout_ms")
         return self
@@ -244,6 +269,19 @@ class WorkerSettings(BaseSettings):
     worker_id: str | None = Field(
         default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$", description="None: generated"
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkerSettings:
+        engine = self.engine
+        is_unchunked = not engine.enable_chunked_prefill
+        max_len = engine.max_model_len
+        if is_unchunked and max_len is not None and engine.max_num_batched_tokens < max_len:
+            raise ValueError(
+                "engine.enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len "
+                f"({engine.max_num_batched_tokens} < {max_len}): a longer prompt would never be "
+                "scheduled"
+            )
+        return self
 
 
 # --- the same settings as `mini-infer serve` flags ------------------------------------------
