@@ -111,6 +111,13 @@ class Pipeline:
         return job
 
     def _admit(self, job: Job, request) -> None:
+        leader = self._running_duplicate_of(job)
+        if leader is not None:
+            # The same request delivered again (a producer retry, a redelivery after a
+            # rebalance) while it runs here: generate it once; this offset finishes with it.
+            job.state = JobState.FOLLOWING
+            leader.followers.append(job)
+            return
         if request.id in self._cancelled_ids:
             self._finish(job, "cancelled")
             return
@@ -194,6 +201,36 @@ class Pipeline:
     def _seconds_to_deadline(self, job: Job) -> float:
         deadline_ms = job.deadline_ms
         return float("inf") if deadline_ms is None else deadline_ms / 1000 - time.time()
+
+    def _running_duplicate_of(self, job: Job) -> Job | None:
+        for other in self._by_request.get(job.request_id, ()):
+            if other is not job and other.is_active and other.request == job.request:
+                return other
+        return None
+
+    def _release_followers(self, leader: Job, is_answered: bool) -> None:
+        """The leader ended. Answered (its final acknowledged, or set aside): the duplicates'
+        offsets are done too. Not answered (dropped): each duplicate still ours is admitted on
+        its own, so that its partition does not wait on a job that will never end here."""
+        followers, leader.followers = leader.followers, []
+        for job in followers:
+            if job.state is not JobState.FOLLOWING:
+                continue
+            if is_answered:
+                job.state = JobState.DONE
+                end_span(job.span, "duplicate")
+                self._forget(job)
+                self._tracker.finish(job.partition, job.offset, job.epoch)
+            elif self._tracker.is_current(job.partition, job.epoch):
+                job.state = JobState.PENDING
+                try:
+                    self._admit(job, job.request)
+                except Exception as error:
+                    self.fail(job, error)
+            else:
+                job.state = JobState.DROPPED
+                job.span.end()
+                self._forget(job)
 
     def _arm_deadline(self, job: Job) -> None:
         """The one place a deadline is enforced once a job is queued: one timer, which stops the
@@ -345,6 +382,11 @@ class Pipeline:
         """Give jobs up without a final; their offsets stay uncommitted and are redelivered."""
         num_dropped = 0
         for job in list(jobs):
+            if job.state is JobState.FOLLOWING:  # its leader's fate no longer matters to it
+                job.state = JobState.DROPPED
+                job.span.end()
+                self._forget(job)
+                continue
             if not job.is_active:
                 continue
             if job.state is JobState.PENDING:
@@ -356,6 +398,7 @@ class Pipeline:
             job.span.set_attribute("mini_infer.dropped", why)
             job.span.end()
             self._forget(job)
+            self._release_followers(job, is_answered=False)
             num_dropped += 1
         return num_dropped
 
@@ -417,6 +460,7 @@ class Pipeline:
         job.state = JobState.DONE
         end_span(job.span, "error" if error else (job.stream.finish_reason or "stop"))
         self._forget(job)
+        self._release_followers(job, is_answered=True)
         if error is None:
             self._tracker.finish(job.partition, job.offset, job.epoch)
             return
