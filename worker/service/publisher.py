@@ -55,6 +55,9 @@ class Publisher:
         self._lanes: dict[str, deque[Outgoing]] = {}  # topics waiting for metadata
         self._lane_tasks: set[asyncio.Task] = set()
         self.is_idempotent = False
+        # Set when the publishing loop (or a lane) died: every later final would wait forever,
+        # so the worker treats it as fatal.
+        self.failed = asyncio.Event()
 
     def _make_producer(self, enable_idempotence: bool) -> AIOKafkaProducer:
         kafka, publisher = self._settings.kafka, self._settings.publisher
@@ -87,6 +90,7 @@ class Publisher:
             self._producer = self._make_producer(False)
             await self._producer.start()
         self._task = asyncio.create_task(self._run(), name="publisher")
+        self._task.add_done_callback(self._on_task_done)
         log.info("producer.started", is_idempotent=self.is_idempotent)
 
     def publish(self, message: Outgoing) -> None:
@@ -126,6 +130,12 @@ class Publisher:
                 task = asyncio.create_task(self._drain_lane(message.topic))
                 self._lane_tasks.add(task)
                 task.add_done_callback(self._lane_tasks.discard)
+                task.add_done_callback(self._on_task_done)
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("producer.task_died", task=task.get_name(), error=repr(task.exception()))
+            self.failed.set()
 
     def _has_metadata(self, topic: str) -> bool:
         return self._producer.client.cluster.partitions_for_topic(topic) is not None

@@ -169,6 +169,7 @@ class Worker:
         self._spawn(self.cancels.run(), "cancels")
         self._spawn(self.consumer.run(), "consumer")
         self._spawn(self._watch_topics(), "topics")
+        self._spawn(self._watch_publisher(), "publisher-watch")
         self.health.set_ready(
             True, worker_id=self.worker_id, model=s.model, group_id=kafka.group_id
         )
@@ -179,6 +180,10 @@ class Worker:
         log.error("worker.failed", error=repr(error))
         self.health.set_ready(False)
         self.failed.set()
+
+    async def _watch_publisher(self) -> None:
+        await self.publisher.failed.wait()
+        self._fail(RuntimeError("the publisher task died"))
 
     async def _watch_engine(self) -> None:
         error = await self.bridge.crashed

@@ -198,3 +198,14 @@ async def test_a_slow_reply_topic_does_not_stall_polling_and_a_refused_one_is_de
             assert committed[0] == 3
         finally:
             await worker.stop(grace_s=5)
+
+
+async def test_a_dead_publisher_loop_is_reported() -> None:
+    """Guards against an unsupervised publisher task dying silently, after which every final
+    would wait forever: its death is reported (the worker then fails)."""
+    publisher = Publisher(WorkerSettings(), "127.0.0.1:1")
+    publisher._producer = SimpleNamespace(client=None)  # _has_metadata will raise: a bug
+    publisher._task = asyncio.create_task(publisher._run())
+    publisher._task.add_done_callback(publisher._on_task_done)
+    publisher.publish(Outgoing("t", None, b"v", []))
+    await asyncio.wait_for(publisher.failed.wait(), 5)
