@@ -74,6 +74,7 @@ class RequestConsumer:
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=bootstrap_servers,
             group_id=kafka.group_id,
+            group_instance_id=kafka.group_instance_id,
             client_id=f"{kafka.client_id}-consumer",
             enable_auto_commit=False,
             auto_offset_reset="earliest",

@@ -76,6 +76,10 @@ class KafkaSettings(_Group):
     num_partitions: int = Field(default=4, ge=1, description="for topics the worker creates")
     replication_factor: int = Field(default=1, ge=1)
     group_id: str = Field(default="mini-infer-workers", min_length=1)
+    # Static membership (KIP-345): a pod restarted under the same instance id within the
+    # session timeout gets its partitions back without a rebalance of the whole group. Set it
+    # to something stable per pod (a StatefulSet's pod name); None: dynamic membership.
+    group_instance_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,249}$")
     reply_topic_prefix: str = Field(
         default=DEFAULT_REPLY_TOPIC_PREFIX, pattern=r"^[a-zA-Z0-9._-]{1,200}$"
     )
@@ -297,6 +301,11 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
     "--model": ("model", str, "smollm2-135m, a Hugging Face checkpoint dir or a .gguf file"),
     "--dtype": ("dtype", str, "float32 | bfloat16 | float16"),
     "--group-id": ("kafka.group_id", str, "consumer group of the worker pool"),
+    "--group-instance-id": (
+        "kafka.group_instance_id",
+        str,
+        "static group membership: a stable id per pod (restarts skip the rebalance)",
+    ),
     "--request-topic": ("kafka.request_topic", str, "topic to consume requests from"),
     "--partitions": ("kafka.num_partitions", int, "partitions of the topics the worker creates"),
     "--max-inflight": (

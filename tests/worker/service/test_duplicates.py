@@ -26,7 +26,11 @@ async def test_a_duplicate_while_running_is_not_generated_twice(broker, tiny_mod
     generation on the same worker, and against its offset never being committed."""
     topic, group_id = fresh_topics()
     await create_topic(broker.bootstrap_servers, topic, 1)
-    settings = worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic)
+    # Static membership, so that the setting is exercised against the broker too.
+    settings = worker_settings(
+        tiny_model_dir, broker.bootstrap_servers, group_id, topic,
+        kafka={"group_instance_id": "dup-worker-0"},
+    )  # fmt: skip
     worker = Worker(settings, engine_factory=slow_engine_factory(tiny_model_dir, step_s=0.03))
     async with (
         Producer(broker.bootstrap_servers) as producer,
