@@ -32,7 +32,7 @@ from aiokafka.errors import KafkaError, RecordTooLargeError
 from schemas.contract import DeadLetterReason
 from worker.service.dead_letters import DeadLetterWriter
 from worker.service.offsets import OffsetTracker
-from worker.service.pipeline import Pipeline
+from worker.service.pipeline import Pipeline, max_prompt_memory
 from worker.service.publisher import Publisher
 from worker.service.routing import DeadLetter, Rejected, RoutingPolicy, route, safe_for_log
 from worker.service.settings import WorkerSettings
@@ -68,6 +68,8 @@ class RequestConsumer:
         self.tracker = tracker
         self._max_num_inflight = settings.limits.max_num_inflight
         self._max_inflight_bytes = settings.limits.max_inflight_bytes
+        limits = settings.limits
+        self._max_job_bytes = limits.max_message_bytes + max_prompt_memory(limits.max_prompt_chars)
         self._is_polling = True
         self._admissions: set[asyncio.Task] = set()  # requests waiting for their reply topic
         self._is_paused = False
@@ -107,6 +109,10 @@ class RequestConsumer:
         while self._is_polling:
             self._apply_backpressure()
             room = self._max_num_inflight - self.tracker.num_unfinished
+            # One poll may overshoot the byte budget by at most one message: take no more
+            # records than could each be as large as the largest request and still fit.
+            bytes_room = self._max_inflight_bytes - self._pipeline.inflight_bytes
+            room = min(room, bytes_room // self._max_job_bytes)
             try:
                 batches = await self._consumer.getmany(
                     timeout_ms=self._settings.kafka.fetch_max_wait_ms, max_records=max(1, room)

@@ -51,6 +51,11 @@ MAX_REMEMBERED_CANCELS = 100_000
 BYTES_PER_PROMPT_TOKEN = 40
 
 
+def max_prompt_memory(max_prompt_chars: int) -> int:
+    """The most a tokenized prompt can cost: at most about one token per character."""
+    return BYTES_PER_PROMPT_TOKEN * max_prompt_chars
+
+
 class Pipeline:
     def __init__(
         self,
