@@ -38,6 +38,7 @@ def start_serve(
     topic: str,
     ready_file: Path,
     log_path: Path,
+    worker_id: str = "terminated",
 ) -> subprocess.Popen:
     env = {
         **os.environ,
@@ -54,7 +55,7 @@ def start_serve(
         sys.executable, "-m", "worker.cli", "serve",
         "--bootstrap-servers", bootstrap_servers, "--model", str(model_dir), "--group-id", group_id,
         "--request-topic", topic, "--partitions", "2", "--grace-s", str(GRACE_S),
-        "--ready-file", str(ready_file), "--worker-id", "terminated", "--log-format", "json",
+        "--ready-file", str(ready_file), "--worker-id", worker_id, "--log-format", "json",
     ]  # fmt: skip
     with open(log_path, "wb") as log_file:
         return subprocess.Popen(
@@ -103,13 +104,14 @@ async def test_sigterm_drains_exits_zero_and_unfinished_work_is_redelivered(
             assert (await replies.final_of(short.id, timeout_s=60)).attempt.startswith(
                 "terminated:"
             )
-            # Seconds of work each (the context allows ~1000 tokens), far beyond the grace period.
+            # Seconds of work each, far beyond the grace period (the context allows ~1000 tokens;
+            # 300 keeps the successor's regeneration short on a busy machine).
             long = [
                 make_request(
                     replies.topic,
                     f"long {i}",
                     id=unique_name("long"),
-                    max_tokens=1000,
+                    max_tokens=300,
                     ignore_eos=True,
                 )
                 for i in range(2)
@@ -139,7 +141,7 @@ async def test_sigterm_drains_exits_zero_and_unfinished_work_is_redelivered(
                 for request in unfinished:
                     final = await replies.final_of(request.id, timeout_s=90)
                     assert final.attempt.startswith("next:")
-                    assert final.usage.completion_tokens == 1000
+                    assert final.usage.completion_tokens == 300
                 # The short request was committed by the terminated worker: not answered again.
                 assert len(replies.finals(short.id)) == 1
             finally:
