@@ -104,14 +104,13 @@ async def test_sigterm_drains_exits_zero_and_unfinished_work_is_redelivered(
             assert (await replies.final_of(short.id, timeout_s=60)).attempt.startswith(
                 "terminated:"
             )
-            # Seconds of work each, far beyond the grace period (the context allows ~1000 tokens;
-            # 300 keeps the successor's regeneration short on a busy machine).
+            # Seconds of work each (the context allows ~1000 tokens), far beyond the grace period.
             long = [
                 make_request(
                     replies.topic,
                     f"long {i}",
                     id=unique_name("long"),
-                    max_tokens=300,
+                    max_tokens=1000,
                     ignore_eos=True,
                 )
                 for i in range(2)
@@ -141,7 +140,7 @@ async def test_sigterm_drains_exits_zero_and_unfinished_work_is_redelivered(
                 for request in unfinished:
                     final = await replies.final_of(request.id, timeout_s=90)
                     assert final.attempt.startswith("next:")
-                    assert final.usage.completion_tokens == 300
+                    assert final.usage.completion_tokens == 1000
                 # The short request was committed by the terminated worker: not answered again.
                 assert len(replies.finals(short.id)) == 1
             finally:
