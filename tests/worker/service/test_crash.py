@@ -1,7 +1,7 @@
 """A worker process killed with SIGKILL mid-generation loses nothing: its partitions move to the
 survivor after the session timeout, which regenerates the unfinished requests under new
 attempts; every request ends with a whole stream (the client's seq/attempt rule then shows one
-clean answer). The time from the kill to the survivor's first message is printed (`-s`)."""
+clean answer). The time from the kill until the survivor runs the orphans is printed (`-s`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from schemas.codec import MSGPACK, encode
+from schemas.headers import request_headers
 from tests.worker.kafka_helpers import (
     Producer,
     ReplyReader,
@@ -50,38 +52,49 @@ async def test_sigkill_of_one_of_two_workers_loses_nothing(broker, tiny_model_di
             ReplyReader(broker.bootstrap_servers) as replies,
         ):
             await wait_for_split_with_process(survivor)
-            requests = [
-                make_request(replies.topic, f"crash {i}", max_tokens=200, ignore_eos=True)
-                for i in range(8)
-            ]
-            for request in requests:
-                await producer.send(topic, request)
+            (survivor_partition,) = {tp.partition for tp in survivor.consumer.assignment}
+            victim_partition = 1 - survivor_partition
 
-            def victim_streams() -> list[str]:
-                return [r.id for r in requests
-                        if any(m.attempt.startswith("victim:") for m in replies.messages[r.id])]  # fmt: skip
+            async def send(request, partition: int) -> None:
+                await producer.send_raw(
+                    topic, encode(request, MSGPACK), request.id.encode(),
+                    request_headers(MSGPACK), partition=partition,
+                )  # fmt: skip
 
-            await replies.wait_until(lambda: victim_streams(), what="the victim to stream")
+            long = {"max_tokens": 400, "ignore_eos": True}
+            orphans = [make_request(replies.topic, f"victim {i}", **long) for i in range(3)]
+            others = [make_request(replies.topic, f"survivor {i}", **long) for i in range(3)]
+            for request in orphans:
+                await send(request, victim_partition)
+            for request in others:
+                await send(request, survivor_partition)
+            # A short probe behind the long ones: once the victim answers it, the long ones are
+            # certainly running there (they were admitted first and need far longer).
+            probe = make_request(replies.topic, "probe", max_tokens=2)
+            await send(probe, victim_partition)
+            assert (await replies.final_of(probe.id)).attempt.startswith("victim:")
+            assert not any(replies.finals(r.id) for r in orphans)
             victim.send_signal(signal.SIGKILL)
             killed_s = time.monotonic()
             await asyncio.to_thread(victim.wait, 10)
-            orphans = [r.id for r in requests if not replies.finals(r.id)
-                       and any(m.attempt.startswith("victim:") for m in replies.messages[r.id])]  # fmt: skip
-            assert orphans
-            await replies.wait_until(
-                lambda: any(m.attempt.startswith("survivor:") for m in replies.messages[orphans[0]]),
-                timeout_s=60, what="the survivor to take over",
-            )  # fmt: skip
-            print(f"\nrecovery: {time.monotonic() - killed_s:.1f} s from SIGKILL to the survivor's "
-                  "first message of an orphaned request")  # fmt: skip
-            for request in requests:
+            orphan_ids = {r.id for r in orphans}
+            deadline_s = killed_s + 60
+            while not orphan_ids <= {j.request_id for j in survivor.pipeline.active_jobs()}:
+                assert time.monotonic() < deadline_s, "the survivor did not take over"
+                await asyncio.sleep(0.05)
+            print(f"\nrecovery: {time.monotonic() - killed_s:.1f} s from SIGKILL until the survivor "
+                  "runs every orphaned request")  # fmt: skip
+            for request in orphans + others:
                 final = await replies.final_of(request.id, timeout_s=90)
-                assert final.finish_reason == "length" and final.usage.completion_tokens == 200
+                assert final.finish_reason == "length" and final.usage.completion_tokens == 400
+                assert final.attempt.startswith("survivor:")
                 stream = stream_of(replies, request.id, final.attempt)
                 assert [m.seq for m in stream] == list(range(len(stream)))
                 assert "".join(m.text for m in stream[:-1]) == final.text
-            for request_id in orphans:
-                assert replies.finals(request_id)[0].attempt.startswith("survivor:")
+            # The probe was answered, but its offset sat behind the unfinished long ones, so it
+            # was not committed: redone by the survivor, with the same answer.
+            await replies.wait_until(lambda: len(replies.finals(probe.id)) == 2)
+            assert len({f.text for f in replies.finals(probe.id)}) == 1
     finally:
         if victim.poll() is None:
             victim.kill()
