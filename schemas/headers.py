@@ -24,6 +24,10 @@ ERROR_MESSAGE = "x-error-message"
 SOURCE_TOPIC = "x-source-topic"
 SOURCE_PARTITION = "x-source-partition"
 SOURCE_OFFSET = "x-source-offset"
+# On a stub dead letter (the original did not fit, or could not be read at all): the original
+# value's size in bytes. A stub has an empty value; its headers still say where to find the
+# original (topic, partition, offset) for as long as the source topic retains it.
+ORIGINAL_BYTES = "x-original-bytes"
 
 # W3C trace context, version 00: version-traceid-parentid-flags, lowercase hex.
 _TRACEPARENT_RE = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")

@@ -11,6 +11,13 @@ The token budget keeps the engine's queue short, so that ordering here still mat
 releases prompt tokens only up to `max_batch_tokens` minus those already handed to the engine
 and not yet started. It adapts to prompt lengths: when the engine has nothing queued the head
 of the queue is released however long its prompt, so a long prompt is never starved.
+
+The budget is per urgency: an item is held back only by queued work at least as urgent as
+itself. A saturated worker (the engine's queue full of `low` prompts) still releases a
+`critical` request at once; the engine's scheduler puts it ahead of its waiting queue and
+preempts less urgent running work for it, so urgent work reaches the model within about one
+step of arriving. The engine's queue stays bounded: at most `max_batch_tokens` of queued
+prompt tokens per urgency class.
 """
 
 from __future__ import annotations
@@ -23,8 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from schemas.headers import Urgency
 from worker.service.settings import BatcherSettings
+
+log = structlog.get_logger(__name__)
+
+LEAST_URGENT = max(u.priority for u in Urgency)
 
 
 @dataclass
@@ -38,25 +51,41 @@ class PendingItem:
 
     @property
     def order_key(self) -> tuple[int, float, int]:
-        deadline = math.inf if self.deadline_ms is None else self.deadline_ms
+        # Compared as a float, and bounded: any int compares with inf, but a producer's integer
+        # must never be able to make ordering raise (the contract bounds it too).
+        deadline = math.inf if self.deadline_ms is None else _bounded(self.deadline_ms)
         return (self.urgency.priority, deadline, self.arrival_seq)
 
 
+def _bounded(deadline_ms: int) -> float:
+    try:
+        return float(deadline_ms)
+    except (OverflowError, TypeError, ValueError):
+        return math.inf
+
+
 def select_batch(
-    pending: list[PendingItem], budget_tokens: int, must_take_head: bool = True
+    pending: list[PendingItem],
+    max_tokens: int,
+    queued_tokens: Callable[[int], int] = lambda priority: 0,
 ) -> tuple[list[PendingItem], list[PendingItem]]:
     """Split `pending` into (released, kept), both in release order.
 
-    Strictly in order: the first item that does not fit stops the batch (skipping it for smaller
-    ones behind would starve long prompts). With `must_take_head` (the engine is idle) the first
-    item goes even when it alone is over the budget.
+    `queued_tokens(priority)`: prompt tokens the engine holds, not yet started, of requests at
+    least as urgent as `priority`. An item fits when those, plus what this batch released before
+    it (all at least as urgent: the order is by urgency first), plus its own tokens stay within
+    `max_tokens`. Strictly in order: the first item that does not fit stops the batch (skipping
+    it for smaller ones behind would starve long prompts, and anything behind it is no more
+    urgent, so it has no more room). The first item goes even alone over the budget when nothing
+    at least as urgent is queued (a long prompt is never starved).
     """
     ordered = sorted(pending, key=lambda p: p.order_key)
     num_tokens = 0
     num_released = 0
     for p in ordered:
-        is_head_forced = must_take_head and num_released == 0
-        if not is_head_forced and num_tokens + p.num_tokens > budget_tokens:
+        queued = queued_tokens(p.urgency.priority)
+        is_head_forced = num_released == 0 and queued == 0
+        if not is_head_forced and queued + num_tokens + p.num_tokens > max_tokens:
             break
         num_tokens += p.num_tokens
         num_released += 1
@@ -65,17 +94,22 @@ def select_batch(
 
 class Batcher:
     """Async front of `select_batch`. `release` receives each batch (in order) on the event loop;
-    `queued_tokens()` tells how many released prompt tokens the engine has not started yet."""
+    `queued_tokens(priority)` tells how many released prompt tokens of requests at least as
+    urgent as `priority` the engine has not started yet."""
 
     def __init__(
         self,
         settings: BatcherSettings,
         release: Callable[[list[Any]], None],
-        queued_tokens: Callable[[], int] = lambda: 0,
+        queued_tokens: Callable[[int], int] = lambda priority: 0,
         clock: Callable[[], float] = time.monotonic,
+        on_error: Callable[[Any, BaseException], None] | None = None,
     ) -> None:
         self._settings = settings
         self._release = release
+        # Told about an item whose release raised; that item is out of the batcher, its batch
+        # neighbours are released all the same, and the batcher task lives on.
+        self._on_error = on_error
         self._queued_tokens = queued_tokens
         self._clock = clock
         self._pending: list[PendingItem] = []
@@ -112,9 +146,38 @@ class Batcher:
         self._pending = []
         return items
 
+    def _release_isolated(self, items: list[Any]) -> None:
+        """Release `items` as one batch; if that raises, release them one by one so that only
+        the item that raises is lost to the batch (and reported to `on_error`)."""
+        try:
+            self._release(items)
+            return
+        except Exception:
+            log.exception("batcher.release_failed", num_items=len(items))
+        for item in items:
+            try:
+                self._release([item])
+            except Exception as error:
+                self._report(item, error)
+
+    def _report(self, item: Any, error: BaseException) -> None:
+        if self._on_error is None:
+            log.error("batcher.item_failed", error=repr(error))
+            return
+        try:
+            self._on_error(item, error)
+        except Exception:
+            log.exception("batcher.on_error_failed")
+
     async def run(self) -> None:
         while True:
-            timeout_s = self.flush_due()
+            try:
+                timeout_s = self.flush_due()
+            except Exception as error:  # a bug in ordering: fail what is pending, keep serving
+                log.exception("batcher.flush_failed")
+                for item in self.drain():
+                    self._report(item, error)
+                timeout_s = None
             self._wakeup.clear()
             if timeout_s is None:
                 await self._wakeup.wait()
@@ -130,11 +193,11 @@ class Batcher:
         wait_s = min(p.due_s for p in self._pending) - self._clock()
         if wait_s > 0:
             return wait_s
-        queued_tokens = self._queued_tokens()
-        budget_tokens = self._settings.max_batch_tokens - queued_tokens
-        released, self._pending = select_batch(self._pending, budget_tokens, queued_tokens == 0)
+        released, self._pending = select_batch(
+            self._pending, self._settings.max_batch_tokens, self._queued_tokens
+        )
         if released:
-            self._release([p.item for p in released])
+            self._release_isolated([p.item for p in released])
         # Whatever is left waits for the engine to start something (the bridge wakes us), unless
         # nothing reached the engine (all released items expired): then look again at once.
-        return 0.0 if self._pending and self._queued_tokens() == 0 else None
+        return 0.0 if self._pending and self._queued_tokens(LEAST_URGENT) == 0 else None

@@ -10,6 +10,21 @@ produced them, for one reader on the event loop (the pipeline). If the thread di
 
 The bridge also counts prompt tokens handed over but not yet started (no first delta): the
 batcher's budget is measured against it.
+
+A step that raises cannot say which request broke it, and failing every live request for it
+(as this once did) turned one bad request, or one transient fault, into error finals for
+everyone, committed for good. Instead the bridge bisects:
+- every live request is aborted and becomes a suspect; a lone suspect is the culprit and gets
+  `Failed` (an error final);
+- otherwise the suspects are split in two groups, and groups run one at a time, alone (new
+  requests are held back meanwhile): a group that completes is innocent; a group that fails
+  again is split again, down to the one request it can be pinned on. A suspect that already
+  streamed tokens starts over (`Restarted`: the pipeline opens a new attempt for it, as on a
+  redelivery, so the client's seq/attempt rule applies). Pinning one culprit among k takes about
+  log2(k) + 1 failed steps.
+- after `max_consecutive_step_failures` failed steps in a row the fault is not one request's: the
+  thread gives up, live requests are `Dropped` (no final: their offsets stay uncommitted and are
+  redelivered), and `crashed` fails the worker, which exits non-zero.
 """
 
 from __future__ import annotations
@@ -18,6 +33,7 @@ import asyncio
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,7 +101,26 @@ class Failed:
     message: str
 
 
-EngineEvent = Deltas | Rejected | Aborted | Failed
+@dataclass(frozen=True)
+class Dropped:
+    """Given up without a final (the engine can no longer serve): redelivered elsewhere."""
+
+    request_ids: list[str]
+    message: str
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """Re-run from the start after a failed step (bisection): earlier deltas are void."""
+
+    request_ids: list[str]
+
+
+EngineEvent = Deltas | Rejected | Aborted | Failed | Dropped | Restarted
+
+
+class StepFailuresExceeded(RuntimeError):
+    """The engine failed step after step: not one request's fault."""
 
 
 class _Stop:
@@ -98,12 +133,16 @@ class _Abort:
 
 
 class EngineBridge:
-    def __init__(self, engine_factory: Callable[[], Any]) -> None:
+    def __init__(
+        self, engine_factory: Callable[[], Any], max_consecutive_step_failures: int = 8
+    ) -> None:
         self._engine_factory = engine_factory
+        self._max_consecutive_step_failures = max_consecutive_step_failures
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queued_tokens: dict[str, int] = {}  # not started yet -> prompt tokens
+        # Not started yet: request id -> (priority, prompt tokens).
+        self._queued_tokens: dict[str, tuple[int, int]] = {}
         self.events: asyncio.Queue[EngineEvent] = asyncio.Queue()
         self.crashed: asyncio.Future[BaseException] | None = None  # set if the thread dies
         # Written by the engine thread, read by liveness probes (float/bool writes are atomic).
@@ -113,7 +152,11 @@ class EngineBridge:
 
     @property
     def queued_tokens(self) -> int:
-        return sum(self._queued_tokens.values())
+        return sum(n for _, n in self._queued_tokens.values())
+
+    def queued_tokens_at_least_as_urgent_as(self, priority: int) -> int:
+        """Prompt tokens not started yet of requests with priority value <= `priority`."""
+        return sum(n for p, n in self._queued_tokens.values() if p <= priority)
 
     async def start(self) -> EngineInfo:
         """Build the engine on its thread (loading the model takes seconds) and wait for it."""
@@ -126,7 +169,10 @@ class EngineBridge:
 
     def submit(self, requests: list[EngineRequest]) -> None:
         for request in requests:
-            self._queued_tokens[request.request_id] = request.num_prompt_tokens
+            self._queued_tokens[request.request_id] = (
+                request.priority,
+                request.num_prompt_tokens,
+            )
             self._inbox.put(request)
 
     def abort(self, request_id: str) -> None:
@@ -154,10 +200,12 @@ class EngineBridge:
         match event:
             case Deltas(deltas):
                 ids = [d.request_id for d in deltas]
-            case Failed(request_ids):
+            case Failed(request_ids) | Dropped(request_ids):
                 ids = request_ids
             case Rejected(request_id) | Aborted(request_id):
                 ids = [request_id]
+            case Restarted():
+                ids = []
         for request_id in ids:
             self._queued_tokens.pop(request_id, None)
         self.events.put_nowait(event)
@@ -174,47 +222,53 @@ class EngineBridge:
             self._loop.call_soon_threadsafe(_set_exception, ready, error)
             return
         self._loop.call_soon_threadsafe(_set_result, ready, info)
-        live_ids: set[str] = set()
+        state = _ThreadState()
         try:
-            self._serve(engine, live_ids)
-        except BaseException as error:  # a bug: say so loudly rather than hang every request
+            self._serve(engine, state)
+        except BaseException as error:  # a bug or a persistent fault: say so loudly
             log.exception("engine.thread_crashed")
-            self._post(Failed(sorted(live_ids), f"the engine thread crashed: {error!r}"))
+            # No finals: what was live is redelivered to a worker whose engine works.
+            self._post(Dropped(sorted(state.all_ids()), f"the engine failed: {error!r}"))
             self._loop.call_soon_threadsafe(_set_result, self.crashed, error)
 
-    def _serve(self, engine, live_ids: set[str]) -> None:
+    def _serve(self, engine, state: _ThreadState) -> None:
         while True:
             # Block only when idle; while generating, take what arrived and step again.
-            command = _get_queue_item(self._inbox, block=not engine.has_unfinished_requests())
-            if command is not None and not self._handle_commands(engine, command, live_ids):
+            is_idle = not engine.has_unfinished_requests() and not state.is_isolating
+            command = _get_queue_item(self._inbox, block=is_idle)
+            if command is not None and not self._handle_commands(engine, command, state):
                 return
             has_work = engine.has_unfinished_requests()
             if has_work and not self._has_work:
                 self._progress_s = time.monotonic()  # a stall is counted from here
             self._has_work = has_work
             if has_work:
-                self._step(engine, live_ids)
+                self._step(engine, state)
                 self._progress_s = time.monotonic()
+            self._admit_next(engine, state)
 
-    def _handle_commands(self, engine, first, live_ids: set[str]) -> bool:
+    def _handle_commands(self, engine, first, state: _ThreadState) -> bool:
         command = first
         while True:
             if isinstance(command, _Stop):
-                for request_id in list(live_ids):
+                for request_id in list(state.live):
                     engine.abort_request(request_id)
                 return False
             if isinstance(command, _Abort):
                 engine.abort_request(command.request_id)
-                live_ids.discard(command.request_id)
+                state.forget(command.request_id)
                 self._added_s.pop(command.request_id, None)
                 self._post(Aborted(command.request_id))
             elif isinstance(command, EngineRequest):
-                self._add(engine, command, live_ids)
+                if state.is_isolating:
+                    state.held.append(command)  # runs once the suspects are cleared
+                else:
+                    self._add(engine, command, state)
             command = _get_queue_item(self._inbox, block=False)
             if command is None:
                 return True
 
-    def _add(self, engine, request: EngineRequest, live_ids: set[str]) -> None:
+    def _add(self, engine, request: EngineRequest, state: _ThreadState) -> None:
         try:
             engine.add_request(
                 request.request_id, request.prompt, request.params, priority=request.priority
@@ -227,23 +281,18 @@ class EngineBridge:
             log.exception("engine.add_failed", request_id=request.request_id)
             self._post(Failed([request.request_id], f"{type(error).__name__}: {error}"))
             return
-        live_ids.add(request.request_id)
+        state.live[request.request_id] = request
         self._added_s[request.request_id] = time.monotonic()
 
-    def _step(self, engine, live_ids: set[str]) -> None:
+    def _step(self, engine, state: _ThreadState) -> None:
         started_s = time.monotonic()
         try:
             deltas = engine.step()
         except Exception as error:
-            # Which request broke it is unknown: fail them all, keep the engine serving new work.
-            log.exception("engine.step_failed", num_requests=len(live_ids))
-            failed_ids = sorted(live_ids)
-            for request_id in failed_ids:
-                engine.abort_request(request_id)
-            live_ids.clear()
-            self._added_s.clear()
-            self._post(Failed(failed_ids, f"{type(error).__name__}: {error}"))
+            self._added_s.clear()  # the suspects restart: their queue time starts again
+            self._on_step_failed(engine, state, error)
             return
+        state.num_consecutive_failures = 0
         duration_s = time.monotonic() - started_s
         first_token_times = {}
         for delta in deltas:
@@ -252,10 +301,76 @@ class EngineBridge:
                 first_token_times[delta.request_id] = (max(0.0, started_s - added_s), duration_s)
             if delta.finished:
                 self._added_s.pop(delta.request_id, None)
-                live_ids.discard(delta.request_id)
+                state.forget(delta.request_id)
         stats = engine.get_stats() if hasattr(engine, "get_stats") else None
         if deltas:
             self._post(Deltas(deltas, StepInfo(started_s, duration_s, stats, first_token_times)))
+
+    def _on_step_failed(self, engine, state: _ThreadState, error: Exception) -> None:
+        state.num_consecutive_failures += 1
+        message = f"{type(error).__name__}: {error}"
+        log.error(
+            "engine.step_failed", num_requests=len(state.live), error=message,
+            num_consecutive=state.num_consecutive_failures,
+        )  # fmt: skip
+        if state.num_consecutive_failures >= self._max_consecutive_step_failures:
+            raise StepFailuresExceeded(
+                f"{state.num_consecutive_failures} engine steps failed in a row; last: {message}"
+            ) from error
+        suspects = list(state.live.values())
+        for request in suspects:
+            engine.abort_request(request.request_id)
+        state.live.clear()
+        state.probe_ids.clear()
+        if len(suspects) == 1:  # pinned: this request alone broke the step
+            self._post(Failed([suspects[0].request_id], message))
+            return
+        half = len(suspects) // 2
+        state.suspect_groups.extendleft([suspects[half:], suspects[:half]])
+        self._post(Restarted([r.request_id for r in suspects]))
+
+    def _admit_next(self, engine, state: _ThreadState) -> None:
+        """Between steps: start the next suspect group once the current one is done, or, when
+        no suspects are left, the requests held back meanwhile."""
+        if state.probe_ids:
+            return
+        while state.suspect_groups and not state.probe_ids:
+            for request in state.suspect_groups.popleft():
+                self._add(engine, request, state)
+                if request.request_id in state.live:
+                    state.probe_ids.add(request.request_id)
+        if state.probe_ids:
+            return
+        while state.held:
+            self._add(engine, state.held.popleft(), state)
+
+
+class _ThreadState:
+    """What the engine thread knows about its requests (touched on that thread only)."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, EngineRequest] = {}  # in the engine
+        self.probe_ids: set[str] = set()  # the suspect group running alone now
+        self.suspect_groups: deque[list[EngineRequest]] = deque()  # to run alone, in turn
+        self.held: deque[EngineRequest] = deque()  # arrived while suspects were being cleared
+        self.num_consecutive_failures = 0
+
+    @property
+    def is_isolating(self) -> bool:
+        return bool(self.probe_ids or self.suspect_groups)
+
+    def forget(self, request_id: str) -> None:
+        self.live.pop(request_id, None)
+        self.probe_ids.discard(request_id)
+        for group in self.suspect_groups:
+            group[:] = [r for r in group if r.request_id != request_id]
+        while self.suspect_groups and not self.suspect_groups[0]:
+            self.suspect_groups.popleft()
+        self.held = deque(r for r in self.held if r.request_id != request_id)
+
+    def all_ids(self) -> set[str]:
+        ids = set(self.live) | {r.request_id for r in self.held}
+        return ids | {r.request_id for g in self.suspect_groups for r in g}
 
 
 def _get_queue_item(q: queue.Queue, block: bool):

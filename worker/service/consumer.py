@@ -3,12 +3,21 @@ commits watermarks.
 
 - Commits are manual and only up to each partition's watermark (`OffsetTracker`): a request's
   offset counts as done once its final (or dead letter) is acknowledged by the broker.
-- At `max_num_inflight` unfinished messages the assigned partitions are paused, so the worker
-  never buffers without bound, and resumed as soon as there is room.
+- At `max_num_inflight` unfinished messages, or `max_inflight_bytes` of their estimated memory,
+  the assigned partitions are paused, so the worker never buffers without bound, and resumed as
+  soon as there is room. Below the bounds it reads ahead of the engine, so that the batcher can
+  admit by urgency (see `LimitSettings`).
 - On revocation, finished work is committed first (after letting in-flight finals land), then the
   revoked partitions' unfinished jobs are dropped: the next owner redoes them.
 - A bad message is routed (DLQ or error final), never raised: the poll loop catches only what a
-  broker can throw at it, and logs and goes on.
+  broker can throw at it, and logs and goes on. Handling one record is total: a bug while
+  handling it dead-letters that record (reason `internal`), so no message can kill the task and,
+  with it, every worker that takes the partition over.
+- Every record is stamped with its partition's assignment epoch (`OffsetTracker`); a record of a
+  partition revoked meanwhile (during an await) is not ours any more and is left alone.
+- A record aiokafka cannot return (`RecordTooLargeError`: bigger than the fetch size) is skipped
+  by aiokafka; its offset is tracked and a stub dead letter written for it, so the watermark
+  never commits over it silently.
 """
 
 from __future__ import annotations
@@ -18,17 +27,17 @@ import time
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, RecordTooLargeError
 
 from schemas.contract import DeadLetterReason
 from worker.service.dead_letters import DeadLetterWriter
 from worker.service.offsets import OffsetTracker
-from worker.service.pipeline import Pipeline
+from worker.service.pipeline import Pipeline, max_prompt_memory
 from worker.service.publisher import Publisher
-from worker.service.routing import DeadLetter, Rejected, RoutingPolicy, route
+from worker.service.routing import DeadLetter, Rejected, RoutingPolicy, route, safe_for_log
 from worker.service.settings import WorkerSettings
 from worker.service.telemetry import Telemetry
-from worker.service.topics import TopicAdmin
+from worker.service.topics import TopicAdmin, TopicCreationRefused
 
 log = structlog.get_logger(__name__)
 
@@ -58,12 +67,17 @@ class RequestConsumer:
         self._telemetry = telemetry
         self.tracker = tracker
         self._max_num_inflight = settings.limits.max_num_inflight
+        self._max_inflight_bytes = settings.limits.max_inflight_bytes
+        limits = settings.limits
+        self._max_job_bytes = limits.max_message_bytes + max_prompt_memory(limits.max_prompt_chars)
         self._is_polling = True
+        self._admissions: set[asyncio.Task] = set()  # requests waiting for their reply topic
         self._is_paused = False
         self.last_poll_ok_s: float | None = None  # monotonic; readiness asks how recent it is
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=bootstrap_servers,
             group_id=kafka.group_id,
+            group_instance_id=kafka.group_instance_id,
             client_id=f"{kafka.client_id}-consumer",
             enable_auto_commit=False,
             auto_offset_reset="earliest",
@@ -96,10 +110,17 @@ class RequestConsumer:
         while self._is_polling:
             self._apply_backpressure()
             room = self._max_num_inflight - self.tracker.num_unfinished
+            # One poll may overshoot the byte budget by at most one message: take no more
+            # records than could each be as large as the largest request and still fit.
+            bytes_room = self._max_inflight_bytes - self._pipeline.inflight_bytes
+            room = min(room, bytes_room // self._max_job_bytes)
             try:
                 batches = await self._consumer.getmany(
                     timeout_ms=self._settings.kafka.fetch_max_wait_ms, max_records=max(1, room)
                 )
+            except RecordTooLargeError as error:
+                self.on_record_too_large(error)
+                continue
             except KafkaError as error:
                 log.warning("consumer.poll_failed", error=repr(error))
                 await asyncio.sleep(1.0)
@@ -107,38 +128,93 @@ class RequestConsumer:
             self.last_poll_ok_s = time.monotonic()
             for partition, records in batches.items():
                 for record in records:
-                    await self._handle(partition, record)
+                    self._handle(partition, record)
             await self.commit()
 
-    async def _handle(self, partition: TopicPartition, record) -> None:
+    def _handle(self, partition: TopicPartition, record) -> None:
         received_s = time.monotonic()
-        self.tracker.add(partition, record.offset)
-        key = record.key.decode("utf-8", errors="replace") if record.key else None
+        epoch = self.tracker.add(partition, record.offset)
+        if epoch is None:
+            return  # its partition was revoked while this batch was handled: the next owner's
         with structlog.contextvars.bound_contextvars(
-            key=key, request_id=None, partition=partition.partition, offset=record.offset
+            request_id=None, partition=partition.partition, offset=record.offset
         ):
-            decision = route(record.value, record.headers, self._policy)
-            if isinstance(decision, DeadLetter):
-                self._dead_letter(partition, record, decision)
-                return
-            structlog.contextvars.bind_contextvars(request_id=decision.request_id)
             try:
-                await self._topics.ensure_reply_topic(decision.reply_to)
-            except (KafkaError, OSError) as error:
-                self._dead_letter(
-                    partition, record, DeadLetter(DeadLetterReason.REPLY_TOPIC_UNAVAILABLE, repr(error))
-                )
-                return
-            if isinstance(decision, Rejected):
-                self._pipeline.reject(decision, partition, record, received_s)
-            else:
-                self._pipeline.accept(decision, partition, record, received_s)
+                self._route(partition, record, received_s, epoch)
+            except Exception as error:  # a bug: park this record, keep the partition moving
+                log.exception("request.handling_failed")
+                letter = DeadLetter(DeadLetterReason.INTERNAL, f"{type(error).__name__}: {error}")
+                self._dead_letter(partition, record, letter, epoch)
 
-    def _dead_letter(self, partition: TopicPartition, record, letter: DeadLetter) -> None:
-        self._dead_letters.write(partition, record, letter.reason, letter.message)
+    def _route(self, partition: TopicPartition, record, received_s: float, epoch) -> None:
+        decision = route(record.value, record.headers, self._policy)
+        if isinstance(decision, DeadLetter):
+            self._dead_letter(partition, record, decision, epoch)
+            return
+        structlog.contextvars.bind_contextvars(request_id=safe_for_log(decision.request_id))
+        if self._topics.is_known(decision.reply_to):
+            self._admit(partition, record, decision, received_s, epoch)
+            return
+        # A reply topic to create: out of line, so that polling (and every other request) goes
+        # on while the broker answers; the offset is tracked already, so nothing is committed
+        # past it meanwhile.
+        task = asyncio.create_task(
+            self._admit_after_topic(partition, record, decision, received_s, epoch)
+        )
+        self._admissions.add(task)
+        task.add_done_callback(self._admissions.discard)
+
+    async def _admit_after_topic(self, partition, record, decision, received_s, epoch) -> None:
+        with structlog.contextvars.bound_contextvars(
+            request_id=safe_for_log(decision.request_id), partition=partition.partition,
+            offset=record.offset,
+        ):  # fmt: skip
+            try:
+                try:
+                    await self._topics.ensure_reply_topic(decision.reply_to)
+                except (TopicCreationRefused, KafkaError, OSError, TimeoutError) as error:
+                    if self.tracker.is_current(partition, epoch):
+                        letter = DeadLetter(DeadLetterReason.REPLY_TOPIC_UNAVAILABLE, repr(error))
+                        self._dead_letter(partition, record, letter, epoch)
+                    return
+                self._admit(partition, record, decision, received_s, epoch)
+            except Exception as error:  # a bug: park this record, keep the partition moving
+                log.exception("request.handling_failed")
+                if self.tracker.is_current(partition, epoch):
+                    letter = DeadLetter(DeadLetterReason.INTERNAL, f"{type(error).__name__}")
+                    self._dead_letter(partition, record, letter, epoch)
+
+    def _admit(self, partition, record, decision, received_s: float, epoch) -> None:
+        if not self.tracker.is_current(partition, epoch):
+            return  # revoked meanwhile: the next owner handles it
+        if isinstance(decision, Rejected):
+            self._pipeline.reject(decision, partition, record, received_s, epoch)
+        else:
+            self._pipeline.accept(decision, partition, record, received_s, epoch)
+
+    def _dead_letter(self, partition: TopicPartition, record, letter: DeadLetter, epoch) -> None:
+        self._dead_letters.write(partition, record, letter.reason, letter.message, epoch=epoch)
+
+    def on_record_too_large(self, error: RecordTooLargeError) -> None:
+        """aiokafka skipped a record it cannot return (it already moved past it): track its
+        offset and dead-letter a stub for it, so the commit passes it only once that is done."""
+        skipped = skipped_record(error)
+        log.error("consumer.record_too_large", error=str(error)[:500])
+        if skipped is None:
+            return
+        partition, offset = skipped
+        epoch = self.tracker.add(partition, offset)
+        if epoch is None:
+            return
+        record = _SkippedRecord(offset)
+        message = f"record at offset {offset} is larger than the fetch size; not read"
+        self._dead_letter(partition, record, DeadLetter(DeadLetterReason.TOO_LARGE, message), epoch)
 
     def _apply_backpressure(self) -> None:
-        is_full = self.tracker.num_unfinished >= self._max_num_inflight
+        is_full = (
+            self.tracker.num_unfinished >= self._max_num_inflight
+            or self._pipeline.inflight_bytes >= self._max_inflight_bytes
+        )
         if is_full:
             unpaused = self.assignment - self._consumer.paused()
             if unpaused:
@@ -150,6 +226,7 @@ class RequestConsumer:
             log.info(
                 "consumer.paused" if is_full else "consumer.resumed",
                 num_inflight=self.tracker.num_unfinished,
+                inflight_bytes=self._pipeline.inflight_bytes,
             )
 
     async def commit(self, partitions: set[TopicPartition] | None = None) -> None:
@@ -195,6 +272,9 @@ class RequestConsumer:
 
     async def close(self) -> None:
         """Leave the group. aiokafka can hang here when a topic vanished, so it is bounded."""
+        for task in list(self._admissions):
+            task.cancel()
+        await asyncio.gather(*self._admissions, return_exceptions=True)
         try:
             await asyncio.wait_for(
                 self._consumer.stop(), self._settings.kafka.consumer_stop_timeout_s
@@ -211,4 +291,26 @@ class _Rebalance(ConsumerRebalanceListener):
         await self._owner.on_revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned) -> None:
+        self._owner.tracker.assign(assigned)
         log.info("consumer.assigned", partitions=sorted(p.partition for p in assigned))
+
+
+class _SkippedRecord:
+    """Stands in for a record aiokafka skipped: only its offset is known."""
+
+    key = None
+    value = None
+    headers: list = []
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+
+def skipped_record(error: RecordTooLargeError) -> tuple[TopicPartition, int] | None:
+    """(partition, offset) of the record aiokafka skipped, from the error's arguments."""
+    partitions = [a for a in error.args if isinstance(a, TopicPartition)]
+    offsets = [a for a in error.args if isinstance(a, int) and not isinstance(a, bool)]
+    if not partitions or not offsets:
+        return None
+    return partitions[0], offsets[0]
+

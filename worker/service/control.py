@@ -3,13 +3,16 @@
 A cancel must reach whichever worker holds the request, so this consumer is outside the request
 group: it assigns itself every partition of the control topic, with no group and no commits.
 It reads from the earliest offset: starting "at the end" is unreliable on the embedded broker
-(docs/KAFKA.md), and old cancels are harmless. A cancel for an id not (yet) here is remembered
+(docs/KAFKA.md), and old cancels are harmless. The topic's partitions are looked up again every
+`PARTITION_REFRESH_S`, so partitions added later (or metadata that was not ready at start-up)
+are picked up. A cancel for an id not (yet) here is remembered
 by the pipeline, so a cancel that overtakes its request still wins.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -18,11 +21,13 @@ from aiokafka.errors import KafkaError
 from schemas.codec import Limits, UndecodableError, decode_cancel
 from schemas.headers import read_content_type
 from worker.service.pipeline import Pipeline
+from worker.service.routing import safe_for_log
 from worker.service.settings import KafkaSettings
 
 log = structlog.get_logger(__name__)
 
 POLL_TIMEOUT_MS = 200
+PARTITION_REFRESH_S = 10.0
 
 
 class CancelListener:
@@ -46,14 +51,34 @@ class CancelListener:
 
     async def start(self) -> None:
         await self._consumer.start()
+        await self.refresh_partitions()
+
+    async def refresh_partitions(self) -> None:
+        """Assign every partition the control topic has now; new ones are read from the start."""
         await self._consumer.topics()  # fills the metadata that partitions_for_topic reads
         partition_ids = self._consumer.partitions_for_topic(self._topic) or {0}
-        partitions = [TopicPartition(self._topic, p) for p in sorted(partition_ids)]
-        self._consumer.assign(partitions)
-        await self._consumer.seek_to_beginning(*partitions)
+        partitions = {TopicPartition(self._topic, p) for p in partition_ids}
+        current = set(self._consumer.assignment())
+        new = partitions - current
+        if not new:
+            return
+        positions = {tp: await self._consumer.position(tp) for tp in current}
+        self._consumer.assign(sorted(partitions | current))
+        for tp, offset in positions.items():  # assign() forgets positions: keep ours
+            self._consumer.seek(tp, offset)
+        await self._consumer.seek_to_beginning(*new)
+        if current:
+            log.info("control.partitions_added", partitions=sorted(p.partition for p in new))
 
     async def run(self) -> None:
+        refreshed_s = time.monotonic()
         while True:
+            if time.monotonic() - refreshed_s > PARTITION_REFRESH_S:
+                refreshed_s = time.monotonic()
+                try:
+                    await self.refresh_partitions()
+                except KafkaError as error:
+                    log.warning("control.refresh_failed", error=repr(error))
             try:
                 batches = await self._consumer.getmany(timeout_ms=POLL_TIMEOUT_MS)
             except KafkaError as error:
@@ -72,7 +97,11 @@ class CancelListener:
             return
         num_stopped = self._pipeline.cancel(cancel.id)
         if num_stopped:
-            log.info("request.cancel_received", request_id=cancel.id, num_attempts=num_stopped)
+            log.info(
+                "request.cancel_received",
+                request_id=safe_for_log(cancel.id),
+                num_attempts=num_stopped,
+            )
 
     async def close(self) -> None:
         try:

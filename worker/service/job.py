@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry.trace import Span
@@ -22,6 +22,7 @@ class JobState(enum.Enum):
     FINISHING = "finishing"  # final published, waiting for the broker's ack
     DONE = "done"  # final acknowledged: its offset may be committed
     DROPPED = "dropped"  # given up without a final (revoked, shutdown): it will be redelivered
+    FOLLOWING = "following"  # a duplicate delivery of a request running here: ends with it
 
 
 @dataclass(eq=False)  # identity semantics: jobs live in sets and dicts
@@ -54,6 +55,13 @@ class Job:
     # The consumed record (key, value, headers): dead-lettered as it came if the final can never
     # be delivered, so that its offset is still committed and the request is not lost.
     record: Any = None
+    # The assignment epoch its record was consumed in (`OffsetTracker.add`): an ack from another
+    # epoch is stale and finishes nothing.
+    epoch: Any = None
+    memory_bytes: int = 0  # estimated, counted against `limits.max_inflight_bytes`
+    # Duplicate deliveries of this request (same id, same content) that arrived while it ran:
+    # they are not generated again; their offsets finish with this job's final.
+    followers: list[Job] = field(default_factory=list)
 
     @property
     def deadline_ms(self) -> int | None:

@@ -6,6 +6,15 @@ finished offset would lose the slower requests below it if the worker died; so e
 commits up to its watermark, the lowest offset still in flight. "Finished" means the request's
 `final` was acknowledged by the broker, never merely produced.
 
+Each assignment of a partition is an epoch (its `PartitionOffsets` object): jobs are stamped
+with the epoch their record was consumed in, and an ack carrying another epoch is stale and
+ignored. Two ways an ack goes stale: the partition was revoked meanwhile (the record's offset now
+belongs to the next owner, and a record handled after the revocation must not re-create state),
+or the broker lost its log (the embedded broker keeps everything in memory) and offsets restarted
+below what this epoch had seen: a late ack for an old job at offset N must not finish the new,
+different request at offset N. Offsets only move forward within one assignment, so an offset
+below the highest seen starts a new epoch.
+
 Pure Python over integers and hashable partition keys: no aiokafka, so it is tested exactly.
 """
 
@@ -26,6 +35,10 @@ class PartitionOffsets:
         self._unfinished: set[int] = set()
         self._heap: list[int] = []
         self._next_offset: int | None = None  # one past the highest offset seen
+
+    @property
+    def next_offset(self) -> int | None:
+        return self._next_offset
 
     def add(self, offset: int) -> None:
         if offset not in self._unfinished:
@@ -49,10 +62,6 @@ class PartitionOffsets:
     def unfinished_offsets(self) -> list[int]:
         return sorted(self._unfinished)
 
-    @property
-    def next_offset(self) -> int | None:
-        return self._next_offset
-
     def watermark(self) -> int | None:
         """The offset to commit: the lowest unfinished one, or one past the highest seen when
         everything is done; None before anything was seen."""
@@ -70,13 +79,35 @@ class OffsetTracker:
         self._partitions: dict[Hashable, PartitionOffsets] = {}
         self._committed: dict[Hashable, int] = {}
 
-    def add(self, partition: Hashable, offset: int) -> None:
-        self._partitions.setdefault(partition, PartitionOffsets()).add(offset)
+    def assign(self, partitions: Iterable[Hashable]) -> None:
+        """Partitions the group gave us: each starts an epoch (kept if it is still ours)."""
+        for key in partitions:
+            self._partitions.setdefault(key, PartitionOffsets())
 
-    def finish(self, partition: Hashable, offset: int) -> bool:
-        """False for a partition that was revoked meanwhile: its offsets are no longer ours."""
+    def is_assigned(self, partition: Hashable) -> bool:
+        return partition in self._partitions
+
+    def is_current(self, partition: Hashable, epoch: PartitionOffsets | None) -> bool:
+        return epoch is not None and self._partitions.get(partition) is epoch
+
+    def add(self, partition: Hashable, offset: int) -> PartitionOffsets | None:
+        """Track a consumed offset; returns the epoch to stamp its job with, or None when the
+        partition is not (or no longer) assigned: the record is not ours to handle."""
         offsets = self._partitions.get(partition)
-        return offsets is not None and offsets.finish(offset)
+        if offsets is None:
+            return None
+        if offsets.next_offset is not None and offset < offsets.next_offset:
+            # The log went backwards (the broker lost its data): a new epoch, and the committed
+            # offset the broker forgot no longer bounds what may be committed.
+            offsets = self._partitions[partition] = PartitionOffsets()
+            self._committed.pop(partition, None)
+        offsets.add(offset)
+        return offsets
+
+    def finish(self, partition: Hashable, offset: int, epoch: PartitionOffsets | None) -> bool:
+        """False for a stale ack (another epoch: revoked or reset meanwhile) or an offset that
+        is not in flight."""
+        return self.is_current(partition, epoch) and epoch.finish(offset)
 
     @property
     def num_unfinished(self) -> int:

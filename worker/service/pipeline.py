@@ -23,7 +23,17 @@ from schemas.contract import DeadLetterReason
 from schemas.messages import ErrorCode, ErrorInfo, Timing, Usage
 from worker.service import request_metrics
 from worker.service.batcher import Batcher
-from worker.service.bridge import Aborted, Deltas, EngineBridge, EngineRequest, Failed, StepInfo
+from worker.service.bridge import (
+    Aborted,
+    Deltas,
+    EngineBridge,
+    EngineEvent,
+    EngineRequest,
+    Failed,
+    Restarted,
+    StepInfo,
+)
+from worker.service.bridge import Dropped as EngineDropped
 from worker.service.bridge import Rejected as EngineRejected
 from worker.service.dead_letters import DeadLetterWriter
 from worker.service.job import Job, JobState
@@ -31,13 +41,21 @@ from worker.service.offsets import OffsetTracker
 from worker.service.prompts import PromptRenderer
 from worker.service.replies import ReplyWriter, reply_headers
 from worker.service.reply_stream import ReplyStream
-from worker.service.routing import Accepted, Rejected
+from worker.service.routing import Accepted, Rejected, safe_for_log
 from worker.service.settings import WorkerSettings
 from worker.service.telemetry import Telemetry, end_span, trace_id_of, traceparent_of
 
 log = structlog.get_logger(__name__)
 
 MAX_REMEMBERED_CANCELS = 100_000
+# A tokenized prompt held as a Python list: an 8-byte pointer plus, for ids above 256, a 28-byte
+# int object each.
+BYTES_PER_PROMPT_TOKEN = 40
+
+
+def max_prompt_memory(max_prompt_chars: int) -> int:
+    """The most a tokenized prompt can cost: at most about one token per character."""
+    return BYTES_PER_PROMPT_TOKEN * max_prompt_chars
 
 
 class Pipeline:
@@ -63,10 +81,14 @@ class Pipeline:
         self._num_attempts = 0
         self._engine_totals = request_metrics.EngineTotals()
         self._jobs: dict[str, Job] = {}  # attempt -> job, until DONE or DROPPED
+        self._inflight_bytes = 0
         self._by_request: dict[str, set[Job]] = {}
         # Cancels seen for requests not (yet) here: a cancel can overtake its request.
         self._cancelled_ids: OrderedDict[str, None] = OrderedDict()
-        self.batcher = Batcher(settings.batcher, self._release, lambda: bridge.queued_tokens)
+        self.batcher = Batcher(
+            settings.batcher, self._release, bridge.queued_tokens_at_least_as_urgent_as,
+            on_error=self.fail,
+        )
 
     @property
     def num_running(self) -> int:
@@ -76,15 +98,37 @@ class Pipeline:
     def num_unacked(self) -> int:
         return len(self._jobs)
 
+    @property
+    def inflight_bytes(self) -> int:
+        """Estimated memory of the jobs not yet answered (the consumer pauses past a budget)."""
+        return self._inflight_bytes
+
     # --- admission ---------------------------------------------------------------------------
 
-    def accept(self, accepted: Accepted, partition: Any, record: Any, received_s: float) -> Job:
-        """Queue a valid request, or answer it at once (cancelled before, expired, invalid)."""
-        request = accepted.request
-        job = self._new_job(accepted, partition, record, received_s)
+    def accept(
+        self, accepted: Accepted, partition: Any, record: Any, received_s: float, epoch: Any = None
+    ) -> Job:
+        """Queue a valid request, or answer it at once (cancelled before, expired, invalid).
+
+        Total: whatever goes wrong while admitting this one request becomes its error final."""
+        job = self._new_job(accepted, partition, record, received_s, epoch)
+        try:
+            self._admit(job, accepted.request)
+        except Exception as error:
+            self.fail(job, error)
+        return job
+
+    def _admit(self, job: Job, request) -> None:
+        leader = self._running_duplicate_of(job)
+        if leader is not None:
+            # The same request delivered again (a producer retry, a redelivery after a
+            # rebalance) while it runs here: generate it once; this offset finishes with it.
+            job.state = JobState.FOLLOWING
+            leader.followers.append(job)
+            return
         if request.id in self._cancelled_ids:
             self._finish(job, "cancelled")
-            return job
+            return
         rendered = self._renderer.render(request)
         if rendered.error is not None:
             self._finish(job, "error", rendered.error)
@@ -93,18 +137,21 @@ class Pipeline:
         else:
             job.prompt_token_ids = rendered.token_ids
             job.num_prompt_tokens = len(rendered.token_ids)
+            self._add_memory(job, BYTES_PER_PROMPT_TOKEN * job.num_prompt_tokens)
             self.batcher.submit(job, job.urgency, job.deadline_ms, job.num_prompt_tokens)
             self._arm_deadline(job)
-        return job
 
-    def reject(self, rejected: Rejected, partition: Any, record: Any, received_s: float) -> Job:
+    def reject(
+        self, rejected: Rejected, partition: Any, record: Any, received_s: float, epoch: Any = None
+    ) -> Job:
         """A request that decoded but is invalid: an error final, nothing else."""
-        job = self._new_job(rejected, partition, record, received_s)
+        job = self._new_job(rejected, partition, record, received_s, epoch)
         self._finish(job, "error", ErrorInfo(code=rejected.code, message=rejected.message))
         return job
 
     def _new_job(
-        self, decision: Accepted | Rejected, partition: Any, record: Any, received_s: float
+        self, decision: Accepted | Rejected, partition: Any, record: Any, received_s: float,
+        epoch: Any,
     ) -> Job:
         offset = record.offset
         request = decision.request if isinstance(decision, Accepted) else None
@@ -123,13 +170,19 @@ class Pipeline:
             params=decision.params if request is not None else None,
             reply_headers=reply_headers(traceparent_of(span)),
             stream=ReplyStream(request_id, attempt, self._tokens_per_message, is_streaming),
-            received_s=received_s, record=record, kafka_wait_s=request_metrics.kafka_wait_s(record),
+            received_s=received_s, record=record, epoch=epoch,
+            kafka_wait_s=request_metrics.kafka_wait_s(record),
         )  # fmt: skip
         self._register(job)
         request_metrics.on_arrival(self._telemetry, job)
         return job
 
+    def _add_memory(self, job: Job, num_bytes: int) -> None:
+        job.memory_bytes += num_bytes
+        self._inflight_bytes += num_bytes
+
     def _register(self, job: Job) -> None:
+        self._add_memory(job, len(getattr(job.record, "value", None) or b""))
         self._jobs[job.attempt] = job
         self._by_request.setdefault(job.request_id, set()).add(job)
 
@@ -139,23 +192,53 @@ class Pipeline:
         for job in jobs:
             if not job.is_active:
                 continue  # cancelled or expired while it waited (the deadline timer removes it)
+            try:  # one bad job fails alone; its batch neighbours still go to the engine
+                request = EngineRequest(
+                    job.attempt, job.prompt_token_ids, job.params, job.urgency.priority,
+                    job.num_prompt_tokens,
+                )  # fmt: skip
+            except Exception as error:
+                self.fail(job, error)
+                continue
             job.state = JobState.RUNNING
             job.released_s = time.monotonic()
-            requests.append(
-                EngineRequest(
-                    job.attempt,
-                    job.prompt_token_ids,
-                    job.params,
-                    job.urgency.priority,
-                    job.num_prompt_tokens,
-                )
-            )
+            requests.append(request)
         if requests:
             self._bridge.submit(requests)
 
     def _seconds_to_deadline(self, job: Job) -> float:
         deadline_ms = job.deadline_ms
         return float("inf") if deadline_ms is None else deadline_ms / 1000 - time.time()
+
+    def _running_duplicate_of(self, job: Job) -> Job | None:
+        for other in self._by_request.get(job.request_id, ()):
+            if other is not job and other.is_active and other.request == job.request:
+                return other
+        return None
+
+    def _release_followers(self, leader: Job, is_answered: bool) -> None:
+        """The leader ended. Answered (its final acknowledged, or set aside): the duplicates'
+        offsets are done too. Not answered (dropped): each duplicate still ours is admitted on
+        its own, so that its partition does not wait on a job that will never end here."""
+        followers, leader.followers = leader.followers, []
+        for job in followers:
+            if job.state is not JobState.FOLLOWING:
+                continue
+            if is_answered:
+                job.state = JobState.DONE
+                end_span(job.span, "duplicate")
+                self._forget(job)
+                self._tracker.finish(job.partition, job.offset, job.epoch)
+            elif self._tracker.is_current(job.partition, job.epoch):
+                job.state = JobState.PENDING
+                try:
+                    self._admit(job, job.request)
+                except Exception as error:
+                    self.fail(job, error)
+            else:
+                job.state = JobState.DROPPED
+                job.span.end()
+                self._forget(job)
 
     def _arm_deadline(self, job: Job) -> None:
         """The one place a deadline is enforced once a job is queued: one timer, which stops the
@@ -172,18 +255,30 @@ class Pipeline:
         """Handle the engine's events in order, for the life of the worker."""
         while True:
             event = await self._bridge.events.get()
-            match event:
-                case Deltas(deltas, step):
-                    if step is not None:
-                        self._on_step(step)
-                    self.on_deltas(deltas)
-                case EngineRejected(request_id, message, is_prompt_too_long):
-                    self.on_rejected(request_id, message, is_prompt_too_long)
-                case Aborted(request_id):
-                    self.on_aborted(request_id)
-                case Failed(request_ids, message):
-                    self.on_failed(request_ids, message)
+            try:
+                self.on_event(event)
+            except Exception:  # a bug: the per-job guards below should have caught it
+                log.exception("pipeline.event_failed", event=type(event).__name__)
             self.batcher.wake()  # the engine's queue may have shrunk: maybe there is budget
+
+    def on_event(self, event: EngineEvent) -> None:
+        match event:
+            case Deltas(deltas, step):
+                if step is not None:
+                    self._on_step(step)
+                self.on_deltas(deltas)
+            case EngineRejected(request_id, message, is_prompt_too_long):
+                self.on_rejected(request_id, message, is_prompt_too_long)
+            case Aborted(request_id):
+                self.on_aborted(request_id)
+            case Failed(request_ids, message):
+                self.on_failed(request_ids, message)
+            case Restarted(request_ids):
+                self.on_restarted(request_ids)
+            case EngineDropped(request_ids, message):
+                jobs = [self._jobs[i] for i in request_ids if i in self._jobs]
+                num_dropped = self.drop(jobs, "engine_failed")
+                log.error("pipeline.engine_dropped", num_dropped=num_dropped, error=message)
 
     def _on_step(self, step: StepInfo) -> None:
         request_metrics.on_step(self._telemetry, step, self._engine_totals)
@@ -198,13 +293,19 @@ class Pipeline:
             job = self._jobs.get(delta.request_id)
             if job is None or job.state is not JobState.RUNNING or job.stop_reason is not None:
                 continue  # aborted, dropped or finished meanwhile
-            request_metrics.on_tokens(self._telemetry, job, len(delta.token_ids), now_s)
-            job.num_prompt_tokens = delta.num_prompt_tokens or job.num_prompt_tokens
-            job.num_output_tokens = delta.num_output_tokens
-            for message in job.stream.add(delta.text, delta.token_ids):
-                self._replies.send(job, message)
-            if delta.finished:
-                self._finish(job, delta.finish_reason or "stop")
+            try:  # one job's bad delta must not cost the rest of the batch theirs
+                self._on_delta(job, delta, now_s)
+            except Exception as error:
+                self.fail(job, error)
+
+    def _on_delta(self, job: Job, delta: RequestDelta, now_s: float) -> None:
+        request_metrics.on_tokens(self._telemetry, job, len(delta.token_ids), now_s)
+        job.num_prompt_tokens = delta.num_prompt_tokens or job.num_prompt_tokens
+        job.num_output_tokens = delta.num_output_tokens
+        for message in job.stream.add(delta.text, delta.token_ids):
+            self._replies.send(job, message)
+        if delta.finished:
+            self._finish(job, delta.finish_reason or "stop")
 
     def on_rejected(self, request_id: str, message: str, is_prompt_too_long: bool = False) -> None:
         job = self._jobs.get(request_id)
@@ -217,11 +318,57 @@ class Pipeline:
         if job is not None and job.is_active and job.stop_reason is not None:
             self._finish(job, job.stop_reason)
 
+    def on_restarted(self, request_ids: list[str]) -> None:
+        """The engine runs these again from the start (it is isolating a failed step). One that
+        already streamed opens a new attempt, as a redelivery would: same seed, so the same
+        tokens, and the client's seq/attempt rule hides the repeat."""
+        for request_id in request_ids:
+            job = self._jobs.get(request_id)
+            if job is None or job.state is not JobState.RUNNING or job.stop_reason is not None:
+                continue
+            if job.stream.num_messages or job.num_output_tokens or job.stream.text:
+                self._num_attempts += 1
+                attempt = f"{self._worker_id}:{self._num_attempts}"
+                job.stream = ReplyStream(
+                    job.request_id, attempt, self._tokens_per_message, job.stream.is_streaming
+                )
+                job.span.set_attribute("mini_infer.restarted_as", attempt)
+            job.num_output_tokens = 0
+            job.first_token_s = job.last_token_s = None
+
     def on_failed(self, request_ids: list[str], message: str) -> None:
         for request_id in request_ids:
             job = self._jobs.get(request_id)
             if job is not None and job.is_active:
                 self._finish(job, "error", ErrorInfo(code=ErrorCode.INTERNAL, message=message))
+
+    def fail(self, job: Job, error: BaseException) -> None:
+        """A bug while handling this one job: it gets an `error/internal` final (its neighbours
+        and the worker go on). If even the final cannot be made, the request is dead-lettered
+        as it came, so its offset still moves on."""
+        log.error(
+            "request.internal_error", request_id=safe_for_log(job.request_id),
+            attempt=job.stream.attempt,
+            error_type=type(error).__name__, exc_info=error,
+        )  # fmt: skip
+        try:
+            if job.state is JobState.PENDING:
+                self.batcher.remove(lambda item: item is job)
+            elif job.state is JobState.RUNNING:
+                self._bridge.abort(job.attempt)
+            if job.is_active:
+                message = f"internal error while handling the request ({type(error).__name__})"
+                self._finish(job, "error", ErrorInfo(code=ErrorCode.INTERNAL, message=message))
+        except Exception as second:
+            log.exception("request.final_failed", request_id=safe_for_log(job.request_id))
+            job.cancel_deadline()
+            job.state = JobState.DONE
+            self._forget(job)
+            self._dead_letters.write(
+                job.partition, job.record, DeadLetterReason.INTERNAL,
+                f"{type(error).__name__}, then {type(second).__name__} making its final",
+                epoch=job.epoch,
+            )  # fmt: skip
 
     # --- cancel, expiry, revocation ----------------------------------------------------------
 
@@ -252,6 +399,11 @@ class Pipeline:
         """Give jobs up without a final; their offsets stay uncommitted and are redelivered."""
         num_dropped = 0
         for job in list(jobs):
+            if job.state is JobState.FOLLOWING:  # its leader's fate no longer matters to it
+                job.state = JobState.DROPPED
+                job.span.end()
+                self._forget(job)
+                continue
             if not job.is_active:
                 continue
             if job.state is JobState.PENDING:
@@ -263,6 +415,7 @@ class Pipeline:
             job.span.set_attribute("mini_infer.dropped", why)
             job.span.end()
             self._forget(job)
+            self._release_followers(job, is_answered=False)
             num_dropped += 1
         return num_dropped
 
@@ -293,8 +446,8 @@ class Pipeline:
         job.span.set_attribute("mini_infer.completion_tokens", job.num_output_tokens)
         log.info(
             "request.finished",
-            request_id=job.request_id,
-            attempt=job.attempt,
+            request_id=safe_for_log(job.request_id),
+            attempt=job.stream.attempt,
             partition=job.partition.partition,
             offset=job.offset,
             urgency=job.urgency.value,
@@ -316,21 +469,24 @@ class Pipeline:
         request_metrics.record_stages(self._telemetry, job, time.monotonic())
         end_span(job.span, "error" if error else (job.stream.finish_reason or "stop"))
         self._forget(job)
+        self._release_followers(job, is_answered=True)
         if error is None:
-            self._tracker.finish(job.partition, job.offset)
+            self._tracker.finish(job.partition, job.offset, job.epoch)
             return
         log.error(
-            "final.undeliverable", request_id=job.request_id, attempt=job.attempt,
+            "final.undeliverable", request_id=safe_for_log(job.request_id),
+            attempt=job.stream.attempt,
             reply_to=job.reply_to, error=repr(error),
         )  # fmt: skip
         self._dead_letters.write(
             job.partition, job.record, DeadLetterReason.FINAL_UNDELIVERABLE,
-            f"the final to {job.reply_to} failed: {error!r}",
+            f"the final to {job.reply_to} failed: {error!r}", epoch=job.epoch,
         )  # fmt: skip
 
     def _forget(self, job: Job) -> None:
         if self._jobs.pop(job.attempt, None) is None:
             return
+        self._inflight_bytes -= job.memory_bytes
         self._telemetry.inflight_requests.add(-1)
         siblings = self._by_request.get(job.request_id)
         if siblings is not None:

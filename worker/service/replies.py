@@ -5,6 +5,10 @@ committed. So a failed final is sent again (same `seq`: a client drops the dupli
 land), and a final too large for the broker is replaced by a small error final. `send` returns
 the final's outcome as a future; when every try failed, the pipeline dead-letters the request
 (reason `final_undeliverable`) so that its partition's commits can move on.
+
+Token messages are resent on failure too (same `seq`), so a transient failure leaves no gap in
+an attempt's stream. A resent token can land after later ones; clients order by `seq` (the SDK
+keeps early messages until the gap fills), and the final's text is authoritative anyway.
 """
 
 from __future__ import annotations
@@ -44,9 +48,13 @@ class ReplyWriter:
         """Publish one reply. For a final, returns its delivery outcome (see `deliver`)."""
         value = encode(message, MSGPACK)
         if isinstance(message, TokenReply):
-            self._publisher.publish(
-                Outgoing(job.reply_to, job.request_id.encode(), value, job.reply_headers)
+            outcome = deliver(
+                self._publisher,
+                lambda: Outgoing(job.reply_to, job.request_id.encode(), value, job.reply_headers),
+                self._num_final_retries,
+                "token",
             )
+            outcome.add_done_callback(_read_outcome)  # a lost token is logged, never raised
             return None
         if len(value) > self._max_message_bytes:
             message = _too_large(message, len(value), self._max_message_bytes)
@@ -57,6 +65,11 @@ class ReplyWriter:
             self._num_final_retries,
             "final",
         )
+
+
+def _read_outcome(outcome: asyncio.Future[None]) -> None:
+    if outcome.exception() is not None:
+        log.warning("reply.token_lost", error=repr(outcome.exception()))
 
 
 def _too_large(final: FinalReply, num_bytes: int, max_bytes: int) -> FinalReply:

@@ -30,6 +30,10 @@ class ReplyStream:
     def text(self) -> str:
         return "".join(self._parts)
 
+    @property
+    def num_messages(self) -> int:
+        return self._next_seq
+
     def add(self, text: str, token_ids: list[int]) -> list[TokenReply]:
         """One engine delta in; the token messages it completes out (none when not streaming)."""
         if text:

@@ -130,3 +130,13 @@ def _sampling_params(request: Request) -> SamplingParams:
         stop_token_ids=tuple(request.stop_token_ids),
         ignore_eos=request.ignore_eos,
     )
+
+
+def safe_for_log(text: str | None, max_chars: int = 128) -> str | None:
+    """A producer-controlled string made safe for a log line: bounded, and with control
+    characters (newlines, ANSI escapes) escaped so that it cannot forge log lines."""
+    if text is None:
+        return None
+    clipped = text[:max_chars]
+    escaped = "".join(c if c.isprintable() else repr(c)[1:-1] for c in clipped)
+    return escaped + ("…" if len(text) > max_chars else "")

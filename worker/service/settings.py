@@ -13,7 +13,14 @@ import argparse
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig
@@ -28,12 +35,32 @@ from schemas.contract import (
 )
 from schemas.headers import Urgency
 
-TopicName = Annotated[str, Field(pattern=TOPIC_NAME_PATTERN)]
+
+def _not_dot_or_dotdot(name: str) -> str:
+    if name in (".", ".."):
+        raise ValueError("a topic cannot be named '.' or '..'")
+    return name
+
+
+TopicName = Annotated[str, Field(pattern=TOPIC_NAME_PATTERN), AfterValidator(_not_dot_or_dotdot)]
+# Kafka's own topics: a reply prefix must never let a producer name one of them.
+KAFKA_INTERNAL_TOPICS = ("__consumer_offsets", "__transaction_state", "__cluster_metadata")
 PositiveMs = Annotated[int, Field(ge=1)]
 
 
 class _Group(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ReplyTopicSettings(_Group):
+    """How a worker may create reply topics, which producers name (see `TopicAdmin`)."""
+
+    create: bool = Field(default=True, description="False: pre-provisioned reply topics only")
+    max_created: int = Field(default=10_000, ge=0, description="reply topics one worker creates")
+    max_creations_per_s: float = Field(default=20.0, gt=0)
+    max_creation_burst: int = Field(default=100, ge=1)
+    num_retries: int = Field(default=3, ge=0, description="of a transient CreateTopics failure")
+    retry_backoff_s: float = Field(default=0.5, gt=0, description="doubled after each try")
 
 
 class KafkaSettings(_Group):
@@ -49,10 +76,15 @@ class KafkaSettings(_Group):
     num_partitions: int = Field(default=4, ge=1, description="for topics the worker creates")
     replication_factor: int = Field(default=1, ge=1)
     group_id: str = Field(default="mini-infer-workers", min_length=1)
+    # Static membership (KIP-345): a pod restarted under the same instance id within the
+    # session timeout gets its partitions back without a rebalance of the whole group. Set it
+    # to something stable per pod (a StatefulSet's pod name); None: dynamic membership.
+    group_instance_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,249}$")
     reply_topic_prefix: str = Field(
         default=DEFAULT_REPLY_TOPIC_PREFIX, pattern=r"^[a-zA-Z0-9._-]{1,200}$"
     )
     client_id: str = "mini-infer-worker"
+    reply_topics: ReplyTopicSettings = Field(default_factory=ReplyTopicSettings)
     # None: on for an external Kafka, off for the embedded broker (whose InitProducerId answer
     # stock aiokafka cannot read, see docs/KAFKA.md).
     enable_idempotence: bool | None = None
@@ -84,7 +116,11 @@ class KafkaSettings(_Group):
         topics = [self.request_topic, self.control_topic, self.dlq_topic]
         if len(set(topics)) != len(topics):
             raise ValueError("request, control and DLQ topics must be three different topics")
-        covered = [t for t in topics if t.startswith(self.reply_topic_prefix)]
+        covered = [
+            t for t in (*topics, *KAFKA_INTERNAL_TOPICS) if t.startswith(self.reply_topic_prefix)
+        ]
+        if self.reply_topic_prefix.startswith("_") or self.reply_topic_prefix in (".", ".."):
+            covered.append(self.reply_topic_prefix)
         if covered:
             raise ValueError(
                 f"reply_topic_prefix {self.reply_topic_prefix!r} covers {covered}: a request could "
@@ -121,6 +157,11 @@ class KafkaSettings(_Group):
             )
         if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
             raise ValueError("heartbeat_interval_ms must be at most a third of session_timeout_ms")
+        if self.max_poll_interval_ms < self.session_timeout_ms:
+            raise ValueError(
+                "max_poll_interval_ms must be at least session_timeout_ms: a shorter one throws the "
+                "worker out of its group between two polls"
+            )
         if self.request_timeout_ms <= self.session_timeout_ms:
             raise ValueError("request_timeout_ms must be greater than session_timeout_ms")
         return self
@@ -167,11 +208,27 @@ class BatcherSettings(_Group):
 
 
 class LimitSettings(_Group):
+    """Size limits and the consumption bound.
+
+    The worker reads ahead of what its engine can run (up to `max_num_inflight` requests and
+    `max_inflight_bytes` of estimated memory: record bytes plus tokenized prompts) and lets the
+    batcher admit by urgency, so a `critical` request behind a backlog of `low` ones is read and
+    reaches the engine within about one step. Only past either bound are partitions paused;
+    then, as on any Kafka log, a request waits behind those before it in its partition (a
+    deployment needing hard isolation runs a request topic and worker group per urgency).
+    """
+
     max_message_bytes: int = Field(
         default=DEFAULT_MAX_MESSAGE_BYTES, ge=1024, description="request and reply size cap"
     )
     max_prompt_chars: int = Field(default=DEFAULT_MAX_PROMPT_CHARS, ge=1)
-    max_num_inflight: int = Field(default=64, ge=1, description="consumed, not yet answered")
+    max_num_inflight: int = Field(default=1024, ge=1, description="consumed, not yet answered")
+    max_inflight_bytes: int = Field(
+        default=256 << 20, ge=1 << 16, description="their estimated memory, before pausing"
+    )
+    # Engine steps that may fail in a row before the worker gives up (exits non-zero, answering
+    # nothing more). Isolating one bad request among k costs about log2(k) + 1 of them.
+    max_consecutive_step_failures: int = Field(default=8, ge=1)
 
 
 class PublisherSettings(_Group):
@@ -226,6 +283,19 @@ class WorkerSettings(BaseSettings):
         default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$", description="None: generated"
     )
 
+    @model_validator(mode="after")
+    def _check(self) -> WorkerSettings:
+        engine = self.engine
+        is_unchunked = not engine.enable_chunked_prefill
+        max_len = engine.max_model_len
+        if is_unchunked and max_len is not None and engine.max_num_batched_tokens < max_len:
+            raise ValueError(
+                "engine.enable_chunked_prefill=False needs max_num_batched_tokens >= max_model_len "
+                f"({engine.max_num_batched_tokens} < {max_len}): a longer prompt would never be "
+                "scheduled"
+            )
+        return self
+
 
 # --- the same settings as `mini-infer serve` flags ------------------------------------------
 
@@ -240,6 +310,11 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
     "--model": ("model", str, "smollm2-135m, a Hugging Face checkpoint dir or a .gguf file"),
     "--dtype": ("dtype", str, "float32 | bfloat16 | float16"),
     "--group-id": ("kafka.group_id", str, "consumer group of the worker pool"),
+    "--group-instance-id": (
+        "kafka.group_instance_id",
+        str,
+        "static group membership: a stable id per pod (restarts skip the rebalance)",
+    ),
     "--request-topic": ("kafka.request_topic", str, "topic to consume requests from"),
     "--partitions": ("kafka.num_partitions", int, "partitions of the topics the worker creates"),
     "--max-inflight": (

@@ -125,7 +125,7 @@ class Worker:
         self.publisher = Publisher(s, self.bootstrap_servers)
         await self.publisher.start()
         started_s = time.monotonic()
-        self.bridge = EngineBridge(self._engine_factory)
+        self.bridge = EngineBridge(self._engine_factory, s.limits.max_consecutive_step_failures)
         info = await self.bridge.start()
         log_.info(
             "worker.engine_loaded",
@@ -142,7 +142,7 @@ class Worker:
         renderer = PromptRenderer(tokenizer)
         dead_letters = DeadLetterWriter(
             self.publisher, self.tracker, self.telemetry, kafka.dlq_topic,
-            s.publisher.num_final_retries,
+            s.publisher.num_final_retries, s.limits.max_message_bytes, self._fail,
         )  # fmt: skip
         self.pipeline = Pipeline(
             s, self.worker_id, self.bridge, replies, dead_letters, self.tracker, self.telemetry,
@@ -172,9 +172,21 @@ class Worker:
         self._spawn(self.consumer.run(), "consumer")
         self._spawn(self._watch_topics(), "topics")
         self._spawn(self._sample_kafka(), "kafka-gauges")
+        self._spawn(self._watch_publisher(), "publisher-watch")
         self.health.set_ready(
             True, worker_id=self.worker_id, model=s.model, group_id=kafka.group_id
         )
+
+    def _fail(self, error: BaseException) -> None:
+        """A fault the worker cannot serve through (the DLQ unwritable, the engine failing step
+        after step): stop being ready at once; `serve` then stops and exits non-zero."""
+        log.error("worker.failed", error=repr(error))
+        self.health.set_ready(False)
+        self.failed.set()
+
+    async def _watch_publisher(self) -> None:
+        await self.publisher.failed.wait()
+        self._fail(RuntimeError("the publisher task died"))
 
     async def _watch_engine(self) -> None:
         error = await self.bridge.crashed

@@ -24,13 +24,14 @@ items = st.builds(
 
 @given(
     st.lists(items, max_size=30, unique_by=lambda p: p.arrival_seq),
-    st.integers(-100, 3000),
-    st.booleans(),
+    st.integers(1, 3000),
+    st.dictionaries(st.sampled_from(list(Urgency)), st.integers(0, 2000)),
 )
-def test_select_batch_orders_and_respects_the_budget(
-    pending, budget_tokens, must_take_head
-) -> None:
-    released, kept = select_batch(pending, budget_tokens, must_take_head)
+def test_select_batch_orders_and_respects_the_budget(pending, max_tokens, queued_by_urgency) -> None:
+    def queued_tokens(priority: int) -> int:
+        return sum(n for u, n in queued_by_urgency.items() if u.priority <= priority)
+
+    released, kept = select_batch(pending, max_tokens, queued_tokens)
     assert sorted(map(id, released + kept)) == sorted(map(id, pending))
     order = released + kept
     keys = [
@@ -42,19 +43,39 @@ def test_select_batch_orders_and_respects_the_budget(
         for p in order
     ]
     assert keys == sorted(keys)  # urgency first, then deadline (none = last), then arrival
-    if pending and must_take_head:
+    if pending and queued_tokens(order[0].urgency.priority) == 0:
         assert released  # an idle engine always gets the head: a long prompt is never starved
-    if len(released) > 1 or (released and not must_take_head):
-        assert sum(p.num_tokens for p in released) <= budget_tokens
+    for n, p in enumerate(released):  # within its urgency's budget, unless it went alone
+        used = queued_tokens(p.urgency.priority) + sum(r.num_tokens for r in released[: n + 1])
+        assert used <= max_tokens or (n == 0 and queued_tokens(p.urgency.priority) == 0)
     if kept:  # strictly in order: the first kept one did not fit
-        assert sum(p.num_tokens for p in released) + kept[0].num_tokens > budget_tokens
+        head = kept[0]
+        used = sum(p.num_tokens for p in released) + head.num_tokens
+        assert queued_tokens(head.urgency.priority) + used > max_tokens
 
 
 def test_a_long_head_goes_alone() -> None:
     big = PendingItem("big", Urgency.CRITICAL, None, 0, 5000)
     small = PendingItem("small", Urgency.LOW, None, 1, 10)
-    released, kept = select_batch([small, big], budget_tokens=100)
+    released, kept = select_batch([small, big], 100)
     assert [p.item for p in released] == ["big"] and [p.item for p in kept] == ["small"]
+
+
+def test_urgent_work_is_not_held_back_by_less_urgent_queued_work() -> None:
+    """Guards against a saturated worker holding a critical request until low work finishes:
+    only queued work at least as urgent counts against an item's budget."""
+    queued = {Urgency.LOW.priority: 2000}  # the engine's queue is full of low prompts
+
+    def queued_tokens(priority: int) -> int:
+        return sum(n for p, n in queued.items() if p <= priority)
+
+    pending = [
+        PendingItem("low", Urgency.LOW, None, 0, 10),
+        PendingItem("crit", Urgency.CRITICAL, None, 1, 10),
+        PendingItem("high", Urgency.HIGH, None, 2, 10),
+    ]
+    released, kept = select_batch(pending, 100, queued_tokens)
+    assert [p.item for p in released] == ["crit", "high"] and [p.item for p in kept] == ["low"]
 
 
 class FakeClock:
@@ -65,7 +86,7 @@ class FakeClock:
         return self.now_s
 
 
-def make_batcher(queued_tokens=lambda: 0, **settings):
+def make_batcher(queued_tokens=lambda priority: 0, **settings):
     clock = FakeClock()
     batches: list[list[str]] = []
     batcher = Batcher(BatcherSettings(**settings), batches.append, queued_tokens, clock)
@@ -105,7 +126,7 @@ async def test_deadline_orders_within_an_urgency() -> None:
 
 async def test_budget_counts_tokens_the_engine_has_not_started() -> None:
     queued = {"tokens": 0}
-    batcher, batches, clock = make_batcher(lambda: queued["tokens"], max_batch_tokens=100)
+    batcher, batches, clock = make_batcher(lambda priority: queued["tokens"], max_batch_tokens=100)
     for i in range(4):
         batcher.submit(f"r{i}", Urgency.CRITICAL, None, 40)
     batcher.flush_due()
@@ -134,3 +155,45 @@ async def test_run_releases_and_remove_takes_pending_items_out() -> None:
         assert batcher.drain() == []
     finally:
         task.cancel()
+
+
+async def test_a_release_that_raises_for_one_item_loses_only_that_item() -> None:
+    """Guards against one bad request in a release batch killing the batcher task (and the
+    worker) or taking its batch neighbours down with it."""
+    clock, released, failed = FakeClock(), [], []
+
+    def release(batch: list[str]) -> None:
+        if "bad" in batch:
+            raise OverflowError("int too large")
+        released.extend(batch)
+
+    batcher = Batcher(
+        BatcherSettings(), release, clock=clock, on_error=lambda item, e: failed.append(item)
+    )
+    task = asyncio.create_task(batcher.run())
+    try:
+        for name in ("a", "bad", "b"):
+            batcher.submit(name, Urgency.CRITICAL, None, 1)
+        for _ in range(100):
+            if len(released) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert released == ["a", "b"] and failed == ["bad"]
+        batcher.submit("later", Urgency.CRITICAL, None, 1)
+        for _ in range(100):
+            if "later" in released:
+                break
+            await asyncio.sleep(0.01)
+        assert released == ["a", "b", "later"] and not task.done()
+    finally:
+        task.cancel()
+
+
+def test_a_huge_deadline_cannot_break_ordering() -> None:
+    """Guards against a deadline too large for a float raising while batches are ordered."""
+    pending = [
+        PendingItem("huge", Urgency.NORMAL, 10**400, 0, 1),
+        PendingItem("soon", Urgency.NORMAL, 5, 1, 1),
+    ]
+    released, _ = select_batch(pending, 100)
+    assert [p.item for p in released] == ["soon", "huge"]

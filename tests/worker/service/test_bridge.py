@@ -9,7 +9,16 @@ import pytest
 
 from engine.outputs import RequestDelta
 from engine.sampling_params import SamplingParams
-from worker.service.bridge import Aborted, Deltas, EngineBridge, EngineRequest, Failed, Rejected
+from worker.service.bridge import (
+    Aborted,
+    Deltas,
+    Dropped,
+    EngineBridge,
+    EngineRequest,
+    Failed,
+    Rejected,
+    Restarted,
+)
 
 
 class CountingEngine:
@@ -80,6 +89,10 @@ class Recorder:
                     self.events.append(("aborted", request_id))
                 case Failed(request_ids, message):
                     self.events.append(("failed", tuple(request_ids), message))
+                case Restarted(request_ids):
+                    self.events.append(("restarted", tuple(request_ids)))
+                case Dropped(request_ids, message):
+                    self.events.append(("dropped", tuple(sorted(request_ids)), message))
 
     async def wait_for(self, predicate, timeout_s: float = 10.0) -> None:
         async with asyncio.timeout(timeout_s):
@@ -96,8 +109,8 @@ def request(request_id: str, max_tokens: int = 3, num_tokens: int = 5) -> Engine
     )
 
 
-async def start(engine) -> tuple[EngineBridge, Recorder]:
-    bridge = EngineBridge(lambda: engine)
+async def start(engine, **options) -> tuple[EngineBridge, Recorder]:
+    bridge = EngineBridge(lambda: engine, **options)
     info = await bridge.start()
     assert info.model_path == "/models/counting" and info.max_model_len == 64
     return bridge, Recorder(bridge)
@@ -139,3 +152,67 @@ async def test_a_failing_factory_fails_start() -> None:
 
     with pytest.raises(ValueError, match="no such model"):
         await EngineBridge(factory).start()
+
+
+class PoisonedEngine(CountingEngine):
+    """Every step fails while a request called "poison*" is in it (or always, if `always`)."""
+
+    def __init__(self, always: bool = False) -> None:
+        super().__init__()
+        self.always = always
+
+    def step(self):
+        if self.always or any(rid.startswith("poison") for rid in self.requests):
+            self.num_steps += 1
+            raise RuntimeError("boom")
+        return super().step()
+
+
+def finished_ids(events) -> set[str]:
+    return {e[1] for e in events if e[0] == "delta" and e[3]}
+
+
+async def test_a_failing_step_fails_only_the_request_it_is_pinned_on() -> None:
+    """Guards against one bad request (or one transient fault) failing every live request for
+    good: the culprit is isolated by bisection; the others finish normally."""
+    engine = PoisonedEngine()
+    bridge, recorder = await start(engine)
+    innocents = [f"r{i}" for i in range(6)]
+    bridge.submit([request(i, max_tokens=4) for i in innocents[:3]])
+    bridge.submit([request("poison", max_tokens=4)])
+    bridge.submit([request(i, max_tokens=4) for i in innocents[3:]])
+    await recorder.wait_for(
+        lambda ev: finished_ids(ev) == set(innocents) and any(e[0] == "failed" for e in ev)
+    )
+    failed = [e for e in recorder.events if e[0] == "failed"]
+    assert [e[1] for e in failed] == [("poison",)] and "boom" in failed[0][2]
+    assert any(e[0] == "restarted" for e in recorder.events)
+    # Each innocent's last run is whole: after its last restart it streams <1>..<4> again.
+    for rid in innocents:
+        last = max(
+            (n for n, e in enumerate(recorder.events) if e[0] == "restarted" and rid in e[1]),
+            default=-1,
+        )
+        texts = [e[2] for e in recorder.events[last + 1 :] if e[0] == "delta" and e[1] == rid]
+        assert "".join(texts) == "<1><2><3><4>", rid
+    bridge.submit([request("after", max_tokens=2)])  # and the engine serves on
+    await recorder.wait_for(lambda ev: "after" in finished_ids(ev))
+    await bridge.stop()
+    assert not bridge.crashed.done()
+
+
+async def test_steps_failing_in_a_row_crash_the_bridge_and_answer_nothing() -> None:
+    """Guards against a persistent engine fault turning the whole topic into committed error
+    finals: after N failed steps in a row the bridge gives up, drops what it holds (no final,
+    so it is redelivered) and reports the crash so that the worker exits non-zero."""
+    engine = PoisonedEngine(always=True)
+    bridge, recorder = await start(engine, max_consecutive_step_failures=3)
+    ids = [f"r{i}" for i in range(8)]
+    bridge.submit([request(i, max_tokens=4) for i in ids])
+    error = await asyncio.wait_for(bridge.crashed, 10)
+    assert "3 engine steps failed in a row" in str(error)
+    await recorder.wait_for(lambda ev: any(e[0] == "dropped" for e in ev))
+    (dropped,) = [e for e in recorder.events if e[0] == "dropped"]
+    assert dropped[1] == tuple(sorted(ids))
+    assert not [e for e in recorder.events if e[0] in ("failed", "delta")]
+    await bridge.stop()

@@ -47,12 +47,12 @@ def test_watermark_never_passes_an_unfinished_offset(num_offsets: int, first: in
 @given(st.lists(st.tuples(st.sampled_from("ab"), st.integers(0, 30)), max_size=40), st.data())
 def test_tracker_commits_only_forward_and_only_finished_prefixes(adds, data) -> None:
     tracker = OffsetTracker()
+    tracker.assign("ab")
     added = sorted(set(adds))
-    for partition, offset in added:
-        tracker.add(partition, offset)
+    epochs = {(partition, offset): tracker.add(partition, offset) for partition, offset in added}
     done = data.draw(st.lists(st.sampled_from(added), unique=True) if added else st.just([]))
     for partition, offset in done:
-        assert tracker.finish(partition, offset)
+        assert tracker.finish(partition, offset, epochs[partition, offset])
     commits = tracker.to_commit()
     for partition, mark in commits.items():
         mine = [o for p, o in added if p == partition]
@@ -64,11 +64,44 @@ def test_tracker_commits_only_forward_and_only_finished_prefixes(adds, data) -> 
 
 def test_dropped_partitions_forget_their_offsets() -> None:
     tracker = OffsetTracker()
-    tracker.add("a", 5)
+    tracker.assign(["a", "b"])
+    epoch_a = tracker.add("a", 5)
     tracker.add("b", 7)
     tracker.drop(["a"])
-    assert not tracker.finish("a", 5)  # a late ack from a revoked partition is ignored
+    assert not tracker.finish("a", 5, epoch_a)  # a late ack from a revoked partition is ignored
     assert tracker.num_unfinished == 1
     assert tracker.to_commit() == {"b": 7}
-    tracker.add("a", 9)  # reassigned later: starts afresh
+    tracker.assign(["a"])  # reassigned later: starts afresh
+    tracker.add("a", 9)
     assert tracker.to_commit() == {"a": 9, "b": 7}
+
+
+def test_a_record_handled_after_revocation_does_not_recreate_its_partition() -> None:
+    """Guards against records of a revoked partition (handled after an await in the poll loop)
+    re-creating tracker state: their offsets would count as in flight forever, and a commit
+    for a partition we no longer own could follow."""
+    tracker = OffsetTracker()
+    tracker.assign(["a"])
+    epoch = tracker.add("a", 3)
+    tracker.drop(["a"])
+    assert tracker.add("a", 4) is None
+    assert not tracker.is_assigned("a") and not tracker.is_current("a", epoch)
+    assert tracker.num_unfinished == 0 and tracker.to_commit() == {}
+
+
+def test_a_late_ack_after_the_log_restarted_does_not_finish_the_new_request() -> None:
+    """Guards against the broker losing its data (offsets restart at 0): the late ack of an old
+    job at offset 4 must not mark the new, different request at offset 4 finished, and the
+    commit the broker forgot must not hold the new log's commits back."""
+    tracker = OffsetTracker()
+    tracker.assign(["a"])
+    old = {offset: tracker.add("a", offset) for offset in range(5)}
+    for offset in range(4):
+        assert tracker.finish("a", offset, old[offset])
+    tracker.mark_committed(tracker.to_commit())  # committed 4
+    new = {offset: tracker.add("a", offset) for offset in range(5)}  # the log went backwards
+    assert new[0] is not old[4]
+    assert not tracker.finish("a", 4, old[4])  # stale: ignored
+    assert tracker.unfinished("a") == [0, 1, 2, 3, 4]
+    assert tracker.finish("a", 0, new[0])
+    assert tracker.to_commit() == {"a": 1}

@@ -7,7 +7,7 @@ from opentelemetry.trace import INVALID_SPAN
 
 from schemas.codec import decode_reply
 from schemas.headers import Urgency
-from schemas.messages import FinalReply, Timing, Usage
+from schemas.messages import FinalReply, Timing, TokenReply, Usage
 from worker.service.job import Job
 from worker.service.replies import REPLY_TOO_LARGE, ReplyWriter, reply_headers
 from worker.service.reply_stream import ReplyStream
@@ -65,6 +65,18 @@ async def test_a_failed_final_is_resent_then_given_up_without_an_ack() -> None:
     again = writer.send(job, final("again"))
     publisher.sent[-1].on_done(None)
     assert again.done() and again.exception() is None
+
+
+async def test_a_failed_token_message_is_resent_with_its_seq() -> None:
+    """Guards against a transient failure of a token message leaving a gap in the stream."""
+    publisher = RecordingPublisher()
+    writer = ReplyWriter(publisher, max_message_bytes=10_000, num_final_retries=2)
+    job = make_job()
+    assert writer.send(job, TokenReply(id="r1", attempt="w:1", seq=0, text="a")) is None
+    publisher.sent[-1].on_done(TimeoutError("a blip"))
+    assert len(publisher.sent) == 2 and publisher.sent[0].value == publisher.sent[1].value
+    publisher.sent[-1].on_done(None)
+    assert len(publisher.sent) == 2  # acknowledged: nothing more
 
 
 async def test_a_final_too_large_for_the_broker_becomes_a_small_error_final() -> None:

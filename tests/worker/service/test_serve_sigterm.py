@@ -38,6 +38,7 @@ def start_serve(
     topic: str,
     ready_file: Path,
     log_path: Path,
+    worker_id: str = "terminated",
 ) -> subprocess.Popen:
     env = {
         **os.environ,
@@ -54,7 +55,7 @@ def start_serve(
         sys.executable, "-m", "worker.cli", "serve",
         "--bootstrap-servers", bootstrap_servers, "--model", str(model_dir), "--group-id", group_id,
         "--request-topic", topic, "--partitions", "2", "--grace-s", str(GRACE_S),
-        "--ready-file", str(ready_file), "--worker-id", "terminated", "--log-format", "json",
+        "--ready-file", str(ready_file), "--worker-id", worker_id, "--log-format", "json",
     ]  # fmt: skip
     with open(log_path, "wb") as log_file:
         return subprocess.Popen(

@@ -67,6 +67,16 @@ def test_secrets_are_not_printed(monkeypatch) -> None:
         ({"engine": {"block_size": 0}}, "block_size"),
         ({"limits": {"max_num_inflight": 0}}, "max_num_inflight"),
         ({"kafka": {"request_topic": "bad/name"}}, "request_topic"),
+        # Settings that were accepted and could not work:
+        ({"kafka": {"request_topic": "."}}, "'.' or '..'"),
+        ({"kafka": {"reply_topic_prefix": "_"}}, "covers"),
+        ({"kafka": {"reply_topic_prefix": "__c"}}, "covers"),
+        ({"kafka": {"max_poll_interval_ms": 1}}, "max_poll_interval_ms"),
+        (
+            {"engine": {"enable_chunked_prefill": False, "max_num_batched_tokens": 64,
+                        "max_model_len": 128}},
+            "never be scheduled",
+        ),
     ],
 )
 def test_invalid_combinations_fail_with_a_clear_message(overrides, message) -> None:

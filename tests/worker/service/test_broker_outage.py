@@ -1,0 +1,89 @@
+"""A broker outage: the embedded broker stops under a running worker and comes back empty (its
+storage is memory only). The worker must recreate its topics, rejoin, serve again, and commit
+again, although the new log's offsets restart below those it had already committed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+
+from tests.worker.kafka_helpers import (
+    Producer,
+    ReplyReader,
+    create_topic,
+    fresh_topics,
+    make_request,
+    wait_for_commit,
+    worker_settings,
+)
+from worker import broker as broker_module
+from worker.service import worker as worker_module
+from worker.service.worker import Worker
+
+pytestmark = pytest.mark.kafka
+
+
+async def test_a_worker_serves_and_commits_again_after_the_broker_comes_back_empty(
+    tiny_model_dir, monkeypatch
+) -> None:
+    """Guards against a worker that cannot come back from a broker that lost its data: topics
+    not recreated, or commits that never resume because the new offsets (from 0 again) sit below
+    the watermark it remembered from before."""
+    monkeypatch.setattr(worker_module, "TOPIC_CHECK_INTERVAL_S", 1.0)
+    own = broker_module.EmbeddedBroker()
+    own.start()
+    try:
+        bootstrap = own.bootstrap_servers
+        topic, group_id = fresh_topics()
+        await create_topic(bootstrap, topic, 1)
+        settings = worker_settings(tiny_model_dir, bootstrap, group_id, topic,
+                                   kafka={"num_partitions": 1})  # fmt: skip
+        worker = Worker(settings)
+        await worker.start()
+        try:
+            await worker.wait_assigned()
+            async with Producer(bootstrap) as producer, ReplyReader(bootstrap) as replies:
+                for i in range(3):
+                    request = make_request(replies.topic, f"before {i}", max_tokens=3)
+                    await producer.send(topic, request)
+                    await replies.final_of(request.id)
+            await wait_for_commit(bootstrap, group_id, topic, 1, lambda c: c[0] == 3)
+
+            own.stop()  # the outage
+            await asyncio.sleep(2.0)
+            own.start()  # back on the same port, empty
+            await wait_for_topic(bootstrap, topic)  # recreated by the worker, not by us
+
+            async with Producer(bootstrap) as producer, ReplyReader(bootstrap) as replies:
+                after = make_request(replies.topic, "after the outage", max_tokens=3)
+                await producer.send(topic, after)
+                final = await replies.final_of(after.id, timeout_s=60)
+            assert final.finish_reason == "length"
+            committed = await wait_for_commit(
+                bootstrap, group_id, topic, 1, lambda c: c[0] == 1, timeout_s=30
+            )
+            assert committed[0] == 1  # offset 0 of the new log, below the old commit of 3
+            assert not worker.failed.is_set()
+        finally:
+            await worker.stop(grace_s=2)
+    finally:
+        own.stop()
+
+
+async def wait_for_topic(bootstrap_servers: str, topic: str, timeout_s: float = 60.0) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, request_timeout_ms=30_000)
+        try:
+            await admin.start()
+            if topic in await admin.list_topics():
+                return
+        except Exception:  # the broker is still starting
+            pass
+        finally:
+            await admin.close()
+        assert time.monotonic() < deadline_s, f"{topic} was not recreated"
+        await asyncio.sleep(0.5)

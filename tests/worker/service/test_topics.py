@@ -1,0 +1,211 @@
+"""Reply topics: creation bounded (off, a limit, a rate), transient failures retried, and never
+blocking the poll loop or the publisher on one topic."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from aiokafka.errors import RequestTimedOutError, TopicAuthorizationFailedError
+
+from schemas.contract import DeadLetterReason
+from schemas.headers import ERROR_REASON, get_text_header
+from tests.conftest import unique_name
+from tests.worker.kafka_helpers import (
+    PREFIX,
+    Producer,
+    ReplyReader,
+    create_topic,
+    dlq_records,
+    fresh_topics,
+    make_request,
+    wait_for_commit,
+    worker_settings,
+)
+from worker.service.publisher import Outgoing, Publisher
+from worker.service.settings import KafkaSettings, WorkerSettings
+from worker.service.topics import TokenBucket, TopicAdmin, TopicCreationRefused
+from worker.service.worker import Worker
+
+
+class FakeAdmin:
+    """CreateTopics answers from a script: an exception to raise, or success."""
+
+    def __init__(self, script=()) -> None:
+        self.script = list(script)
+        self.calls: list[str] = []
+
+    async def create_topics(self, new_topics):
+        self.calls.append(new_topics[0].name)
+        if self.script:
+            raise self.script.pop(0)
+        return SimpleNamespace(topic_errors=[(t.name, 0, "") for t in new_topics])
+
+
+def make_admin(script=(), **reply_topics) -> tuple[TopicAdmin, FakeAdmin]:
+    kafka = KafkaSettings(
+        bootstrap_servers="127.0.0.1:1", reply_topics={"retry_backoff_s": 0.001, **reply_topics}
+    )
+    admin = TopicAdmin("127.0.0.1:1", kafka)
+    fake = FakeAdmin(script)
+    admin._admin = fake
+    return admin, fake
+
+
+async def test_transient_create_failures_are_retried_and_refusals_are_not() -> None:
+    """Guards against one timeout of CreateTopics dead-lettering a request for good, and
+    against retrying what the broker means (not authorised) for nothing."""
+    admin, fake = make_admin([RequestTimedOutError(), RequestTimedOutError()])
+    await admin.ensure_reply_topic("mini-infer.replies.a")
+    assert fake.calls == ["mini-infer.replies.a"] * 3 and admin.is_known("mini-infer.replies.a")
+    admin, fake = make_admin([TopicAuthorizationFailedError()])
+    with pytest.raises(TopicAuthorizationFailedError):
+        await admin.ensure_reply_topic("mini-infer.replies.b")
+    assert len(fake.calls) == 1
+
+
+async def test_reply_topic_creation_is_bounded() -> None:
+    """Guards against producers creating broker topics without bound: off, a lifetime limit,
+    and a rate, each refusing before the broker is asked."""
+    admin, fake = make_admin(create=False)
+    with pytest.raises(TopicCreationRefused, match="pre-provisioned"):
+        await admin.ensure_reply_topic("mini-infer.replies.x")
+    admin, fake = make_admin(max_created=2)
+    for name in ("a", "b"):
+        await admin.ensure_reply_topic(f"mini-infer.replies.{name}")
+    await admin.ensure_reply_topic("mini-infer.replies.a")  # known: free
+    with pytest.raises(TopicCreationRefused, match="limit of 2"):
+        await admin.ensure_reply_topic("mini-infer.replies.c")
+    admin, fake = make_admin(max_creation_burst=3, max_creations_per_s=0.001)
+    for name in ("a", "b", "c"):
+        await admin.ensure_reply_topic(f"mini-infer.replies.{name}")
+    with pytest.raises(TopicCreationRefused, match="faster than"):
+        await admin.ensure_reply_topic("mini-infer.replies.d")
+    assert fake.calls == [f"mini-infer.replies.{n}" for n in "abc"]
+
+
+def test_token_bucket_refills_at_its_rate() -> None:
+    now = [0.0]
+    bucket = TokenBucket(2.0, 2, clock=lambda: now[0])
+    assert bucket.take() and bucket.take() and not bucket.take()
+    now[0] += 0.5  # one token back
+    assert bucket.take() and not bucket.take()
+
+
+class FakeProducer:
+    """Topics in `slow` have no metadata, and sending to them waits for `release`."""
+
+    def __init__(self, slow: set[str]) -> None:
+        self.slow = slow
+        self.release = asyncio.Event()
+        self.sent: list[tuple[str, bytes]] = []
+        self.client = SimpleNamespace(
+            cluster=SimpleNamespace(
+                partitions_for_topic=lambda t: None if t in self.slow else {0}
+            )
+        )
+
+    async def send(self, topic, value, key=None, headers=None):
+        if topic in self.slow:
+            await self.release.wait()
+        self.sent.append((topic, value))
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+
+async def test_one_topic_without_metadata_does_not_hold_up_the_others() -> None:
+    """Guards against the single publisher waiting on one missing reply topic (up to
+    request_timeout_ms) with every other request's replies queued behind it; and against a
+    raising callback killing the publisher task."""
+    publisher = Publisher(WorkerSettings(), "127.0.0.1:1")
+    producer = FakeProducer(slow={"missing"})
+    publisher._producer = producer
+    publisher._task = asyncio.create_task(publisher._run())
+    acked: list[bytes] = []
+
+    def on_done(error, value):
+        acked.append(value)
+        if value == b"f1":
+            raise RuntimeError("a buggy callback")
+
+    try:
+        for topic, value in [("missing", b"m1"), ("ok", b"f1"), ("missing", b"m2"), ("ok", b"f2")]:
+            publisher.publish(
+                Outgoing(topic, None, value, [], on_done=lambda e, v=value: on_done(e, v))
+            )
+        await asyncio.wait_for(_until(lambda: acked == [b"f1", b"f2"]), 5)
+        producer.release.set()
+        assert await publisher.flush(5)
+        assert [v for t, v in producer.sent if t == "missing"] == [b"m1", b"m2"]  # in order
+        assert not publisher._task.done()
+    finally:
+        publisher._task.cancel()
+
+
+async def _until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.kafka
+async def test_a_slow_reply_topic_does_not_stall_polling_and_a_refused_one_is_dead_lettered(
+    broker, tiny_model_dir
+) -> None:
+    """Guards against topic creation awaited inline in the poll loop (one slow CreateTopics
+    held every later request), and checks that a reply topic this worker may not create sends
+    the request to the DLQ while its neighbours are answered and committed."""
+    topic, group_id = fresh_topics()
+    await create_topic(broker.bootstrap_servers, topic, 1)
+    settings = worker_settings(
+        tiny_model_dir, broker.bootstrap_servers, group_id, topic,
+        kafka={"reply_topics": {"max_created": 1}},
+    )  # fmt: skip
+    worker = Worker(settings)
+    slow_topic, refused_topic = PREFIX + unique_name("slow"), PREFIX + unique_name("refused")
+    async with (
+        Producer(broker.bootstrap_servers) as producer,
+        ReplyReader(broker.bootstrap_servers) as replies,
+    ):
+        await worker.start()
+        gate = asyncio.Event()
+        create = worker.topics.create
+
+        async def slow_create(topics):
+            if slow_topic in topics:
+                await gate.wait()
+            await create(topics)
+
+        worker.topics.create = slow_create
+        try:
+            await worker.wait_assigned()
+            slow = make_request(slow_topic, id="slow", max_tokens=3)
+            refused = make_request(refused_topic, id="refused", max_tokens=3)
+            after = make_request(replies.topic, id="after", max_tokens=3)
+            for request in (slow, refused, after):
+                await producer.send(topic, request)
+            assert (await replies.final_of("after")).finish_reason == "length"
+            (dead,) = await dlq_records(broker.bootstrap_servers, settings.kafka.dlq_topic, 1)
+            assert get_text_header(dead.headers, ERROR_REASON) == (
+                DeadLetterReason.REPLY_TOPIC_UNAVAILABLE
+            )
+            assert dead.key == b"refused"
+            gate.set()  # the slow topic is created now; its request is answered, and committed
+            committed = await wait_for_commit(
+                broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == 3
+            )
+            assert committed[0] == 3
+        finally:
+            await worker.stop(grace_s=5)
+
+
+async def test_a_dead_publisher_loop_is_reported() -> None:
+    """Guards against an unsupervised publisher task dying silently, after which every final
+    would wait forever: its death is reported (the worker then fails)."""
+    publisher = Publisher(WorkerSettings(), "127.0.0.1:1")
+    publisher._producer = SimpleNamespace(client=None)  # _has_metadata will raise: a bug
+    publisher._task = asyncio.create_task(publisher._run())
+    publisher._task.add_done_callback(publisher._on_task_done)
+    publisher.publish(Outgoing("t", None, b"v", []))
+    await asyncio.wait_for(publisher.failed.wait(), 5)
