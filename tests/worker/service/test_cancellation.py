@@ -12,12 +12,13 @@ from tests.worker.kafka_helpers import (
     SMALL_ENGINE,
     Producer,
     ReplyReader,
+    SlowEngine,
     create_topic,
     fresh_topics,
     make_request,
     worker_settings,
 )
-from tests.worker.service.test_redelivery import SlowEngine, wait_for_split
+from tests.worker.service.test_redelivery import wait_for_split
 from worker.client import ClientOptions, MiniInferClient
 from worker.service.job import JobState
 from worker.service.worker import Worker

@@ -190,7 +190,7 @@ async def test_an_unwritable_dlq_fails_the_worker_loudly(broker, tiny_model_dir)
             refuse_topic(worker, settings.kafka.dlq_topic)
             await producer.send_raw(topic, b"\xc1 not a request", b"garbage")
             await asyncio.wait_for(worker.failed.wait(), 30)
-            assert not worker.health.is_ready
+            assert not worker.health.is_started
             assert worker.tracker.unfinished(TopicPartition(topic, 0)) == [0]
         finally:
             await worker.stop(grace_s=5)

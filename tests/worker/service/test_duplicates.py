@@ -12,10 +12,10 @@ from tests.worker.kafka_helpers import (
     create_topic,
     fresh_topics,
     make_request,
+    slow_engine_factory,
     wait_for_commit,
     worker_settings,
 )
-from tests.worker.service.test_redelivery import slow_engine_factory
 from worker.service.worker import Worker
 
 pytestmark = pytest.mark.kafka

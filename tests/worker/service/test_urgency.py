@@ -13,12 +13,12 @@ from tests.worker.kafka_helpers import (
     SMALL_ENGINE,
     Producer,
     ReplyReader,
+    SlowEngine,
     create_topic,
     fresh_topics,
     make_request,
     worker_settings,
 )
-from tests.worker.service.test_redelivery import SlowEngine
 from worker.service.worker import Worker
 
 pytestmark = pytest.mark.kafka
