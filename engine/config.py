@@ -28,6 +28,9 @@ class EngineConfig:
     seed: int = 0  # seeds requests that give no seed of their own
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    # "auto": per shape, plain F.linear or oneDNN-packed weights, whichever a calibration on this
+    # machine found faster (cached under the cache dir); "plain" | "packed" force one path.
+    linear_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -45,6 +48,11 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
+            )
+
+        if self.linear_kernel not in ("auto", "plain", "packed"):
+            raise ValueError(
+                f"linear_kernel must be 'auto', 'plain' or 'packed', got {self.linear_kernel!r}"
             )
 
     @classmethod

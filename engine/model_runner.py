@@ -25,12 +25,14 @@ import torch
 from transformers import AutoConfig
 
 from engine.config import EngineConfig
+from engine.kernels.cpu.linear_choice import choose_linear_kernels
 from engine.kv_cache_manager import cdiv
 from engine.layers.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from engine.layers.linear import Linear
 from engine.loader import load_weights
 from engine.models import get_model_class
 from engine.models.llama import head_dim_of
+from engine.platform import auto_dtype, cpu_info
 from engine.sampler import Sampler
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
@@ -44,11 +46,20 @@ _DTYPES = {
 }  # fmt: skip
 
 
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """torch dtype for "float32" | "bfloat16" | "float16" (or a torch dtype); ValueError else."""
+def resolve_dtype(dtype: torch.dtype | str, hf_config=None) -> torch.dtype:
+    """torch dtype for "auto" | "float32" | "bfloat16" | "float16" (or a torch dtype); ValueError
+    else. "auto" (needs `hf_config`) is the checkpoint's dtype where this CPU computes it
+    natively, else float32: see `engine.platform.auto_dtype`."""
+    if isinstance(dtype, str) and dtype.lower() == "auto":
+        if hf_config is None:
+            raise ValueError("dtype 'auto' needs the model's config to resolve")
+        checkpoint = getattr(hf_config, "dtype", None)
+        if isinstance(checkpoint, str):
+            checkpoint = _DTYPES.get(checkpoint.lower())
+        return auto_dtype(checkpoint)
     resolved = _DTYPES.get(dtype.lower()) if isinstance(dtype, str) else dtype
     if resolved not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+        raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return resolved
 
 
@@ -106,24 +117,38 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         _keep_freed_memory()
         self.config = config
-        self.dtype = resolve_dtype(dtype)
-        self.block_size = config.block_size
         self.hf_config = AutoConfig.from_pretrained(model_path)
+        self.dtype = resolve_dtype(dtype, self.hf_config)
+        self.block_size = config.block_size
         model_class = get_model_class(self.hf_config)
         self.max_model_len = self._max_model_len(config, self.hf_config)
         backend = get_attention_backend(config.attention_backend)
         self.model = model_class(self.hf_config, self.dtype, self.max_model_len, backend).eval()
         load_weights(self.model, Path(model_path))
-        for module in self.model.modules():
-            if isinstance(module, Linear):
-                module.pack()
+        self.linear_kernels = self._pack_linears(config.linear_kernel)
         self._allocate_kv_cache()
         self.sampler = Sampler()
         log.info(
             "model_runner.ready", model=str(model_path), dtype=str(self.dtype).split(".")[-1],
             max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
             kv_cache_bytes=self.kv_cache_bytes, attention_backend=backend.name,
+            linear_kernels=self.linear_kernels, cpu=cpu_info().model_name,
+            cpu_isa=cpu_info().vector_isa,
         )  # fmt: skip
+
+    def _pack_linears(self, requested: str) -> dict[str, int]:
+        """Pack the linears whose shape a calibration on this CPU (or `requested`) says should
+        be; returns how many layers took each path, for the log."""
+        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
+        choices = choose_linear_kernels(
+            [(m.in_features, m.out_features) for m in linears], self.dtype, requested
+        )
+        counts = {"plain": 0, "packed": 0}
+        for module in linears:
+            if choices[(module.in_features, module.out_features)] == "packed":
+                module.pack()
+            counts["packed" if module.is_packed else "plain"] += 1
+        return counts
 
     @staticmethod
     def _max_model_len(config: EngineConfig, hf_config) -> int:
