@@ -26,7 +26,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0  # seeds requests that give no seed of their own
-    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     # "auto": per shape, plain F.linear or oneDNN-packed weights, whichever a calibration on this
     # machine found faster (cached under the cache dir); "plain" | "packed" force one path.
@@ -45,9 +45,10 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(
-                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
+                "attention_backend must be 'auto', 'torch', 'cpu' or 'triton', "
+                f"got {self.attention_backend!r}"
             )
 
         if self.linear_kernel not in ("auto", "plain", "packed"):

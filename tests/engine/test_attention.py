@@ -93,7 +93,11 @@ def test_paged_attention_property(specs, kv_heads, group, block_size, seed):
 
 
 def test_backend_selection():
-    assert get_attention_backend("auto").name == "torch"
+    from engine.kernels.cpu import paged_attention
+
+    kernel = "cpu" if paged_attention.load() is not None else "torch"
+    assert get_attention_backend("auto").name == kernel
+    assert get_attention_backend("cpu").name == kernel
     assert get_attention_backend("torch").name == "torch"
     with pytest.raises(NotImplementedError, match="triton"):
         get_attention_backend("triton")
