@@ -31,6 +31,9 @@ class EngineConfig:
     # "auto": per shape, plain F.linear or oneDNN-packed weights, whichever a calibration on this
     # machine found faster (cached under the cache dir); "plain" | "packed" force one path.
     linear_kernel: str = "auto"
+    # torch.compile of the model forward: "on" | "off" | "auto" (True/False mean on/off). "auto"
+    # is off: on the 2-core Zen 4 the compiled step did not beat eager (engine/compile.py).
+    compile: str | bool = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -51,6 +54,10 @@ class EngineConfig:
                 f"got {self.attention_backend!r}"
             )
 
+        compile_mode = {True: "on", False: "off"}.get(self.compile, self.compile)
+        if not isinstance(compile_mode, str) or compile_mode.lower() not in ("auto", "on", "off"):
+            raise ValueError(f"compile must be 'auto', 'on', 'off' or a bool, got {self.compile!r}")
+        object.__setattr__(self, "compile", compile_mode.lower())
         if self.linear_kernel not in ("auto", "plain", "packed"):
             raise ValueError(
                 f"linear_kernel must be 'auto', 'plain' or 'packed', got {self.linear_kernel!r}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
+import time
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -25,8 +26,10 @@ import structlog
 import torch
 from transformers import AutoConfig
 
+from engine.compile import CompiledModel
 from engine.config import EngineConfig
 from engine.kernels.cpu.linear_choice import choose_linear_kernels
+from engine.kernels.cpu.paged_attention import compiler
 from engine.kv_cache_manager import cdiv
 from engine.layers.attention import (
     AttentionMetadata,
@@ -40,6 +43,7 @@ from engine.models import get_model_class
 from engine.models.llama import head_dim_of
 from engine.platform import auto_dtype, cpu_info
 from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 log = structlog.get_logger(__name__)
@@ -131,16 +135,58 @@ class ModelRunner:
         backend = self.attention = get_attention_backend(config.attention_backend)
         self.model = model_class(self.hf_config, self.dtype, self.max_model_len, backend).eval()
         load_weights(self.model, Path(model_path))
-        self.linear_kernels = self._pack_linears(config.linear_kernel)
+        self.is_compiled = self._should_compile(config.compile)
+        # Compiled: Inductor's freezing lays the weights out itself, from plain ones.
+        self.linear_kernels = self._pack_linears("plain" if self.is_compiled else config.linear_kernel)
         self._allocate_kv_cache()
+        self._forward = self.model
+        if self.is_compiled:
+            self._forward = CompiledModel(self.model, backend, self._layer_caches)
+            self._warm_up()
         self.sampler = Sampler()
         log.info(
             "model_runner.ready", model=str(model_path), dtype=str(self.dtype).split(".")[-1],
             max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
             kv_cache_bytes=self.kv_cache_bytes, attention_backend=backend.name,
-            linear_kernels=self.linear_kernels, cpu=cpu_info().model_name,
+            linear_kernels=self.linear_kernels, compiled=self.is_compiled,
+            cpu=cpu_info().model_name,
             cpu_isa=cpu_info().vector_isa,
         )  # fmt: skip
+
+    @staticmethod
+    def _should_compile(mode: str) -> bool:
+        if mode == "off":
+            return False
+        if mode == "auto":  # measured: no win on the 2-core Zen 4 (engine/compile.py)
+            return False
+        if compiler() is None:
+            log.warning(
+                "model_runner.compile_unavailable", fallback="eager",
+                detail="torch.compile needs a C++ compiler (set CXX or install g++)",
+            )  # fmt: skip
+            return False
+        return True
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Compile before the first request: a 1-token and a 2-token decode step and a prefill
+        chunk (the graphs steady state needs), written into block 0, then zeroed again."""
+        start = time.perf_counter()
+        for num_decodes, prefill_len in ((1, 0), (2, 0), (1, 3)):
+            scheduled = [
+                ScheduledRequest(f"warm-{i}", [0], 0, [0], False, SamplingParams(), seed=0)
+                for i in range(num_decodes)
+            ]
+            if prefill_len:
+                scheduled.append(
+                    ScheduledRequest("warm-p", [0] * prefill_len, 0,
+                                     [0] * cdiv(prefill_len, self.block_size), False,
+                                     SamplingParams(), seed=0)
+                )  # fmt: skip
+            batch = self._prepare(scheduled)
+            self._forward(batch.input_ids, batch.positions, batch.meta)
+        self.kv_cache[:, 0].zero_()
+        log.info("model_runner.compiled", seconds=round(time.perf_counter() - start, 1))
 
     def _pack_linears(self, requested: str) -> dict[str, int]:
         """Pack the linears whose shape a calibration on this CPU (or `requested`) says should
@@ -195,8 +241,9 @@ class ModelRunner:
             self.kv_cache.fill_(0)  # commits every page now (it is zero already)
         self.kv_cache_bytes = self.kv_cache.numel() * element_bytes
         attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache")]
+        self._layer_caches = [self.kv_cache[i] for i in range(num_layers)]
         for layer_index, attention in enumerate(attention_layers):
-            attention.kv_cache = self.kv_cache[layer_index]
+            attention.kv_cache = self._layer_caches[layer_index]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
@@ -219,7 +266,8 @@ class ModelRunner:
         if not out.scheduled:
             return [], None
         batch = self._prepare(out.scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)  # [num_tokens, hidden]
+        # [num_tokens, hidden]
+        hidden = self._forward(batch.input_ids, batch.positions, batch.meta)
         if not batch.sample_requests:
             return [], None
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
