@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import queue
 import resource
 import statistics
 import sys
@@ -135,7 +136,13 @@ def measure(impl: str, spec: dict) -> dict:
     q = ctx.Queue()
     proc = ctx.Process(target=_child, args=(impl, spec, q))
     proc.start()
-    out = q.get()
+    while True:  # a child that dies (a peer that fails to start) must not hang the bench
+        try:
+            out = q.get(timeout=5)
+            break
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"bench child for {impl} exited with {proc.exitcode}") from None
     proc.join()
     return out
 

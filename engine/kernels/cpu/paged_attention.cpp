@@ -91,6 +91,19 @@ void attend_partition(const scalar_t* q, const scalar_t* cache, const int64_t* t
   for (int64_t b = first_block; b < last_block; ++b) {
     const int64_t num_tokens = std::min(B, context_len - b * B);
     const scalar_t* block = cache + table[b] * B * token_stride + kv_head * D;
+    if (b + 1 < last_block) {
+      // Blocks lie anywhere in the pool, so the hardware prefetcher cannot follow the table:
+      // fetch the next block's K/V rows of this head while this block is computed.
+      const char* next =
+          reinterpret_cast<const char*>(cache + table[b + 1] * B * token_stride + kv_head * D);
+      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+      for (int64_t t = 0; t < B; ++t) {
+        for (int64_t offset = 0; offset < row_bytes; offset += 64) {
+          __builtin_prefetch(next + t * token_stride * sizeof(scalar_t) + offset);
+          __builtin_prefetch(next + (t * token_stride + v_offset) * sizeof(scalar_t) + offset);
+        }
+      }
+    }
     for (int64_t t = 0; t < num_tokens; ++t) {
       const float* k = load_row(block + t * token_stride, row.data(), D);
       for (int64_t g = 0; g < G; ++g) scores[g * B + t] = dot(qf.data() + g * D, k, D);
