@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import structlog
 import torch
 from transformers import AutoConfig
 
+from engine import openmp
 from engine.compile import CompiledModel
 from engine.config import EngineConfig
 from engine.kernels.cpu.linear_choice import choose_linear_kernels
@@ -126,6 +128,12 @@ class ModelRunner:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         _keep_freed_memory()
+        if not openmp.APPLIED_AT_IMPORT and "OMP_WAIT_POLICY" not in os.environ:
+            log.warning(
+                "model_runner.openmp_spinning",
+                detail="torch was imported before engine: OpenMP threads spin while waiting; "
+                "set OMP_WAIT_POLICY=PASSIVE in the environment (see engine/openmp.py)",
+            )  # fmt: skip
         self.config = config
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.dtype = resolve_dtype(dtype, self.hf_config)

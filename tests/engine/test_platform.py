@@ -200,3 +200,24 @@ def test_every_linear_path_matches_hf(tiny_model_dir, linear_kernel, dtype):
         expected = hf(torch.tensor([tokens])).logits[0, -1].float()
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(logits, expected, rtol=tolerance, atol=tolerance)
+
+
+def _fresh_python(code: str, **env) -> str:
+    import os
+    import subprocess
+    import sys
+
+    environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env={**environment, **env}, capture_output=True,
+        text=True, check=True,
+    )  # fmt: skip
+    return result.stdout.strip()
+
+
+def test_openmp_threads_sleep_by_default_unless_told_otherwise():
+    show = "import os, engine.openmp as o; print(os.environ.get('OMP_WAIT_POLICY'), o.APPLIED_AT_IMPORT)"
+    assert _fresh_python(f"import engine; {show}") == "PASSIVE True"
+    assert _fresh_python(f"import engine; {show}", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE True"
+    # torch first: libgomp has read its environment already; nothing is set, and it says so.
+    assert _fresh_python(f"import torch, engine; {show}") == "None False"
