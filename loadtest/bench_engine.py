@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import queue
 import resource
 import statistics
@@ -195,8 +196,11 @@ def run(args) -> int:
               "(pass --gguf)", file=sys.stderr)  # fmt: skip
         peers.remove("llamacpp")
     names = args.workloads.split(",")
+    # `import engine` (above) set the OpenMP wait policy in this environment: every child, the
+    # peers' included, runs under the same one.
     doc = {"model": args.model, "max_tokens": args.max_tokens, "rounds": args.rounds,
-           "workloads": names, "runs": {}, "medians": {}}  # fmt: skip
+           "workloads": names, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+           "runs": {}, "medians": {}}  # fmt: skip
     for dtype in args.dtypes.split(","):
         spec = {"model": args.model, "model_path": model_path, "dtype": dtype,
                 "max_tokens": args.max_tokens, "workloads": names, "compile": args.compile,

