@@ -71,12 +71,15 @@ struct Shapes {
 // Attention of one (sequence, KV head, partition) over blocks [first, last) of the sequence,
 // leaving the group's running max `m` [group], sum `l` [group] and unnormalised acc
 // [group, head_dim].
-template <typename scalar_t>
+// HEAD_DIM > 0 fixes head_dim at compile time (64, 128: the common ones), so the row loops
+// unroll into straight vector code with no remainder handling; 0 reads it at run time.
+template <typename scalar_t, int HEAD_DIM>
 void attend_partition(const scalar_t* q, const scalar_t* cache, const int64_t* table,
                       int64_t context_len, int64_t kv_head, int64_t first_block,
                       int64_t last_block, float softmax_scale, const Shapes& s, float* m,
                       float* l, float* acc) {
-  const int64_t G = s.group, D = s.head_dim, B = s.block_size;
+  const int64_t G = s.group, B = s.block_size;
+  const int64_t D = HEAD_DIM > 0 ? HEAD_DIM : s.head_dim;
   std::vector<float> qf(G * D), row(D), scores(G * B);
   for (int64_t g = 0; g < G; ++g) {
     const float* q_row = load_row(q + (kv_head * G + g) * s.q_head_stride, row.data(), D);
@@ -173,9 +176,18 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& kv_cache,
         for (int64_t g = 0; g < G; ++g) m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0;
         continue;
       }
-      attend_partition<scalar_t>(q_ptr + seq * s.q_seq_stride, cache_ptr,
-                                 table_ptr + seq * s.max_blocks, context_len, kv_head, first,
-                                 last, sm_scale, s, m, l, acc);
+      const scalar_t* q_seq = q_ptr + seq * s.q_seq_stride;
+      const int64_t* table_seq = table_ptr + seq * s.max_blocks;
+      if (D == 64) {
+        attend_partition<scalar_t, 64>(q_seq, cache_ptr, table_seq, context_len, kv_head, first,
+                                       last, sm_scale, s, m, l, acc);
+      } else if (D == 128) {
+        attend_partition<scalar_t, 128>(q_seq, cache_ptr, table_seq, context_len, kv_head, first,
+                                        last, sm_scale, s, m, l, acc);
+      } else {
+        attend_partition<scalar_t, 0>(q_seq, cache_ptr, table_seq, context_len, kv_head, first,
+                                      last, sm_scale, s, m, l, acc);
+      }
       if (P == 1) {  // the only partition: normalise and write out now
         for (int64_t g = 0; g < G; ++g) {
           for (int64_t d = 0; d < D; ++d) out_row[d] = acc[g * D + d] / l[g];
