@@ -145,7 +145,8 @@ class ModelRunner:
         load_weights(self.model, Path(model_path))
         self.is_compiled = self._should_compile(config.compile)
         # Compiled: Inductor's freezing lays the weights out itself, from plain ones.
-        self.linear_kernels = self._pack_linears("plain" if self.is_compiled else config.linear_kernel)
+        linear_kernel = "plain" if self.is_compiled else config.linear_kernel
+        self.linear_kernels = self._pack_linears(linear_kernel)
         self._allocate_kv_cache()
         self._forward = self.model
         if self.is_compiled:

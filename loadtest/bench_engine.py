@@ -206,7 +206,8 @@ def run(args) -> int:
                 "max_tokens": args.max_tokens, "workloads": names, "compile": args.compile,
                 "llama_server": str(server), "gguf": str(gguf)}  # fmt: skip
         # llama.cpp runs its own quantised GGUF: one run per round whatever the dtype list.
-        impls = ["engine", *(p for p in peers if p != "llamacpp" or dtype == args.dtypes.split(",")[0])]
+        first_dtype = dtype == args.dtypes.split(",")[0]
+        impls = ["engine", *(p for p in peers if p != "llamacpp" or first_dtype)]
         for round_index in range(args.rounds):
             for impl in impls:
                 key = f"{impl}-{dtype}" if impl != "llamacpp" else "llamacpp-gguf"

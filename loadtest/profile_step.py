@@ -57,7 +57,10 @@ def profile_mode(model: str, dtype: str, compile_mode: str) -> dict:
         "ops_per_step": round(sum(c for c, _ in ops.values()) / NUM_STEPS, 1),
         "step_ms": round(total / NUM_STEPS / 1000, 2),
         "split_pct": {k: round(100 * v / total, 1) for k, v in sorted(split.items())},
-        "top": [(name, round(c / NUM_STEPS, 1), round(us / NUM_STEPS / 1000, 3)) for name, (c, us) in top],
+        "top": [
+            (name, round(c / NUM_STEPS, 1), round(us / NUM_STEPS / 1000, 3))
+            for name, (c, us) in top
+        ],
         "threads": torch.get_num_threads(),
     }
 

@@ -216,7 +216,10 @@ def _fresh_python(code: str, **env) -> str:
 
 
 def test_openmp_threads_sleep_by_default_unless_told_otherwise():
-    show = "import os, engine.openmp as o; print(os.environ.get('OMP_WAIT_POLICY'), o.APPLIED_AT_IMPORT)"
+    show = (
+        "import os, engine.openmp as o; "
+        "print(os.environ.get('OMP_WAIT_POLICY'), o.APPLIED_AT_IMPORT)"
+    )
     assert _fresh_python(f"import engine; {show}") == "PASSIVE True"
     assert _fresh_python(f"import engine; {show}", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE True"
     # torch first: libgomp has read its environment already; nothing is set, and it says so.

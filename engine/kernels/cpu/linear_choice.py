@@ -14,10 +14,10 @@ So the choice is measured at load on the model's real shapes with 1 and 32 rows 
 stream people feel, and a busy batch), alternating the two paths over several rounds and
 comparing the fastest sample of each (on a machine shared with other processes, the minimum is
 the estimate least disturbed by preemption: medians of one calibration under load were off by
-10x); a shape goes packed when the product of its two time ratios (packed / plain) is below 1. Results are
-cached as JSON under the cache dir, keyed by CPU model + flags + torch version (the
-fingerprint) and thread count, so calibration is paid once per machine (a few seconds for SmolLM2's
-five shapes per dtype on the Zen 4 VM) and a restarted worker starts at once.
+10x); a shape goes packed when the product of its two time ratios (packed / plain) is below 1.
+Results are cached as JSON under the cache dir, keyed by CPU model + flags + torch version (the
+fingerprint) and thread count, so calibration is paid once per machine (a few seconds for
+SmolLM2's five shapes per dtype on the Zen 4 VM) and a restarted worker starts at once.
 
 In the engine (SmolLM2 fp32 on the Zen 4 VM, 2 threads, 32 new tokens, 3 alternating rounds,
 medians) the calibrated choice (lm_head, gate/up and down packed; q/k/v and o plain) gave 1.72x

@@ -28,7 +28,8 @@ and a K layout transposed per block so a block's scores are one broadcast-FMA lo
 Build: `torch.utils.cpp_extension.load` with flags chosen from the running CPU (`-mavx512f ...`
 on AVX-512, `-mavx2 -mfma` on AVX2, none otherwise), into a directory under the cache dir named
 by the instruction set and a hash of the source: compiled once (40 s of CPU on the 2-core Zen 4
-VM; 1.5-4 minutes of wall time while other jobs share it), then loaded in about a second by every later start; a changed source or another CPU gets
+VM; 1.5-4 minutes of wall time while other jobs share it), then loaded in about a second by
+every later start; a changed source or another CPU gets
 its own directory. No C++ compiler (or a failed build) means the torch reference, with one
 warning; the engine never fails for want of it.
 """
