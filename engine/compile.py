@@ -14,7 +14,16 @@ constant). The op writes the cache as a side effect the compiler does not see: n
 graph reads the cache, and the op's output feeds the next layer, so it runs once, in order.
 
 The token dimension is dynamic (one graph for every batch size; a size-1 batch gets its own
-specialised graph), so a long-running worker stops compiling after the first few steps.
+specialised graph), so a long-running worker stops compiling after the first few steps (a test
+runs 300 steps of changing batches and counts no new graph after warm-up).
+
+Measured (SmolLM2 bf16 on the 2-core Zen 4 VM, one process holding both engines, 32 new tokens,
+3 alternating rounds, medians): compiled / eager tok/s 1.04 for 1 stream and 0.89 for 16. The
+GEMMs, 80% of a decode step, are the same oneDNN calls either way, and the fused elementwise
+loops save less than the graph's own overhead here; compiling took 270 s per graph (two graphs)
+on the loaded machine (Inductor's on-disk cache under the cache dir makes a restart cheaper).
+No win, so `compile="auto"` means off; "on" stays available and tested (same greedy tokens as
+eager on tiny fp32 models).
 """
 
 from __future__ import annotations
