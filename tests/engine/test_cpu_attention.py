@@ -170,3 +170,17 @@ def test_build_flags_follow_the_instruction_set():
     assert paged_attention._ISA_FLAGS["portable"] == []
     names = {paged_attention.extension_name(isa) for isa in paged_attention._ISA_FLAGS}
     assert len(names) == 3  # one build directory per instruction set
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    paged_attention._remove_stale_lock(tmp_path)
+    assert lock.exists()  # another process may be building right now
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    paged_attention._remove_stale_lock(tmp_path)
+    assert not lock.exists()

@@ -40,6 +40,7 @@ import functools
 import hashlib
 import os
 import shutil
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -87,6 +88,7 @@ def build(build_root: Path | None = None, isa: str | None = None) -> ModuleType 
     name = extension_name(isa)
     directory = build_root / name
     directory.mkdir(parents=True, exist_ok=True)
+    _remove_stale_lock(directory)
     from torch.utils import cpp_extension
 
     try:
@@ -101,6 +103,19 @@ def build(build_root: Path | None = None, isa: str | None = None) -> ModuleType 
     except Exception as error:  # a compiler that fails is the same as none: fall back
         log.warning("paged_attention.build_failed", fallback="torch", error=str(error)[-2000:])
         return None
+
+
+def _remove_stale_lock(directory: Path, max_age_s: float = 900.0) -> None:
+    """torch's builder serialises builds with a `lock` file and waits while one exists; a
+    process killed mid-build leaves it behind, and every later start would wait forever. A
+    build takes minutes at most, so a lock older than `max_age_s` is stale."""
+    lock = directory / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            lock.unlink()
+            log.warning("paged_attention.stale_lock_removed", path=str(lock))
+    except FileNotFoundError:
+        pass
 
 
 @functools.cache
