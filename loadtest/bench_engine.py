@@ -229,10 +229,12 @@ def run(args) -> int:
 
 
 def _ratios(medians: dict) -> dict:
-    """engine / peer per workload, for every engine dtype and every peer run."""
+    """engine / peer per workload: against HF in the same dtype, and against llama.cpp (its own
+    quantised GGUF) for every engine dtype."""
     out = {}
     for engine_key in (k for k in medians if k.startswith("engine-")):
-        for peer_key in (k for k in medians if not k.startswith("engine-")):
+        dtype = engine_key.removeprefix("engine-")
+        for peer_key in (k for k in medians if k in (f"hf-{dtype}", "llamacpp-gguf")):
             shared = set(medians[engine_key]) & set(medians[peer_key])
             out[f"{engine_key}/{peer_key}"] = {
                 w: round(medians[engine_key][w] / medians[peer_key][w], 2) for w in sorted(shared)
