@@ -312,10 +312,11 @@ def prepare_step(
     Single-token requests (decodes) come first so attention can batch them; multi-token chunks
     follow, each a contiguous run of rows. Sampling rows are the last token of each
     `needs_sample` request. Positions, slots and the decode block table are computed with
-    array operations over all tokens at once (no Python loop per token): for 64 decodes at 512
-    context this is about 5x faster than the per-token comprehension it replaced (AMD EPYC Zen 4:
-    0.45 -> 0.09 ms a step, alternating, median of 5). The decode mask, only the torch reference
-    reads, is built only when asked.
+    array operations over all tokens at once (no Python loop per token), and the decode mask,
+    which only the torch reference reads, is built only when asked: for 64 decodes at 512
+    context a step's preparation went from 0.51 to 0.22 ms against the per-token version with
+    its mask (AMD EPYC Zen 4, CPU time, 21 alternating runs, medians; 0.10 ms both for one
+    decode).
     """
     decodes = [r for r in scheduled if len(r.token_ids) == 1]
     prefills = [r for r in scheduled if len(r.token_ids) > 1]
