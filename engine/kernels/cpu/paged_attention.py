@@ -20,8 +20,8 @@ remainder loops: bf16 32 x 256 went from 0.93x to 2.7x), and a software prefetch
 block's rows (blocks are scattered over the pool, so the hardware prefetcher cannot follow the
 table: fp32 32 x 256 0.92x -> 1.18x before the specialisation). In the engine (SmolLM2, 2
 threads, context ~230, 32 new tokens, 3 alternating rounds, medians), tok/s of the kernel over
-the reference: bf16 0.96 at 1 stream and 1.27 at 16; fp32 1.34 and 1.08 (fp32 measured before
-the specialisation). It also drops the gather buffer that grows with context length and the
+the reference: bf16 0.96 at 1 stream and 1.27 at 16; fp32 0.91 and 1.20 (at 1 stream
+attention is a small part of the step and the difference is within this machine's noise). It also drops the gather buffer that grows with context length and the
 decode mask. Next levers: bf16 dot products with avx512_bf16 (vdpbf16ps) instead of widening,
 and a K layout transposed per block so a block's scores are one broadcast-FMA loop.
 
