@@ -286,8 +286,9 @@ class ModelRunner:
         for request in scheduled:
             self._check(request)
         return prepare_step(
-            scheduled, self.block_size, self.dtype, self.attention.needs_decode_mask
-        )
+            scheduled, self.block_size, self.dtype,
+            getattr(self.attention, "needs_decode_mask", True),  # a backend that does not say
+        )  # fmt: skip
 
     def _check(self, request: ScheduledRequest) -> None:
         end = request.start_position + len(request.token_ids)
