@@ -3,6 +3,7 @@
     from engine import LLM, SamplingParams
 """
 
+import engine.openmp  # noqa: F401  (first: the OpenMP policy must precede torch's import)
 from engine.config import EngineConfig
 from engine.outputs import EngineStats, RequestDelta, RequestOutput
 from engine.sampling_params import SamplingParams

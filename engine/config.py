@@ -26,8 +26,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0  # seeds requests that give no seed of their own
-    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    # "auto": per shape, plain F.linear or oneDNN-packed weights, whichever a calibration on this
+    # machine found faster (cached under the cache dir); "plain" | "packed" force one path.
+    linear_kernel: str = "auto"
+    # torch.compile of the model forward: "on" | "off" | "auto" (True/False mean on/off). "auto"
+    # is off: on the 2-core Zen 4 the compiled step did not beat eager (engine/compile.py).
+    compile: str | bool = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -42,9 +48,19 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(
-                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
+                "attention_backend must be 'auto', 'torch', 'cpu' or 'triton', "
+                f"got {self.attention_backend!r}"
+            )
+
+        compile_mode = {True: "on", False: "off"}.get(self.compile, self.compile)
+        if not isinstance(compile_mode, str) or compile_mode.lower() not in ("auto", "on", "off"):
+            raise ValueError(f"compile must be 'auto', 'on', 'off' or a bool, got {self.compile!r}")
+        object.__setattr__(self, "compile", compile_mode.lower())
+        if self.linear_kernel not in ("auto", "plain", "packed"):
+            raise ValueError(
+                f"linear_kernel must be 'auto', 'plain' or 'packed', got {self.linear_kernel!r}"
             )
 
     @classmethod

@@ -15,13 +15,15 @@ class LLM:
     """Load a model once, generate for many prompts with continuous batching.
 
     `model`: a Hugging Face Llama-family checkpoint directory, a `.gguf` file, or the alias
-    `smollm2-135m`. Extra keyword arguments are `EngineConfig` fields.
+    `smollm2-135m`. `dtype`: "auto" (the checkpoint's dtype where this CPU computes it natively,
+    else float32), "float32", "bfloat16" or "float16". Extra keyword arguments are
+    `EngineConfig` fields.
     """
 
     def __init__(
         self,
         model: str | Path = "smollm2-135m",
-        dtype: str = "float32",
+        dtype: str = "auto",
         quantization: str | None = None,
         **engine_config,
     ) -> None:

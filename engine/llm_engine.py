@@ -18,7 +18,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import PromptTooLongError
 from engine.kv_cache_manager import cdiv
 from engine.loader import load_tokenizer, resolve_model
-from engine.model_runner import ModelRunner, resolve_dtype
+from engine.model_runner import ModelRunner
 from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, RequestDelta
 from engine.request import Request
 from engine.sampling_params import SamplingParams, derive_seed
@@ -46,7 +46,7 @@ class LLMEngine:
     def __init__(
         self,
         model: str | Path,
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         quantization: str | None = None,
         **engine_config,
     ) -> None:
@@ -54,9 +54,10 @@ class LLMEngine:
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         self.model_path = resolve_model(model)
-        self.dtype = resolve_dtype(dtype)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.runner = ModelRunner(self.model_path, self.config, self.dtype, quantization)
+        # The runner resolves dtype ("auto": from the checkpoint's config and this CPU).
+        self.runner = ModelRunner(self.model_path, self.config, dtype, quantization)
+        self.dtype = self.runner.dtype
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model_path, self.runner.hf_config, self.tokenizer)

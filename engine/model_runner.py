@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import sys
+import time
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -24,14 +27,25 @@ import structlog
 import torch
 from transformers import AutoConfig
 
+from engine import openmp
+from engine.compile import CompiledModel
 from engine.config import EngineConfig
+from engine.kernels.cpu.linear_choice import choose_linear_kernels
+from engine.kernels.cpu.paged_attention import compiler
 from engine.kv_cache_manager import cdiv
-from engine.layers.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from engine.layers.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    decode_mask,
+    get_attention_backend,
+)
 from engine.layers.linear import Linear
 from engine.loader import load_weights
 from engine.models import get_model_class
 from engine.models.llama import head_dim_of
+from engine.platform import auto_dtype, cpu_info
 from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 log = structlog.get_logger(__name__)
@@ -44,11 +58,20 @@ _DTYPES = {
 }  # fmt: skip
 
 
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """torch dtype for "float32" | "bfloat16" | "float16" (or a torch dtype); ValueError else."""
+def resolve_dtype(dtype: torch.dtype | str, hf_config=None) -> torch.dtype:
+    """torch dtype for "auto" | "float32" | "bfloat16" | "float16" (or a torch dtype); ValueError
+    else. "auto" (needs `hf_config`) is the checkpoint's dtype where this CPU computes it
+    natively, else float32: see `engine.platform.auto_dtype`."""
+    if isinstance(dtype, str) and dtype.lower() == "auto":
+        if hf_config is None:
+            raise ValueError("dtype 'auto' needs the model's config to resolve")
+        checkpoint = getattr(hf_config, "dtype", None)
+        if isinstance(checkpoint, str):
+            checkpoint = _DTYPES.get(checkpoint.lower())
+        return auto_dtype(checkpoint)
     resolved = _DTYPES.get(dtype.lower()) if isinstance(dtype, str) else dtype
     if resolved not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+        raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return resolved
 
 
@@ -105,25 +128,88 @@ class ModelRunner:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         _keep_freed_memory()
+        if not openmp.APPLIED_AT_IMPORT and "OMP_WAIT_POLICY" not in os.environ:
+            log.warning(
+                "model_runner.openmp_spinning",
+                detail="torch was imported before engine: OpenMP threads spin while waiting; "
+                "set OMP_WAIT_POLICY=PASSIVE in the environment (see engine/openmp.py)",
+            )  # fmt: skip
         self.config = config
-        self.dtype = resolve_dtype(dtype)
-        self.block_size = config.block_size
         self.hf_config = AutoConfig.from_pretrained(model_path)
+        self.dtype = resolve_dtype(dtype, self.hf_config)
+        self.block_size = config.block_size
         model_class = get_model_class(self.hf_config)
         self.max_model_len = self._max_model_len(config, self.hf_config)
-        backend = get_attention_backend(config.attention_backend)
+        backend = self.attention = get_attention_backend(config.attention_backend)
         self.model = model_class(self.hf_config, self.dtype, self.max_model_len, backend).eval()
         load_weights(self.model, Path(model_path))
-        for module in self.model.modules():
-            if isinstance(module, Linear):
-                module.pack()
+        self.is_compiled = self._should_compile(config.compile)
+        # Compiled: Inductor's freezing lays the weights out itself, from plain ones.
+        linear_kernel = "plain" if self.is_compiled else config.linear_kernel
+        self.linear_kernels = self._pack_linears(linear_kernel)
         self._allocate_kv_cache()
+        self._forward = self.model
+        if self.is_compiled:
+            self._forward = CompiledModel(self.model, backend, self._layer_caches)
+            self._warm_up()
         self.sampler = Sampler()
         log.info(
             "model_runner.ready", model=str(model_path), dtype=str(self.dtype).split(".")[-1],
             max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
             kv_cache_bytes=self.kv_cache_bytes, attention_backend=backend.name,
+            linear_kernels=self.linear_kernels, compiled=self.is_compiled,
+            cpu=cpu_info().model_name,
+            cpu_isa=cpu_info().vector_isa,
         )  # fmt: skip
+
+    @staticmethod
+    def _should_compile(mode: str) -> bool:
+        if mode == "off":
+            return False
+        if mode == "auto":  # measured: no win on the 2-core Zen 4 (engine/compile.py)
+            return False
+        if compiler() is None:
+            log.warning(
+                "model_runner.compile_unavailable", fallback="eager",
+                detail="torch.compile needs a C++ compiler (set CXX or install g++)",
+            )  # fmt: skip
+            return False
+        return True
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Compile before the first request: a 1-token and a 2-token decode step and a prefill
+        chunk (the graphs steady state needs), written into block 0, then zeroed again."""
+        start = time.perf_counter()
+        for num_decodes, prefill_len in ((1, 0), (2, 0), (1, 3)):
+            scheduled = [
+                ScheduledRequest(f"warm-{i}", [0], 0, [0], False, SamplingParams(), seed=0)
+                for i in range(num_decodes)
+            ]
+            if prefill_len:
+                scheduled.append(
+                    ScheduledRequest("warm-p", [0] * prefill_len, 0,
+                                     [0] * cdiv(prefill_len, self.block_size), False,
+                                     SamplingParams(), seed=0)
+                )  # fmt: skip
+            batch = self._prepare(scheduled)
+            self._forward(batch.input_ids, batch.positions, batch.meta)
+        self.kv_cache[:, 0].zero_()
+        log.info("model_runner.compiled", seconds=round(time.perf_counter() - start, 1))
+
+    def _pack_linears(self, requested: str) -> dict[str, int]:
+        """Pack the linears whose shape a calibration on this CPU (or `requested`) says should
+        be; returns how many layers took each path, for the log."""
+        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
+        choices = choose_linear_kernels(
+            [(m.in_features, m.out_features) for m in linears], self.dtype, requested
+        )
+        counts = {"plain": 0, "packed": 0}
+        for module in linears:
+            if choices[(module.in_features, module.out_features)] == "packed":
+                module.pack()
+            counts["packed" if module.is_packed else "plain"] += 1
+        return counts
 
     @staticmethod
     def _max_model_len(config: EngineConfig, hf_config) -> int:
@@ -164,8 +250,9 @@ class ModelRunner:
             self.kv_cache.fill_(0)  # commits every page now (it is zero already)
         self.kv_cache_bytes = self.kv_cache.numel() * element_bytes
         attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache")]
+        self._layer_caches = [self.kv_cache[i] for i in range(num_layers)]
         for layer_index, attention in enumerate(attention_layers):
-            attention.kv_cache = self.kv_cache[layer_index]
+            attention.kv_cache = self._layer_caches[layer_index]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
@@ -188,7 +275,8 @@ class ModelRunner:
         if not out.scheduled:
             return [], None
         batch = self._prepare(out.scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)  # [num_tokens, hidden]
+        # [num_tokens, hidden]
+        hidden = self._forward(batch.input_ids, batch.positions, batch.meta)
         if not batch.sample_requests:
             return [], None
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
@@ -197,7 +285,10 @@ class ModelRunner:
     def _prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         for request in scheduled:
             self._check(request)
-        return prepare_step(scheduled, self.block_size, self.dtype)
+        return prepare_step(
+            scheduled, self.block_size, self.dtype,
+            getattr(self.attention, "needs_decode_mask", True),  # a backend that does not say
+        )  # fmt: skip
 
     def _check(self, request: ScheduledRequest) -> None:
         end = request.start_position + len(request.token_ids)
@@ -212,42 +303,57 @@ class ModelRunner:
 
 
 def prepare_step(
-    scheduled: list[ScheduledRequest], block_size: int, dtype: torch.dtype = torch.float32
+    scheduled: list[ScheduledRequest],
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    build_decode_mask: bool = True,
 ) -> StepBatch:
     """Flatten one step's requests into model inputs and attention metadata.
 
     Single-token requests (decodes) come first so attention can batch them; multi-token chunks
     follow, each a contiguous run of rows. Sampling rows are the last token of each
-    `needs_sample` request.
+    `needs_sample` request. Positions, slots and the decode block table are computed with
+    array operations over all tokens at once (no Python loop per token), and the decode mask,
+    which only the torch reference reads, is built only when asked: for 64 decodes at 512
+    context a step's preparation went from 0.51 to 0.22 ms against the per-token version with
+    its mask (AMD EPYC Zen 4, CPU time, 21 alternating runs, medians; 0.10 ms both for one
+    decode).
     """
     decodes = [r for r in scheduled if len(r.token_ids) == 1]
     prefills = [r for r in scheduled if len(r.token_ids) > 1]
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    sample_rows: list[int] = []
-    sample_requests: list[ScheduledRequest] = []
-    for request in decodes + prefills:
-        start, num_tokens = request.start_position, len(request.token_ids)
-        input_ids.extend(request.token_ids)
-        positions.extend(range(start, start + num_tokens))
-        ids = request.block_ids
-        slots.extend(
-            ids[p // block_size] * block_size + p % block_size
-            for p in range(start, start + num_tokens)
-        )
-        if request.needs_sample:
-            sample_rows.append(len(input_ids) - 1)
-            sample_requests.append(request)
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64))
-    _add_decodes(decodes, block_size, dtype, meta)
-    _add_prefills(prefills, block_size, dtype, len(decodes), meta)
+    ordered = decodes + prefills
+    num_requests = len(ordered)
+    token_counts = np.fromiter(map(len, (r.token_ids for r in ordered)), np.int64, num_requests)
+    starts = np.fromiter((r.start_position for r in ordered), np.int64, num_requests)
+    block_counts = np.fromiter(map(len, (r.block_ids for r in ordered)), np.int64, num_requests)
+    num_tokens = int(token_counts.sum())
+    input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in ordered), np.int64, num_tokens)
+    flat_blocks = np.fromiter(
+        chain.from_iterable(r.block_ids for r in ordered), np.int64, int(block_counts.sum())
+    )
+    token_ends = np.cumsum(token_counts)  # one past each request's last row
+    request_of_token = np.repeat(np.arange(num_requests), token_counts)
+    positions = starts[request_of_token] + (
+        np.arange(num_tokens) - (token_ends - token_counts)[request_of_token]
+    )
+    first_block = (np.cumsum(block_counts) - block_counts)[request_of_token]
+    slots = flat_blocks[first_block + positions // block_size] * block_size + positions % block_size
+    needs_sample = np.fromiter((r.needs_sample for r in ordered), bool, num_requests)
+    meta = AttentionMetadata(slot_mapping=torch.from_numpy(slots))
+    num_decodes = len(decodes)
+    if num_decodes:
+        _add_decodes(
+            starts[:num_decodes] + 1, block_counts[:num_decodes],
+            flat_blocks[: int(block_counts[:num_decodes].sum())], block_size,
+            dtype if build_decode_mask else None, meta,
+        )  # fmt: skip
+    _add_prefills(prefills, block_size, dtype, num_decodes, meta)
     return StepBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
+        input_ids=torch.from_numpy(input_ids),
+        positions=torch.from_numpy(positions),
         meta=meta,
-        sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
-        sample_requests=sample_requests,
+        sample_rows=torch.from_numpy(token_ends[needs_sample] - 1),
+        sample_requests=[r for r in ordered if r.needs_sample],
     )
 
 
@@ -257,22 +363,26 @@ def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _add_decodes(
-    decodes: list[ScheduledRequest], block_size: int, dtype: torch.dtype, meta: AttentionMetadata
+    context_lens: np.ndarray,  # [num_decodes]
+    block_counts: np.ndarray,  # [num_decodes] blocks each request holds
+    flat_blocks: np.ndarray,  # their block ids, request after request
+    block_size: int,
+    mask_dtype: torch.dtype | None,
+    meta: AttentionMetadata,
 ) -> None:
-    if not decodes:
-        return
-    context_lens = [r.start_position + 1 for r in decodes]
-    max_num_blocks = cdiv(max(context_lens), block_size)
-    table = []
-    for request in decodes:
-        ids = request.block_ids[:max_num_blocks]
-        table.append(ids + [0] * (max_num_blocks - len(ids)))  # padding: masked out below
-    lens = torch.tensor(context_lens, dtype=torch.int64)
-    key_positions = torch.arange(max_num_blocks * block_size)
-    meta.num_decodes = len(decodes)
-    meta.decode_block_table = torch.tensor(table, dtype=torch.int64)
-    # [num_decodes, 1, 1, max_ctx]: broadcast over KV heads and grouped query rows.
-    meta.decode_mask = _additive_mask(key_positions[None, :] < lens[:, None], dtype)[:, None, None]
+    """The padded block table [num_decodes, max blocks needed] (padding 0: masked out or, for
+    the kernel, never read past the context length) and, if `mask_dtype`, the additive mask."""
+    num_decodes, max_count = context_lens.shape[0], int(block_counts.max())
+    held = np.zeros((num_decodes, max_count), np.int64)  # each row: the request's block ids
+    held[np.arange(max_count)[None, :] < block_counts[:, None]] = flat_blocks  # row-major order
+    needed = -(-context_lens // block_size)  # <= block_counts (checked by the runner)
+    width = int(needed.max())
+    table = np.where(np.arange(width)[None, :] < needed[:, None], held[:, :width], 0)
+    meta.num_decodes = num_decodes
+    meta.decode_block_table = torch.from_numpy(table)
+    meta.decode_context_lens = torch.from_numpy(context_lens)
+    if mask_dtype is not None:
+        meta.decode_mask = decode_mask(meta.decode_context_lens, width * block_size, mask_dtype)
 
 
 def _add_prefills(

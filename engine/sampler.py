@@ -36,16 +36,17 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> list[int]:
         """logits [num_requests, vocab] (row i belongs to requests[i]; any float dtype: greedy
         rows take the argmax as is, sampled rows are computed in float32) -> token ids."""
-        for request in requests:
+        random_rows = [
+            i for i, r in enumerate(requests) if r.params.temperature >= _MIN_TEMPERATURE
+        ]
+        if not random_rows:  # all greedy: one argmax over the batch, one host sync
+            return _argmax(logits).tolist()
+        for i in random_rows:  # greedy rows never draw, so they need no generator
+            request = requests[i]
             if request.request_id not in self._generators:
                 generator = torch.Generator()
                 generator.manual_seed(request.seed)
                 self._generators[request.request_id] = generator
-        random_rows = [
-            i for i, r in enumerate(requests) if r.params.temperature >= _MIN_TEMPERATURE
-        ]
-        if not random_rows:
-            return _argmax(logits).tolist()
         token_ids = [0] * len(requests)
         greedy_rows = [i for i, r in enumerate(requests) if r.params.temperature < _MIN_TEMPERATURE]
         if greedy_rows:

@@ -1,44 +1,56 @@
-"""Engine benchmark against Hugging Face transformers, same machine, same run.
+"""Engine benchmark against its peers, same machine, same run, rounds alternating.
 
-W1: one request, 128 new tokens. W2: 32 distinct chat prompts submitted together, 128 new
-tokens each, greedy, EOS ignored. The baseline is HF `generate` with a static left-padded batch
-in the same dtype. Each (implementation, dtype) runs in its own process so peak RSS is its own.
+Workloads (loadtest/workloads.py): W1 1 x 128, W2 32 x 128, W3 64 x 128, W4 64 requests with
+outputs spread over 16..256; greedy, EOS ignored. Peers: HF `generate` (static left-padded
+batch, same dtype; a static batch runs to its longest request, only requested tokens count)
+and llama.cpp's `llama-server` on the model's GGUF (loadtest/llamacpp_peer.py). Each
+(implementation, dtype) runs in its own process so peak RSS is its own; with `--rounds N`
+the implementations alternate N times and the medians are reported (this machine is noisy).
 
-    mini-infer bench engine [--dtypes float32,bfloat16] [--max-tokens 128] [--out results.json]
+    mini-infer bench engine [--dtypes float32,bfloat16] [--workloads W1,W2,W3,W4]
+        [--compare hf,llamacpp] [--rounds 3] [--compile off] [--out r.json] [--plot r.png]
+    mini-infer bench engine --profile [--dtypes bfloat16]
 
-Prints a table and a JSON document; the ratios (engine / HF) are the numbers to read, since
-absolute speed depends on the machine.
+`--plot` draws throughput against concurrency (the uniform workloads: 1, 8, 32, 64 requests).
+`--profile` prints the operators of one decode step, eager against compiled, and where its time
+goes (GEMM / attention / the rest), from torch.profiler.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
+import queue
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
 
+from loadtest.llamacpp_peer import ENV_VAR, find_server, missing_message, run_llamacpp
 from loadtest.report import emit, summarize
-from loadtest.workloads import ENGINE_OPTIONS, chat_prompts
+from loadtest.workloads import CONCURRENCY, ENGINE_OPTIONS, chat_prompts, workloads
 
 
 def run_engine(
-    model: str, dtype: str, prompts: list[list[int]], max_tokens: int, **options
+    model: str, dtype: str, prompts: list[list[int]], max_tokens: int | list[int], **options
 ) -> dict:
-    """W1/W2 on `LLMEngine` (ENGINE_OPTIONS, overridden by `options`)."""
+    """One workload on `LLMEngine` (ENGINE_OPTIONS, overridden by `options`); `max_tokens`
+    per request or one for all."""
     from engine import LLMEngine, SamplingParams
 
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(prompts)
     eng = LLMEngine(model, dtype=dtype, **{**ENGINE_OPTIONS, **options})
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     eng.add_request("warmup", prompts[0], SamplingParams(max_tokens=4, temperature=0.0))
     while eng.has_unfinished_requests():
         eng.step()
     start = time.perf_counter()
     first: dict[str, float] = {}
     num_tokens = 0
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), p, params)
+    for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+        eng.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     while eng.has_unfinished_requests():
         for d in eng.step():
             num_tokens += len(d.token_ids)
@@ -47,7 +59,9 @@ def run_engine(
     return summarize(num_tokens, elapsed, list(first.values()))
 
 
-def run_hf(model_path: str, dtype: str, prompts: list[list[int]], max_tokens: int) -> dict:
+def run_hf(
+    model_path: str, dtype: str, prompts: list[list[int]], max_tokens: int | list[int]
+) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
@@ -86,40 +100,50 @@ def run_hf(model_path: str, dtype: str, prompts: list[list[int]], max_tokens: in
         return (out.shape[1] - width) * len(batch), elapsed, crit.at
 
     generate(prompts[:1], 4)  # warm-up
-    num_tokens, elapsed, ttft = generate(prompts, max_tokens)
+    lengths = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
+    _, elapsed, ttft = generate(prompts, max(lengths))
+    num_tokens = sum(lengths)  # a static batch runs to its longest request; count what was asked
     # A static batch delivers every request's first token at the same moment.
     return summarize(num_tokens, elapsed, [ttft] * len(prompts))
 
 
-def _child(impl: str, model: str, model_path: str, dtype: str, max_tokens: int, n: int, q) -> None:
+def _child(impl: str, spec: dict, q) -> None:
     import torch
 
     from engine.loader import load_tokenizer
 
     torch.manual_seed(0)
-    prompts = chat_prompts(load_tokenizer(Path(model_path)), 32)
     results = {}
-    for name, batch in (("W1", prompts[:1]), ("W2", prompts[:n])):
+    for name, workload in workloads(spec["max_tokens"]).items():
+        if name not in spec["workloads"]:
+            continue
+        prompts = chat_prompts(load_tokenizer(Path(spec["model_path"])), workload.num_requests)
+        lengths = list(workload.max_tokens)
         if impl == "engine":
-            results[name] = run_engine(model, dtype, batch, max_tokens)
+            options = {"compile": spec["compile"]}
+            results[name] = run_engine(spec["model"], spec["dtype"], prompts, lengths, **options)
+        elif impl == "hf":
+            results[name] = run_hf(spec["model_path"], spec["dtype"], prompts, lengths)
         else:
-            results[name] = run_hf(model_path, dtype, batch, max_tokens)
+            results[name] = run_llamacpp(Path(spec["llama_server"]), Path(spec["gguf"]),
+                                         prompts, lengths)  # fmt: skip
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    q.put(
-        {
-            "results": results,
-            "peak_rss_mib": round(peak_rss_mib, 1),
-            "threads": torch.get_num_threads(),
-        }
-    )
+    q.put({"results": results, "peak_rss_mib": round(peak_rss_mib, 1),
+           "threads": torch.get_num_threads()})  # fmt: skip
 
 
-def measure(impl: str, model: str, model_path: str, dtype: str, max_tokens: int, n: int) -> dict:
+def measure(impl: str, spec: dict) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(impl, model, model_path, dtype, max_tokens, n, q))
+    proc = ctx.Process(target=_child, args=(impl, spec, q))
     proc.start()
-    out = q.get()
+    while True:  # a child that dies (a peer that fails to start) must not hang the bench
+        try:
+            out = q.get(timeout=5)
+            break
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"bench child for {impl} exited with {proc.exitcode}") from None
     proc.join()
     return out
 
@@ -136,49 +160,102 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-prompts", type=int, default=32, help="W2 batch size")
+    parser.add_argument("--workloads", default="W1,W2", help="comma list of W1,W2,W3,W4,C8")
+    parser.add_argument("--compare", default="hf", help="peers: comma list of hf,llamacpp")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds (medians)")
+    parser.add_argument("--compile", default="auto", help="engine compile: auto|on|off")
+    parser.add_argument("--llama-server", default=None, help=f"llama-server binary ({ENV_VAR})")
+    parser.add_argument("--gguf", type=Path, default=None, help="GGUF for llama.cpp")
+    parser.add_argument("--profile", action="store_true", help="profile decode steps instead")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    parser.add_argument("--plot", type=Path, default=None, help="write a bar chart (PNG) here")
+    parser.add_argument("--plot", type=Path, default=None, help="throughput vs concurrency PNG")
+
+
+def _default_gguf() -> Path | None:
+    from engine.loader import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_GGUF, cache_dir
+
+    path = cache_dir() / "models" / DEFAULT_MODEL_ALIAS / DEFAULT_MODEL_GGUF
+    return path if path.is_file() else None
 
 
 def run(args) -> int:
     from engine.loader import resolve_model
 
+    if args.profile:
+        from loadtest.profile_step import profile
+
+        return profile(args.model, args.dtypes.split(",")[0])
     model_path = str(resolve_model(args.model))
-    rows, doc = [], {"model": args.model, "max_tokens": args.max_tokens, "runs": {}}
+    peers = [p for p in args.compare.split(",") if p]
+    unknown = set(peers) - {"hf", "llamacpp"}
+    if unknown:
+        raise SystemExit(f"unknown peer(s) {sorted(unknown)}; use hf, llamacpp")
+    server, gguf = find_server(args.llama_server), args.gguf or _default_gguf()
+    if "llamacpp" in peers and (server is None or gguf is None):
+        print(missing_message() if server is None else "llama.cpp peer skipped: no GGUF "
+              "(pass --gguf)", file=sys.stderr)  # fmt: skip
+        peers.remove("llamacpp")
+    names = args.workloads.split(",")
+    # `import engine` (above) set the OpenMP wait policy in this environment: every child, the
+    # peers' included, runs under the same one.
+    doc = {"model": args.model, "max_tokens": args.max_tokens, "rounds": args.rounds,
+           "workloads": names, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+           "runs": {}, "medians": {}}  # fmt: skip
     for dtype in args.dtypes.split(","):
-        for impl in ("hf", "engine"):
-            print(f"[bench] {impl} {dtype} ...", file=sys.stderr, flush=True)
-            doc["runs"][f"{impl}-{dtype}"] = r = measure(
-                impl, args.model, model_path, dtype, args.max_tokens, args.num_prompts
-            )
-            for w, s in r["results"].items():
-                rows.append((impl, dtype, w, s, r["peak_rss_mib"]))
-        for w in ("W1", "W2"):
-            e = doc["runs"][f"engine-{dtype}"]["results"][w]["tokens_per_s"]
-            h = doc["runs"][f"hf-{dtype}"]["results"][w]["tokens_per_s"]
-            doc.setdefault("speedup_vs_hf", {})[f"{w}-{dtype}"] = round(e / h, 2)
-    print(
-        f"{'impl':8} {'dtype':9} {'wl':3} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'peak RSS':>9}"
-    )
-    for impl, dtype, w, s, rss in rows:
-        print(
-            f"{impl:8} {dtype:9} {w:3} {s['tokens_per_s']:8.1f} {s['ttft_p50_ms']:8.1f}ms "
-            f"{s['ttft_p99_ms']:8.1f}ms {rss:7.0f}MiB"
-        )
-    print("speedup engine/hf:", doc["speedup_vs_hf"])
+        spec = {"model": args.model, "model_path": model_path, "dtype": dtype,
+                "max_tokens": args.max_tokens, "workloads": names, "compile": args.compile,
+                "llama_server": str(server), "gguf": str(gguf)}  # fmt: skip
+        # llama.cpp runs its own quantised GGUF: one run per round whatever the dtype list.
+        first_dtype = dtype == args.dtypes.split(",")[0]
+        impls = ["engine", *(p for p in peers if p != "llamacpp" or first_dtype)]
+        for round_index in range(args.rounds):
+            for impl in impls:
+                key = f"{impl}-{dtype}" if impl != "llamacpp" else "llamacpp-gguf"
+                print(f"[bench] round {round_index + 1}: {key} ...", file=sys.stderr, flush=True)
+                doc["runs"].setdefault(key, []).append(measure(impl, spec))
+    for key, runs in doc["runs"].items():
+        doc["medians"][key] = {
+            w: round(statistics.median(r["results"][w]["tokens_per_s"] for r in runs), 1)
+            for w in runs[0]["results"]
+        }
+    doc["ratios"] = _ratios(doc["medians"])
+    print(f"{'impl':22} " + " ".join(f"{w:>9}" for w in names) + "   (output tok/s, medians)")
+    for key, med in doc["medians"].items():
+        print(f"{key:22} " + " ".join(f"{med.get(w, float('nan')):9.1f}" for w in names))
+    for pair, ratios in doc["ratios"].items():
+        print(f"{pair:34} " + " ".join(f"{w}={r:.2f}" for w, r in ratios.items()))
     emit(doc, args.out, args.plot, lambda plt: _draw(doc, plt))
     return 0
 
 
+def _ratios(medians: dict) -> dict:
+    """engine / peer per workload: against HF in the same dtype, and against llama.cpp (its own
+    quantised GGUF) for every engine dtype."""
+    out = {}
+    for engine_key in (k for k in medians if k.startswith("engine-")):
+        dtype = engine_key.removeprefix("engine-")
+        for peer_key in (k for k in medians if k in (f"hf-{dtype}", "llamacpp-gguf")):
+            shared = set(medians[engine_key]) & set(medians[peer_key])
+            out[f"{engine_key}/{peer_key}"] = {
+                w: round(medians[engine_key][w] / medians[peer_key][w], 2) for w in sorted(shared)
+            }
+    return out
+
+
 def _draw(doc: dict, plt):
-    names = list(doc["runs"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, w in zip(axes, ("W1", "W2"), strict=True):
-        vals = [doc["runs"][n]["results"][w]["tokens_per_s"] for n in names]
-        ax.bar(names, vals, color=["#999" if n.startswith("hf") else "#2a7" for n in names])
-        ax.set_title(f"{w}: output tokens/s (higher is better)")
-        ax.tick_params(axis="x", rotation=30)
+    """Throughput against concurrency for the uniform-length workloads."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, med in doc["medians"].items():
+        points = sorted(
+            (CONCURRENCY[w], tps) for w, tps in med.items() if w in CONCURRENCY
+        )
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=key)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s (median of rounds)")
+    ax.set_title("throughput vs concurrency")
+    ax.legend()
     return fig
 
 

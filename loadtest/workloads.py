@@ -2,14 +2,55 @@
 
 - W1: one chat request, 128 new tokens (the latency a person feels).
 - W2: 32 distinct chat prompts submitted together, 128 new tokens each (a busy worker).
+- W3: 64 distinct chat prompts together, 128 new tokens each (a saturated worker).
+- W4: 64 distinct prompts together, output lengths spread evenly over 16..256 (requests leave
+  the batch at different steps: continuous batching against a static batch's padding).
 All greedy, EOS ignored, so every run generates exactly the same number of tokens.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 W1_NUM_REQUESTS = 1
 W2_NUM_REQUESTS = 32
 DEFAULT_MAX_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    max_tokens: tuple[int, ...]  # one per request; len() is the number of requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.max_tokens)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def spread(n: int, low: int, high: int) -> tuple[int, ...]:
+    """n output lengths spread evenly over [low, high], both ends included."""
+    if n == 1:
+        return (low,)
+    return tuple(low + round(i * (high - low) / (n - 1)) for i in range(n))
+
+
+def workloads(max_tokens: int = DEFAULT_MAX_TOKENS) -> dict[str, Workload]:
+    """W1..W4; `max_tokens` scales W1-W3 (W4 keeps its 16..256 spread)."""
+    return {
+        "W1": Workload("W1", (max_tokens,) * W1_NUM_REQUESTS),
+        "W2": Workload("W2", (max_tokens,) * W2_NUM_REQUESTS),
+        "W3": Workload("W3", (max_tokens,) * 64),
+        "W4": Workload("W4", spread(64, 16, 256)),
+        "C8": Workload("C8", (max_tokens,) * 8),  # fills the concurrency plot between W1 and W2
+    }
+
+
+# Concurrency of the uniform workloads: the x axis of the throughput plot.
+CONCURRENCY = {"W1": 1, "C8": 8, "W2": 32, "W3": 64}
 
 TOPICS = [
     "the water cycle",
@@ -47,9 +88,15 @@ TOPICS = [
 ]
 
 
+AUDIENCES = ["child", "teenager", "grandparent", "student"]
+
+
 def chat_messages(i: int) -> list[dict]:
-    """The i-th W2 conversation (32 distinct topics)."""
-    return [{"role": "user", "content": f"Explain {TOPICS[i % len(TOPICS)]} to a curious child."}]
+    """The i-th conversation: 32 topics, then the same topics for another audience, so up to
+    128 prompts are distinct (no shared prefix past the chat template)."""
+    topic = TOPICS[i % len(TOPICS)]
+    audience = AUDIENCES[(i // len(TOPICS)) % len(AUDIENCES)]
+    return [{"role": "user", "content": f"Explain {topic} to a curious {audience}."}]
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:

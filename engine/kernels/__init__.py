@@ -1,1 +1,2 @@
-"""Kernels beside their torch references: CPU paths and Triton (CUDA) paths."""
+"""Kernels beside their torch reference: `cpu/` (C++ built on the running machine, choices
+calibrated on it) and, on CUDA, Triton. Each has a torch reference it is tested against."""

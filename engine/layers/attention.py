@@ -14,7 +14,9 @@ Masks are additive float masks in the model dtype, built once per step by the ru
 mask would be converted inside SDPA in every layer).
 
 Backends share one interface (`forward(q, kv, kv_cache, meta)`) and are picked at run time by
-name; the torch one is the reference that any kernel backend is tested against.
+name; the torch one is the reference that any kernel backend is tested against. On CPU, "auto"
+takes the C++ kernel that reads the cache in place on the decode path
+(engine/kernels/cpu/paged_attention.py) when it builds on this machine, else this reference.
 """
 
 from __future__ import annotations
@@ -48,12 +50,20 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot written by each new token
     num_decodes: int = 0  # the first num_decodes tokens are single-token requests
     decode_block_table: torch.Tensor | None = None  # [num_decodes, max_num_blocks] int64
-    # [num_decodes, 1, 1, max_num_blocks * block_size] additive (0 / -inf), model dtype
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64, >= 1
+    # [num_decodes, 1, 1, max_num_blocks * block_size] additive (0 / -inf), model dtype; built
+    # only for backends that ask for it (`needs_decode_mask`)
     decode_mask: torch.Tensor | None = None
-    # [num_decodes] int: context lengths, for kernels that read lengths instead of the mask
-    # (Triton); None: they count them from decode_mask.
-    decode_context_lens: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def decode_mask(context_lens: torch.Tensor, max_context: int, dtype: torch.dtype) -> torch.Tensor:
+    """[num_decodes] lengths -> additive mask [num_decodes, 1, 1, max_context] (0 where a key
+    position is inside the context, -inf past it), broadcast over KV heads and query rows."""
+    allowed = torch.arange(max_context)[None, :] < context_lens[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))[
+        :, None, None
+    ]
 
 
 class TorchPagedAttention:
@@ -66,6 +76,7 @@ class TorchPagedAttention:
     """
 
     name = "torch"
+    needs_decode_mask = True
 
     def __init__(self, max_gather_bytes: int = 32 << 20):
         self.max_gather_bytes = max_gather_bytes
@@ -141,12 +152,22 @@ class TorchPagedAttention:
 
 
 def get_attention_backend(name: str) -> TorchPagedAttention:
-    """Resolve EngineConfig.attention_backend ("auto" | "torch" | "triton")."""
-    if name in ("auto", "torch"):
+    """Resolve EngineConfig.attention_backend ("auto" | "torch" | "cpu" | "triton").
+
+    "cpu" asks for the C++ kernel; where it cannot be built (no compiler) the reference is used
+    with a warning, never an error. "auto" on a CPU-only machine is "cpu"."""
+    if name == "torch":
         return TorchPagedAttention()
+    if name in ("auto", "cpu"):
+        from engine.kernels.cpu.paged_attention import CpuPagedAttention, load
+
+        extension = load()
+        return CpuPagedAttention(extension) if extension is not None else TorchPagedAttention()
     if name == "triton":
         # Imported here: Triton is needed only when asked for (CUDA, or its CPU interpreter).
         from engine.kernels.triton.backend import TritonPagedAttention
 
         return TritonPagedAttention()
-    raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch' or 'triton'")
+    raise ValueError(
+        f"unknown attention backend {name!r}; expected 'auto', 'torch', 'cpu' or 'triton'"
+    )

@@ -7,14 +7,14 @@ layer a reference cycle: a dropped engine would keep its weights until the cycli
 `MergedLinear` fuses projections that read the same input (q/k/v, gate/up) into one matmul: one
 [num_tokens, hidden] x [hidden, sum(out)] GEMM per layer instead of three.
 
-After loading, `pack()` re-lays bf16/fp16 weights out once in oneDNN's blocked GEMM format: a
-plain `F.linear` in those dtypes repacks the weight on every call, and the packed GEMM is about
-1.7x faster at every decode batch size (SmolLM2, 30 layers, 2-core Xeon: M = 1 13.3 -> 7.4 ms,
-M = 32 17.6 -> 9.7 ms). fp32 weights stay plain, because there packing wins only for many rows.
-Measured in the engine (SmolLM2 fp32, whole decode step): one request 30 ms plain vs 37 ms
-packed; 32 requests 83 ms plain vs 79 ms packed. Plain also lets the tied lm_head share the embedding table instead of
-holding a 113 MB packed copy. A single-request stream is the latency case people feel, so fp32
-takes plain.
+After loading, `pack()` may re-lay a weight out once in oneDNN's blocked GEMM format (a plain
+`F.linear` in bf16/fp16 repacks the weight on every call). Whether it should is measured on the
+running machine, per shape and dtype (engine/kernels/cpu/linear_choice.py): on a 2-core Xeon the
+packed bf16 GEMM was about 1.7x faster at every decode batch size (SmolLM2, 30 layers: M = 1
+13.3 -> 7.4 ms) while fp32 was faster plain for one row (30 vs 37 ms a step); on an AMD EPYC
+Zen 4 packed fp32 wins at 1 row too (147 -> 70 us for [1, 576] x [576, 3072]). A dtype oneDNN
+cannot pack on this CPU (fp16 without avx_ne_convert/avx512_fp16) stays plain: slower, never a
+crash. A packed tied lm_head holds its own copy; the embedding keeps the plain table.
 
 This is the seam for quantization: a quantized linear only has to provide the same constructor
 arguments, `forward`, `weight_loader` and `pack`, and `make_linear`/`make_merged_linear` choose
@@ -27,15 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_PACKABLE_DTYPES = (torch.bfloat16, torch.float16)  # fp32: see the module docstring
+from engine.platform import can_pack_onednn
 
 
 def is_packing_supported(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in _PACKABLE_DTYPES
-        and torch.backends.mkldnn.is_available()
-    )
+    return weight.device.type == "cpu" and can_pack_onednn(weight.dtype)
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:

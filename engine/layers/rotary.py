@@ -63,4 +63,6 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) 
 
         return rotary_(x, cos, signed_sin)
     rotated = x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    if torch.compiler.is_compiling():  # dynamo has no out= into a strided view; Inductor fuses
+        return x.copy_(x * cos + rotated)  # the copy into the same single loop anyway
     return torch.add(x * cos, rotated, out=x)

@@ -93,7 +93,11 @@ def test_paged_attention_property(specs, kv_heads, group, block_size, seed):
 
 
 def test_backend_selection(monkeypatch):
-    assert get_attention_backend("auto").name == "torch"
+    from engine.kernels.cpu import paged_attention
+
+    kernel = "cpu" if paged_attention.load() is not None else "torch"
+    assert get_attention_backend("auto").name == kernel
+    assert get_attention_backend("cpu").name == kernel
     assert get_attention_backend("torch").name == "torch"
     if not torch.cuda.is_available():  # Triton on CPU only in its interpreter
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -63,6 +63,7 @@ class TritonPagedAttention:
     """Paged attention through the Triton kernels (CUDA, or the interpreter on CPU)."""
 
     name = "triton"
+    needs_decode_mask = False  # reads meta.decode_context_lens, which the runner always fills
 
     def __init__(self) -> None:
         require_usable()

@@ -1,0 +1,1 @@
+"""CPU kernels and the per-machine choices between them."""

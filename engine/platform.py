@@ -1,0 +1,113 @@
+"""What the running CPU can do, read once: the facts every kernel choice is made from.
+
+Machines differ where it matters. oneDNN's packed fp16 GEMM needs avx_ne_convert or
+avx512_fp16 and raises on a CPU without them (an AMD EPYC Zen 4 has neither); bf16 is computed
+natively only with avx512_bf16 or AMX, and is emulated (several times slower) on a plain AVX-512
+or AVX2 CPU. So kernels are chosen here from the flags the kernel reports, never assumed, and
+every choice can be forced (for tests, and to check a slower path on a faster machine).
+
+Sources: /proc/cpuinfo (Linux x86; elsewhere the flag set is empty and nothing fast is assumed),
+torch's own dispatch level (`torch.backends.cpu.get_cpu_capability()`: "AVX512", "AVX2",
+"DEFAULT", ...) and oneDNN's own checks for its reduced-precision paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_CPUINFO = Path("/proc/cpuinfo")
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model_name: str
+    flags: frozenset[str]
+    torch_capability: str  # the ATen vectorised dispatch level: "AVX512", "AVX2", "DEFAULT", ...
+
+    def has(self, *flags: str) -> bool:
+        """True if the CPU reports every one of `flags` (Linux /proc/cpuinfo names)."""
+        return all(flag in self.flags for flag in flags)
+
+    @property
+    def vector_isa(self) -> str:
+        """"avx512" | "avx2" | "portable": the widest instruction set our own C++ kernels may be
+        compiled for on this machine."""
+        if self.has("avx512f", "avx512bw", "avx512vl", "avx512dq"):
+            return "avx512"
+        if self.has("avx2", "fma", "f16c"):
+            return "avx2"
+        return "portable"
+
+    @property
+    def fingerprint(self) -> str:
+        """A short key for caches of per-machine decisions: CPU model, flags and torch version."""
+        text = "|".join(
+            [self.model_name, " ".join(sorted(self.flags)), torch.__version__, platform.machine()]
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
+    """(model name, flags) of the first processor in a /proc/cpuinfo text ("Features" on Arm)."""
+    first: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in first:
+            first[key.strip()] = value.strip()
+    flags = first.get("flags") or first.get("Features") or ""
+    model_name = first.get("model name") or platform.processor() or "unknown"
+    return model_name, frozenset(flags.split())
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    try:
+        text = _CPUINFO.read_text()
+    except OSError:
+        text = ""
+    model_name, flags = parse_cpuinfo(text)
+    return CpuInfo(model_name, flags, torch.backends.cpu.get_cpu_capability())
+
+
+def has_native(dtype: torch.dtype, info: CpuInfo | None = None) -> bool:
+    """Whether this CPU computes `dtype` GEMMs in hardware rather than by emulation.
+
+    fp32 always; bf16 with avx512_bf16 (Zen 4, Cooper Lake and later Xeons) or AMX; fp16 with
+    avx512_fp16 or AMX-FP16 (Sapphire Rapids and later). Without them torch still runs the dtype
+    (converting to fp32 inside each kernel), correctly but slower than fp32 itself."""
+    info = info or cpu_info()
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return info.has("avx512_bf16") or info.has("amx_bf16")
+    if dtype == torch.float16:
+        return info.has("avx512_fp16") or info.has("amx_fp16")
+    return False
+
+
+def can_pack_onednn(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed-weight linear (`mkldnn._reorder_linear_weight`) accepts `dtype`
+    here; asking oneDNN itself, since it raises, not falls back, where its own check fails."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
+def auto_dtype(checkpoint_dtype: torch.dtype | None, info: CpuInfo | None = None) -> torch.dtype:
+    """dtype="auto": the checkpoint's own dtype when this CPU computes it natively, else fp32
+    (which is also what a checkpoint that names no dtype gets)."""
+    if checkpoint_dtype in (torch.bfloat16, torch.float16) and has_native(checkpoint_dtype, info):
+        return checkpoint_dtype
+    return torch.float32

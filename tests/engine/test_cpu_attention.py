@@ -1,0 +1,186 @@
+"""The C++ paged decode attention against the torch reference, and its fallbacks.
+
+Shapes come from hypothesis: context lengths at block boundaries (1, block_size - 1,
+block_size, block_size + 1, many blocks, past one partition so the split-and-merge path runs),
+GQA ratios 1/3/4/8, head dims 64/128, fp32 and bf16. Outputs are poisoned with NaN before each
+run, so a row the kernel forgets to write fails the comparison."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.kernels.cpu import paged_attention
+from engine.kernels.cpu.paged_attention import CpuPagedAttention
+from engine.layers.attention import (
+    AttentionMetadata,
+    TorchPagedAttention,
+    decode_mask,
+    get_attention_backend,
+)
+from engine.model_runner import prepare_step
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ScheduledRequest
+
+
+@pytest.fixture(scope="module")
+def extension():
+    module = paged_attention.load()
+    if module is None:
+        pytest.skip("the C++ kernel could not be built here (no compiler); fallback tested below")
+    return module
+
+
+def context_lengths(block_size: int):
+    partition = paged_attention.PARTITION_TOKENS
+    return st.sampled_from(
+        [1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3, partition + 7]
+    ).filter(lambda n: n >= 1)
+
+
+def decode_case(lens, num_kv_heads, group, head_dim, block_size, dtype, seed):
+    """A random pool, block ids drawn at random, q a strided view (like the runner's)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads = num_kv_heads * group
+    blocks_per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    kv_cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=gen)
+    qkv = torch.randn(len(lens), num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(blocks_per_seq)
+    table = torch.zeros(len(lens), width, dtype=torch.int64)
+    for row, count in enumerate(blocks_per_seq):
+        table[row, :count] = torch.tensor([free.pop() for _ in range(count)])
+    context_lens = torch.tensor(lens, dtype=torch.int64)
+    return qkv.to(dtype)[:, :num_heads], kv_cache.to(dtype), table, context_lens
+
+
+def reference_decode(q, kv_cache, table, context_lens):
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64), num_decodes=q.shape[0],
+        decode_block_table=table, decode_context_lens=context_lens,
+        decode_mask=decode_mask(context_lens, table.shape[1] * kv_cache.shape[1], q.dtype),
+    )  # fmt: skip
+    return TorchPagedAttention()._decode(q, kv_cache, meta)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_kernel_matches_reference(extension, data):
+    block_size = data.draw(st.sampled_from([4, 16]), "block_size")
+    lens = data.draw(st.lists(context_lengths(block_size), min_size=1, max_size=4), "lens")
+    num_kv_heads = data.draw(st.sampled_from([1, 2]), "num_kv_heads")
+    group = data.draw(st.sampled_from([1, 3, 4, 8]), "group")
+    # 64 and 128 run the compile-time specialisations, 80 the generic loop.
+    head_dim = data.draw(st.sampled_from([64, 128, 80]), "head_dim")
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), "dtype")
+    seed = data.draw(st.integers(0, 2**16), "seed")
+    q, kv_cache, table, context_lens = decode_case(
+        lens, num_kv_heads, group, head_dim, block_size, dtype, seed
+    )
+    out = torch.full(q.shape, float("nan"), dtype=dtype)  # poisoned
+    paged_attention.decode(extension, q, kv_cache, table, context_lens, out=out)
+    # The kernel computes in fp32 whatever the dtype: compare with the reference in fp32 on the
+    # same (rounded) inputs; bf16 output differs by its final rounding only.
+    expected = reference_decode(q.float(), kv_cache.float(), table, context_lens)
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_padding_blocks_past_the_context_are_never_read(extension):
+    """Table entries past a request's context may name any block (0 pads them): poison them."""
+    q, kv_cache, table, context_lens = decode_case([5, 40], 2, 3, 64, 16, torch.float32, 1)
+    expected = reference_decode(q, kv_cache, table, context_lens)
+    kv_cache[table[0, 1:]] = float("nan")  # request 0 needs only its first block
+    kv_cache.view(-1, *kv_cache.shape[2:])[table[0, 0] * 16 + 5 :][:11] = float("nan")
+    out = paged_attention.decode(extension, q, kv_cache, table, context_lens)
+    assert torch.isfinite(out[0]).all()
+    torch.testing.assert_close(out[0], expected[0], rtol=2e-5, atol=2e-5)
+
+
+def test_kernel_rejects_what_it_cannot_compute(extension):
+    q, kv_cache, table, context_lens = decode_case([3], 1, 2, 64, 4, torch.float16, 0)
+    with pytest.raises(RuntimeError, match="float32 and bfloat16"):
+        paged_attention.decode(extension, q, kv_cache, table, context_lens)
+    q, kv_cache, table, context_lens = decode_case([3], 2, 2, 64, 4, torch.float32, 0)
+    with pytest.raises(RuntimeError, match="int64"):
+        paged_attention.decode(extension, q, kv_cache, table.int(), context_lens)
+
+
+def mixed_step(block_size, dtype, build_decode_mask, seed=0):
+    """Decodes and prefills (fresh and after a cached prefix) in one step."""
+    specs = [(5, 1), (0, 1), (block_size, 1), (0, 7), (block_size + 1, 6), (3 * block_size, 1)]
+    gen = torch.Generator().manual_seed(seed)
+    num_kv_heads, num_heads, head_dim = 2, 8, 64
+    needed = [-(-(s + n) // block_size) for s, n in specs]
+    num_blocks = sum(needed) + 3
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    requests = [
+        ScheduledRequest(f"r{i}", [1] * n, s, [free.pop() for _ in range(needed[i])], True,
+                         SamplingParams(), seed=0)
+        for i, (s, n) in enumerate(specs)
+    ]  # fmt: skip
+    batch = prepare_step(requests, block_size, dtype, build_decode_mask)
+    num_tokens = sum(n for _, n in specs)
+    kv_cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    kv = torch.randn(num_tokens, 2, num_kv_heads, head_dim, generator=gen)
+    return q.to(dtype), kv.to(dtype), kv_cache.to(dtype), batch.meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_backend_step_matches_reference(extension, dtype):
+    """The whole backend (KV write, kernel decode rows, reference prefill chunks) against the
+    reference backend; fp16, which the kernel lacks, goes through the reference."""
+    q, kv, cache, meta = mixed_step(4, dtype, build_decode_mask=False)
+    assert meta.decode_mask is None
+    ours_cache = cache.clone()
+    out = CpuPagedAttention(extension).forward(q, kv, ours_cache, meta)
+    q, kv, cache, meta = mixed_step(4, dtype, build_decode_mask=True)
+    expected = TorchPagedAttention().forward(q, kv, cache, meta)
+    assert torch.equal(ours_cache, cache)  # same writes
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_no_compiler_falls_back_to_the_reference(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert paged_attention.compiler() is None
+    assert paged_attention.build(tmp_path) is None
+    monkeypatch.setattr(paged_attention, "load", lambda: None)
+    assert get_attention_backend("cpu").name == "torch"
+    assert get_attention_backend("auto").name == "torch"
+
+
+def test_failed_build_falls_back_to_the_reference(tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+
+    def broken(**kwargs):
+        raise RuntimeError("Error building extension")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    assert paged_attention.build(tmp_path) is None
+
+
+def test_build_flags_follow_the_instruction_set():
+    assert "-mavx512f" in paged_attention._ISA_FLAGS["avx512"]
+    assert "-mavx2" in paged_attention._ISA_FLAGS["avx2"]
+    assert paged_attention._ISA_FLAGS["portable"] == []
+    names = {paged_attention.extension_name(isa) for isa in paged_attention._ISA_FLAGS}
+    assert len(names) == 3  # one build directory per instruction set
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    paged_attention._remove_stale_lock(tmp_path)
+    assert lock.exists()  # another process may be building right now
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    paged_attention._remove_stale_lock(tmp_path)
+    assert not lock.exists()

@@ -1,0 +1,226 @@
+"""CPU feature detection, dtype="auto", and the per-machine linear kernel choice.
+
+Every path is exercised on any x86-64 CPU by forcing it: fabricated CpuInfo for the dtype rule,
+`linear_kernel="plain" | "packed"` for the GEMM paths, a patched oneDNN check for a CPU without
+a packed path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import engine.kernels.cpu.linear_choice as linear_choice
+import engine.platform as platform
+from engine.config import EngineConfig
+from engine.layers.linear import Linear
+from engine.model_runner import ModelRunner, resolve_dtype
+from engine.platform import CpuInfo, auto_dtype, has_native, parse_cpuinfo
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from tests.tiny_model import make_tiny_llama
+
+ZEN4_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 9R14
+flags\t\t: fpu sse2 avx f16c fma avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 avx512_vnni
+
+processor\t: 1
+model name\t: ignored second processor
+flags\t\t: fpu
+"""
+ZEN4 = CpuInfo("zen4", frozenset(parse_cpuinfo(ZEN4_CPUINFO)[1]), "AVX512")
+AVX2_ONLY = CpuInfo("haswell", frozenset({"avx", "avx2", "fma", "f16c"}), "AVX2")
+SAPPHIRE = CpuInfo("spr", ZEN4.flags | {"amx_bf16", "amx_tile", "avx512_fp16"}, "AVX512")
+BARE = CpuInfo("qemu", frozenset({"sse2"}), "DEFAULT")
+
+
+def test_parse_cpuinfo_reads_the_first_processor():
+    model_name, flags = parse_cpuinfo(ZEN4_CPUINFO)
+    assert model_name == "AMD EPYC 9R14"
+    assert {"avx512f", "avx512_bf16", "avx2"} <= flags
+    assert "avx512_fp16" not in flags
+    assert parse_cpuinfo("")[1] == frozenset()
+
+
+def test_vector_isa_follows_the_flags():
+    assert ZEN4.vector_isa == "avx512"
+    assert AVX2_ONLY.vector_isa == "avx2"
+    assert BARE.vector_isa == "portable"
+    assert ZEN4.fingerprint != AVX2_ONLY.fingerprint
+
+
+@pytest.mark.parametrize(
+    ("info", "bf16", "fp16"),
+    [(ZEN4, True, False), (AVX2_ONLY, False, False), (SAPPHIRE, True, True), (BARE, False, False)],
+)
+def test_native_dtypes_and_auto(info, bf16, fp16):
+    assert has_native(torch.float32, info)
+    assert has_native(torch.bfloat16, info) is bf16
+    assert has_native(torch.float16, info) is fp16
+    assert auto_dtype(torch.bfloat16, info) == (torch.bfloat16 if bf16 else torch.float32)
+    assert auto_dtype(torch.float16, info) == (torch.float16 if fp16 else torch.float32)
+    assert auto_dtype(torch.float32, info) == torch.float32
+    assert auto_dtype(None, info) == torch.float32
+
+
+def test_this_machine_is_detected():
+    info = platform.cpu_info()
+    assert info.torch_capability == torch.backends.cpu.get_cpu_capability()
+    assert info.vector_isa in ("avx512", "avx2", "portable")
+    # oneDNN's own fp16 check and ours agree on whether fp16 can be packed.
+    assert platform.can_pack_onednn(torch.float16) == bool(
+        torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pack_never_raises_and_keeps_the_result(dtype):
+    """On a CPU without oneDNN's fp16 path (Zen 4) pack() leaves the weight plain."""
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=True, dtype=dtype)
+    layer.weight.data.copy_(torch.randn(96, 64))
+    layer.bias.data.copy_(torch.randn(96))
+    x = torch.randn(5, 64).to(dtype)
+    expected = layer(x).float()
+    layer.pack()
+    assert layer.is_packed == platform.can_pack_onednn(dtype)
+    torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.fixture
+def calibration_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINI_INFER_CACHE_DIR", str(tmp_path))
+    return tmp_path / "calibration"
+
+
+def test_forced_choices_skip_calibration(calibration_dir, monkeypatch):
+    monkeypatch.setattr(linear_choice, "calibrate_shape", pytest.fail)
+    shapes = [(64, 96), (64, 96), (96, 64)]
+    assert linear_choice.choose_linear_kernels(shapes, torch.float32, "plain") == {
+        (64, 96): "plain", (96, 64): "plain"}  # fmt: skip
+    assert set(linear_choice.choose_linear_kernels(shapes, torch.float32, "packed").values()) == {
+        "packed"
+    }
+    assert not calibration_dir.exists()
+    with pytest.raises(ValueError, match="linear_kernel"):
+        linear_choice.choose_linear_kernels(shapes, torch.float32, "fast")
+
+
+def test_no_packed_path_means_plain_whatever_is_asked(calibration_dir, monkeypatch):
+    monkeypatch.setattr(linear_choice, "can_pack_onednn", lambda dtype: False)
+    monkeypatch.setattr(linear_choice, "calibrate_shape", pytest.fail)
+    for requested in ("auto", "packed", "plain"):
+        choices = linear_choice.choose_linear_kernels([(64, 96)], torch.float16, requested)
+        assert choices == {(64, 96): "plain"}
+
+
+def test_auto_calibrates_once_and_caches_per_machine(calibration_dir, monkeypatch):
+    calls = []
+
+    def fake(in_features, out_features, dtype):
+        calls.append((in_features, out_features))
+        return {"choice": "packed" if out_features > 64 else "plain"}
+
+    monkeypatch.setattr(linear_choice, "calibrate_shape", fake)
+    shapes = [(64, 96), (96, 64)]
+    first = linear_choice.choose_linear_kernels(shapes, torch.float32)
+    assert first == {(64, 96): "packed", (96, 64): "plain"}
+    assert sorted(calls) == sorted(shapes)
+    saved = json.loads(linear_choice.calibration_file().read_text())
+    assert linear_choice.calibration_file().parent == calibration_dir
+    assert len(saved) == 2 and all(key.startswith("float32:") for key in saved)
+    # A second load (another process, same machine) reads the file and measures nothing.
+    monkeypatch.setattr(linear_choice, "calibrate_shape", pytest.fail)
+    assert linear_choice.choose_linear_kernels(shapes, torch.float32) == first
+
+
+def test_corrupt_calibration_file_is_measured_again(calibration_dir, monkeypatch):
+    calibration_dir.mkdir(parents=True)
+    linear_choice.calibration_file().write_text("{not json")
+    monkeypatch.setattr(
+        linear_choice, "calibrate_shape", lambda i, o, d: {"choice": "plain", "plain_us_m1": 1.0}
+    )
+    assert linear_choice.choose_linear_kernels([(8, 8)], torch.float32) == {(8, 8): "plain"}
+    assert json.loads(linear_choice.calibration_file().read_text())
+
+
+def test_real_calibration_measures_both_paths():
+    result = linear_choice.calibrate_shape(64, 128, torch.float32)
+    assert result["choice"] in ("plain", "packed")
+    for rows in linear_choice.CALIBRATION_ROWS:
+        assert result[f"plain_us_m{rows}"] > 0 and result[f"packed_us_m{rows}"] > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16_dir(tmp_path_factory):
+    """A tiny checkpoint whose config says its weights are bfloat16."""
+    path = make_tiny_llama(tmp_path_factory.mktemp("tiny-bf16"))
+    config = json.loads((path / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(("info", "expected"), [(ZEN4, torch.bfloat16), (AVX2_ONLY, torch.float32)])
+def test_auto_dtype_of_a_bf16_checkpoint(tiny_bf16_dir, monkeypatch, info, expected):
+    monkeypatch.setattr(platform, "cpu_info", lambda: info)
+    runner = ModelRunner(tiny_bf16_dir, EngineConfig(num_kv_blocks=8), "auto")
+    assert runner.dtype == expected and runner.kv_cache.dtype == expected
+
+
+def test_resolve_dtype_rejects_auto_without_a_config_and_unknown_names():
+    with pytest.raises(ValueError, match="auto"):
+        resolve_dtype("auto")
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        resolve_dtype("float8")
+    with pytest.raises(ValueError, match="linear_kernel"):
+        EngineConfig(linear_kernel="fast")
+
+
+@pytest.mark.parametrize("linear_kernel", ["plain", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_linear_path_matches_hf(tiny_model_dir, linear_kernel, dtype):
+    """Each forced path (falling back to plain where oneDNN cannot pack) gives HF's logits."""
+    runner = ModelRunner(
+        tiny_model_dir, EngineConfig(num_kv_blocks=8, linear_kernel=linear_kernel), dtype
+    )
+    expect_packed = linear_kernel == "packed" and platform.can_pack_onednn(dtype)
+    # 2 layers x (qkv, o, gate_up, down) + lm_head
+    assert runner.linear_kernels["packed"] == (9 if expect_packed else 0)
+    tokens = list(range(3, 12))
+    request = ScheduledRequest(
+        "r", tokens, 0, [0, 1, 2], needs_sample=True, params=SamplingParams(), seed=0
+    )
+    logits = runner.compute_logits(SchedulerOutput([request]))["r"]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).eval()
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens])).logits[0, -1].float()
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(logits, expected, rtol=tolerance, atol=tolerance)
+
+
+def _fresh_python(code: str, **env) -> str:
+    import os
+    import subprocess
+    import sys
+
+    environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env={**environment, **env}, capture_output=True,
+        text=True, check=True,
+    )  # fmt: skip
+    return result.stdout.strip()
+
+
+def test_openmp_threads_sleep_by_default_unless_told_otherwise():
+    show = (
+        "import os, engine.openmp as o; "
+        "print(os.environ.get('OMP_WAIT_POLICY'), o.APPLIED_AT_IMPORT)"
+    )
+    assert _fresh_python(f"import engine; {show}") == "PASSIVE True"
+    assert _fresh_python(f"import engine; {show}", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE True"
+    # torch first: libgomp has read its environment already; nothing is set, and it says so.
+    assert _fresh_python(f"import torch, engine; {show}") == "None False"
