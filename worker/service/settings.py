@@ -270,7 +270,8 @@ class WorkerSettings(BaseSettings):
     )
 
     model: str = Field(default="smollm2-135m", min_length=1, description="alias, HF dir or .gguf")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # auto: the checkpoint's dtype when this CPU computes it natively, else float32.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: str | None = None
     engine: EngineConfig = Field(default_factory=EngineConfig)
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
@@ -308,7 +309,10 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
     ),
     "--port": ("kafka.embedded_port", int, "port of the embedded broker (default: a free one)"),
     "--model": ("model", str, "smollm2-135m, a Hugging Face checkpoint dir or a .gguf file"),
-    "--dtype": ("dtype", str, "float32 | bfloat16 | float16"),
+    "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16"),
+    "--attention-backend": ("engine.attention_backend", str, "auto | cpu | torch | triton"),
+    "--linear-kernel": ("engine.linear_kernel", str, "auto | plain | packed"),
+    "--compile": ("engine.compile", str, "torch.compile the forward: auto | on | off"),
     "--group-id": ("kafka.group_id", str, "consumer group of the worker pool"),
     "--group-instance-id": (
         "kafka.group_instance_id",
