@@ -47,7 +47,7 @@ def test_no_recompiles_in_steady_state(compiled):
     compiles_before = engine.runner._forward.num_compiles
     num_steps, next_id = 0, 0
     while num_steps < 300:
-        if rng.random() < 0.15 and engine.num_unfinished_requests < 12:
+        if rng.random() < 0.15 and len(engine.scheduler.requests) < 12:
             prompt = [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))]
             params = SamplingParams(max_tokens=rng.randint(1, 30), temperature=0.0)
             engine.add_request(f"s{next_id}", prompt, params)

@@ -18,11 +18,13 @@ TOLERANCES = {
     torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
 }
 # Row-wise kernels (norm, RoPE, SiLU*mul) round where the torch path rounds: fp32 agrees to
-# float rounding; bf16 to two ulps (2^-6 relative): a result passes two roundings, each of
-# which the interpreter truncates where torch rounds to nearest (a GPU rounds to nearest too).
+# float rounding; bf16 to three ulps (2^-5 relative): a result passes two or three roundings
+# (residual add, normalised value, weight product), each of which the interpreter truncates where
+# torch rounds to nearest (a GPU rounds to nearest too). Hypothesis found a 3-ulp case
+# (hidden 1000, with residual): two ulps was too tight.
 POINTWISE_TOLERANCES = {
     torch.float32: {"atol": 1e-6, "rtol": 1e-5},
-    torch.bfloat16: {"atol": 2**-6, "rtol": 2**-6},
+    torch.bfloat16: {"atol": 2**-6, "rtol": 2**-5},
 }
 
 
