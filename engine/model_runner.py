@@ -28,9 +28,9 @@ from engine.config import EngineConfig
 from engine.kv_cache_manager import cdiv
 from engine.layers.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from engine.layers.linear import Linear
-from engine.loader import load_weights
 from engine.models import get_model_class
 from engine.models.llama import head_dim_of
+from engine.quant import QuantConfig, load_model_weights
 from engine.sampler import Sampler
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
@@ -100,8 +100,7 @@ class ModelRunner:
         dtype: torch.dtype | str,
         quantization: str | None = None,
     ):
-        if quantization is not None:
-            raise ValueError(f"quantization {quantization!r} is not supported yet")
+        self.quant = QuantConfig.parse(quantization)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         _keep_freed_memory()
@@ -112,8 +111,10 @@ class ModelRunner:
         model_class = get_model_class(self.hf_config)
         self.max_model_len = self._max_model_len(config, self.hf_config)
         backend = get_attention_backend(config.attention_backend)
-        self.model = model_class(self.hf_config, self.dtype, self.max_model_len, backend).eval()
-        load_weights(self.model, Path(model_path))
+        self.model = model_class(
+            self.hf_config, self.dtype, self.max_model_len, backend, quant=self.quant
+        ).eval()
+        load_model_weights(self.model, Path(model_path), self.quant)
         for module in self.model.modules():
             if isinstance(module, Linear):
                 module.pack()

@@ -1,0 +1,55 @@
+"""Which quantization a model load uses: parsed once from `LLM(..., quantization=...)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.quant.primitives import INT4_GROUP_SIZES
+
+SCHEMES = ("int8", "int4", "w8a8")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """scheme: "int8" | "int4" | "w8a8"; group_size: int4 only (32, 64 or 128).
+
+    `quantize_lm_head`: the output projection (49152 x 576 in SmolLM2, the largest matmul of a
+    decode step) is quantized too by default; see engine/quant/linear.py for the measurement.
+    The embedding table is never quantized: a lookup reads a few rows, so there is no speed to
+    gain, and with tied embeddings the float table is needed for the lookup anyway.
+    """
+
+    scheme: str
+    group_size: int = 32
+    quantize_lm_head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"unknown quantization {self.scheme!r}; expected one of {SCHEMES}")
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"int4 group size must be one of {INT4_GROUP_SIZES}, got {self.group_size}"
+            )
+
+    @property
+    def name(self) -> str:
+        """Stable name used in cache file names: "int8", "w8a8", "int4-g32"."""
+        return f"int4-g{self.group_size}" if self.scheme == "int4" else self.scheme
+
+    @classmethod
+    def parse(cls, spec: str | QuantConfig | None) -> QuantConfig | None:
+        """None | "int8" | "int4" | "int4-g64" | "int4:64" | "w8a8" | a QuantConfig."""
+        if spec is None or isinstance(spec, QuantConfig):
+            return spec
+        if not isinstance(spec, str):
+            raise ValueError(f"quantization must be a string, got {spec!r}")
+        text = spec.strip().lower()
+        if text in ("", "none"):
+            return None
+        for sep in ("-g", ":"):
+            if text.startswith("int4" + sep):
+                size = text[len("int4" + sep) :]
+                if not size.isdigit():
+                    raise ValueError(f"bad int4 group size in {spec!r}")
+                return cls("int4", int(size))
+        return cls(text)
