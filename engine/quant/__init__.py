@@ -21,10 +21,15 @@ log = structlog.get_logger(__name__)
 
 
 def load_model_weights(
-    model: nn.Module, model_path: Path, quant: QuantConfig | None, cache_root: Path | None = None
+    model: nn.Module,
+    model_path: Path,
+    quant: QuantConfig | None,
+    cache_root: Path | None = None,
+    pack: bool = True,
 ) -> str:
     """Load `model`'s weights; returns where the quantized tensors came from: "none" (float
-    model), "cache", "gguf" or "quantized" (freshly, then cached)."""
+    model), "cache", "gguf" or "quantized" (freshly, then cached). `pack=False` leaves the
+    quantized layers in their canonical form (tests compare those tensors)."""
     from engine.loader import _file_lock, cache_dir, load_weights
     from engine.quant import cache, gguf
 
@@ -56,6 +61,7 @@ def load_model_weights(
                 origin = "quantized"
             cache.save_quantized(model, tensor_path, manifest_path, quant, source)
     for module in cache.quant_modules(model).values():
-        module.pack()
+        if pack:
+            module.pack()
     log.info("quant.loaded", scheme=quant.name, origin=origin)
     return origin
