@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.kv_cache_manager import cdiv
 from engine.layers.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from engine.layers.linear import Linear
+from engine.logprobs import StepLogprobs, add_sample_logprobs, prompt_logprobs_for_step
 from engine.models import get_model_class
 from engine.models.llama import head_dim_of
 from engine.quant import QuantConfig, load_model_weights
@@ -120,6 +121,7 @@ class ModelRunner:
                 module.pack()
         self._allocate_kv_cache()
         self.sampler = Sampler()
+        self.step_logprobs: dict[str, StepLogprobs] = {}
         log.info(
             "model_runner.ready", model=str(model_path), dtype=str(self.dtype).split(".")[-1],
             max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
@@ -175,6 +177,7 @@ class ModelRunner:
         if not requests:
             return {}
         token_ids = self.sampler(logits, requests)
+        add_sample_logprobs(self.step_logprobs, logits, requests, token_ids)
         return {r.request_id: t for r, t in zip(requests, token_ids, strict=True)}
 
     @torch.inference_mode()
@@ -184,12 +187,19 @@ class ModelRunner:
         requests, logits = self._run(out)
         return {r.request_id: logits[i].float() for i, r in enumerate(requests)}
 
+    def take_logprobs(self) -> dict[str, StepLogprobs]:
+        """The last step's logprobs (requests that asked for them), handed over once."""
+        step, self.step_logprobs = self.step_logprobs, {}
+        return step
+
     def _run(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
         self.sampler.drop(out.finished_request_ids)
+        self.step_logprobs: dict[str, StepLogprobs] = {}
         if not out.scheduled:
             return [], None
         batch = self._prepare(out.scheduled)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)  # [num_tokens, hidden]
+        self.step_logprobs = prompt_logprobs_for_step(self.model, hidden, out.scheduled)
         if not batch.sample_requests:
             return [], None
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
