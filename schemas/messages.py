@@ -15,6 +15,8 @@ from typing import Annotated, Literal, get_args
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = 1
+# Additions within v1 that old readers ignore: 1 = `logprobs` (request) and `logprobs` (token).
+SCHEMA_MINOR_VERSION = 1
 
 MAX_ID_CHARS = 256
 MAX_TOKENS_LIMIT = 1 << 20  # same bound as engine.SamplingParams; schemas may not import engine
@@ -23,6 +25,7 @@ MAX_SEED = 2**63 - 1
 MAX_MODEL_NAME_CHARS = 256
 MAX_ROLE_CHARS = 64
 MAX_STOP_STRING_CHARS = 1024
+MAX_LOGPROBS = 20  # same bound as engine.SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled", "expired", "error"]
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
@@ -70,6 +73,8 @@ class Request(WireModel):
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] = []
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
     ignore_eos: bool = False
+    # v1.1: top-k log-probabilities per generated token (vLLM's `logprobs`); None = none.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     stream: bool = True
     deadline_ms: int | None = Field(default=None, ge=0, description="absolute Unix epoch ms")
     model: str | None = Field(default=None, min_length=1, max_length=MAX_MODEL_NAME_CHARS)
@@ -114,10 +119,25 @@ class _Reply(WireModel):
     seq: int = Field(ge=0)
 
 
+class TopLogprob(WireModel):
+    token_id: int = Field(ge=0)
+    logprob: float = Field(le=0.0)
+
+
+class TokenLogprob(WireModel):
+    """One generated token's log-probability and the request's top-k alternatives."""
+
+    token_id: int = Field(ge=0)
+    logprob: float = Field(le=0.0)
+    top_logprobs: list[TopLogprob] = []
+
+
 class TokenReply(_Reply):
     type: Literal["token"] = "token"
     text: str
     token_ids: list[int] = []
+    # v1.1: one entry per token of `token_ids` when the request asked for `logprobs`.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class FinalReply(_Reply):
