@@ -28,6 +28,7 @@ class EngineConfig:
     seed: int = 0  # seeds requests that give no seed of their own
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" (engine/quant/kv_int8.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -46,6 +47,9 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
             )
+
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -31,7 +31,7 @@ from engine.layers.linear import Linear
 from engine.logprobs import StepLogprobs, add_sample_logprobs, prompt_logprobs_for_step
 from engine.models import get_model_class
 from engine.models.llama import head_dim_of
-from engine.quant import QuantConfig, load_model_weights
+from engine.quant import QuantConfig, kv_int8, load_model_weights
 from engine.sampler import Sampler
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
@@ -112,6 +112,8 @@ class ModelRunner:
         model_class = get_model_class(self.hf_config)
         self.max_model_len = self._max_model_len(config, self.hf_config)
         backend = get_attention_backend(config.attention_backend)
+        if config.kv_cache_dtype == "int8":
+            backend = kv_int8.Int8PagedAttention()
         self.model = model_class(
             self.hf_config, self.dtype, self.max_model_len, backend, quant=self.quant
         ).eval()
@@ -156,9 +158,16 @@ class ModelRunner:
         )
         element_bytes = self.dtype.itemsize
         bytes_per_block = 2 * num_layers * self.block_size * num_kv_heads * head_dim * element_bytes
+        if self.config.kv_cache_dtype == "int8":
+            bytes_per_block = kv_int8.bytes_per_block(
+                num_layers, self.block_size, num_kv_heads, head_dim
+            )
         self.num_kv_blocks = self.config.num_kv_blocks or max(
             1, self.config.kv_cache_memory_bytes // bytes_per_block
         )
+        if self.config.kv_cache_dtype == "int8":
+            self._allocate_int8_kv_cache(num_layers, num_kv_heads, head_dim, bytes_per_block)
+            return
         self.kv_cache = _lazy_zeros(
             (num_layers, self.num_kv_blocks, self.block_size, 2, num_kv_heads, head_dim),
             self.dtype,
@@ -169,6 +178,19 @@ class ModelRunner:
         attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache")]
         for layer_index, attention in enumerate(attention_layers):
             attention.kv_cache = self.kv_cache[layer_index]
+
+    def _allocate_int8_kv_cache(self, num_layers, num_kv_heads, head_dim, bytes_per_block):
+        codes, scales = kv_int8.allocate(
+            num_layers, self.num_kv_blocks, self.block_size, num_kv_heads, head_dim, _lazy_zeros
+        )
+        if self.config.kv_cache_prefault:
+            codes.fill_(0)
+            scales.fill_(0)
+        self.kv_cache, self.kv_cache_scales = codes, scales
+        self.kv_cache_bytes = self.num_kv_blocks * bytes_per_block
+        attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache")]
+        for layer_index, attention in enumerate(attention_layers):
+            attention.kv_cache = kv_int8.Int8KVCache(codes[layer_index], scales[layer_index])
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
