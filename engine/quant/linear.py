@@ -33,6 +33,10 @@ alternating rounds, time of bf16 oneDNN-packed / time of the kernel, > 1 = faste
                          8     0.61   1.05   1.09
                          64    0.22   0.47   0.83
 
+These kernels are meant for bf16 activations: `_weight_int8pack_mm` with float32 activations
+takes a slow path here (576->3072: 2.4 s for 512 rows against 86 ms in bf16, 224 vs 16 ms at
+64 rows), so quantized models should be loaded with dtype="bfloat16"; float32 works, slowly.
+
 So the weight-only kernels win for one row (the single-stream latency case, and they halve or
 quarter the weight bytes) and lose past a few rows; `_int_mm` is about even with bf16 at 32-64
 rows. Hence w8a8 switches kernels at `W8A8_INT_MM_MIN_ROWS`. lm_head is quantized: at one row
