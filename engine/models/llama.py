@@ -144,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias, o_bias = self.attention_biases(hf_config)
         self.model = LlamaModel(hf_config, qkv_bias, o_bias, backend, max_position, dtype, quant)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        head_quant = quant if quant is not None and quant.quantize_lm_head else None
+        head_quant = quant.lm_head_config() if quant is not None else None
         self.lm_head = make_linear(
             hf_config.hidden_size, hf_config.vocab_size, False, dtype, head_quant
         )

@@ -28,7 +28,7 @@ from engine.quant.linear import QuantLinear
 
 log = structlog.get_logger(__name__)
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: lm_head is int8 for every scheme
 
 
 def quant_modules(model: nn.Module) -> dict[str, QuantLinear]:

@@ -39,8 +39,9 @@ takes a slow path here (576->3072: 2.4 s for 512 rows against 86 ms in bf16, 224
 
 So the weight-only kernels win for one row (the single-stream latency case, and they halve or
 quarter the weight bytes) and lose past a few rows; `_int_mm` is about even with bf16 at 32-64
-rows. Hence w8a8 switches kernels at `W8A8_INT_MM_MIN_ROWS`. lm_head is quantized: at one row
-int4 is 3.3x and int8 1.3x faster than bf16 on the largest matmul of a decode step.
+rows. Hence w8a8 switches kernels at `W8A8_INT_MM_MIN_ROWS`. lm_head is quantized as int8
+weight-only for every scheme (1.3x bf16 at one row; int4 would be 3.3x but cost 7% perplexity,
+see engine/quant/config.py).
 """
 
 from __future__ import annotations

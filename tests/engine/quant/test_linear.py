@@ -141,7 +141,8 @@ def _dequantized_hf(path, quant: QuantConfig):
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and name != "lm_head":
                 module.weight.copy_(fake_quant(module.weight))
-        head = fake_quant(model.get_input_embeddings().weight)
+        # lm_head is int8 weight-only under every scheme (QuantConfig.lm_head_config).
+        head = dequantize_int8(*quantize_int8_per_channel(model.get_input_embeddings().weight))
         model.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
     return model
 
