@@ -34,6 +34,7 @@ class EngineConfig:
     # torch.compile of the model forward: "on" | "off" | "auto" (True/False mean on/off). "auto"
     # is off: on the 2-core Zen 4 the compiled step did not beat eager (engine/compile.py).
     compile: str | bool = "auto"
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" (engine/quant/kv_int8.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -62,6 +63,9 @@ class EngineConfig:
             raise ValueError(
                 f"linear_kernel must be 'auto', 'plain' or 'packed', got {self.linear_kernel!r}"
             )
+
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

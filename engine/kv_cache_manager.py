@@ -68,6 +68,8 @@ class KVCacheManager:
         produce logits, so a fully cached prompt gives back its last block."""
         if not self.enable_caching:
             return []
+        if req.params.prompt_logprobs is not None and req.num_output_tokens == 0:
+            return []  # cached prompt tokens would have no logits (vLLM does the same)
         max_hit_tokens = req.num_tokens - 1
         hits = []
         for h in self._full_block_hashes(req, max_hit_tokens):

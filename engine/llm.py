@@ -73,6 +73,8 @@ class LLM:
         prompt_ids = {rid: self.engine.scheduler.requests[rid].prompt_token_ids for rid in ids}
         texts = {rid: [] for rid in ids}
         tokens = {rid: [] for rid in ids}
+        logprobs = {rid: [] for rid in ids}
+        prompt_logprobs: dict[str, list] = {}
         results: dict[str, RequestOutput] = {}
         bar = _progress(len(ids), use_tqdm)
         try:
@@ -80,6 +82,10 @@ class LLM:
                 for d in self.engine.step():
                     texts[d.request_id].append(d.text)
                     tokens[d.request_id].extend(d.token_ids)
+                    if d.logprobs is not None:
+                        logprobs[d.request_id].extend(d.logprobs)
+                    if d.prompt_logprobs is not None:
+                        prompt_logprobs[d.request_id] = d.prompt_logprobs
                     if d.finished:
                         results[d.request_id] = RequestOutput(
                             request_id=d.request_id,
@@ -88,6 +94,8 @@ class LLM:
                             token_ids=tokens[d.request_id],
                             finish_reason=d.finish_reason,
                             num_cached_tokens=d.num_cached_tokens,
+                            prompt_logprobs=prompt_logprobs.get(d.request_id),
+                            logprobs=logprobs[d.request_id] if logprobs[d.request_id] else None,
                         )
                         if bar is not None:
                             bar.update(1)

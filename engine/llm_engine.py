@@ -18,6 +18,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import PromptTooLongError
 from engine.kv_cache_manager import cdiv
 from engine.loader import load_tokenizer, resolve_model
+from engine.logprobs import PromptLogprobsAccumulator, StepLogprobs
 from engine.model_runner import ModelRunner
 from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, RequestDelta
 from engine.request import Request
@@ -63,6 +64,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(self.model_path, self.runner.hf_config, self.tokenizer)
         self.scheduler = Scheduler(self.config, self.runner.num_kv_blocks)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._prompt_logprobs: dict[str, PromptLogprobsAccumulator] = {}
         self._num_arrivals = 0
         # Libraries imported lazily while loading leave exception/traceback cycles whose frames
         # hold this engine: collected now, a dropped engine frees its weights and KV pool at
@@ -132,10 +134,15 @@ class LLMEngine:
         )
         self.scheduler.add_request(req)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = PromptLogprobsAccumulator(
+                prompt_ids, params.prompt_logprobs
+            )
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks now. Emits no delta."""
         self._detokenizers.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         return self.scheduler.finish_request(request_id, FINISH_ABORT) is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -149,8 +156,13 @@ class LLMEngine:
                 self.runner.execute(out)  # lets the runner drop per-request state
             return []
         sampled = self.runner.execute(out)
+        step_logprobs = self.runner.take_logprobs()
+        for request_id, produced in step_logprobs.items():
+            accumulator = self._prompt_logprobs.get(request_id)
+            if produced.prompt_chunk is not None and accumulator is not None:
+                accumulator.add(produced.prompt_chunk)
         updated = self.scheduler.update_from_output(out, sampled)
-        return [self._postprocess(req) for req in updated]
+        return [self._postprocess(req, step_logprobs.get(req.request_id)) for req in updated]
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
@@ -160,7 +172,7 @@ class LLMEngine:
             return FINISH_LENGTH
         return None
 
-    def _postprocess(self, req: Request) -> RequestDelta:
+    def _postprocess(self, req: Request, logprobs: StepLogprobs | None = None) -> RequestDelta:
         token = req.all_token_ids[-1]
         reason = self._finish_reason(req, token)
         detok = self._detokenizers[req.request_id]
@@ -178,10 +190,21 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens or 0,
         )
+        if logprobs is not None and logprobs.sample is not None:
+            delta.logprobs = [self._decoded(logprobs.sample)]
+        accumulator = self._prompt_logprobs.pop(req.request_id, None)
+        if accumulator is not None:  # the first delta carries the whole prompt's
+            delta.prompt_logprobs = [e and self._decoded(e) for e in accumulator.entries]
         if finished:
             self.scheduler.finish_request(req.request_id, reason)
             self._detokenizers.pop(req.request_id, None)
         return delta
+
+    def _decoded(self, entry: dict) -> dict:
+        if self.tokenizer is not None:
+            for token_id, logprob in entry.items():
+                logprob.decoded_token = self.tokenizer.decode([token_id])
+        return entry
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler

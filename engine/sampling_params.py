@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # top-k per position, as vLLM's default limit
+
 
 def derive_seed(key: str) -> int:
     """A stable seed in [0, 2**63) from a string: the same key always gives the same seed, in
@@ -30,6 +32,10 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # vLLM's: top-k log-probabilities (plus the actual token) per generated / prompt token;
+    # None = not computed. 0 = the actual token only.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen to tuples.
@@ -57,6 +63,13 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int)
+                or not 0 <= value <= MAX_LOGPROBS
+            ):  # fmt: skip
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def is_greedy(self) -> bool:

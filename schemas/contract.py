@@ -8,6 +8,9 @@ are what a producer and a worker agree on out of the box. See docs/CONTRACT.md.
 from __future__ import annotations
 
 SCHEMA_VERSION = 1
+# Additions within v1 that old readers ignore: 1 = `logprobs` (request and token replies) and
+# the latency split of `timing`.
+SCHEMA_MINOR_VERSION = 1
 
 # --- Topics ------------------------------------------------------------------------------------
 DEFAULT_REQUEST_TOPIC = "mini-infer.requests"
@@ -36,6 +39,7 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_STRINGS = 16
 MAX_CHAT_MESSAGES = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20  # top-k alternatives per position (the engine has the same default bound)
 MAX_TOKEN_ID = 2**31 - 1
 
 

@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from schemas.contract import (
     MAX_DEADLINE_MS,
     MAX_ID_CHARS,
+    MAX_LOGPROBS,
     MAX_MODEL_NAME_CHARS,
     MAX_ROLE_CHARS,
     MAX_SEED,
@@ -72,6 +73,8 @@ class Request(WireModel):
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] = []
     stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] = []
     ignore_eos: bool = False
+    # v1.1: top-k log-probabilities per generated token (vLLM's `logprobs`); None = none.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     stream: bool = True
     deadline_ms: int | None = Field(
         default=None, ge=0, le=MAX_DEADLINE_MS, description="absolute Unix epoch ms"
@@ -127,10 +130,25 @@ class _Reply(WireModel):
     seq: int = Field(ge=0)
 
 
+class TopLogprob(WireModel):
+    token_id: int = Field(ge=0)
+    logprob: float = Field(le=0.0)
+
+
+class TokenLogprob(WireModel):
+    """One generated token's log-probability and the request's top-k alternatives."""
+
+    token_id: int = Field(ge=0)
+    logprob: float = Field(le=0.0)
+    top_logprobs: list[TopLogprob] = []
+
+
 class TokenReply(_Reply):
     type: Literal["token"] = "token"
     text: str
     token_ids: list[int] = []
+    # v1.1: one entry per token of `token_ids` when the request asked for `logprobs`.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class FinalReply(_Reply):

@@ -112,11 +112,22 @@ class MergedLinear(Linear):
         return y.split(list(self.shard_sizes.values()), dim=-1)
 
 
-def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> Linear:
+def make_linear(
+    in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant=None
+) -> nn.Module:
+    """`quant`: an engine.quant.QuantConfig, or None for the float layer."""
+    if quant is not None:
+        from engine.quant.linear import QuantLinear
+
+        return QuantLinear(in_features, out_features, bias, dtype, quant)
     return Linear(in_features, out_features, bias, dtype)
 
 
 def make_merged_linear(
-    in_features: int, shard_sizes: dict[str, int], bias: bool, dtype: torch.dtype
-) -> MergedLinear:
+    in_features: int, shard_sizes: dict[str, int], bias: bool, dtype: torch.dtype, quant=None
+) -> nn.Module:
+    if quant is not None:
+        from engine.quant.linear import QuantMergedLinear
+
+        return QuantMergedLinear(in_features, shard_sizes, bias, dtype, quant)
     return MergedLinear(in_features, shard_sizes, bias, dtype)

@@ -29,16 +29,18 @@ def head_dim_of(hf_config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hf_config, qkv_bias: bool, o_bias: bool, backend, dtype: torch.dtype):
+    def __init__(
+        self, hf_config, qkv_bias: bool, o_bias: bool, backend, dtype: torch.dtype, quant=None
+    ):
         super().__init__()
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
         self.head_dim = head_dim_of(hf_config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = make_merged_linear(
-            hf_config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias, dtype
+            hf_config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias, dtype, quant
         )
-        self.o_proj = make_linear(q_size, hf_config.hidden_size, o_bias, dtype)
+        self.o_proj = make_linear(q_size, hf_config.hidden_size, o_bias, dtype, quant)
         self.backend = backend
         # This layer's view of the runner's pool: [num_kv_blocks, block_size, 2, kv, head_dim].
         self.kv_cache: torch.Tensor | None = None
@@ -56,16 +58,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hf_config, dtype: torch.dtype):
+    def __init__(self, hf_config, dtype: torch.dtype, quant=None):
         super().__init__()
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r}; only 'silu'")
         bias = bool(getattr(hf_config, "mlp_bias", False))
         size = hf_config.intermediate_size
         self.gate_up_proj = make_merged_linear(
-            hf_config.hidden_size, {"gate": size, "up": size}, bias, dtype
+            hf_config.hidden_size, {"gate": size, "up": size}, bias, dtype, quant
         )
-        self.down_proj = make_linear(size, hf_config.hidden_size, bias, dtype)
+        self.down_proj = make_linear(size, hf_config.hidden_size, bias, dtype, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # 2 x [num_tokens, intermediate]
@@ -77,10 +79,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hf_config, qkv_bias: bool, o_bias: bool, backend, dtype: torch.dtype):
+    def __init__(
+        self, hf_config, qkv_bias: bool, o_bias: bool, backend, dtype: torch.dtype, quant=None
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(hf_config, qkv_bias, o_bias, backend, dtype)
-        self.mlp = LlamaMLP(hf_config, dtype)
+        self.self_attn = LlamaAttention(hf_config, qkv_bias, o_bias, backend, dtype, quant)
+        self.mlp = LlamaMLP(hf_config, dtype, quant)
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
@@ -97,7 +101,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config, qkv_bias, o_bias, backend, max_position: int, dtype):
+    def __init__(self, hf_config, qkv_bias, o_bias, backend, max_position: int, dtype, quant=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(
             hf_config.vocab_size,
@@ -107,7 +111,7 @@ class LlamaModel(nn.Module):
             _weight=torch.empty(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype),
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, qkv_bias, o_bias, backend, dtype)
+            LlamaDecoderLayer(hf_config, qkv_bias, o_bias, backend, dtype, quant)
             for _ in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
@@ -133,14 +137,24 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(
-        self, hf_config, dtype: torch.dtype, max_position: int, backend: TorchPagedAttention
+        self,
+        hf_config,
+        dtype: torch.dtype,
+        max_position: int,
+        backend: TorchPagedAttention,
+        quant=None,  # engine.quant.QuantConfig or None
     ):
         super().__init__()
         qkv_bias, o_bias = self.attention_biases(hf_config)
-        self.model = LlamaModel(hf_config, qkv_bias, o_bias, backend, max_position, dtype)
+        self.model = LlamaModel(hf_config, qkv_bias, o_bias, backend, max_position, dtype, quant)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = make_linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
-        if self.tie_word_embeddings:
+        head_quant = quant.lm_head_config() if quant is not None else None
+        self.lm_head = make_linear(
+            hf_config.hidden_size, hf_config.vocab_size, False, dtype, head_quant
+        )
+        # A quantized lm_head holds its own codes; the loader quantizes them from the tied
+        # embedding table (engine/loader.py).
+        if self.tie_word_embeddings and head_quant is None:
             # Shared, not copied: the untouched empty buffer is freed here.
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -313,8 +313,8 @@ def test_kv_cache_sizing(variant_dirs):
 def test_rejections(variant_dirs, tmp_path, monkeypatch):
     path = variant_dirs("llama-gqa")
     config = EngineConfig(num_kv_blocks=8)
-    with pytest.raises(ValueError, match="quantization 'int8' is not supported yet"):
-        ModelRunner(path, config, torch.float32, quantization="int8")
+    with pytest.raises(ValueError, match="unknown quantization 'fp4'"):
+        ModelRunner(path, config, torch.float32, quantization="fp4")
     if not torch.cuda.is_available():  # Triton on CPU only in its interpreter
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):

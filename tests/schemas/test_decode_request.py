@@ -55,8 +55,16 @@ def test_minimal_request_gets_defaults() -> None:
 
 
 def test_unknown_fields_are_ignored() -> None:
-    request = decode_request(packed(n=3, logprobs=True, future={"nested": [1, 2]}))
+    request = decode_request(packed(n=3, best_of=2, future={"nested": [1, 2]}))
     assert request == decode_request(packed())
+
+
+def test_logprobs_field_v1_1() -> None:
+    assert decode_request(packed()).logprobs is None
+    assert decode_request(packed(logprobs=5)).logprobs == 5
+    for bad in (-1, 21):
+        with pytest.raises(Exception, match="logprobs"):
+            decode_request(packed(logprobs=bad))
 
 
 def test_messages_instead_of_prompt() -> None:

@@ -1,0 +1,64 @@
+"""Which quantization a model load uses: parsed once from `LLM(..., quantization=...)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.quant.primitives import INT4_GROUP_SIZES
+
+SCHEMES = ("int8", "int4", "w8a8")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """scheme: "int8" | "int4" | "w8a8"; group_size: int4 only (32, 64 or 128).
+
+    `quantize_lm_head`: the output projection (49152 x 576 in SmolLM2, the largest matmul of a
+    decode step) is quantized by default, always as int8 weight-only whatever the scheme
+    (`lm_head_config`). Measured (loadtest/bench_accuracy.py, SmolLM2, KJV windows): with an
+    int4 lm_head the int4 model's perplexity was +7.3% over fp32 although its other layers are
+    the GGUF's own Q4_1 weights bit for bit (so the fp32 reference has them too): the whole loss
+    was the head's. w8a8 with a w8a8 head: +3.8%. int8 weight-only head: int8 model +0.55%.
+    Speed at one row: int8 head 1.3x bf16 (engine/quant/linear.py).
+    The embedding table is never quantized: a lookup reads a few rows, so there is no speed to
+    gain, and with tied embeddings the float table is needed for the lookup anyway.
+    """
+
+    scheme: str
+    group_size: int = 32
+    quantize_lm_head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"unknown quantization {self.scheme!r}; expected one of {SCHEMES}")
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"int4 group size must be one of {INT4_GROUP_SIZES}, got {self.group_size}"
+            )
+
+    def lm_head_config(self) -> QuantConfig | None:
+        """How lm_head is quantized (None: left in the model dtype)."""
+        return QuantConfig("int8") if self.quantize_lm_head else None
+
+    @property
+    def name(self) -> str:
+        """Stable name used in cache file names: "int8", "w8a8", "int4-g32"."""
+        return f"int4-g{self.group_size}" if self.scheme == "int4" else self.scheme
+
+    @classmethod
+    def parse(cls, spec: str | QuantConfig | None) -> QuantConfig | None:
+        """None | "int8" | "int4" | "int4-g64" | "int4:64" | "w8a8" | a QuantConfig."""
+        if spec is None or isinstance(spec, QuantConfig):
+            return spec
+        if not isinstance(spec, str):
+            raise ValueError(f"quantization must be a string, got {spec!r}")
+        text = spec.strip().lower()
+        if text in ("", "none"):
+            return None
+        for sep in ("-g", ":"):
+            if text.startswith("int4" + sep):
+                size = text[len("int4" + sep) :]
+                if not size.isdigit():
+                    raise ValueError(f"bad int4 group size in {spec!r}")
+                return cls("int4", int(size))
+        return cls(text)

@@ -1,0 +1,252 @@
+"""Quantized linear layers behind the seam of engine/layers/linear.py.
+
+Each class takes the same constructor arguments as `Linear`/`MergedLinear` (plus the
+`QuantConfig`), and provides `forward`, `weight_loader` and `pack`. The loader hands
+`weight_loader` float checkpoint tensors, which are quantized row block by row block (both
+schemes are row-local, so quantizing a q/k/v shard alone gives the same codes as quantizing the
+fused weight). Until `pack()` the layer holds the canonical tensors of
+engine/quant/primitives.py (what the quantized cache stores) and computes with the dequantizing
+reference; `pack()` turns them into the kernel layout once.
+
+Kernels (torch 2.13 CPU ops, no dequantize-then-matmul):
+- int8: `aten._weight_int8pack_mm(x, codes [out, in], scale)`.
+- int4: `aten._convert_weight_to_int4pack_for_cpu` once, then `aten._weight_int4pack_mm_for_cpu`
+  per call. The kernel computes w = (q - 8) * s + z, so z = minimum + 8 * scale.
+- w8a8: activations quantized per token, `torch._int_mm(int8, int8) -> int32` (VNNI), rescaled
+  by (token scale x channel scale). At few rows the int8 weight-only kernel on unquantized
+  activations is used instead (faster there, and more accurate): the same int8 weight serves
+  both.
+
+Measured (loadtest/bench_quant_kernels.py, 2-core AMD EPYC Zen 4, bf16 activations, 3
+alternating rounds, time of bf16 oneDNN-packed / time of the kernel, > 1 = faster than bf16):
+
+    shape (in->out)      rows  int8   int4   w8a8(_int_mm)
+    576->960   qkv       1     2.40   2.16   1.16
+                         8     0.69   0.78   0.54
+                         64    0.37   0.47   0.78
+    576->3072  gate_up   1     1.03   0.89   0.81
+                         32    0.40   0.42   1.11
+                         64    0.32   0.36   1.04
+    1536->576  down      1     1.58   1.39   0.89
+                         64    0.41   0.44   1.09
+    576->49152 lm_head   1     1.33   3.29   1.86
+                         8     0.61   1.05   1.09
+                         64    0.22   0.47   0.83
+
+These kernels are meant for bf16 activations: `_weight_int8pack_mm` with float32 activations
+takes a slow path here (576->3072: 2.4 s for 512 rows against 86 ms in bf16, 224 vs 16 ms at
+64 rows), so quantized models should be loaded with dtype="bfloat16"; float32 works, slowly.
+
+So the weight-only kernels win for one row (the single-stream latency case, and they halve or
+quarter the weight bytes) and lose past a few rows; `_int_mm` is about even with bf16 at 32-64
+rows. Hence w8a8 switches kernels at `W8A8_INT_MM_MIN_ROWS`. lm_head is quantized as int8
+weight-only for every scheme (1.3x bf16 at one row; int4 would be 3.3x but cost 7% perplexity,
+see engine/quant/config.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.quant.config import QuantConfig
+from engine.quant.primitives import (
+    check_group_size,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4_groupwise,
+    quantize_int8_per_channel,
+    quantize_per_token_int8,
+)
+
+# w8a8 uses _int_mm from this many rows on; below, the int8 weight-only kernel (see above).
+W8A8_INT_MM_MIN_ROWS = 16
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W quantized. `weight` holds the codes ([out, in], int8 or uint8);
+    scales (and int4 minimums) are float32 buffers, so the loader's parameter walk finds
+    exactly the tensors a checkpoint provides (weight, bias)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        quant: QuantConfig,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.dtype = dtype
+        self.quant = quant
+        self.scheme = quant.scheme
+        self.is_packed = False
+        if self.scheme == "int4":
+            check_group_size(in_features, quant.group_size)
+            num_groups = in_features // quant.group_size
+            self.weight = _param((out_features, in_features), torch.uint8)
+            self.register_buffer("scale", torch.zeros(out_features, num_groups))
+            self.register_buffer("minimum", torch.zeros(out_features, num_groups))
+        else:
+            self.weight = _param((out_features, in_features), torch.int8)
+            self.register_buffer("scale", torch.zeros(out_features))
+        self.bias = _param((out_features,), dtype) if bias else None
+
+    # -- loading -----------------------------------------------------------------------------
+    def _rows(self, shard_id: str | None) -> tuple[int, int]:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
+        return 0, self.out_features
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None
+    ) -> None:
+        start, size = self._rows(shard_id)
+        if param is self.bias:
+            if tuple(loaded.shape) != (size,):
+                raise ValueError(f"bias shard {shard_id!r}: {tuple(loaded.shape)} vs ({size},)")
+            self.bias.data[start : start + size].copy_(loaded)
+            return
+        if tuple(loaded.shape) != (size, self.in_features):
+            raise ValueError(
+                f"shard {shard_id!r}: checkpoint {tuple(loaded.shape)} vs "
+                f"{(size, self.in_features)}"
+            )
+        if self.scheme == "int4":
+            codes, scale, minimum = quantize_int4_groupwise(loaded, self.quant.group_size)
+            self.load_quantized(start, codes, scale, minimum)
+        else:
+            codes, scale = quantize_int8_per_channel(loaded)
+            self.load_quantized(start, codes, scale)
+
+    def load_quantized(
+        self,
+        row_start: int,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        minimum: torch.Tensor | None = None,
+    ) -> None:
+        """Copy already-quantized rows (canonical form) in: the quantized cache and GGUF Q4_1
+        blocks come in this way, without a float round trip."""
+        if self.is_packed:
+            raise RuntimeError("cannot load into a packed quantized layer")
+        rows = slice(row_start, row_start + codes.shape[0])
+        self.weight.data[rows].copy_(codes)
+        self.scale[rows].copy_(scale)
+        if self.scheme == "int4":
+            if minimum is None:
+                raise ValueError("int4 rows need their minimums")
+            self.minimum[rows].copy_(minimum)
+
+    def quantized_state(self) -> dict[str, torch.Tensor]:
+        """The canonical tensors (what the cache stores), by local name."""
+        if self.is_packed:
+            raise RuntimeError("the canonical tensors are gone once packed")
+        state = {"weight": self.weight.data, "scale": self.scale}
+        if self.scheme == "int4":
+            state["minimum"] = self.minimum
+        return state
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """float32 [out, in]: what the codes stand for (the reference path and tests)."""
+        if self.scheme == "int4":
+            return dequantize_int4(self.weight.data, self.scale, self.minimum)
+        return dequantize_int8(self.weight.data, self.scale)
+
+    # -- packing and compute ---------------------------------------------------------------
+    def pack(self) -> None:
+        """Re-lay the canonical tensors out for the kernel (call once, after loading)."""
+        if self.is_packed:
+            return
+        if self.scheme == "int4":
+            # The kernel wants out_features a multiple of 16: pad with zero rows, slice after.
+            pad = -self.out_features % 16
+            codes, scale, zero = self.weight.data, self.scale, self.minimum + 8.0 * self.scale
+            if pad:
+                codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
+                scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+                zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+            # [in // group_size, out, 2]: (scale, zero) per group, in the activation dtype.
+            self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1)
+            self.scales_and_zeros = self.scales_and_zeros.contiguous().to(self.dtype)
+            # The uint8 codes (1 byte per weight) give way to the nibble-packed copy.
+            self.weight = nn.Parameter(packed, requires_grad=False)
+            del self.scale, self.minimum
+        else:
+            self.scale_compute = self.scale.to(self.dtype)
+        self.is_packed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [num_tokens, in_features] -> [num_tokens, out_features]
+        if not self.is_packed:
+            return self.forward_reference(x)
+        if self.scheme == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.weight, self.quant.group_size, self.scales_and_zeros
+            )
+            if y.shape[1] != self.out_features:
+                y = y[:, : self.out_features]
+        elif self.scheme == "w8a8" and x.shape[0] >= W8A8_INT_MM_MIN_ROWS:
+            y = _int8_gemm(x, self.weight, self.scale)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale_compute)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """Dequantize-then-matmul in float32 (w8a8 also quantizes the activations where its
+        kernel does), cast to the input dtype: what the kernels are tested against."""
+        weight = self.dequantized_weight()
+        if self.scheme == "w8a8" and x.shape[0] >= W8A8_INT_MM_MIN_ROWS:
+            codes, token_scale = quantize_per_token_int8(x)
+            y = (codes.float() @ self.weight.data.float().t()) * token_scale * self.scale
+        else:
+            y = x.float() @ weight.t()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+
+def _int8_gemm(x: torch.Tensor, codes: torch.Tensor, channel_scale: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float, codes int8 [out, in], channel_scale float32 [out] -> [rows, out]."""
+    x_codes, token_scale = quantize_per_token_int8(x)
+    accumulated = torch._int_mm(x_codes, codes.t())  # int32 [rows, out]
+    return (accumulated.float() * token_scale * channel_scale).to(x.dtype)
+
+
+class QuantMergedLinear(QuantLinear):
+    """Several projections of one input stacked along the output dim, loaded shard by shard."""
+
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],
+        bias: bool,
+        dtype: torch.dtype,
+        quant: QuantConfig,
+    ):
+        super().__init__(in_features, sum(shard_sizes.values()), bias, dtype, quant)
+        self.shard_sizes = dict(shard_sizes)
+        self.shard_offsets: dict[str, int] = {}
+        offset = 0
+        for name, size in shard_sizes.items():
+            self.shard_offsets[name] = offset
+            offset += size
+
+    def _rows(self, shard_id: str | None) -> tuple[int, int]:
+        if shard_id not in self.shard_sizes:
+            raise ValueError(
+                f"unknown shard {shard_id!r}; expected one of {list(self.shard_sizes)}"
+            )
+        return self.shard_offsets[shard_id], self.shard_sizes[shard_id]
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(list(self.shard_sizes.values()), dim=-1)
