@@ -20,7 +20,7 @@ import structlog
 
 from engine.outputs import RequestDelta
 from schemas.contract import DeadLetterReason
-from schemas.messages import ErrorCode, ErrorInfo, Timing, Usage
+from schemas.messages import ErrorCode, ErrorInfo, Timing, TokenLogprob, TopLogprob, Usage
 from worker.service import request_metrics
 from worker.service.batcher import Batcher
 from worker.service.bridge import (
@@ -302,7 +302,8 @@ class Pipeline:
         request_metrics.on_tokens(self._telemetry, job, len(delta.token_ids), now_s)
         job.num_prompt_tokens = delta.num_prompt_tokens or job.num_prompt_tokens
         job.num_output_tokens = delta.num_output_tokens
-        for message in job.stream.add(delta.text, delta.token_ids):
+        logprobs = _wire_logprobs(delta.token_ids, delta.logprobs, job.params.logprobs)
+        for message in job.stream.add(delta.text, delta.token_ids, logprobs):
             self._replies.send(job, message)
         if delta.finished:
             self._finish(job, delta.finish_reason or "stop")
@@ -494,3 +495,23 @@ class Pipeline:
             if not siblings:
                 del self._by_request[job.request_id]
 
+
+def _wire_logprobs(token_ids: list[int], positions, top_k: int | None) -> list[TokenLogprob] | None:
+    """The engine's per-token logprobs ({token id: Logprob}: the sampled token and the top k)
+    as contract v1.1 `TokenLogprob`s: the sampled token's, and the k most likely (which may
+    include the sampled one), as in the OpenAI API."""
+    if positions is None:
+        return None
+    out = []
+    for token_id, position in zip(token_ids, positions, strict=True):
+        ranked = sorted(position.items(), key=lambda item: -item[1].logprob)[: top_k or 0]
+        out.append(
+            TokenLogprob(
+                token_id=token_id,
+                logprob=min(0.0, position[token_id].logprob),
+                top_logprobs=[
+                    TopLogprob(token_id=tid, logprob=min(0.0, lp.logprob)) for tid, lp in ranked
+                ],
+            )
+        )
+    return out

@@ -9,7 +9,7 @@ comparing texts at equal `seq`. Pure: no Kafka, no clock.
 
 from __future__ import annotations
 
-from schemas.messages import ErrorInfo, FinalReply, Timing, TokenReply, Usage
+from schemas.messages import ErrorInfo, FinalReply, Timing, TokenLogprob, TokenReply, Usage
 
 
 class ReplyStream:
@@ -23,6 +23,7 @@ class ReplyStream:
         self._parts: list[str] = []  # every text delta: the final's text is their concatenation
         self._buffered_text: list[str] = []
         self._buffered_token_ids: list[int] = []
+        self._buffered_logprobs: list[TokenLogprob] | None = None
         self._next_seq = 0
         self.finish_reason: str | None = None  # set once the final is made
 
@@ -34,8 +35,11 @@ class ReplyStream:
     def num_messages(self) -> int:
         return self._next_seq
 
-    def add(self, text: str, token_ids: list[int]) -> list[TokenReply]:
-        """One engine delta in; the token messages it completes out (none when not streaming)."""
+    def add(
+        self, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None = None
+    ) -> list[TokenReply]:
+        """One engine delta in; the token messages it completes out (none when not streaming).
+        `logprobs`, when the request asked for them, has one entry per token of `token_ids`."""
         if text:
             self._parts.append(text)
         if not self.is_streaming:
@@ -43,6 +47,8 @@ class ReplyStream:
         if text:
             self._buffered_text.append(text)
         self._buffered_token_ids.extend(token_ids)
+        if logprobs is not None:
+            self._buffered_logprobs = (self._buffered_logprobs or []) + logprobs
         if self._buffered_text and len(self._buffered_token_ids) >= self.tokens_per_message:
             return [self._take()]
         return []
@@ -82,8 +88,10 @@ class ReplyStream:
             seq=self._next_seq,
             text="".join(self._buffered_text),
             token_ids=self._buffered_token_ids,
+            logprobs=self._buffered_logprobs,
         )
         self._next_seq += 1
         self._buffered_text = []
         self._buffered_token_ids = []
+        self._buffered_logprobs = None
         return message

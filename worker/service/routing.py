@@ -129,6 +129,7 @@ def _sampling_params(request: Request) -> SamplingParams:
         stop=tuple(request.stop),
         stop_token_ids=tuple(request.stop_token_ids),
         ignore_eos=request.ignore_eos,
+        logprobs=request.logprobs,
     )
 
 

@@ -281,3 +281,22 @@ async def test_critical_overtakes_a_backlog_of_low(env, replies) -> None:
     )
     for request in backlog:  # all answered eventually
         assert (await replies.final_of(request.id)).finish_reason == "length"
+
+
+async def test_logprobs_ride_on_token_replies(env, replies) -> None:
+    """Contract v1.1: a request asking for `logprobs` gets one entry per streamed token, with the
+    k most likely alternatives. Guards against the worker dropping them between engine and wire."""
+    request = make_request(replies.topic, id="with-logprobs", max_tokens=6, logprobs=2)
+    plain = make_request(replies.topic, id="without-logprobs", max_tokens=3)
+    for r in (request, plain):
+        await env.producer.send(env.topic, r)
+    final = await replies.final_of(request.id)
+    tokens = stream_of(replies, request.id, final.attempt)[:-1]
+    assert tokens and all(len(t.logprobs) == len(t.token_ids) for t in tokens)
+    entries = [e for t in tokens for e in t.logprobs]
+    assert [e.token_id for e in entries] == [i for t in tokens for i in t.token_ids]
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+    # Greedy: the sampled token is the most likely one.
+    assert all(e.top_logprobs[0].token_id == e.token_id for e in entries)
+    await replies.final_of(plain.id)
+    assert all(t.logprobs is None for t in replies.tokens(plain.id))
