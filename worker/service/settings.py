@@ -311,7 +311,7 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
     "--model": ("model", str, "smollm2-135m, a Hugging Face checkpoint dir or a .gguf file"),
     "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16"),
     "--attention-backend": ("engine.attention_backend", str, "auto | cpu | torch | triton"),
-    "--quantization": ("quantization", str, "int8 | int4 (group 32) | int4-64 | int4-128 | w8a8"),
+    "--quantization": ("quantization", str, "int8 | int4 (group 32) | int4-g64 | int4-g128 | w8a8"),
     "--kv-cache-dtype": ("engine.kv_cache_dtype", str, "auto | int8"),
     "--linear-kernel": ("engine.linear_kernel", str, "auto | plain | packed"),
     "--compile": ("engine.compile", str, "torch.compile the forward: auto | on | off"),
