@@ -267,3 +267,19 @@ def slow_engine_factory(model_dir, step_s: float = 0.03):
         return SlowEngine(LLMEngine(str(model_dir), **SMALL_ENGINE), step_s)
 
     return build
+
+
+@contextlib.asynccontextmanager
+async def serving(broker, worker, grace_s: float | None = None):
+    """`worker` started and holding its partitions, with a producer and a reply reader; on exit
+    the worker stops (draining for `grace_s`), then both clients close."""
+    async with (
+        Producer(broker.bootstrap_servers) as producer,
+        ReplyReader(broker.bootstrap_servers) as replies,
+    ):
+        await worker.start()
+        try:
+            await worker.wait_assigned()
+            yield producer, replies
+        finally:
+            await worker.stop(grace_s=grace_s)

@@ -19,11 +19,11 @@ from schemas.contract import DeadLetterReason
 from schemas.headers import ERROR_REASON, ORIGINAL_BYTES, SOURCE_OFFSET, get_text_header
 from tests.worker.kafka_helpers import (
     Producer,
-    ReplyReader,
     create_topic,
     dlq_records,
     fresh_topics,
     make_request,
+    serving,
     wait_for_commit,
     worker_settings,
 )
@@ -151,24 +151,16 @@ async def test_a_too_large_request_over_the_producer_limit_does_not_wedge_its_pa
         limits={"max_message_bytes": MAX_BYTES},
     )  # fmt: skip
     worker = Worker(settings)
-    async with (
-        Producer(broker.bootstrap_servers) as producer,
-        ReplyReader(broker.bootstrap_servers) as replies,
-    ):
-        await worker.start()
-        try:
-            await worker.wait_assigned()
-            big = make_request(replies.topic, "x" * 200_000, id="big")
-            after = make_request(replies.topic, id="after", max_tokens=3)
-            await producer.send(topic, big)
-            await producer.send(topic, after)
-            assert (await replies.final_of("after")).finish_reason == "length"
-            (dead,) = await dlq_records(broker.bootstrap_servers, settings.kafka.dlq_topic, 1)
-            committed = await wait_for_commit(
-                broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == 2
-            )
-        finally:
-            await worker.stop(grace_s=5)
+    async with serving(broker, worker, grace_s=5) as (producer, replies):
+        big = make_request(replies.topic, "x" * 200_000, id="big")
+        after = make_request(replies.topic, id="after", max_tokens=3)
+        await producer.send(topic, big)
+        await producer.send(topic, after)
+        assert (await replies.final_of("after")).finish_reason == "length"
+        (dead,) = await dlq_records(broker.bootstrap_servers, settings.kafka.dlq_topic, 1)
+        committed = await wait_for_commit(
+            broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == 2
+        )
     assert get_text_header(dead.headers, ERROR_REASON) == DeadLetterReason.TOO_LARGE
     assert dead.value == b"" and int(get_text_header(dead.headers, ORIGINAL_BYTES)) > 200_000
     assert committed[0] == 2 and not worker.failed.is_set()

@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 
 from tests.worker.kafka_helpers import (
-    Producer,
-    ReplyReader,
     create_topic,
     fresh_topics,
     make_request,
+    serving,
     slow_engine_factory,
     wait_for_commit,
     worker_settings,
@@ -32,27 +31,19 @@ async def test_a_duplicate_while_running_is_not_generated_twice(broker, tiny_mod
         kafka={"group_instance_id": "dup-worker-0"},
     )  # fmt: skip
     worker = Worker(settings, engine_factory=slow_engine_factory(tiny_model_dir, step_s=0.03))
-    async with (
-        Producer(broker.bootstrap_servers) as producer,
-        ReplyReader(broker.bootstrap_servers) as replies,
-    ):
-        await worker.start()
-        try:
-            await worker.wait_assigned()
-            request = make_request(replies.topic, "twice", max_tokens=30, ignore_eos=True)
-            await producer.send(topic, request)
-            await producer.send(topic, request)  # the duplicate, while the first one runs
-            first = await replies.final_of(request.id)
-            committed = await wait_for_commit(
-                broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == 2
-            )
-            assert committed[0] == 2
-            assert {m.attempt for m in replies.messages[request.id]} == {first.attempt}
-            assert len(replies.finals(request.id)) == 1
-            await producer.send(topic, request)  # once more, after it finished
-            await replies.wait_until(lambda: len(replies.finals(request.id)) == 2)
-            again = replies.finals(request.id)[1]
-            assert again.attempt != first.attempt and again.text == first.text
-            assert again.usage == first.usage and again.finish_reason == first.finish_reason
-        finally:
-            await worker.stop(grace_s=5)
+    async with serving(broker, worker, grace_s=5) as (producer, replies):
+        request = make_request(replies.topic, "twice", max_tokens=30, ignore_eos=True)
+        await producer.send(topic, request)
+        await producer.send(topic, request)  # the duplicate, while the first one runs
+        first = await replies.final_of(request.id)
+        committed = await wait_for_commit(
+            broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == 2
+        )
+        assert committed[0] == 2
+        assert {m.attempt for m in replies.messages[request.id]} == {first.attempt}
+        assert len(replies.finals(request.id)) == 1
+        await producer.send(topic, request)  # once more, after it finished
+        await replies.wait_until(lambda: len(replies.finals(request.id)) == 2)
+        again = replies.finals(request.id)[1]
+        assert again.attempt != first.attempt and again.text == first.text
+        assert again.usage == first.usage and again.finish_reason == first.finish_reason

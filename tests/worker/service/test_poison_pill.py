@@ -18,11 +18,10 @@ from schemas.codec import JSON
 from schemas.headers import request_headers
 from schemas.messages import ErrorCode
 from tests.worker.kafka_helpers import (
-    Producer,
-    ReplyReader,
     create_topic,
     fresh_topics,
     make_request,
+    serving,
     wait_for_commit,
     worker_settings,
 )
@@ -46,38 +45,30 @@ async def test_a_huge_integer_in_a_json_request_is_answered_and_the_worker_stays
     settings = worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic)
     worker = Worker(settings)
     fields = ["deadline_ms", "seed", "top_k", "max_tokens", "schema_version", "stop_token_ids"]
-    async with (
-        Producer(broker.bootstrap_servers) as producer,
-        ReplyReader(broker.bootstrap_servers) as replies,
-    ):
-        await worker.start()
-        try:
-            await worker.wait_assigned()
-            before = make_request(replies.topic, id="before", max_tokens=3)
-            await producer.send(topic, before)
-            for field in fields:
-                value = [HUGE] if field == "stop_token_ids" else HUGE
-                body = {"id": f"huge-{field}", "reply_to": replies.topic, "prompt": "hi"}
-                raw = json.dumps({**body, field: value}).encode()
-                await producer.send_raw(
-                    topic, raw, body["id"].encode(), request_headers(JSON, "critical")
-                )
-            after = make_request(replies.topic, id="after", max_tokens=3)
-            await producer.send(topic, after)
-            for field in fields:
-                final = await replies.final_of(f"huge-{field}")
-                assert final.finish_reason == "error", field
-                assert final.error.code == ErrorCode.INVALID_REQUEST and field in final.error.message
-            for request in (before, after):
-                assert (await replies.final_of(request.id)).finish_reason == "length"
-            num_records = len(fields) + 2
-            committed = await wait_for_commit(
-                broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == num_records
+    async with serving(broker, worker, grace_s=5) as (producer, replies):
+        before = make_request(replies.topic, id="before", max_tokens=3)
+        await producer.send(topic, before)
+        for field in fields:
+            value = [HUGE] if field == "stop_token_ids" else HUGE
+            body = {"id": f"huge-{field}", "reply_to": replies.topic, "prompt": "hi"}
+            raw = json.dumps({**body, field: value}).encode()
+            await producer.send_raw(
+                topic, raw, body["id"].encode(), request_headers(JSON, "critical")
             )
-            assert committed[0] == num_records
-            assert not worker.failed.is_set()
-        finally:
-            await worker.stop(grace_s=5)
+        after = make_request(replies.topic, id="after", max_tokens=3)
+        await producer.send(topic, after)
+        for field in fields:
+            final = await replies.final_of(f"huge-{field}")
+            assert final.finish_reason == "error", field
+            assert final.error.code == ErrorCode.INVALID_REQUEST and field in final.error.message
+        for request in (before, after):
+            assert (await replies.final_of(request.id)).finish_reason == "length"
+        num_records = len(fields) + 2
+        committed = await wait_for_commit(
+            broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == num_records
+        )
+        assert committed[0] == num_records
+        assert not worker.failed.is_set()
 
 
 async def test_a_bug_at_any_stage_fails_only_its_own_request(
@@ -102,10 +93,10 @@ async def test_a_bug_at_any_stage_fails_only_its_own_request(
 
     add = ReplyStream.add
 
-    def add_or_raise(self, text, token_ids):
+    def add_or_raise(self, text, token_ids, *rest):
         if self.request_id == "poison-delta":
             raise UnicodeError("bad delta")
-        return add(self, text, token_ids)
+        return add(self, text, token_ids, *rest)
 
     monkeypatch.setattr(PromptRenderer, "render", render_or_raise)
     monkeypatch.setattr(pipeline_module, "EngineRequest", engine_request_or_raise)
@@ -115,33 +106,25 @@ async def test_a_bug_at_any_stage_fails_only_its_own_request(
     await create_topic(broker.bootstrap_servers, topic, 1)
     settings = worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic)
     worker = Worker(settings)
-    async with (
-        Producer(broker.bootstrap_servers) as producer,
-        ReplyReader(broker.bootstrap_servers) as replies,
-    ):
-        await worker.start()
-        try:
-            await worker.wait_assigned()
-            poisons = [
-                make_request(replies.topic, "poison at admission", id="poison-admission"),
-                make_request(replies.topic, "poison at release", id="poison-release", max_tokens=13),
-                make_request(replies.topic, "poison in a delta", id="poison-delta"),
-            ]
-            neighbours = [make_request(replies.topic, f"neighbour {i}", id=f"n{i}") for i in range(4)]
-            # `low`: a 50 ms window, so the poisons and their neighbours share release batches.
-            for request in [neighbours[0], *poisons[:2], neighbours[1], poisons[2], *neighbours[2:]]:
-                await producer.send(topic, request, urgency="low")
-            for request in poisons:
-                final = await replies.final_of(request.id)
-                assert final.finish_reason == "error" and final.error.code == ErrorCode.INTERNAL
-            for request in neighbours:
-                assert (await replies.final_of(request.id)).finish_reason == "length"
-            num_records = len(poisons) + len(neighbours)
-            committed = await wait_for_commit(
-                broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == num_records
-            )
-            assert committed[0] == num_records
-            assert not worker.failed.is_set()
-            assert all(not task.done() for task in worker._tasks)
-        finally:
-            await worker.stop(grace_s=5)
+    async with serving(broker, worker, grace_s=5) as (producer, replies):
+        poisons = [
+            make_request(replies.topic, "poison at admission", id="poison-admission"),
+            make_request(replies.topic, "poison at release", id="poison-release", max_tokens=13),
+            make_request(replies.topic, "poison in a delta", id="poison-delta"),
+        ]
+        neighbours = [make_request(replies.topic, f"neighbour {i}", id=f"n{i}") for i in range(4)]
+        # `low`: a 50 ms window, so the poisons and their neighbours share release batches.
+        for request in [neighbours[0], *poisons[:2], neighbours[1], poisons[2], *neighbours[2:]]:
+            await producer.send(topic, request, urgency="low")
+        for request in poisons:
+            final = await replies.final_of(request.id)
+            assert final.finish_reason == "error" and final.error.code == ErrorCode.INTERNAL
+        for request in neighbours:
+            assert (await replies.final_of(request.id)).finish_reason == "length"
+        num_records = len(poisons) + len(neighbours)
+        committed = await wait_for_commit(
+            broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == num_records
+        )
+        assert committed[0] == num_records
+        assert not worker.failed.is_set()
+        assert all(not task.done() for task in worker._tasks)

@@ -20,6 +20,7 @@ from tests.worker.kafka_helpers import (
     create_topic,
     fresh_topics,
     make_request,
+    serving,
     stream_of,
     wait_for_commit,
     worker_settings,
@@ -74,35 +75,27 @@ async def test_one_request_breaking_steps_fails_alone_and_its_neighbours_finish(
     await create_topic(broker.bootstrap_servers, topic, 1)
     settings = worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic)
     worker = Worker(settings, engine_factory=faulty_engine_factory(tiny_model_dir))
-    async with (
-        Producer(broker.bootstrap_servers) as producer,
-        ReplyReader(broker.bootstrap_servers) as replies,
-    ):
-        await worker.start()
-        try:
-            await worker.wait_assigned()
-            neighbours = [
-                make_request(replies.topic, f"n {i}", max_tokens=8, ignore_eos=True)
-                for i in range(5)
-            ]
-            poison = make_request(replies.topic, "poison", max_tokens=POISON_MAX_TOKENS)
-            for request in [*neighbours[:3], poison, *neighbours[3:]]:
-                await producer.send(topic, request, urgency="low")  # one release batch
-            final = await replies.final_of(poison.id)
-            assert final.finish_reason == "error" and final.error.code == ErrorCode.INTERNAL
-            for request in neighbours:
-                final = await replies.final_of(request.id)
-                assert final.finish_reason == "length" and final.usage.completion_tokens == 8
-                # The answering attempt's stream is whole (a restart opened a new attempt).
-                stream = stream_of(replies, request.id, final.attempt)
-                assert [m.seq for m in stream] == list(range(len(stream)))
-                assert "".join(m.text for m in stream[:-1]) == final.text
-            committed = await wait_for_commit(
-                broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == 6
-            )
-            assert committed[0] == 6 and not worker.failed.is_set()
-        finally:
-            await worker.stop(grace_s=5)
+    async with serving(broker, worker, grace_s=5) as (producer, replies):
+        neighbours = [
+            make_request(replies.topic, f"n {i}", max_tokens=8, ignore_eos=True)
+            for i in range(5)
+        ]
+        poison = make_request(replies.topic, "poison", max_tokens=POISON_MAX_TOKENS)
+        for request in [*neighbours[:3], poison, *neighbours[3:]]:
+            await producer.send(topic, request, urgency="low")  # one release batch
+        final = await replies.final_of(poison.id)
+        assert final.finish_reason == "error" and final.error.code == ErrorCode.INTERNAL
+        for request in neighbours:
+            final = await replies.final_of(request.id)
+            assert final.finish_reason == "length" and final.usage.completion_tokens == 8
+            # The answering attempt's stream is whole (a restart opened a new attempt).
+            stream = stream_of(replies, request.id, final.attempt)
+            assert [m.seq for m in stream] == list(range(len(stream)))
+            assert "".join(m.text for m in stream[:-1]) == final.text
+        committed = await wait_for_commit(
+            broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == 6
+        )
+        assert committed[0] == 6 and not worker.failed.is_set()
 
 
 async def test_a_persistent_engine_fault_stops_the_worker_and_commits_nothing(

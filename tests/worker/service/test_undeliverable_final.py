@@ -17,12 +17,11 @@ from schemas.headers import ERROR_REASON, SOURCE_OFFSET, get_text_header
 from tests.conftest import unique_name
 from tests.worker.kafka_helpers import (
     PREFIX,
-    Producer,
-    ReplyReader,
     create_topic,
     dlq_records,
     fresh_topics,
     make_request,
+    serving,
     wait_for_commit,
     worker_settings,
 )
@@ -55,25 +54,17 @@ async def test_an_undeliverable_final_is_dead_lettered_and_its_offset_committed(
     settings = worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic)
     worker = Worker(settings)
     refused_topic = PREFIX + unique_name("refused")
-    async with (
-        Producer(broker.bootstrap_servers) as producer,
-        ReplyReader(broker.bootstrap_servers) as replies,
-    ):
-        await worker.start()
-        try:
-            await worker.wait_assigned()
-            refused = refuse_topic(worker, refused_topic)
-            lost = make_request(refused_topic, id="lost", max_tokens=4)
-            after = make_request(replies.topic, id="after", max_tokens=4)
-            for request in (lost, after):  # one partition: "after" sits behind "lost"
-                await producer.send(topic, request)
-            assert (await replies.final_of("after")).finish_reason == "length"
-            (dead,) = await dlq_records(broker.bootstrap_servers, settings.kafka.dlq_topic, 1)
-            committed = await wait_for_commit(
-                broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == 2
-            )
-        finally:
-            await worker.stop(grace_s=5)
+    async with serving(broker, worker, grace_s=5) as (producer, replies):
+        refused = refuse_topic(worker, refused_topic)
+        lost = make_request(refused_topic, id="lost", max_tokens=4)
+        after = make_request(replies.topic, id="after", max_tokens=4)
+        for request in (lost, after):  # one partition: "after" sits behind "lost"
+            await producer.send(topic, request)
+        assert (await replies.final_of("after")).finish_reason == "length"
+        (dead,) = await dlq_records(broker.bootstrap_servers, settings.kafka.dlq_topic, 1)
+        committed = await wait_for_commit(
+            broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == 2
+        )
     assert get_text_header(dead.headers, ERROR_REASON) == DeadLetterReason.FINAL_UNDELIVERABLE
     assert (
         dead.value == encode(lost, MSGPACK) and get_text_header(dead.headers, SOURCE_OFFSET) == "0"

@@ -11,12 +11,11 @@ import pytest
 
 from tests.worker.kafka_helpers import (
     SMALL_ENGINE,
-    Producer,
-    ReplyReader,
     SlowEngine,
     create_topic,
     fresh_topics,
     make_request,
+    serving,
     worker_settings,
 )
 from worker.service.worker import Worker
@@ -35,33 +34,25 @@ async def test_a_critical_request_overtakes_a_saturated_worker(broker, tiny_mode
         engine={"max_num_seqs": 2}, batcher={"max_batch_tokens": 64},
     )  # fmt: skip
     worker = Worker(settings, engine_factory=two_seq_slow_engine(tiny_model_dir))
-    async with (
-        Producer(broker.bootstrap_servers) as producer,
-        ReplyReader(broker.bootstrap_servers) as replies,
-    ):
-        await worker.start()
-        try:
-            await worker.wait_assigned()
-            lows = [
-                make_request(replies.topic, f"{i} " + "low " * 40, max_tokens=60,
-                             ignore_eos=True)
-                for i in range(16)
-            ]  # fmt: skip
-            for request in lows:
-                await producer.send(topic, request, urgency="low")
-            # Two lows generating (the engine is at max_num_seqs), the rest queued or held.
-            await wait_for(
-                lambda: sum(1 for j in worker.pipeline.active_jobs() if j.first_token_s) >= 2
-            )
-            assert worker.bridge.queued_tokens > 0  # the engine's queue holds low prompts
-            # As long as a low prompt: it cannot squeeze into what the low ones left of the budget.
-            critical = make_request(replies.topic, "urgent " * 40, max_tokens=3, ignore_eos=True)
-            await producer.send(topic, critical, urgency="critical")
-            final = await replies.final_of(critical.id)
-            assert final.finish_reason == "length"
-            assert not any(replies.finals(r.id) for r in lows)
-        finally:
-            await worker.stop(grace_s=0)
+    async with serving(broker, worker, grace_s=0) as (producer, replies):
+        lows = [
+            make_request(replies.topic, f"{i} " + "low " * 40, max_tokens=60,
+                         ignore_eos=True)
+            for i in range(16)
+        ]  # fmt: skip
+        for request in lows:
+            await producer.send(topic, request, urgency="low")
+        # Two lows generating (the engine is at max_num_seqs), the rest queued or held.
+        await wait_for(
+            lambda: sum(1 for j in worker.pipeline.active_jobs() if j.first_token_s) >= 2
+        )
+        assert worker.bridge.queued_tokens > 0  # the engine's queue holds low prompts
+        # As long as a low prompt: it cannot squeeze into what the low ones left of the budget.
+        critical = make_request(replies.topic, "urgent " * 40, max_tokens=3, ignore_eos=True)
+        await producer.send(topic, critical, urgency="critical")
+        final = await replies.final_of(critical.id)
+        assert final.finish_reason == "length"
+        assert not any(replies.finals(r.id) for r in lows)
 
 
 async def wait_for(predicate, timeout_s: float = 60.0) -> None:
