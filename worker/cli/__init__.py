@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "worker.cli.fetch_model",
         "download/convert the default model and print its path",
     ),
-    "bench": ("worker.cli.bench", "benchmarks: `bench engine`, `bench e2e` (JSON + table)"),
+    "bench": ("worker.cli.bench", "benchmarks: engine, e2e, accuracy, quant-kernels (JSON + table)"),
     "loadtest": ("loadtest.loadgen", "load generator through Kafka, reports like vllm bench serve"),
 }
 

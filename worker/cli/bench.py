@@ -1,11 +1,17 @@
-"""`mini-infer bench engine|e2e`: benchmarks print a table and JSON; they are not tests."""
+"""`mini-infer bench engine|e2e|accuracy|quant-kernels`: benchmarks print a table and JSON;
+they are not tests."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 
-BENCHES = {"engine": "loadtest.bench_engine", "e2e": "loadtest.bench_e2e"}
+BENCHES = {
+    "engine": "loadtest.bench_engine",
+    "e2e": "loadtest.bench_e2e",
+    "accuracy": "loadtest.bench_accuracy",
+    "quant-kernels": "loadtest.bench_quant_kernels",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
