@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 	@$(BIN)/mini-infer fetch-model >/dev/null
+	@# The C++ paged-attention kernel is built once per machine (cached under the cache dir), here
+	@# rather than inside the first request or test; without a compiler the engine falls back.
+	@$(BIN)/python -c "from engine.kernels.cpu.paged_attention import load; load()"
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
