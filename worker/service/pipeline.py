@@ -508,10 +508,16 @@ def _wire_logprobs(token_ids: list[int], positions, top_k: int | None) -> list[T
         out.append(
             TokenLogprob(
                 token_id=token_id,
-                logprob=min(0.0, position[token_id].logprob),
+                logprob=_finite(position[token_id].logprob),
                 top_logprobs=[
-                    TopLogprob(token_id=tid, logprob=min(0.0, lp.logprob)) for tid, lp in ranked
+                    TopLogprob(token_id=tid, logprob=_finite(lp.logprob)) for tid, lp in ranked
                 ],
             )
         )
     return out
+
+
+def _finite(logprob: float) -> float:
+    """In [-9999, 0]: the wire refuses infinities (a token the sampler could never pick has -inf),
+    and rounding can put a certain token a hair above 0."""
+    return max(-9999.0, min(0.0, logprob)) if logprob == logprob else -9999.0
