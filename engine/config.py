@@ -34,9 +34,15 @@ class EngineConfig:
     # torch.compile of the model forward: "on" | "off" | "auto" (True/False mean on/off). "auto"
     # is off: on the 2-core Zen 4 the compiled step did not beat eager (engine/compile.py).
     compile: str | bool = "auto"
+    # "auto": CUDA when torch sees a GPU, else the CPU; "cuda" runs CudaModelRunner (Triton
+    # kernels, CUDA-graph decode), "cpu" the CPU runner.
+    device: str = "auto"
+    cuda_graphs: bool = True  # only on CUDA: capture the decode step for bucketed batch sizes
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" (engine/quant/kv_int8.py)
 
     def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

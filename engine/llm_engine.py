@@ -57,7 +57,7 @@ class LLMEngine:
         self.model_path = resolve_model(model)
         self.tokenizer = load_tokenizer(self.model_path)
         # The runner resolves dtype ("auto": from the checkpoint's config and this CPU).
-        self.runner = ModelRunner(self.model_path, self.config, dtype, quantization)
+        self.runner = _make_runner(self.model_path, self.config, dtype, quantization)
         self.dtype = self.runner.dtype
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.hf_config.vocab_size
@@ -220,3 +220,19 @@ class LLMEngine:
             num_tokens_computed=s.num_tokens_computed,
             num_tokens_reused=s.num_tokens_reused,
         )
+
+
+def _make_runner(model_path: Path, config: EngineConfig, dtype, quantization) -> ModelRunner:
+    """The CPU runner, or on a GPU (`device` "cuda", or "auto" with CUDA available) the CUDA one."""
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return ModelRunner(model_path, config, dtype, quantization)
+    if not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA GPU; use device='cpu' or 'auto'")
+    from engine.cuda_runner import CudaModelRunner  # Triton and CUDA graphs: only on a GPU
+
+    return CudaModelRunner(
+        model_path, config, dtype, quantization, use_cuda_graphs=config.cuda_graphs
+    )

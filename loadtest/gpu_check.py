@@ -358,18 +358,23 @@ def prompts_for(model_path: Path, n: int) -> list[list[int]]:
 
 def make_engine(model_path: Path, use_cuda_graphs: bool, dry_run: bool, **options):
     import engine.llm_engine as llm_engine
+
+    if not dry_run:  # the engine's own switch: CudaModelRunner, graphs on or off
+        options.update(device="cuda", cuda_graphs=use_cuda_graphs)
+        return llm_engine.LLMEngine(str(model_path), dtype="bfloat16", **options)
     from engine.cuda_graphs import EagerReplayCapture
     from engine.cuda_runner import CudaModelRunner
 
-    device = "cpu" if dry_run else "cuda"
-    capture = EagerReplayCapture() if dry_run else None  # no CUDA graphs without CUDA
+    # The CUDA runner on the CPU, graphs stubbed (no CUDA graphs without CUDA), in place of the
+    # CPU runner the engine picks for device="cpu".
     llm_engine.ModelRunner = functools.partial(
-        CudaModelRunner, device=device, use_cuda_graphs=use_cuda_graphs, graph_capture=capture
-    )
-    dtype = "float32" if dry_run else "bfloat16"  # the interpreter computes bf16 dots wrongly
-    if dry_run:  # few, narrow graph buckets: the interpreter runs every program in Python
-        options.update(max_num_seqs=4, max_model_len=128, num_kv_blocks=256)
-    return llm_engine.LLMEngine(str(model_path), dtype=dtype, **options)
+        CudaModelRunner, device="cpu", use_cuda_graphs=use_cuda_graphs,
+        graph_capture=EagerReplayCapture(),
+    )  # fmt: skip
+    # float32: the interpreter computes bf16 dots wrongly. Few, narrow graph buckets: the
+    # interpreter runs every program in Python.
+    options.update(device="cpu", max_num_seqs=4, max_model_len=128, num_kv_blocks=256)
+    return llm_engine.LLMEngine(str(model_path), dtype="float32", **options)
 
 
 def check_decode_step(c: Check, model_path: Path, dry_run: bool) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, LLMEngine, SamplingParams
+from engine.config import EngineConfig
 from tests.tiny_model import make_tiny_llama
 
 
@@ -188,3 +190,15 @@ def test_kv_pool_is_committed_on_use_or_at_start_up(tiny_dir, prefault):
         assert grown < pool_bytes // 3
     eng.add_request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(_drain(eng)["r"]) == 4
+
+
+def test_device_choice_on_a_machine_without_cuda(tiny_model_dir, monkeypatch):
+    """`device="auto"` runs on the CPU where torch sees no GPU, and `device="cuda"` there is a
+    clear error, not a crash deep in the runner."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    engine = LLMEngine(str(tiny_model_dir), num_kv_blocks=16)
+    assert type(engine.runner).__name__ == "ModelRunner"
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        LLMEngine(str(tiny_model_dir), device="cuda", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="device must be"):
+        EngineConfig(device="tpu")

@@ -315,6 +315,7 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
     "--kv-cache-dtype": ("engine.kv_cache_dtype", str, "auto | int8"),
     "--linear-kernel": ("engine.linear_kernel", str, "auto | plain | packed"),
     "--compile": ("engine.compile", str, "torch.compile the forward: auto | on | off"),
+    "--device": ("engine.device", str, "auto | cpu | cuda (Triton kernels, CUDA graphs)"),
     "--group-id": ("kafka.group_id", str, "consumer group of the worker pool"),
     "--group-instance-id": (
         "kafka.group_instance_id",
