@@ -120,7 +120,7 @@ def _child(impl: str, spec: dict, q) -> None:
         prompts = chat_prompts(load_tokenizer(Path(spec["model_path"])), workload.num_requests)
         lengths = list(workload.max_tokens)
         if impl == "engine":
-            options = {"compile": spec["compile"]}
+            options = {"compile": spec["compile"], "quantization": spec["quantization"]}
             results[name] = run_engine(spec["model"], spec["dtype"], prompts, lengths, **options)
         elif impl == "hf":
             results[name] = run_hf(spec["model_path"], spec["dtype"], prompts, lengths)
@@ -164,6 +164,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", default="hf", help="peers: comma list of hf,llamacpp")
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds (medians)")
     parser.add_argument("--compile", default="auto", help="engine compile: auto|on|off")
+    parser.add_argument(
+        "--quantization", default=None, help="engine weights: int8 | int4 | w8a8 (use bf16)"
+    )
     parser.add_argument("--llama-server", default=None, help=f"llama-server binary ({ENV_VAR})")
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF for llama.cpp")
     parser.add_argument("--profile", action="store_true", help="profile decode steps instead")
@@ -204,6 +207,7 @@ def run(args) -> int:
     for dtype in args.dtypes.split(","):
         spec = {"model": args.model, "model_path": model_path, "dtype": dtype,
                 "max_tokens": args.max_tokens, "workloads": names, "compile": args.compile,
+                "quantization": args.quantization,
                 "llama_server": str(server), "gguf": str(gguf)}  # fmt: skip
         # llama.cpp runs its own quantised GGUF: one run per round whatever the dtype list.
         first_dtype = dtype == args.dtypes.split(",")[0]
@@ -211,6 +215,8 @@ def run(args) -> int:
         for round_index in range(args.rounds):
             for impl in impls:
                 key = f"{impl}-{dtype}" if impl != "llamacpp" else "llamacpp-gguf"
+                if impl == "engine" and args.quantization:
+                    key += f"-{args.quantization}"
                 print(f"[bench] round {round_index + 1}: {key} ...", file=sys.stderr, flush=True)
                 doc["runs"].setdefault(key, []).append(measure(impl, spec))
     for key, runs in doc["runs"].items():
@@ -233,7 +239,7 @@ def _ratios(medians: dict) -> dict:
     quantised GGUF) for every engine dtype."""
     out = {}
     for engine_key in (k for k in medians if k.startswith("engine-")):
-        dtype = engine_key.removeprefix("engine-")
+        dtype = engine_key.removeprefix("engine-").split("-")[0]  # engine-<dtype>[-<quant>]
         for peer_key in (k for k in medians if k in (f"hf-{dtype}", "llamacpp-gguf")):
             shared = set(medians[engine_key]) & set(medians[peer_key])
             out[f"{engine_key}/{peer_key}"] = {
