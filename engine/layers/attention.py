@@ -66,6 +66,35 @@ def decode_mask(context_lens: torch.Tensor, max_context: int, dtype: torch.dtype
     ]
 
 
+def decode_sdpa(
+    grouped_q: torch.Tensor,  # [rows, num_kv_heads, group, head_dim]
+    context: torch.Tensor,  # [rows, max_ctx, 2, num_kv_heads, head_dim] gathered K/V
+    mask: torch.Tensor,  # [rows, 1, 1, max_ctx] additive
+) -> torch.Tensor:  # [rows, num_kv_heads, group, head_dim]
+    """Decode rows against their gathered context; K and V are strided views SDPA reads in
+    place. Shared by the reference backends (bf16/fp32 pool, int8 pool)."""
+    keys = context[:, :, 0].transpose(1, 2)  # [rows, kv, max_ctx, hd]
+    values = context[:, :, 1].transpose(1, 2)
+    return F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask)
+
+
+def prefill_sdpa(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv: torch.Tensor,  # [num_ctx, 2, num_kv_heads, head_dim]: the cached prefix, then the chunk
+    mask: torch.Tensor | None,  # [num_tokens, num_ctx] additive; None: plain causal
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """One prefill chunk against its context (GQA without repeating K/V)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, num_heads, num_tokens, head_dim]
+        kv[:, 0].transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, num_ctx, head_dim]
+        kv[:, 1].transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=mask is None,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
 class TorchPagedAttention:
     """Reference backend on torch ops: index_copy_ to write, index_select + SDPA to read.
 
@@ -129,26 +158,14 @@ class TorchPagedAttention:
         for start in range(0, num_decodes, rows_per_chunk):
             rows = slice(start, start + rows_per_chunk)
             context = self._gather(kv_cache, table[rows])  # [rows, max_ctx, 2, kv, hd]
-            keys = context[:, :, 0].transpose(1, 2)  # [rows, kv, max_ctx, hd], strided view
-            values = context[:, :, 1].transpose(1, 2)
-            outs.append(
-                F.scaled_dot_product_attention(grouped_q[rows], keys, values, attn_mask=mask[rows])
-            )
+            outs.append(decode_sdpa(grouped_q[rows], context, mask[rows]))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(num_decodes, num_heads, head_dim)
 
     def _prefill(self, q, kv, kv_cache, chunk: PrefillChunk) -> torch.Tensor:
         if chunk.block_ids is not None:
             kv = self._gather(kv_cache, chunk.block_ids)[: chunk.start_position + chunk.num_tokens]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),  # [1, num_heads, num_tokens, head_dim]
-            kv[:, 0].transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, num_ctx, head_dim]
-            kv[:, 1].transpose(0, 1).unsqueeze(0),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            enable_gqa=True,
-        )
-        return out[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
+        return prefill_sdpa(q, kv, chunk.mask)
 
 
 def get_attention_backend(name: str) -> TorchPagedAttention:

@@ -21,9 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from engine.layers.attention import AttentionMetadata, PrefillChunk
+from engine.layers.attention import AttentionMetadata, PrefillChunk, decode_sdpa, prefill_sdpa
 
 KV_CACHE_DTYPES = ("auto", "int8")
 
@@ -103,11 +102,7 @@ class Int8PagedAttention:
         num_kv_heads = kv_cache.codes.shape[3]
         grouped_q = q.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
         context = self._gather(kv_cache, meta.decode_block_table, q.dtype)
-        keys = context[:, :, 0].transpose(1, 2)  # [num_decodes, kv, max_ctx, hd]
-        values = context[:, :, 1].transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            grouped_q, keys, values, attn_mask=meta.decode_mask
-        )
+        out = decode_sdpa(grouped_q, context, meta.decode_mask)
         return out.reshape(num_decodes, num_heads, head_dim)
 
     def _prefill(
@@ -120,12 +115,4 @@ class Int8PagedAttention:
             flat_codes = kv_cache.codes.view(-1, *kv_cache.codes.shape[2:])
             flat_scales = kv_cache.scales.view(-1, *kv_cache.scales.shape[2:])
             kv = dequantize_kv(flat_codes[slots], flat_scales[slots], q.dtype)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),  # [1, num_heads, num_tokens, head_dim]
-            kv[:, 0].transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, num_ctx, head_dim]
-            kv[:, 1].transpose(0, 1).unsqueeze(0),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            enable_gqa=True,
-        )
-        return out[0].transpose(0, 1)
+        return prefill_sdpa(q, kv, chunk.mask)
