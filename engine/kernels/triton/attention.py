@@ -68,6 +68,21 @@ def _mma(a, b, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _load_kv_tile(
+    kv_ptr, table_row_ptr, pos, valid, kv_head, d, d_mask,
+    stride_kb, stride_ks, stride_kkv, stride_kh, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """K and V ([len(pos), HEAD_DIM_PAD], 0 where not valid) of positions `pos` of one
+    sequence, read in place through its block-table row: decode and prefill share this."""
+    block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+    row = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(kv_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(kv_ptr + row[:, None] + stride_kkv + d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     scale_log2e, tokens_per_split,
@@ -103,11 +118,10 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         valid = pos < hi
-        block = tl.load(table_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
-        row = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(kv_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(kv_ptr + row[:, None] + stride_kkv + d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(
+            kv_ptr, table_ptr + seq * stride_tb, pos, valid, kv_head, d, d_mask,
+            stride_kb, stride_ks, stride_kkv, stride_kh, BLOCK_SIZE,
+        )  # fmt: skip
         s = _mma(q, tl.trans(k), UPCAST, DOT_PRECISION) * scale_log2e  # [G, N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -284,11 +298,10 @@ def _prefill_kernel(
     for start in range(0, hi, BLOCK_N):
         pos = start + offs_n
         valid = pos < hi
-        block = tl.load(table_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
-        row = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(kv_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(kv_ptr + row[:, None] + stride_kkv + d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(
+            kv_ptr, table_ptr + seq * stride_tb, pos, valid, kv_head, d, d_mask,
+            stride_kb, stride_ks, stride_kkv, stride_kh, BLOCK_SIZE,
+        )  # fmt: skip
         s = _mma(q, tl.trans(k), UPCAST, DOT_PRECISION) * scale_log2e  # [M, N]
         # Key 0 is visible to every row, so each row's max is finite after the first tile.
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
