@@ -28,7 +28,6 @@ from opentelemetry.sdk.metrics.export import (
     MetricReader,
     PeriodicExportingMetricReader,
 )
-from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
@@ -46,25 +45,6 @@ _TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 
 _TOKEN_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
 _REQUEST_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
 _STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-
-
-def _views() -> list[View]:
-    def buckets(name: str, bounds: tuple[float, ...]) -> View:
-        return View(
-            instrument_name=name,
-            aggregation=ExplicitBucketHistogramAggregation(boundaries=bounds),
-        )
-
-    return [
-        buckets("gen_ai.server.time_to_first_token", _TTFT_BUCKETS_S),
-        buckets("gen_ai.server.time_per_output_token", _TOKEN_BUCKETS_S),
-        buckets("mini_infer.inter_token_latency", _TOKEN_BUCKETS_S),
-        buckets("gen_ai.server.request.duration", _REQUEST_BUCKETS_S),
-        buckets("mini_infer.request.queue_time", _TTFT_BUCKETS_S),
-        buckets("mini_infer.request.prefill_time", _TTFT_BUCKETS_S),
-        buckets("mini_infer.request.decode_time", _REQUEST_BUCKETS_S),
-        buckets("mini_infer.engine.step.tokens", _STEP_TOKEN_BUCKETS),
-    ]
 
 
 class Telemetry:
@@ -104,9 +84,7 @@ class Telemetry:
 
             exporter = OTLPMetricExporter(endpoint=_otlp_url(settings.otlp_endpoint, "metrics"))
             readers.append(PeriodicExportingMetricReader(exporter, interval_ms))
-        self.meter_provider = MeterProvider(
-            resource=resource, metric_readers=readers, views=_views()
-        )
+        self.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
         self._make_instruments(self.meter_provider.get_meter(_SCOPE))
 
     def _make_instruments(self, meter) -> None:
@@ -134,28 +112,41 @@ class Telemetry:
         self.ttft_s = meter.create_histogram(
             "gen_ai.server.time_to_first_token", unit="s",
             description="from consumption to the first generated token",
+            explicit_bucket_boundaries_advisory=_TTFT_BUCKETS_S,
         )  # fmt: skip
         self.tpot_s = meter.create_histogram(
             "gen_ai.server.time_per_output_token", unit="s",
             description="decode time per output token after the first, per request",
+            explicit_bucket_boundaries_advisory=_TOKEN_BUCKETS_S,
         )  # fmt: skip
         self.itl_s = meter.create_histogram(
             "mini_infer.inter_token_latency", unit="s",
             description="gap between consecutive output tokens",
+            explicit_bucket_boundaries_advisory=_TOKEN_BUCKETS_S,
         )  # fmt: skip
         self.e2e_s = meter.create_histogram(
             "gen_ai.server.request.duration", unit="s",
             description="from consumption to the final",
+            explicit_bucket_boundaries_advisory=_REQUEST_BUCKETS_S,
         )  # fmt: skip
         # stage = kafka (producer timestamp -> consumed), batcher, engine (added -> scheduled).
         self.queue_s = meter.create_histogram(
-            "mini_infer.request.queue_time", unit="s", description="time queued, by stage"
+            "mini_infer.request.queue_time",
+            unit="s",
+            description="time queued, by stage",
+            explicit_bucket_boundaries_advisory=_TTFT_BUCKETS_S,
         )
         self.prefill_s = meter.create_histogram(
-            "mini_infer.request.prefill_time", unit="s", description="the first token's step"
+            "mini_infer.request.prefill_time",
+            unit="s",
+            description="the first token's step",
+            explicit_bucket_boundaries_advisory=_TTFT_BUCKETS_S,
         )
         self.decode_s = meter.create_histogram(
-            "mini_infer.request.decode_time", unit="s", description="first token to the last"
+            "mini_infer.request.decode_time",
+            unit="s",
+            description="first token to the last",
+            explicit_bucket_boundaries_advisory=_REQUEST_BUCKETS_S,
         )
         # Engine state, sampled after every step.
         self.running_requests = meter.create_gauge(
@@ -175,7 +166,10 @@ class Telemetry:
             "mini_infer.prefix_cache.hit_rate", unit="1", description="since start"
         )
         self.step_tokens = meter.create_histogram(
-            "mini_infer.engine.step.tokens", unit="{token}", description="tokens computed per step"
+            "mini_infer.engine.step.tokens",
+            unit="{token}",
+            description="tokens computed per step",
+            explicit_bucket_boundaries_advisory=_STEP_TOKEN_BUCKETS,
         )
         self.preemptions = meter.create_counter("mini_infer.engine.preemptions", unit="{event}")
         # Kafka (messaging conventions): lag per partition (a hint: brokers differ), paused.
