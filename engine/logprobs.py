@@ -97,10 +97,6 @@ class PromptLogprobsAccumulator:
         self.entries: list[dict[int, Logprob] | None] = [None] * len(prompt_token_ids)
         self.num_filled = 1  # token 0 has no logprob
 
-    @property
-    def is_complete(self) -> bool:
-        return self.num_filled >= len(self.prompt_token_ids)
-
     def add(self, chunk: PromptLogprobsChunk) -> None:
         num_prompt = len(self.prompt_token_ids)
         ids, values = chunk.topk_ids.tolist(), chunk.topk_logprobs.tolist()

@@ -24,8 +24,6 @@ import torch
 
 from engine.layers.attention import AttentionMetadata, PrefillChunk, decode_sdpa, prefill_sdpa
 
-KV_CACHE_DTYPES = ("auto", "int8")
-
 
 @dataclass
 class Int8KVCache:

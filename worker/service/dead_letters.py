@@ -65,7 +65,6 @@ class DeadLetterWriter:
         self._num_retries = num_retries
         self._max_message_bytes = max_message_bytes
         self._on_unwritable = on_unwritable
-        self.num_unwritable = 0
 
     def write(
         self, partition: Any, record: Any, reason: str, message: str, *, epoch: Any
@@ -113,7 +112,6 @@ class DeadLetterWriter:
                 log.warning("request.dead_letter_stubbed", offset=offset, error=repr(error))
                 self._send(fallback, None, partition, offset, epoch)
             else:  # left unfinished: never committed, so it is redelivered after a restart
-                self.num_unwritable += 1
                 log.error("dlq.unwritable", offset=offset, error=repr(error))
                 if self._on_unwritable is not None:
                     self._on_unwritable(error)

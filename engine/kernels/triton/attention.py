@@ -31,7 +31,6 @@ convention). fp32 dots use IEEE precision (TF32 would cost about 1e-3 relative e
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
@@ -406,7 +405,3 @@ def paged_prefill_attention_ref(
         allowed = torch.arange(num_ctx, device=q.device)[None, :] <= query_pos[:, None]
         out[begin:end] = _attend(q[begin:end], context[:, 0], context[:, 1], allowed, scale)
     return out
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
