@@ -33,6 +33,7 @@ from engine.layers.linear import Linear
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_runner import ModelRunner, StepBatch
 from engine.models.llama import head_dim_of
+from engine.quant import kv_int8
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
@@ -100,6 +101,9 @@ class CudaModelRunner(ModelRunner):
                 module.cos_table = module.cos_table.to(self.device)
                 module.sin_table = module.sin_table.to(self.device)
         hf = self.hf_config
+        if self.config.kv_cache_dtype == "int8":  # codes + scales; the Triton store quantizes
+            self._allocate_int8_kv_cache_on_device()
+            return
         shape_per_block = (self.block_size, 2, hf.num_key_value_heads, head_dim_of(hf))
         bytes_per_block = hf.num_hidden_layers * self.dtype.itemsize
         for n in shape_per_block:
@@ -116,6 +120,22 @@ class CudaModelRunner(ModelRunner):
         attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache")]
         for layer_index, attention in enumerate(attention_layers):
             attention.kv_cache = self.kv_cache[layer_index]
+
+    def _allocate_int8_kv_cache_on_device(self) -> None:
+        hf = self.hf_config
+        num_layers, num_kv_heads, head_dim = (
+            hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf)
+        )  # fmt: skip
+        bytes_per_block = kv_int8.bytes_per_block(
+            num_layers, self.block_size, num_kv_heads, head_dim
+        )
+        self.num_kv_blocks = self.config.num_kv_blocks or max(
+            1, self.config.kv_cache_memory_bytes // bytes_per_block
+        )
+        self._allocate_int8_kv_cache(
+            num_layers, num_kv_heads, head_dim, bytes_per_block,
+            zeros=lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=self.device),
+        )  # fmt: skip
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         batch = super()._prepare(scheduled)

@@ -141,7 +141,9 @@ class ModelRunner:
         model_class = get_model_class(self.hf_config)
         self.max_model_len = self._max_model_len(config, self.hf_config)
         backend = self.attention = get_attention_backend(config.attention_backend)
-        if config.kv_cache_dtype == "int8":
+        if config.kv_cache_dtype == "int8" and backend.name != "triton":
+            # The Triton backend quantizes on store and reads int8 itself; the others fall
+            # back to the torch reference over the int8 pool.
             backend = self.attention = kv_int8.Int8PagedAttention()
         self.model = model_class(
             self.hf_config, self.dtype, self.max_model_len, backend, quant=self.quant
@@ -267,10 +269,13 @@ class ModelRunner:
         for layer_index, attention in enumerate(attention_layers):
             attention.kv_cache = self._layer_caches[layer_index]
 
-    def _allocate_int8_kv_cache(self, num_layers, num_kv_heads, head_dim, bytes_per_block):
+    def _allocate_int8_kv_cache(
+        self, num_layers, num_kv_heads, head_dim, bytes_per_block, zeros=None
+    ) -> None:
         codes, scales = kv_int8.allocate(
-            num_layers, self.num_kv_blocks, self.block_size, num_kv_heads, head_dim, _lazy_zeros
-        )
+            num_layers, self.num_kv_blocks, self.block_size, num_kv_heads, head_dim,
+            zeros or _lazy_zeros,
+        )  # fmt: skip
         if self.config.kv_cache_prefault:
             codes.fill_(0)
             scales.fill_(0)

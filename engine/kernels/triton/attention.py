@@ -68,22 +68,35 @@ def _mma(a, b, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _load_kv_tile(
-    kv_ptr, table_row_ptr, pos, valid, kv_head, d, d_mask,
+    kv_ptr, scales_ptr, table_row_ptr, pos, valid, kv_head, d, d_mask,
     stride_kb, stride_ks, stride_kkv, stride_kh, BLOCK_SIZE: tl.constexpr,
+    KV_INT8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """K and V ([len(pos), HEAD_DIM_PAD], 0 where not valid) of positions `pos` of one
-    sequence, read in place through its block-table row: decode and prefill share this."""
+    sequence, read in place through its block-table row: decode and prefill share this.
+
+    With KV_INT8 the cache holds int8 codes and `scales_ptr` a float32 scale per (slot, K/V,
+    KV head) laid out like the codes without head_dim; codes * scale is rounded to the
+    compute dtype, as the torch path's `dequantize_kv` does."""
     block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+    slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
     row = block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
     kv_mask = valid[:, None] & d_mask[None, :]
     k = tl.load(kv_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(kv_ptr + row[:, None] + stride_kkv + d[None, :], mask=kv_mask, other=0.0)
+    if KV_INT8:
+        num_kv_heads = stride_kkv // stride_kh
+        scale_row = scales_ptr + (slot * 2) * num_kv_heads + kv_head
+        k_scale = tl.load(scale_row, mask=valid, other=0.0)
+        v_scale = tl.load(scale_row + num_kv_heads, mask=valid, other=0.0)
+        k = (k.to(tl.float32) * k_scale[:, None]).to(COMPUTE_DTYPE)
+        v = (v.to(tl.float32) * v_scale[:, None]).to(COMPUTE_DTYPE)
     return k, v
 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, kv_ptr, table_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, kv_ptr, scales_ptr, table_ptr, lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     scale_log2e, tokens_per_split,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kkv, stride_kh,
@@ -91,6 +104,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -118,8 +132,9 @@ def _decode_kernel(
         pos = start + offs_n
         valid = pos < hi
         k, v = _load_kv_tile(
-            kv_ptr, table_ptr + seq * stride_tb, pos, valid, kv_head, d, d_mask,
+            kv_ptr, scales_ptr, table_ptr + seq * stride_tb, pos, valid, kv_head, d, d_mask,
             stride_kb, stride_ks, stride_kkv, stride_kh, BLOCK_SIZE,
+            KV_INT8, q_ptr.dtype.element_ty,
         )  # fmt: skip
         s = _mma(q, tl.trans(k), UPCAST, DOT_PRECISION) * scale_log2e  # [G, N]
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -178,6 +193,29 @@ def _decode_reduce_kernel(
     )
 
 
+def _check_cache(q, kv_cache, kv_scales) -> tuple[int, int]:
+    """(block_size, num_kv_heads) of a float cache, or of an int8 one with its scales."""
+    _, block_size, _, num_kv_heads, _ = kv_cache.shape
+    num_heads = q.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
+    if q.stride(-1) != 1 or not kv_cache.is_contiguous():
+        raise ValueError("q needs a unit stride on head_dim and kv_cache must be contiguous")
+    if (kv_cache.dtype == torch.int8) != (kv_scales is not None):
+        raise ValueError("an int8 kv_cache needs its kv_scales, and only an int8 one takes them")
+    if kv_scales is not None:
+        check_device(kv_scales)
+        if kv_scales.shape != kv_cache.shape[:-1] or not kv_scales.is_contiguous():
+            raise ValueError(f"kv_scales must be contiguous {tuple(kv_cache.shape[:-1])}")
+        if kv_scales.dtype != torch.float32:
+            raise ValueError(f"kv_scales must be float32, got {kv_scales.dtype}")
+    return block_size, num_kv_heads
+
+
+def _scales_arg(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> torch.Tensor:
+    return kv_cache if kv_scales is None else kv_scales  # unused by the float kernels
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
     """Splits per (sequence, KV head) so that about two waves of programs fill `num_sms`
     multiprocessors, never more splits than key tiles (each split gets at least one tile)."""
@@ -203,18 +241,16 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
     num_splits: int | None = None,
+    kv_scales: torch.Tensor | None = None,  # int8 cache: [num_kv_blocks, block_size, 2, KVH]
 ) -> torch.Tensor:
-    """Attention of one new token per sequence over its cached context.
+    """Attention of one new token per sequence over its cached context (an int8 `kv_cache`
+    with its `kv_scales` is dequantized as it is read).
 
     The split count depends only on shapes (the table's width bounds the context), never on
     `context_lens`' values, so no device sync happens and the launch can be CUDA-graphed."""
     check_device(q, kv_cache, block_tables, context_lens)
     num_seqs, num_heads, head_dim = q.shape
-    _, block_size, _, num_kv_heads, _ = kv_cache.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
-    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
-        raise ValueError("q and kv_cache need a unit stride on head_dim")
+    block_size, num_kv_heads = _check_cache(q, kv_cache, kv_scales)
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0:
@@ -238,7 +274,8 @@ def paged_decode_attention(
     else:
         part_acc = part_ml = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, kv_cache, block_tables, context_lens, out, part_acc, part_ml,
+        q, kv_cache, _scales_arg(kv_cache, kv_scales), block_tables, context_lens,
+        out, part_acc, part_ml,
         scale * LOG2_E, tokens_per_split,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -246,7 +283,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=_DECODE_BLOCK_N,
         IS_SPLIT=num_splits > 1, DOT_PRECISION=_dot_precision(q.dtype),
-        UPCAST=_upcast_dots(q.dtype),
+        UPCAST=_upcast_dots(q.dtype), KV_INT8=kv_scales is not None,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -258,14 +295,14 @@ def paged_decode_attention(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kv_ptr, table_ptr, cu_seqlens_ptr, prefix_lens_ptr, out_ptr, scale_log2e,
+    q_ptr, kv_ptr, scales_ptr, table_ptr, cu_seqlens_ptr, prefix_lens_ptr, out_ptr, scale_log2e,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kkv, stride_kh,
     stride_tb, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, KV_INT8: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -298,8 +335,9 @@ def _prefill_kernel(
         pos = start + offs_n
         valid = pos < hi
         k, v = _load_kv_tile(
-            kv_ptr, table_ptr + seq * stride_tb, pos, valid, kv_head, d, d_mask,
+            kv_ptr, scales_ptr, table_ptr + seq * stride_tb, pos, valid, kv_head, d, d_mask,
             stride_kb, stride_ks, stride_kkv, stride_kh, BLOCK_SIZE,
+            KV_INT8, q_ptr.dtype.element_ty,
         )  # fmt: skip
         s = _mma(q, tl.trans(k), UPCAST, DOT_PRECISION) * scale_log2e  # [M, N]
         # Key 0 is visible to every row, so each row's max is finite after the first tile.
@@ -328,16 +366,13 @@ def paged_prefill_attention(
     max_chunk_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,  # int8 cache: [num_kv_blocks, block_size, 2, KVH]
 ) -> torch.Tensor:
     """Causal attention of each chunk over its cached prefix and itself, all K/V (the chunk's
     own included) read from the cache."""
     check_device(q, kv_cache, block_tables, cu_seqlens, prefix_lens)
     num_tokens, num_heads, head_dim = q.shape
-    _, block_size, _, num_kv_heads, _ = kv_cache.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
-    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
-        raise ValueError("q and kv_cache need a unit stride on head_dim")
+    block_size, num_kv_heads = _check_cache(q, kv_cache, kv_scales)
     if out is None:
         out = torch.empty_like(q)
     num_seqs = block_tables.shape[0]
@@ -345,7 +380,8 @@ def paged_prefill_attention(
         return out
     grid = (num_seqs, triton.cdiv(max_chunk_len, _PREFILL_BLOCK_M), num_heads)
     _prefill_kernel[grid](
-        q, kv_cache, block_tables, cu_seqlens, prefix_lens, out, scale * LOG2_E,
+        q, kv_cache, _scales_arg(kv_cache, kv_scales), block_tables, cu_seqlens, prefix_lens,
+        out, scale * LOG2_E,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
@@ -353,7 +389,7 @@ def paged_prefill_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_M=_PREFILL_BLOCK_M, BLOCK_N=_PREFILL_BLOCK_N,
         DOT_PRECISION=_dot_precision(q.dtype),
-        UPCAST=_upcast_dots(q.dtype),
+        UPCAST=_upcast_dots(q.dtype), KV_INT8=kv_scales is not None,
     )  # fmt: skip
     return out
 
@@ -361,12 +397,17 @@ def paged_prefill_attention(
 # -- torch references -----------------------------------------------------------------------
 
 
-def _gather_context(kv_cache, table_row, num_tokens):
-    """[num_tokens, 2, num_kv_heads, head_dim] of one sequence, in float32."""
+def _gather_context(kv_cache, table_row, num_tokens, kv_scales=None, dtype=None):
+    """[num_tokens, 2, num_kv_heads, head_dim] of one sequence, in float32 (an int8 cache is
+    dequantized and rounded to the compute `dtype` first, as the kernels read it)."""
     block_size = kv_cache.shape[1]
     positions = torch.arange(num_tokens, device=kv_cache.device)
     blocks = table_row.long()[positions // block_size]
-    return kv_cache[blocks, positions % block_size].float()
+    context = kv_cache[blocks, positions % block_size].float()
+    if kv_scales is not None:
+        scales = kv_scales[blocks, positions % block_size]
+        context = (context * scales[..., None]).to(dtype).float()
+    return context
 
 
 def _attend(q, keys, values, allowed, scale):
@@ -379,20 +420,22 @@ def _attend(q, keys, values, allowed, scale):
     return torch.einsum("hmn,nhd->mhd", torch.softmax(scores, dim=-1), values)
 
 
-def paged_decode_attention_ref(q, kv_cache, block_tables, context_lens, scale) -> torch.Tensor:
+def paged_decode_attention_ref(
+    q, kv_cache, block_tables, context_lens, scale, kv_scales=None
+) -> torch.Tensor:
     """The semantics of `paged_decode_attention`, in float32, one sequence at a time."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for i, context_len in enumerate(context_lens.tolist()):
         if context_len == 0:
             continue
-        context = _gather_context(kv_cache, block_tables[i], context_len)
+        context = _gather_context(kv_cache, block_tables[i], context_len, kv_scales, q.dtype)
         allowed = torch.ones(1, context_len, dtype=torch.bool, device=q.device)
         out[i] = _attend(q[i : i + 1], context[:, 0], context[:, 1], allowed, scale)[0]
     return out
 
 
 def paged_prefill_attention_ref(
-    q, kv_cache, block_tables, cu_seqlens, prefix_lens, scale
+    q, kv_cache, block_tables, cu_seqlens, prefix_lens, scale, kv_scales=None
 ) -> torch.Tensor:
     """The semantics of `paged_prefill_attention`, in float32, one chunk at a time."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -400,7 +443,7 @@ def paged_prefill_attention_ref(
     for i, prefix_len in enumerate(prefix_lens.tolist()):
         begin, end = bounds[i], bounds[i + 1]
         num_ctx = prefix_len + end - begin
-        context = _gather_context(kv_cache, block_tables[i], num_ctx)
+        context = _gather_context(kv_cache, block_tables[i], num_ctx, kv_scales, q.dtype)
         query_pos = torch.arange(prefix_len, num_ctx, device=q.device)
         allowed = torch.arange(num_ctx, device=q.device)[None, :] <= query_pos[:, None]
         out[begin:end] = _attend(q[begin:end], context[:, 0], context[:, 1], allowed, scale)

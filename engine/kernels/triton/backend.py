@@ -2,7 +2,9 @@
 as TorchPagedAttention) over the Triton kernels.
 
 A step is three launches at most: the KV store, one decode launch for every single-token
-request (plus its split reduction), one prefill launch for every multi-token chunk.
+request (plus its split reduction), one prefill launch for every multi-token chunk. With the
+int8 KV cache (`Int8KVCache`, engine/quant/kv_int8.py) the store quantizes and the attention
+kernels dequantize as they read: the same launches, half the bytes of bf16.
 
 The kernels take plain tensors (block tables, context lengths, chunk offsets); this adapter
 derives them from AttentionMetadata once per step (every layer sees the same `meta` object,
@@ -21,8 +23,9 @@ import torch
 
 from engine.kernels.triton import require_usable
 from engine.kernels.triton.attention import paged_decode_attention, paged_prefill_attention
-from engine.kernels.triton.kv_store import store_kv
+from engine.kernels.triton.kv_store import store_kv, store_kv_int8
 from engine.layers.attention import AttentionMetadata
+from engine.quant.kv_int8 import Int8KVCache
 
 
 @dataclass
@@ -74,10 +77,15 @@ class TritonPagedAttention:
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim], already rotated
         kv: torch.Tensor,  # [num_tokens, 2, num_kv_heads, head_dim] new K (rotated) and V
-        kv_cache: torch.Tensor,  # [num_kv_blocks, block_size, 2, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor | Int8KVCache,  # [num_kv_blocks, block_size, 2, KVH, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        store_kv(kv, kv_cache, meta.slot_mapping)
+        kv_scales = None
+        if isinstance(kv_cache, Int8KVCache):  # quantized on store, dequantized as read
+            kv_cache, kv_scales = kv_cache.codes, kv_cache.scales
+            store_kv_int8(kv, kv_cache, kv_scales, meta.slot_mapping)
+        else:
+            store_kv(kv, kv_cache, meta.slot_mapping)
         if meta is not self._meta:
             self._meta, self._step = meta, step_tensors(meta, kv_cache.shape[1], q.device)
         step = self._step
@@ -87,11 +95,12 @@ class TritonPagedAttention:
         if num_decodes:
             paged_decode_attention(
                 q[:num_decodes], kv_cache, meta.decode_block_table, step.decode_context_lens,
-                scale, out=out[:num_decodes],
+                scale, out=out[:num_decodes], kv_scales=kv_scales,
             )  # fmt: skip
         if meta.prefills:
             paged_prefill_attention(
                 q[num_decodes:], kv_cache, step.prefill_block_tables, step.cu_seqlens,
                 step.prefix_lens, step.max_chunk_len, scale, out=out[num_decodes:],
+                kv_scales=kv_scales,
             )  # fmt: skip
         return out
