@@ -168,6 +168,27 @@ def check_kernels(c: Check, dry_run: bool) -> None:
         kv_store.store_kv(kv, got, slots)
         kv_store.store_kv_ref(kv, want, slots)
         c.emit("kernel", kernel="kv_store", dtype=name, ok=bool(torch.equal(got, want)))
+        # int8 KV cache: quantize on store (bit-equal to quantize_kv), decode reads the codes
+        from engine.quant.kv_int8 import quantize_kv
+
+        codes = torch.zeros(cache.shape, dtype=torch.int8, device=dev)
+        scales = torch.zeros(cache.shape[:-1], dtype=torch.float32, device=dev)
+        kv_store.store_kv_int8(kv, codes, scales, slots)
+        want_codes, want_scales = quantize_kv(kv[slots >= 0])
+        stored = slots[slots >= 0]
+        ok = torch.equal(codes.view(-1, 2, 3, 64)[stored], want_codes) and torch.equal(
+            scales.view(-1, 2, 3)[stored], want_scales
+        )
+        c.emit("kernel", kernel="kv_store_int8", dtype=name, ok=bool(ok))
+        codes, scales = quantize_kv(cache.view(-1, 2, 3, 64))
+        codes, scales = codes.view(cache.shape), scales.view(cache.shape[:-1]).contiguous()
+        q = rnd(len(lens), 9, 64)
+        out = torch.full_like(q, float("nan"))
+        attn.paged_decode_attention(
+            q, codes, tables, context_lens, 0.125, out, kv_scales=scales
+        )  # fmt: skip
+        ref = attn.paged_decode_attention_ref(q, codes, tables, context_lens, 0.125, scales)
+        _report_close(c, "decode_attention_int8kv", name, out, ref, tolerances[dtype])
         # fused add + RMSNorm, RoPE in place, SiLU * mul
         x, res, w = rnd(7, 576), rnd(7, 576), rnd(576)
         out, out_res = pointwise.rms_norm(x, w, 1e-5, res)
