@@ -203,6 +203,8 @@ class ModelRunner:
             batch = self._prepare(scheduled)
             self._forward(batch.input_ids, batch.positions, batch.meta)
         self.kv_cache[:, 0].zero_()
+        if self.config.kv_cache_dtype == "int8":
+            self.kv_cache_scales[:, 0].zero_()
         log.info("model_runner.compiled", seconds=round(time.perf_counter() - start, 1))
 
     def _pack_linears(self, requested: str) -> dict[str, int]:
@@ -282,8 +284,9 @@ class ModelRunner:
         self.kv_cache, self.kv_cache_scales = codes, scales
         self.kv_cache_bytes = self.num_kv_blocks * bytes_per_block
         attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache")]
+        self._layer_caches = [kv_int8.Int8KVCache(codes[i], scales[i]) for i in range(num_layers)]
         for layer_index, attention in enumerate(attention_layers):
-            attention.kv_cache = kv_int8.Int8KVCache(codes[layer_index], scales[layer_index])
+            attention.kv_cache = self._layer_caches[layer_index]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
