@@ -5,9 +5,12 @@ W2: 32 distinct chat prompts submitted together, 128 new tokens each, greedy, EO
 - e2e: embedded broker + one `mini-infer serve` worker process + the client SDK in this
   process; TTFT from `send` to the first streamed token on the reply topic.
 The two runs never overlap (each owns both cores while it runs). Targets from the issue:
-e2e throughput >= 90% of direct, TTFT overhead p50 <= 20 ms.
+e2e throughput >= 90% of direct, TTFT overhead p50 <= 20 ms. With `--num-requests 1` (W1)
+the pair also gives the single-stream inter-token latency of both sides. The worker's peak
+RSS (VmHWM, read just before it is stopped) is reported with each Kafka run.
 
-    mini-infer bench e2e [--dtype float32] [--repeat 3] [--out r.json] [--plot r.png]
+    mini-infer bench e2e [--dtype float32] [--quantization int4] [--kv-cache-dtype int8]
+                         [--num-requests 32] [--repeat 3] [--out r.json] [--plot r.png]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 from pathlib import Path
 
 from loadtest.bench_engine import run_engine
+from loadtest.llamacpp_peer import peak_rss_of
 from loadtest.report import emit, percentile, summarize
 from loadtest.workloads import ENGINE_OPTIONS, chat_messages, chat_prompts
 
@@ -79,6 +83,9 @@ def start_worker(
     cmd = [sys.executable, "-m", "worker.cli", "serve", "--bootstrap-servers", bootstrap,
            "--model", model, "--dtype", dtype, "--log-level", "warning",
            "--ready-file", str(ready_file)]  # fmt: skip
+    engine_options = dict(engine_options)
+    if quantization := engine_options.pop("quantization", None):
+        cmd += ["--quantization", quantization]
     options = {**ENGINE_OPTIONS, **engine_options}
     engine_env = {f"MINI_INFER_ENGINE__{k.upper()}": str(v) for k, v in options.items()}
     return subprocess.Popen(cmd, env={**os.environ, **engine_env, "PYTHONUNBUFFERED": "1"})
@@ -87,6 +94,8 @@ def start_worker(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default=None, help="int8 | int4 | w8a8 (both sides)")
+    parser.add_argument("--kv-cache-dtype", default=None, help="auto | int8 (both sides)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument(
@@ -115,6 +124,7 @@ def run_pair(args, model: str, engine_options: dict) -> dict:
         )
         try:
             e2e = asyncio.run(run_e2e(broker.bootstrap_servers, args.num_requests, args.max_tokens))
+            e2e["worker_peak_rss_mib"] = peak_rss_of(worker.pid)
         finally:
             worker.send_signal(signal.SIGTERM)
             worker.wait(timeout=60)
@@ -125,6 +135,13 @@ def run_pair(args, model: str, engine_options: dict) -> dict:
         "ttft_overhead_p50_ms": round(e2e["ttft_p50_ms"] - direct["ttft_p50_ms"], 1),
         "ttft_overhead_p99_ms": round(e2e["ttft_p99_ms"] - direct["ttft_p99_ms"], 1),
     }
+    if args.num_requests == 1:  # one stream: its mean gap between tokens after the first
+        for side, stats in (("direct", direct), ("e2e", e2e)):
+            gaps = stats["output_tokens"] - 1
+            pair[f"itl_{side}_ms"] = round(
+                (stats["elapsed_s"] * 1000 - stats["ttft_p50_ms"]) / max(gaps, 1), 2
+            )
+        pair["itl_ratio_e2e_over_direct"] = round(pair["itl_e2e_ms"] / pair["itl_direct_ms"], 3)
     if "worker_ttft_p50_ms" in e2e:
         # Kafka's share of the overhead: from the worker's first token to the client's, plus
         # the request's way in. The rest is the worker's own prefill against the direct one's.
@@ -142,15 +159,21 @@ def main(argv: list[str] | None = None) -> int:
 
     model = str(resolve_model(args.model))
     engine_options = {} if args.num_threads is None else {"num_threads": args.num_threads}
+    if args.quantization:
+        engine_options["quantization"] = args.quantization
+    if args.kv_cache_dtype:
+        engine_options["kv_cache_dtype"] = args.kv_cache_dtype
     pairs = []
     for i in range(args.repeat):
         print(f"[bench] pair {i + 1}/{args.repeat}", file=sys.stderr, flush=True)
         pairs.append(run_pair(args, model, engine_options))
     keys = ("throughput_ratio_e2e_over_direct", "ttft_overhead_p50_ms", "ttft_overhead_p99_ms",
-            "ttft_transport_p50_ms")  # fmt: skip
+            "ttft_transport_p50_ms", "itl_direct_ms", "itl_e2e_ms", "itl_ratio_e2e_over_direct")  # fmt: skip
     doc = {
-        "workload": f"W2: {args.num_requests} chat prompts x {args.max_tokens} tokens, greedy, EOS ignored",
+        "workload": f"{args.num_requests} chat prompts x {args.max_tokens} tokens, greedy, no EOS",
         "dtype": args.dtype,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype or "auto",
         "engine_threads": args.num_threads or "torch default",
         "cpu_count": os.cpu_count(),
         "repeat": args.repeat,

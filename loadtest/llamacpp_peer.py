@@ -123,4 +123,17 @@ def run_llamacpp(
         for t in threads:
             t.join()
         elapsed = time.perf_counter() - start
-    return summarize(sum(n for n, _ in results), elapsed, [ttft for _, ttft in results])
+        peak_rss_mib = peak_rss_of(server.proc.pid)
+    stats = summarize(sum(n for n, _ in results), elapsed, [ttft for _, ttft in results])
+    return {**stats, "server_peak_rss_mib": peak_rss_mib}
+
+
+def peak_rss_of(pid: int) -> float | None:
+    """A live process's peak resident set (VmHWM) in MiB; None where /proc cannot tell."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
