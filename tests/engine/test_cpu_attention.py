@@ -16,6 +16,7 @@ from engine.kernels.cpu import paged_attention
 from engine.kernels.cpu.paged_attention import CpuPagedAttention
 from engine.layers.attention import (
     AttentionMetadata,
+    PrefillChunk,
     TorchPagedAttention,
     decode_mask,
     get_attention_backend,
@@ -184,3 +185,109 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     os.utime(lock, (old, old))
     paged_attention._remove_stale_lock(tmp_path)
     assert not lock.exists()
+
+
+# --- extend: prefill chunks after cached tokens, read in place --------------------------------
+
+
+def prefix_lengths(block_size: int):
+    return st.sampled_from([0, 1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3])
+
+
+def extend_case(specs, num_kv_heads, group, head_dim, block_size, dtype, seed):
+    """Chunks (prefix, new tokens) over a pool whose every slot outside the chunks' contexts
+    is NaN, so a read past a context (or into another request's blocks) shows in the output."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads = num_kv_heads * group
+    needed = [-(-(p + n) // block_size) for p, n in specs]
+    num_blocks = sum(needed) + 2
+    kv_cache = torch.full((num_blocks, block_size, 2, num_kv_heads, head_dim), float("nan"))
+    flat = kv_cache.view(-1, 2, num_kv_heads, head_dim)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    chunks, token_start = [], 1  # row 0 belongs to no chunk
+    for (prefix, n), count in zip(specs, needed, strict=True):
+        block_ids = torch.tensor([free.pop() for _ in range(count)], dtype=torch.int64)
+        positions = torch.arange(prefix + n)
+        slots = block_ids[positions // block_size] * block_size + positions % block_size
+        flat[slots] = torch.randn(prefix + n, 2, num_kv_heads, head_dim, generator=gen)
+        chunks.append(PrefillChunk(token_start, n, prefix, block_ids))
+        token_start += n
+    qkv = torch.randn(token_start, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    return qkv.to(dtype)[:, :num_heads], kv_cache.to(dtype), chunks
+
+
+def reference_extend(q, kv_cache, chunk):
+    """The chunk through the torch reference: gather its context, causal mask shifted by its
+    start position, SDPA."""
+    span = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+    num_ctx = chunk.start_position + chunk.num_tokens
+    allowed = torch.arange(num_ctx)[None, :] <= torch.arange(chunk.start_position, num_ctx)[:, None]
+    chunk = PrefillChunk(
+        0, chunk.num_tokens, chunk.start_position, chunk.block_ids,
+        torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf")),
+    )  # fmt: skip
+    return TorchPagedAttention()._prefill(q[span], None, kv_cache, chunk)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_extend_kernel_matches_reference(extension, data):
+    block_size = data.draw(st.sampled_from([4, 16]), "block_size")
+    specs = data.draw(
+        st.lists(st.tuples(prefix_lengths(block_size), st.integers(1, 40)), min_size=1, max_size=4),
+        "chunks (prefix, new tokens)",
+    )
+    num_kv_heads = data.draw(st.sampled_from([1, 2, 3]), "num_kv_heads")
+    group = data.draw(st.sampled_from([1, 3, 4, 8]), "group")
+    head_dim = data.draw(st.sampled_from([64, 128, 80]), "head_dim")
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), "dtype")
+    query_tile = data.draw(st.sampled_from([None, 1, 5, 16]), "query_tile")
+    seed = data.draw(st.integers(0, 2**16), "seed")
+    q, kv_cache, chunks = extend_case(specs, num_kv_heads, group, head_dim, block_size, dtype, seed)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)  # poisoned
+    paged_attention.extend(extension, q, kv_cache, chunks, out, query_tile)
+    assert torch.isnan(out[0]).all()  # row 0 (a decode's, say) is no chunk's: left alone
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+    for chunk in chunks:
+        expected = reference_extend(q.float(), kv_cache.float(), chunk)
+        got = out[chunk.token_start : chunk.token_start + chunk.num_tokens].float()
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_mixed_decode_and_extend_step_matches_reference(extension, data):
+    """A whole step through the backend (KV write, decode kernel, extend kernel, fresh prefills
+    through SDPA) against the reference backend, on the same rounded inputs in fp32."""
+    block_size = data.draw(st.sampled_from([4, 16]), "block_size")
+    specs = data.draw(
+        st.lists(st.tuples(prefix_lengths(block_size), st.integers(1, 40)), min_size=1, max_size=5)
+        .filter(lambda specs: all(p + n > 1 for p, n in specs)),  # a decode follows a token
+        "requests (cached, new tokens)",
+    )
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), "dtype")
+    group = data.draw(st.sampled_from([1, 3, 4, 8]), "group")
+    seed = data.draw(st.integers(0, 2**16), "seed")
+    gen = torch.Generator().manual_seed(seed)
+    num_kv_heads, head_dim = 2, 64
+    needed = [-(-(p + n) // block_size) for p, n in specs]
+    num_blocks = sum(needed) + 2
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    requests = [
+        ScheduledRequest(f"r{i}", [1] * n, p, [free.pop() for _ in range(needed[i])], True,
+                         SamplingParams(), seed=0)
+        for i, (p, n) in enumerate(specs)
+    ]  # fmt: skip
+    num_tokens = sum(n for _, n in specs)
+    cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    kv = torch.randn(num_tokens, 2, num_kv_heads, head_dim, generator=gen).to(dtype)
+    ours_cache = cache.clone()
+    meta = prepare_step(requests, block_size, dtype, build_decode_mask=False).meta
+    out = CpuPagedAttention(extension).forward(q, kv, ours_cache, meta)
+    meta = prepare_step(requests, block_size, torch.float32, build_decode_mask=True).meta
+    reference_cache = cache.float()
+    expected = TorchPagedAttention().forward(q.float(), kv.float(), reference_cache, meta)
+    assert torch.equal(ours_cache.float(), reference_cache)  # same writes
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)

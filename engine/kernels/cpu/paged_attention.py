@@ -47,13 +47,20 @@ from types import ModuleType
 import structlog
 import torch
 
-from engine.layers.attention import AttentionMetadata, TorchPagedAttention, decode_mask
+from engine.layers.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    TorchPagedAttention,
+    decode_mask,
+)
 from engine.platform import cpu_info
 
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 PARTITION_TOKENS = 512  # context tokens per work item before a long context is split
+MAX_QUERY_TILE = 16  # extend: query tokens per work item (see choose_query_tile)
+EXTEND_MAX_TOKENS = 10**9  # extend: longest new chunk sent to the kernel (see use_extend_kernel)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 _ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -141,6 +148,47 @@ def decode(
     return out
 
 
+def extend(
+    extension: ModuleType,
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], the whole step's q (head_dim contiguous)
+    kv_cache: torch.Tensor,  # [num_kv_blocks, block_size, 2, num_kv_heads, head_dim]
+    chunks: list[PrefillChunk],  # each with block_ids covering [0, start_position + num_tokens)
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim] contiguous: the chunks' rows written
+    query_tile: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of prefill chunks that follow cached tokens, reading the cache in place
+    (their own K/V written to the cache already). All chunks in one kernel call."""
+    block_table = torch.nn.utils.rnn.pad_sequence(
+        [chunk.block_ids for chunk in chunks], batch_first=True
+    )
+    query_starts = torch.tensor([chunk.token_start for chunk in chunks], dtype=torch.int64)
+    query_lens = torch.tensor([chunk.num_tokens for chunk in chunks], dtype=torch.int64)
+    start_positions = torch.tensor([chunk.start_position for chunk in chunks], dtype=torch.int64)
+    if query_tile is None:
+        query_tile = choose_query_tile(int(query_lens.sum()), kv_cache.shape[3])
+    extension.paged_attention_extend(
+        q, kv_cache, block_table, query_starts, query_lens, start_positions,
+        q.shape[-1] ** -0.5, query_tile, out,
+    )  # fmt: skip
+    return out
+
+
+def choose_query_tile(num_queries: int, num_kv_heads: int) -> int:
+    """Query rows per work item: up to MAX_QUERY_TILE (each tile reads the context's K/V once
+    per KV head, so bigger tiles read less), but small enough that every thread gets about two
+    items (a chunk of 8 tokens over 3 KV heads on 2 threads: tiles of 6, not one of 8 that
+    leaves a thread a third of the work)."""
+    per_thread = -(-num_queries * num_kv_heads // (2 * torch.get_num_threads()))
+    return max(1, min(MAX_QUERY_TILE, per_thread))
+
+
+def use_extend_kernel(chunk: PrefillChunk) -> bool:
+    """Whether a prefill chunk goes to the extend kernel rather than gather + SDPA: only chunks
+    that follow cached tokens (a fresh prompt has no cache to read, and SDPA's causal kernel is
+    the better tool), and only up to EXTEND_MAX_TOKENS new tokens (see the module docstring)."""
+    return chunk.block_ids is not None and chunk.num_tokens <= EXTEND_MAX_TOKENS
+
+
 class CpuPagedAttention(TorchPagedAttention):
     """The C++ kernel on the decode rows; prefill chunks (and dtypes the kernel lacks, fp16)
     go through the torch reference it subclasses. Needs no decode mask: the kernel stops at
@@ -166,3 +214,18 @@ class CpuPagedAttention(TorchPagedAttention):
             with torch.profiler.record_function("mini_infer::paged_attention_decode"):
                 return decode(*args)
         return decode(*args)
+
+    def _prefills(self, q, kv, kv_cache, chunks: list[PrefillChunk], out: torch.Tensor) -> None:
+        in_place, gathered = [], []
+        for chunk in chunks:
+            kernel = q.dtype in SUPPORTED_DTYPES and use_extend_kernel(chunk)
+            (in_place if kernel else gathered).append(chunk)
+        if gathered:
+            super()._prefills(q, kv, kv_cache, gathered, out)
+        if not in_place:
+            return
+        if torch.autograd._profiler_enabled():
+            with torch.profiler.record_function("mini_infer::paged_attention_extend"):
+                extend(self.extension, q, kv_cache, in_place, out)
+        else:
+            extend(self.extension, q, kv_cache, in_place, out)
