@@ -13,6 +13,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -223,11 +227,127 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& kv_cache,
 }
 
 
+#if defined(__AVX512F__)
+// e^x for x <= 0 (scores minus their running max), 16 lanes: 2^(x log2 e) split into an
+// integer power (applied exactly by scalef) and 2^f, f in [-1/2, 1/2], by its degree-6 Taylor
+// polynomial (relative error ~1e-7, fp32's own rounding). Replaces 16 calls of scalar expf.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Scores of four query rows against one 16-token block (kt [D, 16]): four independent FMA
+// chains sharing each load of kt, so the FMA latency is hidden.
+template <int HEAD_DIM>
+inline void block_scores4(const float* q, int64_t D, const float* kt, float* s) {
+  if constexpr (HEAD_DIM > 0) D = HEAD_DIM;
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 k = _mm512_loadu_ps(kt + d * 16);
+    s0 = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), k, s0);
+    s1 = _mm512_fmadd_ps(_mm512_set1_ps(q[D + d]), k, s1);
+    s2 = _mm512_fmadd_ps(_mm512_set1_ps(q[2 * D + d]), k, s2);
+    s3 = _mm512_fmadd_ps(_mm512_set1_ps(q[3 * D + d]), k, s3);
+  }
+  _mm512_storeu_ps(s, s0);
+  _mm512_storeu_ps(s + 16, s1);
+  _mm512_storeu_ps(s + 32, s2);
+  _mm512_storeu_ps(s + 48, s3);
+}
+#endif
+
+// Online-softmax step of one row over one block's first n scores (in place: scores become
+// weights): returns the correction for the row's accumulator and updates its max and sum.
+inline float softmax_step(float* sr, int64_t n, int64_t B, float& m, float& l) {
+#if defined(__AVX512F__)
+  if (B == 16) {
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
+    const __m512 scores = _mm512_loadu_ps(sr);
+    const float new_max = std::max(m, _mm512_mask_reduce_max_ps(keep, scores));
+    const __m512 weights =
+        _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+    _mm512_storeu_ps(sr, weights);
+    const float correction = std::exp(m - new_max);  // 0 on the first block (m = -inf)
+    l = l * correction + _mm512_reduce_add_ps(weights);
+    m = new_max;
+    return correction;
+  }
+#endif
+  const float new_max = std::max(m, *std::max_element(sr, sr + n));
+  const float correction = std::exp(m - new_max);
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
+    sr[t] = std::exp(sr[t] - new_max);
+    sum += sr[t];
+  }
+  l = l * correction + sum;
+  m = new_max;
+  return correction;
+}
+
+// Scores of one query row against one block: s[t] = q . k_t for t < B, with the block's K
+// transposed to kt [D, B] (zero past the block's tokens), so the loop is a broadcast-FMA over
+// the block's tokens with no horizontal sums. B = 16 on AVX-512 is one register.
+template <int HEAD_DIM>
+inline void block_scores(const float* q, const float* kt, int64_t D, int64_t B, float* s) {
+  if constexpr (HEAD_DIM > 0) D = HEAD_DIM;
+#if defined(__AVX512F__)
+  if (B == 16) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      sum = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(kt + d * 16), sum);
+    }
+    _mm512_storeu_ps(s, sum);
+    return;
+  }
+#endif
+  std::fill(s, s + B, 0.f);
+  for (int64_t d = 0; d < D; ++d) {
+    const float qd = q[d];
+    const float* row = kt + d * B;
+#pragma omp simd
+    for (int64_t t = 0; t < B; ++t) s[t] += qd * row[t];
+  }
+}
+
+// acc [D] += sum over t < n of p[t] * v[t] (v rows [n, D] fp32): the accumulator stays in
+// registers across the block's tokens when D is a compile-time multiple of 16 on AVX-512.
+template <int HEAD_DIM>
+inline void block_values(const float* p, const float* v, int64_t n, int64_t D, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 128) {
+    constexpr int R = HEAD_DIM / 16;
+    __m512 a[R];
+    for (int j = 0; j < R; ++j) a[j] = _mm512_loadu_ps(acc + 16 * j);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 weight = _mm512_set1_ps(p[t]);
+      const float* row = v + t * HEAD_DIM;
+      for (int j = 0; j < R; ++j) a[j] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(row + 16 * j), a[j]);
+    }
+    for (int j = 0; j < R; ++j) _mm512_storeu_ps(acc + 16 * j, a[j]);
+    return;
+  }
+#endif
+  if constexpr (HEAD_DIM > 0) D = HEAD_DIM;
+  for (int64_t t = 0; t < n; ++t) axpy(p[t], v + t * D, acc, D);
+}
+
 // Causal attention of one query tile of one extend chunk (prefill after cached tokens) and one
 // KV head, over the cache through the sequence's block table. Query i of the tile sits at
 // position first_pos + i and attends to cache positions [0, first_pos + i] (its own K/V were
-// written to the cache before the call). The tile's rows are (query, group head) pairs, so
-// each K/V row is loaded (and widened) once per tile and group, then used by every row.
+// written to the cache before the call). The tile's rows are (query, group head) pairs; each
+// block's K/V rows of the head are widened to fp32 once (K transposed) and used by every row,
+// so the work per block is two small matrix products (scores, then values), not dot products.
 template <typename scalar_t, int HEAD_DIM>
 void extend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
                  const scalar_t* cache, const int64_t* table, int64_t first_pos,
@@ -237,6 +357,7 @@ void extend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
   const int64_t D = HEAD_DIM > 0 ? HEAD_DIM : s.head_dim;
   const int64_t R = num_queries * G;  // row r = query (r / G), head kv_head * G + r % G
   std::vector<float> qf(R * D), row(D), scores(R * B), m(R), l(R), acc(R * D, 0.f);
+  std::vector<float> kt(D * B, 0.f), vf(B * D);
   std::vector<int64_t> valid(R);
   for (int64_t r = 0; r < R; ++r) {
     const scalar_t* src = q + (r / G) * q_row_stride + (kv_head * G + r % G) * q_head_stride;
@@ -263,36 +384,30 @@ void extend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
         }
       }
     }
-    // Keys of this block that row r may see: positions <= its own (causal).
-    for (int64_t r = 0; r < R; ++r) {
-      valid[r] = std::max<int64_t>(0, std::min(num_tokens, first_pos + r / G - b * B + 1));
-    }
     for (int64_t t = 0; t < num_tokens; ++t) {
       const float* k = load_row(block + t * token_stride, row.data(), D);
-      for (int64_t r = 0; r < R; ++r) {
-        if (t < valid[r]) scores[r * B + t] = dot(qf.data() + r * D, k, D);
-      }
+      for (int64_t d = 0; d < D; ++d) kt[d * B + t] = k[d];
+      const float* v = load_row(block + t * token_stride + v_offset, vf.data() + t * D, D);
+      if (v != vf.data() + t * D) std::memcpy(vf.data() + t * D, v, D * sizeof(float));
     }
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t n = valid[r];
+    if (num_tokens < B) {  // the last block's tail: zeros, so the score loop stays full width
+      for (int64_t d = 0; d < D; ++d) std::fill(&kt[d * B + num_tokens], &kt[d * B + B], 0.f);
+    }
+    int64_t r = 0;
+#if defined(__AVX512F__)
+    if (B == 16) {
+      for (; r + 4 <= R; r += 4) block_scores4<HEAD_DIM>(qf.data() + r * D, D, kt.data(), &scores[r * B]);
+    }
+#endif
+    for (; r < R; ++r) block_scores<HEAD_DIM>(qf.data() + r * D, kt.data(), D, B, &scores[r * B]);
+    for (r = 0; r < R; ++r) {
+      // Keys of this block that row r may see: positions <= its own (causal).
+      const int64_t n = std::max<int64_t>(0, std::min(num_tokens, first_pos + r / G - b * B + 1));
       if (n == 0) continue;  // the whole block lies after this query: nothing changes
       float* sr = scores.data() + r * B;
-      const float new_max = std::max(m[r], *std::max_element(sr, sr + n));
-      const float correction = std::exp(m[r] - new_max);  // 0 on the first block (m = -inf)
-      float sum = 0.f;
-      for (int64_t t = 0; t < n; ++t) {
-        sr[t] = std::exp(sr[t] - new_max);
-        sum += sr[t];
-      }
-      l[r] = l[r] * correction + sum;
-      m[r] = new_max;
+      const float correction = softmax_step(sr, n, B, m[r], l[r]);
       if (correction != 1.f) scale(correction, acc.data() + r * D, D);
-    }
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      const float* v = load_row(block + t * token_stride + v_offset, row.data(), D);
-      for (int64_t r = 0; r < R; ++r) {
-        if (t < valid[r]) axpy(scores[r * B + t], v, acc.data() + r * D, D);
-      }
+      block_values<HEAD_DIM>(sr, vf.data(), n, D, acc.data() + r * D);
     }
   }
   for (int64_t r = 0; r < R; ++r) {  // every row saw key 0, so l[r] > 0
