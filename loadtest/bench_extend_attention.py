@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
         for new in news:
             result = cell(extension, prefix, new, dtype, args.rounds)
             cells.append(result)
-            row.append(f"{result['reference_ms']:7.2f}/{result['kernel_ms']:7.2f} {result['ratio']:5.2f}")
+            row.append(
+                f"{result['reference_ms']:7.2f}/{result['kernel_ms']:7.2f} {result['ratio']:5.2f}"
+            )
         print(f"{prefix:>13} " + "".join(f"{r:>22}" for r in row), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -15,8 +15,9 @@ mask would be converted inside SDPA in every layer).
 
 Backends share one interface (`forward(q, kv, kv_cache, meta)`) and are picked at run time by
 name; the torch one is the reference that any kernel backend is tested against. On CPU, "auto"
-takes the C++ kernel that reads the cache in place on the decode path
-(engine/kernels/cpu/paged_attention.py) when it builds on this machine, else this reference.
+takes the C++ kernels that read the cache in place, for decode rows and for prefill chunks
+after cached tokens (engine/kernels/cpu/paged_attention.py), when they build on this machine,
+else this reference.
 """
 
 from __future__ import annotations

@@ -261,8 +261,9 @@ def test_mixed_decode_and_extend_step_matches_reference(extension, data):
     through SDPA) against the reference backend, on the same rounded inputs in fp32."""
     block_size = data.draw(st.sampled_from([4, 16]), "block_size")
     specs = data.draw(
-        st.lists(st.tuples(prefix_lengths(block_size), st.integers(1, 40)), min_size=1, max_size=5)
-        .filter(lambda specs: all(p + n > 1 for p, n in specs)),  # a decode follows a token
+        st.lists(
+            st.tuples(prefix_lengths(block_size), st.integers(1, 40)), min_size=1, max_size=5
+        ).filter(lambda specs: all(p + n > 1 for p, n in specs)),  # a decode follows a token
         "requests (cached, new tokens)",
     )
     dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), "dtype")
@@ -291,3 +292,57 @@ def test_mixed_decode_and_extend_step_matches_reference(extension, data):
     assert torch.equal(ours_cache.float(), reference_cache)  # same writes
     tolerance = 2e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_engine_greedy_tokens_with_prefix_caching_and_chunked_prefill(
+    extension, tmp_path, monkeypatch
+):
+    """End to end on a tiny fp32 model (head_dim 64, 4 query heads per KV head, block 16):
+    prompts sharing a prefix, prefilled in chunks of 12 tokens, the second round hitting the
+    prefix cache; the C++ backend (its extend kernel seen running) gives the reference
+    backend's greedy tokens."""
+    from engine import LLM
+    from tests.tiny_model import make_tiny_llama
+
+    model_dir = make_tiny_llama(
+        tmp_path / "tiny", seed=3, hidden_size=256, num_attention_heads=4, num_key_value_heads=1,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    shared = [(7 * i) % 300 + 5 for i in range(37)]  # two full blocks and a bit
+    rounds = [
+        [shared + [11, 12, 13], shared[:20] + [14] * 9],
+        [shared + [21, 22], shared + [23] * 30, shared[:16] + [24]],  # prefix-cache hits
+    ]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    extend_calls = []
+    real_extend = paged_attention.extend
+    monkeypatch.setattr(
+        paged_attention, "extend",
+        lambda *args, **kwargs: extend_calls.append(1) or real_extend(*args, **kwargs),
+    )  # fmt: skip
+
+    def tokens(backend: str) -> list[list[int]]:
+        llm = LLM(
+            model_dir, dtype="float32", attention_backend=backend, block_size=16,
+            num_kv_blocks=64, max_num_batched_tokens=12, enable_prefix_caching=True,
+        )  # fmt: skip
+        return [out.token_ids for prompts in rounds for out in llm.generate(prompts, params)]
+
+    expected = tokens("torch")
+    assert not extend_calls
+    assert all(len(t) == 12 for t in expected)
+    assert tokens("cpu") == expected
+    assert extend_calls  # the chunks after the first read the cache through the kernel
+
+
+def test_extend_dispatch_rule():
+    """Fresh prompts never take the extend kernel; bf16 chunks after a prefix always; fp32
+    ones up to EXTEND_MAX_TOKENS_FP32 new tokens; fp16 never (the kernel lacks it)."""
+    ids = torch.zeros(3, dtype=torch.int64)
+    limit = paged_attention.EXTEND_MAX_TOKENS_FP32
+    rule = paged_attention.use_extend_kernel
+    assert not rule(PrefillChunk(0, 5, 0), torch.bfloat16)
+    assert rule(PrefillChunk(0, 500, 20, ids), torch.bfloat16)
+    assert rule(PrefillChunk(0, limit, 20, ids), torch.float32)
+    assert not rule(PrefillChunk(0, limit + 1, 20, ids), torch.float32)
+    assert not rule(PrefillChunk(0, 2, 20, ids), torch.float16)

@@ -1,4 +1,5 @@
-"""The C++ paged decode attention (paged_attention.cpp): build once per machine, load, dispatch.
+"""The C++ paged attention (paged_attention.cpp), decode and extend: build once per machine,
+load, dispatch.
 
 Why a kernel: the torch reference gathers every decoding request's whole context out of the
 block pool (`index_select`) before SDPA, in every layer of every step, a copy that grows with
@@ -24,6 +25,36 @@ the reference: bf16 0.96 at 1 stream and 1.27 at 16; fp32 0.91 and 1.20 (at 1 st
 attention is a small part of the step and the difference is within this machine's noise). It also drops the gather buffer that grows with context length and the
 decode mask. Next levers: bf16 dot products with avx512_bf16 (vdpbf16ps) instead of widening,
 and a K layout transposed per block so a block's scores are one broadcast-FMA loop.
+
+Extend (a prefill chunk after cached tokens: a prefix-cache hit, the next chunk of a chunked
+prefill, a resumed request) reads the cache in place too: `paged_attention_extend` takes all such
+chunks of a step in one call, work items (chunk, query tile of up to 16 tokens, KV head), each
+walking the block table up to its last query's position with a causal online softmax (the
+chunk's own K/V are written to the cache before attention, in TorchPagedAttention.forward).
+Per block, the head's K rows are widened to fp32 and transposed once ([head_dim, block]), so
+scores are broadcast-FMAs over the block's 16 tokens (four query rows at a time), the
+exponentials are one AVX-512 polynomial, and the value sums stay in registers. The first
+version (a dot product per query row and key, scalar expf) ran at 0.3-0.7x the reference for
+32+ new tokens; this one (SmolLM2 shapes, one thread, CPU time, 7 alternating rounds, ratio of
+medians reference / kernel; loadtest/bench_extend_attention.py, raw JSON in
+loadtest/results/extend-attention-*.json):
+
+    new tokens:          2     8     32    128   512
+    bf16  prefix 16      1.44  1.56  1.32  1.39  1.37
+                 128     1.22  1.38  1.06  1.20  1.41
+                 512     1.32  1.10  0.98  1.08  1.31
+                 2048    1.75  1.31  1.04  1.02  0.99
+    fp32  prefix 16      1.28  1.33  1.00  1.27  1.41
+                 128     1.17  1.12  0.85  0.98  1.22
+                 512     0.99  1.26  0.96  0.90  1.01
+                 2048    1.06  1.11  0.84  0.77  0.87
+
+Hence the rule (`use_extend_kernel`): bf16 chunks after a cached prefix always take the kernel
+(it never lost by more than this machine's noise); fp32 chunks only
+up to 16 new tokens (EXTEND_MAX_TOKENS_FP32): beyond that MKL's fp32 GEMMs inside SDPA win once
+the prefix is long (0.77-0.87 at 2048). Fresh prompts (no cached prefix) stay on SDPA's causal
+kernel: there is nothing in the cache to avoid copying. Next lever: bf16 dot products
+(avx512_bf16) for the scores instead of widening K.
 
 Build: `torch.utils.cpp_extension.load` with flags chosen from the running CPU (`-mavx512f ...`
 on AVX-512, `-mavx2 -mfma` on AVX2, none otherwise), into a directory under the cache dir named
@@ -60,7 +91,8 @@ log = structlog.get_logger(__name__)
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 PARTITION_TOKENS = 512  # context tokens per work item before a long context is split
 MAX_QUERY_TILE = 16  # extend: query tokens per work item (see choose_query_tile)
-EXTEND_MAX_TOKENS = 10**9  # extend: longest new chunk sent to the kernel (see use_extend_kernel)
+# extend: longest new chunk sent to the kernel in fp32 (bf16: any length); see the docstring
+EXTEND_MAX_TOKENS_FP32 = 16
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 _ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -182,17 +214,21 @@ def choose_query_tile(num_queries: int, num_kv_heads: int) -> int:
     return max(1, min(MAX_QUERY_TILE, per_thread))
 
 
-def use_extend_kernel(chunk: PrefillChunk) -> bool:
+def use_extend_kernel(chunk: PrefillChunk, dtype: torch.dtype) -> bool:
     """Whether a prefill chunk goes to the extend kernel rather than gather + SDPA: only chunks
-    that follow cached tokens (a fresh prompt has no cache to read, and SDPA's causal kernel is
-    the better tool), and only up to EXTEND_MAX_TOKENS new tokens (see the module docstring)."""
-    return chunk.block_ids is not None and chunk.num_tokens <= EXTEND_MAX_TOKENS
+    that follow cached tokens (a fresh prompt has no cache to read: SDPA's causal kernel on
+    its own K/V), in bf16 always, in fp32 up to EXTEND_MAX_TOKENS_FP32 new tokens (measured:
+    see the module docstring)."""
+    if chunk.block_ids is None or dtype not in SUPPORTED_DTYPES:
+        return False
+    return dtype == torch.bfloat16 or chunk.num_tokens <= EXTEND_MAX_TOKENS_FP32
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """The C++ kernel on the decode rows; prefill chunks (and dtypes the kernel lacks, fp16)
-    go through the torch reference it subclasses. Needs no decode mask: the kernel stops at
-    each request's context length."""
+    """The C++ kernels on the decode rows and on prefill chunks that follow cached tokens
+    (`use_extend_kernel`); fresh prompts (and dtypes the kernels lack, fp16) go through the
+    torch reference it subclasses. Needs no decode mask: the kernels stop at each request's
+    context length."""
 
     name = "cpu"
     needs_decode_mask = False
@@ -218,7 +254,7 @@ class CpuPagedAttention(TorchPagedAttention):
     def _prefills(self, q, kv, kv_cache, chunks: list[PrefillChunk], out: torch.Tensor) -> None:
         in_place, gathered = [], []
         for chunk in chunks:
-            kernel = q.dtype in SUPPORTED_DTYPES and use_extend_kernel(chunk)
+            kernel = use_extend_kernel(chunk, q.dtype)
             (in_place if kernel else gathered).append(chunk)
         if gathered:
             super()._prefills(q, kv, kv_cache, gathered, out)
