@@ -37,15 +37,31 @@ def run_engine(
     model: str, dtype: str, prompts: list[list[int]], max_tokens: int | list[int], **options
 ) -> dict:
     """One workload on `LLMEngine` (ENGINE_OPTIONS, overridden by `options`); `max_tokens`
-    per request or one for all."""
+    per request or one for all.
+
+    Start-up is reported apart from throughput: `load_s` (weights, packing, KV pool: the
+    engine's construction less its compilation), `compile_s` (torch.compile's graphs, at
+    start-up and in the warm-up request), and `compile_in_run_s` (graphs compiled during the
+    measured run: a recompile in steady state; subtracted from the run's time, so
+    `tokens_per_s` is steady-state throughput and `tokens_per_s_with_compile` what a client
+    saw)."""
     from engine import LLMEngine, SamplingParams
 
     if isinstance(max_tokens, int):
         max_tokens = [max_tokens] * len(prompts)
+    start = time.perf_counter()
     eng = LLMEngine(model, dtype=dtype, **{**ENGINE_OPTIONS, **options})
+    construct_s = time.perf_counter() - start
+    compiled = getattr(eng.runner, "_forward", None)
+
+    def compile_s() -> float:  # CompiledModel counts the time of every graph it compiles
+        return getattr(compiled, "compile_s", 0.0)
+
+    startup_compile_s = compile_s()
     eng.add_request("warmup", prompts[0], SamplingParams(max_tokens=4, temperature=0.0))
     while eng.has_unfinished_requests():
         eng.step()
+    warm_compile_s = compile_s()
     start = time.perf_counter()
     first: dict[str, float] = {}
     num_tokens = 0
@@ -56,7 +72,15 @@ def run_engine(
             num_tokens += len(d.token_ids)
             first.setdefault(d.request_id, time.perf_counter() - start)
     elapsed = time.perf_counter() - start
-    return summarize(num_tokens, elapsed, list(first.values()))
+    in_run_s = compile_s() - warm_compile_s
+    result = summarize(num_tokens, elapsed - in_run_s, [t - in_run_s for t in first.values()])
+    result.update(
+        load_s=round(construct_s - startup_compile_s, 2), compile_s=round(warm_compile_s, 2),
+        compile_in_run_s=round(in_run_s, 2),
+        num_graphs=getattr(compiled, "num_compiles", 0),
+        tokens_per_s_with_compile=round(num_tokens / elapsed, 1),
+    )  # fmt: skip
+    return result
 
 
 def run_hf(
@@ -66,7 +90,9 @@ def run_hf(
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    load_start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
+    load_s = time.perf_counter() - load_start
     pad = model.generation_config.pad_token_id or 0
 
     class FirstToken(StoppingCriteria):
@@ -104,7 +130,7 @@ def run_hf(
     _, elapsed, ttft = generate(prompts, max(lengths))
     num_tokens = sum(lengths)  # a static batch runs to its longest request; count what was asked
     # A static batch delivers every request's first token at the same moment.
-    return summarize(num_tokens, elapsed, [ttft] * len(prompts))
+    return {**summarize(num_tokens, elapsed, [ttft] * len(prompts)), "load_s": round(load_s, 2)}
 
 
 def _child(impl: str, spec: dict, q) -> None:
@@ -225,13 +251,40 @@ def run(args) -> int:
             for w in runs[0]["results"]
         }
     doc["ratios"] = _ratios(doc["medians"])
+    doc["startup_s"] = _startup(doc["runs"])
     print(f"{'impl':22} " + " ".join(f"{w:>9}" for w in names) + "   (output tok/s, medians)")
     for key, med in doc["medians"].items():
         print(f"{key:22} " + " ".join(f"{med.get(w, float('nan')):9.1f}" for w in names))
     for pair, ratios in doc["ratios"].items():
         print(f"{pair:34} " + " ".join(f"{w}={r:.2f}" for w, r in ratios.items()))
+    if doc["startup_s"]:
+        print("start-up, s (medians; load = weights, packing, KV pool; compile = torch.compile "
+              "graphs, excluded from tok/s):")  # fmt: skip
+        for key, per_workload in doc["startup_s"].items():
+            cells = (f"{w}: load {v['load_s']:.1f} compile {v['compile_s']:.1f}"
+                     for w, v in per_workload.items())  # fmt: skip
+            print(f"  {key:20} " + "; ".join(cells))
     emit(doc, args.out, args.plot, lambda plt: _draw(doc, plt))
     return 0
+
+
+def _startup(runs: dict) -> dict:
+    """Medians over rounds of each workload's load and compile time, where they were taken."""
+    out = {}
+    for key, key_runs in runs.items():
+        per_workload = {}
+        for w, result in key_runs[0]["results"].items():
+            if "load_s" not in result:
+                continue
+            per_workload[w] = {
+                field: round(
+                    statistics.median(r["results"][w].get(field, 0.0) for r in key_runs), 2
+                )
+                for field in ("load_s", "compile_s", "compile_in_run_s")
+            }
+        if per_workload:
+            out[key] = per_workload
+    return out
 
 
 def _ratios(medians: dict) -> dict:
@@ -252,9 +305,7 @@ def _draw(doc: dict, plt):
     """Throughput against concurrency for the uniform-length workloads."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key, med in doc["medians"].items():
-        points = sorted(
-            (CONCURRENCY[w], tps) for w, tps in med.items() if w in CONCURRENCY
-        )
+        points = sorted((CONCURRENCY[w], tps) for w, tps in med.items() if w in CONCURRENCY)
         if points:
             ax.plot(*zip(*points, strict=True), marker="o", label=key)
     ax.set_xscale("log", base=2)
