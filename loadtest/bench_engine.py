@@ -19,6 +19,7 @@ goes (GEMM / attention / the rest), from torch.profiler.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -145,14 +146,19 @@ def _child(impl: str, spec: dict, q) -> None:
             continue
         prompts = chat_prompts(load_tokenizer(Path(spec["model_path"])), workload.num_requests)
         lengths = list(workload.max_tokens)
-        if impl == "engine":
-            options = {"compile": spec["compile"], "quantization": spec["quantization"]}
-            results[name] = run_engine(spec["model"], spec["dtype"], prompts, lengths, **options)
-        elif impl == "hf":
-            results[name] = run_hf(spec["model_path"], spec["dtype"], prompts, lengths)
-        else:
-            results[name] = run_llamacpp(Path(spec["llama_server"]), Path(spec["gguf"]),
-                                         prompts, lengths)  # fmt: skip
+        try:  # one workload that fails (a peer's server refusing 64 slots) keeps the others
+            if impl == "engine":
+                options = {"compile": spec["compile"], "quantization": spec["quantization"]}
+                results[name] = run_engine(spec["model"], spec["dtype"], prompts, lengths,
+                                           **options)  # fmt: skip
+            elif impl == "hf":
+                results[name] = run_hf(spec["model_path"], spec["dtype"], prompts, lengths)
+            else:
+                results[name] = run_llamacpp(Path(spec["llama_server"]), Path(spec["gguf"]),
+                                             prompts, lengths)  # fmt: skip
+        except Exception as error:
+            print(f"[bench] {impl} {name} failed: {error!r}", file=sys.stderr, flush=True)
+            results[name] = {"error": repr(error)[-500:]}
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     q.put({"results": results, "peak_rss_mib": round(peak_rss_mib, 1),
            "threads": torch.get_num_threads()})  # fmt: skip
@@ -244,12 +250,17 @@ def run(args) -> int:
                 if impl == "engine" and args.quantization:
                     key += f"-{args.quantization}"
                 print(f"[bench] round {round_index + 1}: {key} ...", file=sys.stderr, flush=True)
-                doc["runs"].setdefault(key, []).append(measure(impl, spec))
+                try:
+                    result = measure(impl, spec)
+                except RuntimeError as error:  # a child that died: the other runs stand
+                    print(f"[bench] {key} failed: {error}", file=sys.stderr, flush=True)
+                    doc.setdefault("errors", []).append(f"round {round_index + 1} {key}: {error}")
+                else:
+                    doc["runs"].setdefault(key, []).append(result)
+                if args.out:  # a long run interrupted late still leaves its rounds behind
+                    args.out.write_text(json.dumps(doc, indent=2))
     for key, runs in doc["runs"].items():
-        doc["medians"][key] = {
-            w: round(statistics.median(r["results"][w]["tokens_per_s"] for r in runs), 1)
-            for w in runs[0]["results"]
-        }
+        doc["medians"][key] = _medians(runs, names)
     doc["ratios"] = _ratios(doc["medians"])
     doc["startup_s"] = _startup(doc["runs"])
     print(f"{'impl':22} " + " ".join(f"{w:>9}" for w in names) + "   (output tok/s, medians)")
@@ -268,20 +279,29 @@ def run(args) -> int:
     return 0
 
 
+def _medians(runs: list[dict], names: list[str]) -> dict:
+    """tok/s medians per workload over the rounds where that workload ran (not failed)."""
+    out = {}
+    for w in names:
+        values = [r["results"][w]["tokens_per_s"] for r in runs
+                  if "tokens_per_s" in r["results"].get(w, {})]  # fmt: skip
+        if values:
+            out[w] = round(statistics.median(values), 1)
+    return out
+
+
 def _startup(runs: dict) -> dict:
     """Medians over rounds of each workload's load and compile time, where they were taken."""
     out = {}
     for key, key_runs in runs.items():
         per_workload = {}
-        for w, result in key_runs[0]["results"].items():
-            if "load_s" not in result:
-                continue
-            per_workload[w] = {
-                field: round(
-                    statistics.median(r["results"][w].get(field, 0.0) for r in key_runs), 2
-                )
-                for field in ("load_s", "compile_s", "compile_in_run_s")
-            }
+        for w in key_runs[0]["results"]:
+            timed = [r["results"][w] for r in key_runs if "load_s" in r["results"].get(w, {})]
+            if timed:
+                per_workload[w] = {
+                    field: round(statistics.median(t.get(field, 0.0) for t in timed), 2)
+                    for field in ("load_s", "compile_s", "compile_in_run_s")
+                }
         if per_workload:
             out[key] = per_workload
     return out

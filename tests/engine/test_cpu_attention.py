@@ -346,3 +346,32 @@ def test_extend_dispatch_rule():
     assert rule(PrefillChunk(0, limit, 20, ids), torch.float32)
     assert not rule(PrefillChunk(0, limit + 1, 20, ids), torch.float32)
     assert not rule(PrefillChunk(0, 2, 20, ids), torch.float16)
+
+
+@pytest.fixture(scope="module")
+def portable_extension(extension):
+    """The kernels built with no vector flags (what a CPU without AVX2 gets): the AVX-512 code
+    paths compiled out. Built once per machine into the cache dir like the native build."""
+    module = paged_attention.build(isa="portable")
+    if module is None:
+        pytest.skip("the portable build failed here")
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_portable_build_matches_reference(portable_extension, dtype, head_dim):
+    specs = [(0, 7), (1, 1), (15, 3), (16, 16), (17, 40), (83, 5)]
+    q, kv_cache, chunks = extend_case(specs, 2, 4, head_dim, 16, dtype, seed=5)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    paged_attention.extend(portable_extension, q, kv_cache, chunks, out)
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+    for chunk in chunks:
+        expected = reference_extend(q.float(), kv_cache.float(), chunk)
+        got = out[chunk.token_start : chunk.token_start + chunk.num_tokens].float()
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    q, kv_cache, table, context_lens = decode_case([1, 16, 17, 600], 2, 4, head_dim, 16, dtype, 5)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    paged_attention.decode(portable_extension, q, kv_cache, table, context_lens, out=out)
+    expected = reference_decode(q.float(), kv_cache.float(), table, context_lens)
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
