@@ -45,7 +45,8 @@ def run_engine(
     start-up and in the warm-up request), and `compile_in_run_s` (graphs compiled during the
     measured run: a recompile in steady state; subtracted from the run's time, so
     `tokens_per_s` is steady-state throughput and `tokens_per_s_with_compile` what a client
-    saw)."""
+    saw). Later workloads in the same child process reuse the first one's graphs (dynamo's
+    in-process cache), so their compile_s is near 0."""
     from engine import LLMEngine, SamplingParams
 
     if isinstance(max_tokens, int):
