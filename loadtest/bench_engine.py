@@ -273,8 +273,9 @@ def run(args) -> int:
         print("start-up, s (medians; load = weights, packing, KV pool; compile = torch.compile "
               "graphs, excluded from tok/s):")  # fmt: skip
         for key, per_workload in doc["startup_s"].items():
-            cells = (f"{w}: load {v['load_s']:.1f} compile {v['compile_s']:.1f}"
-                     for w, v in per_workload.items())  # fmt: skip
+            compiles = key.startswith("engine")  # the peers compile nothing
+            cells = (f"{w}: load {v['load_s']:.1f}" + (f" compile {v['compile_s']:.1f}"
+                     if compiles else "") for w, v in per_workload.items())  # fmt: skip
             print(f"  {key:20} " + "; ".join(cells))
     emit(doc, args.out, args.plot, lambda plt: _draw(doc, plt))
     return 0
@@ -330,9 +331,11 @@ def _draw(doc: dict, plt):
         if points:
             ax.plot(*zip(*points, strict=True), marker="o", label=key)
     ax.set_xscale("log", base=2)
+    ticks = sorted(set(CONCURRENCY.values()))
+    ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens/s (median of rounds)")
-    ax.set_title("throughput vs concurrency")
+    ax.set_title(f"throughput vs concurrency ({doc['max_tokens']} new tokens per request)")
     ax.legend()
     return fig
 

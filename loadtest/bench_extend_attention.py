@@ -65,6 +65,51 @@ def cell(extension, prefix: int, new: int, dtype, rounds: int) -> dict:
     }  # fmt: skip
 
 
+def engine_rounds(
+    dtype: str, prefix_len: int, suffix_len: int, num_requests: int, rounds: int
+) -> dict:
+    """In the engine (SmolLM2, all threads): `num_requests` prompts sharing a cached prefix of
+    `prefix_len` tokens, each with its own `suffix_len` tokens, one new token each, so the
+    measured steps are prefill chunks after a prefix-cache hit. The extend kernel against
+    gather + SDPA for those chunks (the rule switched in the same engine), alternating."""
+    from engine import LLMEngine, SamplingParams
+    from engine.kernels.cpu import paged_attention
+
+    eng = LLMEngine("smollm2-135m", dtype=dtype)
+    prefix = [(37 * i) % 5000 + 100 for i in range(prefix_len)]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def run(tag: str, salt: int) -> float:
+        eng.add_request(f"{tag}-fill", prefix + [7], one)  # (re)fills the prefix cache
+        while eng.has_unfinished_requests():
+            eng.step()
+        for i in range(num_requests):
+            # Distinct in every run, so only the shared prefix is ever a cache hit.
+            suffix = [(salt * 7919 + i * 131 + j * 17) % 5000 + 100 for j in range(suffix_len)]
+            eng.add_request(f"{tag}-{i}", prefix + suffix, one)
+        start = time.perf_counter()
+        while eng.has_unfinished_requests():
+            eng.step()
+        return time.perf_counter() - start
+
+    real_rule = paged_attention.use_extend_kernel
+    sides = {"kernel": real_rule, "reference": lambda chunk, dtype: False}
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    try:
+        for index in range(rounds + 1):  # the first round warms both up, and is dropped
+            for side, (name, rule) in enumerate(sides.items()):
+                paged_attention.use_extend_kernel = rule
+                elapsed = run(f"{name}{index}", salt=2 * index + side)
+                if index:
+                    times[name].append(elapsed)
+    finally:
+        paged_attention.use_extend_kernel = real_rule
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return {"dtype": dtype, "prefix": prefix_len, "suffix": suffix_len,
+            "requests": num_requests, "rounds": rounds,
+            "seconds": times, "ratio": round(medians["reference"] / medians["kernel"], 3)}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
@@ -73,7 +118,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", default=",".join(map(str, NEW_TOKENS)))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="write the cells here")
+    parser.add_argument(
+        "--engine", metavar="PREFIX,SUFFIX,REQUESTS",
+        help="instead: prefix-cache hits in the engine (all threads), e.g. 512,24,16",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.engine:
+        prefix_len, suffix_len, num_requests = (int(x) for x in args.engine.split(","))
+        dtype = {"fp32": "float32", "bf16": "bfloat16"}[args.dtype]
+        result = engine_rounds(dtype, prefix_len, suffix_len, num_requests, args.rounds)
+        print(json.dumps(result, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return
 
     import torch
 
