@@ -53,7 +53,12 @@ Hence the rule (`use_extend_kernel`): bf16 chunks after a cached prefix always t
 (it never lost by more than this machine's noise); fp32 chunks only
 up to 16 new tokens (EXTEND_MAX_TOKENS_FP32): beyond that MKL's fp32 GEMMs inside SDPA win once
 the prefix is long (0.77-0.87 at 2048). Fresh prompts (no cached prefix) stay on SDPA's causal
-kernel: there is nothing in the cache to avoid copying. Next lever: bf16 dot products
+kernel: there is nothing in the cache to avoid copying. In the engine (SmolLM2 bf16, 2 threads,
+16 requests hitting a cached prefix, one new token each; `bench_extend_attention --engine`, the
+rule switched in one engine, 5 alternating rounds, wall time while other jobs loaded the
+machine, load average 4-5): reference / kernel 1.23 with a 2048-token prefix and 8 new tokens
+each, 0.97 with 512 and 24 (within the noise: the GEMMs of the 384 new tokens dominate there).
+Next lever: bf16 dot products
 (avx512_bf16) for the scores instead of widening K.
 
 Build: `torch.utils.cpp_extension.load` with flags chosen from the running CPU (`-mavx512f ...`
