@@ -375,3 +375,16 @@ def test_portable_build_matches_reference(portable_extension, dtype, head_dim):
     paged_attention.decode(portable_extension, q, kv_cache, table, context_lens, out=out)
     expected = reference_decode(q.float(), kv_cache.float(), table, context_lens)
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_extend_kernel_rejects_what_it_cannot_compute(extension):
+    q, kv_cache, chunks = extend_case([(16, 4)], 2, 2, 64, 16, torch.float32, seed=0)
+    out = torch.empty(q.shape)
+    narrow = PrefillChunk(chunks[0].token_start, 4, 16, chunks[0].block_ids[:1])
+    with pytest.raises(RuntimeError, match="block_table too narrow"):
+        paged_attention.extend(extension, q, kv_cache, [narrow], out)
+    outside = PrefillChunk(q.shape[0] - 2, 4, 16, chunks[0].block_ids)
+    with pytest.raises(RuntimeError, match="outside q"):
+        paged_attention.extend(extension, q, kv_cache, [outside], out)
+    with pytest.raises(RuntimeError, match="float32 and bfloat16"):
+        paged_attention.extend(extension, q.half(), kv_cache.half(), chunks, out.half())
