@@ -358,7 +358,6 @@ void extend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
   const int64_t R = num_queries * G;  // row r = query (r / G), head kv_head * G + r % G
   std::vector<float> qf(R * D), row(D), scores(R * B), m(R), l(R), acc(R * D, 0.f);
   std::vector<float> kt(D * B, 0.f), vf(B * D);
-  std::vector<int64_t> valid(R);
   for (int64_t r = 0; r < R; ++r) {
     const scalar_t* src = q + (r / G) * q_row_stride + (kv_head * G + r % G) * q_head_stride;
     const float* q_row = load_row(src, row.data(), D);
