@@ -205,7 +205,11 @@ class ModelRunner:
         self.kv_cache[:, 0].zero_()
         if self.config.kv_cache_dtype == "int8":
             self.kv_cache_scales[:, 0].zero_()
-        log.info("model_runner.compiled", seconds=round(time.perf_counter() - start, 1))
+        log.info(
+            "model_runner.compiled", seconds=round(time.perf_counter() - start, 1),
+            num_graphs=self._forward.num_compiles,
+            compile_seconds=round(self._forward.compile_s, 1),  # the rest: running the steps
+        )  # fmt: skip
 
     def _pack_linears(self, requested: str) -> dict[str, int]:
         """Pack the linears whose shape a calibration on this CPU (or `requested`) says should

@@ -21,6 +21,20 @@ the finding):
     GOMP_SPINCOUNT=10000  2.1        14.7
     PASSIVE               6.7        32.3
 
+Re-measured with loadtest/bench_omp_policy.py (SmolLM2 bf16, 64 new tokens, W1 = 1 request,
+W2 = 32; each policy in a fresh process, 3 alternating rounds, medians; the same shared VM,
+load average 3-5 during the run; raw JSON in loadtest/results/omp-wait-policy-bf16.json):
+
+                  W1 tok/s   W2 tok/s
+    PASSIVE       15.7       239.0
+    ACTIVE         1.2        26.4     PASSIVE / ACTIVE: 13.1x (W1), 9.1x (W2)
+
+Round by round, W1 PASSIVE / ACTIVE was 23.9 / 34.9, 8.3 / 1.1, 15.7 / 1.2: in the first round,
+the machine at its quietest, ACTIVE ran one stream 1.46x faster, and lost by 7-13x as soon as
+other jobs took the cores; W2 lost 9x even then (29.9 against 278.8). A dedicated machine may
+prefer ACTIVE for one stream (set OMP_WAIT_POLICY=ACTIVE: the environment wins); on a shared
+one, or beside the worker's event loop and the broker, spinning is the wrong bet.
+
 So PASSIVE is the default here. It must be in the environment before libgomp starts, i.e.
 before torch is first imported: `import engine` sets it (unless the variable is already set,
 so OMP_WAIT_POLICY=ACTIVE in the environment wins for a dedicated machine), and the model runner

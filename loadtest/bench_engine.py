@@ -19,6 +19,7 @@ goes (GEMM / attention / the rest), from torch.profiler.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -37,15 +38,32 @@ def run_engine(
     model: str, dtype: str, prompts: list[list[int]], max_tokens: int | list[int], **options
 ) -> dict:
     """One workload on `LLMEngine` (ENGINE_OPTIONS, overridden by `options`); `max_tokens`
-    per request or one for all."""
+    per request or one for all.
+
+    Start-up is reported apart from throughput: `load_s` (weights, packing, KV pool: the
+    engine's construction less its compilation), `compile_s` (torch.compile's graphs, at
+    start-up and in the warm-up request), and `compile_in_run_s` (graphs compiled during the
+    measured run: a recompile in steady state; subtracted from the run's time, so
+    `tokens_per_s` is steady-state throughput and `tokens_per_s_with_compile` what a client
+    saw). Later workloads in the same child process reuse the first one's graphs (dynamo's
+    in-process cache), so their compile_s is near 0."""
     from engine import LLMEngine, SamplingParams
 
     if isinstance(max_tokens, int):
         max_tokens = [max_tokens] * len(prompts)
+    start = time.perf_counter()
     eng = LLMEngine(model, dtype=dtype, **{**ENGINE_OPTIONS, **options})
+    construct_s = time.perf_counter() - start
+    compiled = getattr(eng.runner, "_forward", None)
+
+    def compile_s() -> float:  # CompiledModel counts the time of every graph it compiles
+        return getattr(compiled, "compile_s", 0.0)
+
+    startup_compile_s = compile_s()
     eng.add_request("warmup", prompts[0], SamplingParams(max_tokens=4, temperature=0.0))
     while eng.has_unfinished_requests():
         eng.step()
+    warm_compile_s = compile_s()
     start = time.perf_counter()
     first: dict[str, float] = {}
     num_tokens = 0
@@ -56,7 +74,15 @@ def run_engine(
             num_tokens += len(d.token_ids)
             first.setdefault(d.request_id, time.perf_counter() - start)
     elapsed = time.perf_counter() - start
-    return summarize(num_tokens, elapsed, list(first.values()))
+    in_run_s = compile_s() - warm_compile_s
+    result = summarize(num_tokens, elapsed - in_run_s, [t - in_run_s for t in first.values()])
+    result.update(
+        load_s=round(construct_s - startup_compile_s, 2), compile_s=round(warm_compile_s, 2),
+        compile_in_run_s=round(in_run_s, 2),
+        num_graphs=getattr(compiled, "num_compiles", 0),
+        tokens_per_s_with_compile=round(num_tokens / elapsed, 1),
+    )  # fmt: skip
+    return result
 
 
 def run_hf(
@@ -66,7 +92,9 @@ def run_hf(
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    load_start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
+    load_s = time.perf_counter() - load_start
     pad = model.generation_config.pad_token_id or 0
 
     class FirstToken(StoppingCriteria):
@@ -104,7 +132,7 @@ def run_hf(
     _, elapsed, ttft = generate(prompts, max(lengths))
     num_tokens = sum(lengths)  # a static batch runs to its longest request; count what was asked
     # A static batch delivers every request's first token at the same moment.
-    return summarize(num_tokens, elapsed, [ttft] * len(prompts))
+    return {**summarize(num_tokens, elapsed, [ttft] * len(prompts)), "load_s": round(load_s, 2)}
 
 
 def _child(impl: str, spec: dict, q) -> None:
@@ -119,14 +147,19 @@ def _child(impl: str, spec: dict, q) -> None:
             continue
         prompts = chat_prompts(load_tokenizer(Path(spec["model_path"])), workload.num_requests)
         lengths = list(workload.max_tokens)
-        if impl == "engine":
-            options = {"compile": spec["compile"], "quantization": spec["quantization"]}
-            results[name] = run_engine(spec["model"], spec["dtype"], prompts, lengths, **options)
-        elif impl == "hf":
-            results[name] = run_hf(spec["model_path"], spec["dtype"], prompts, lengths)
-        else:
-            results[name] = run_llamacpp(Path(spec["llama_server"]), Path(spec["gguf"]),
-                                         prompts, lengths)  # fmt: skip
+        try:  # one workload that fails (a peer's server refusing 64 slots) keeps the others
+            if impl == "engine":
+                options = {"compile": spec["compile"], "quantization": spec["quantization"]}
+                results[name] = run_engine(spec["model"], spec["dtype"], prompts, lengths,
+                                           **options)  # fmt: skip
+            elif impl == "hf":
+                results[name] = run_hf(spec["model_path"], spec["dtype"], prompts, lengths)
+            else:
+                results[name] = run_llamacpp(Path(spec["llama_server"]), Path(spec["gguf"]),
+                                             prompts, lengths)  # fmt: skip
+        except Exception as error:
+            print(f"[bench] {impl} {name} failed: {error!r}", file=sys.stderr, flush=True)
+            results[name] = {"error": repr(error)[-500:]}
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     q.put({"results": results, "peak_rss_mib": round(peak_rss_mib, 1),
            "threads": torch.get_num_threads()})  # fmt: skip
@@ -218,20 +251,62 @@ def run(args) -> int:
                 if impl == "engine" and args.quantization:
                     key += f"-{args.quantization}"
                 print(f"[bench] round {round_index + 1}: {key} ...", file=sys.stderr, flush=True)
-                doc["runs"].setdefault(key, []).append(measure(impl, spec))
+                try:
+                    result = measure(impl, spec)
+                except RuntimeError as error:  # a child that died: the other runs stand
+                    print(f"[bench] {key} failed: {error}", file=sys.stderr, flush=True)
+                    doc.setdefault("errors", []).append(f"round {round_index + 1} {key}: {error}")
+                else:
+                    doc["runs"].setdefault(key, []).append(result)
+                if args.out:  # a long run interrupted late still leaves its rounds behind
+                    args.out.write_text(json.dumps(doc, indent=2))
     for key, runs in doc["runs"].items():
-        doc["medians"][key] = {
-            w: round(statistics.median(r["results"][w]["tokens_per_s"] for r in runs), 1)
-            for w in runs[0]["results"]
-        }
+        doc["medians"][key] = _medians(runs, names)
     doc["ratios"] = _ratios(doc["medians"])
+    doc["startup_s"] = _startup(doc["runs"])
     print(f"{'impl':22} " + " ".join(f"{w:>9}" for w in names) + "   (output tok/s, medians)")
     for key, med in doc["medians"].items():
         print(f"{key:22} " + " ".join(f"{med.get(w, float('nan')):9.1f}" for w in names))
     for pair, ratios in doc["ratios"].items():
         print(f"{pair:34} " + " ".join(f"{w}={r:.2f}" for w, r in ratios.items()))
+    if doc["startup_s"]:
+        print("start-up, s (medians; load = weights, packing, KV pool; compile = torch.compile "
+              "graphs, excluded from tok/s):")  # fmt: skip
+        for key, per_workload in doc["startup_s"].items():
+            compiles = key.startswith("engine")  # the peers compile nothing
+            cells = (f"{w}: load {v['load_s']:.1f}" + (f" compile {v['compile_s']:.1f}"
+                     if compiles else "") for w, v in per_workload.items())  # fmt: skip
+            print(f"  {key:20} " + "; ".join(cells))
     emit(doc, args.out, args.plot, lambda plt: _draw(doc, plt))
     return 0
+
+
+def _medians(runs: list[dict], names: list[str]) -> dict:
+    """tok/s medians per workload over the rounds where that workload ran (not failed)."""
+    out = {}
+    for w in names:
+        values = [r["results"][w]["tokens_per_s"] for r in runs
+                  if "tokens_per_s" in r["results"].get(w, {})]  # fmt: skip
+        if values:
+            out[w] = round(statistics.median(values), 1)
+    return out
+
+
+def _startup(runs: dict) -> dict:
+    """Medians over rounds of each workload's load and compile time, where they were taken."""
+    out = {}
+    for key, key_runs in runs.items():
+        per_workload = {}
+        for w in key_runs[0]["results"]:
+            timed = [r["results"][w] for r in key_runs if "load_s" in r["results"].get(w, {})]
+            if timed:
+                per_workload[w] = {
+                    field: round(statistics.median(t.get(field, 0.0) for t in timed), 2)
+                    for field in ("load_s", "compile_s", "compile_in_run_s")
+                }
+        if per_workload:
+            out[key] = per_workload
+    return out
 
 
 def _ratios(medians: dict) -> dict:
@@ -252,15 +327,15 @@ def _draw(doc: dict, plt):
     """Throughput against concurrency for the uniform-length workloads."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key, med in doc["medians"].items():
-        points = sorted(
-            (CONCURRENCY[w], tps) for w, tps in med.items() if w in CONCURRENCY
-        )
+        points = sorted((CONCURRENCY[w], tps) for w, tps in med.items() if w in CONCURRENCY)
         if points:
             ax.plot(*zip(*points, strict=True), marker="o", label=key)
     ax.set_xscale("log", base=2)
+    ticks = sorted(set(CONCURRENCY.values()))
+    ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens/s (median of rounds)")
-    ax.set_title("throughput vs concurrency")
+    ax.set_title(f"throughput vs concurrency ({doc['max_tokens']} new tokens per request)")
     ax.legend()
     return fig
 

@@ -15,8 +15,9 @@ mask would be converted inside SDPA in every layer).
 
 Backends share one interface (`forward(q, kv, kv_cache, meta)`) and are picked at run time by
 name; the torch one is the reference that any kernel backend is tested against. On CPU, "auto"
-takes the C++ kernel that reads the cache in place on the decode path
-(engine/kernels/cpu/paged_attention.py) when it builds on this machine, else this reference.
+takes the C++ kernels that read the cache in place, for decode rows and for prefill chunks
+after cached tokens (engine/kernels/cpu/paged_attention.py), when they build on this machine,
+else this reference.
 """
 
 from __future__ import annotations
@@ -125,10 +126,14 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         if num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], kv_cache, meta)
-        for chunk in meta.prefills:
+        self._prefills(q, kv, kv_cache, meta.prefills, out)
+        return out
+
+    def _prefills(self, q, kv, kv_cache, chunks: list[PrefillChunk], out: torch.Tensor) -> None:
+        """Write the rows of `out` that belong to the prefill chunks, one chunk at a time."""
+        for chunk in chunks:
             span = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[span] = self._prefill(q[span], kv[span], kv_cache, chunk)
-        return out
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """kv_cache[block_ids] for block_ids [*batch, num_blocks] -> [*batch, num_blocks *

@@ -75,3 +75,23 @@ def test_compile_option_values():
     with pytest.raises(ValueError, match="compile"):
         EngineConfig(compile="fast")
     assert not model_runner.ModelRunner._should_compile("auto")  # measured: see engine/compile.py
+
+
+def test_bench_reports_compile_apart_from_steady_state(tiny_path):
+    """`mini-infer bench engine` separates start-up (load, compile) from throughput: the graphs
+    are compiled before the measured run (none during it), and an eager engine reports none."""
+    import torch._dynamo
+
+    from loadtest.bench_engine import run_engine
+
+    # A process that compiled the same forward before reuses its graphs (no compile to report):
+    # start from none.
+    torch._dynamo.reset()
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    options = {"block_size": 4, "num_kv_blocks": 256}
+    compiled = run_engine(str(tiny_path), "float32", prompts, 6, compile="on", **options)
+    assert compiled["num_graphs"] >= 1 and compiled["compile_s"] > 0
+    assert compiled["compile_in_run_s"] == 0  # steady state: no graph compiled in the run
+    assert compiled["output_tokens"] == 12 and compiled["load_s"] > 0
+    eager = run_engine(str(tiny_path), "float32", prompts, 6, compile="off", **options)
+    assert eager["num_graphs"] == 0 and eager["compile_s"] == 0

@@ -16,6 +16,7 @@ from engine.kernels.cpu import paged_attention
 from engine.kernels.cpu.paged_attention import CpuPagedAttention
 from engine.layers.attention import (
     AttentionMetadata,
+    PrefillChunk,
     TorchPagedAttention,
     decode_mask,
     get_attention_backend,
@@ -184,3 +185,206 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     os.utime(lock, (old, old))
     paged_attention._remove_stale_lock(tmp_path)
     assert not lock.exists()
+
+
+# --- extend: prefill chunks after cached tokens, read in place --------------------------------
+
+
+def prefix_lengths(block_size: int):
+    return st.sampled_from([0, 1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3])
+
+
+def extend_case(specs, num_kv_heads, group, head_dim, block_size, dtype, seed):
+    """Chunks (prefix, new tokens) over a pool whose every slot outside the chunks' contexts
+    is NaN, so a read past a context (or into another request's blocks) shows in the output."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads = num_kv_heads * group
+    needed = [-(-(p + n) // block_size) for p, n in specs]
+    num_blocks = sum(needed) + 2
+    kv_cache = torch.full((num_blocks, block_size, 2, num_kv_heads, head_dim), float("nan"))
+    flat = kv_cache.view(-1, 2, num_kv_heads, head_dim)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    chunks, token_start = [], 1  # row 0 belongs to no chunk
+    for (prefix, n), count in zip(specs, needed, strict=True):
+        block_ids = torch.tensor([free.pop() for _ in range(count)], dtype=torch.int64)
+        positions = torch.arange(prefix + n)
+        slots = block_ids[positions // block_size] * block_size + positions % block_size
+        flat[slots] = torch.randn(prefix + n, 2, num_kv_heads, head_dim, generator=gen)
+        chunks.append(PrefillChunk(token_start, n, prefix, block_ids))
+        token_start += n
+    qkv = torch.randn(token_start, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    return qkv.to(dtype)[:, :num_heads], kv_cache.to(dtype), chunks
+
+
+def reference_extend(q, kv_cache, chunk):
+    """The chunk through the torch reference: gather its context, causal mask shifted by its
+    start position, SDPA."""
+    span = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+    num_ctx = chunk.start_position + chunk.num_tokens
+    allowed = torch.arange(num_ctx)[None, :] <= torch.arange(chunk.start_position, num_ctx)[:, None]
+    chunk = PrefillChunk(
+        0, chunk.num_tokens, chunk.start_position, chunk.block_ids,
+        torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf")),
+    )  # fmt: skip
+    return TorchPagedAttention()._prefill(q[span], None, kv_cache, chunk)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_extend_kernel_matches_reference(extension, data):
+    block_size = data.draw(st.sampled_from([4, 16]), "block_size")
+    specs = data.draw(
+        st.lists(st.tuples(prefix_lengths(block_size), st.integers(1, 40)), min_size=1, max_size=4),
+        "chunks (prefix, new tokens)",
+    )
+    num_kv_heads = data.draw(st.sampled_from([1, 2, 3]), "num_kv_heads")
+    group = data.draw(st.sampled_from([1, 3, 4, 8]), "group")
+    head_dim = data.draw(st.sampled_from([64, 128, 80]), "head_dim")
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), "dtype")
+    query_tile = data.draw(st.sampled_from([None, 1, 5, 16]), "query_tile")
+    seed = data.draw(st.integers(0, 2**16), "seed")
+    q, kv_cache, chunks = extend_case(specs, num_kv_heads, group, head_dim, block_size, dtype, seed)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)  # poisoned
+    paged_attention.extend(extension, q, kv_cache, chunks, out, query_tile)
+    assert torch.isnan(out[0]).all()  # row 0 (a decode's, say) is no chunk's: left alone
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+    for chunk in chunks:
+        expected = reference_extend(q.float(), kv_cache.float(), chunk)
+        got = out[chunk.token_start : chunk.token_start + chunk.num_tokens].float()
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_mixed_decode_and_extend_step_matches_reference(extension, data):
+    """A whole step through the backend (KV write, decode kernel, extend kernel, fresh prefills
+    through SDPA) against the reference backend, on the same rounded inputs in fp32."""
+    block_size = data.draw(st.sampled_from([4, 16]), "block_size")
+    specs = data.draw(
+        st.lists(
+            st.tuples(prefix_lengths(block_size), st.integers(1, 40)), min_size=1, max_size=5
+        ).filter(lambda specs: all(p + n > 1 for p, n in specs)),  # a decode follows a token
+        "requests (cached, new tokens)",
+    )
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), "dtype")
+    group = data.draw(st.sampled_from([1, 3, 4, 8]), "group")
+    seed = data.draw(st.integers(0, 2**16), "seed")
+    gen = torch.Generator().manual_seed(seed)
+    num_kv_heads, head_dim = 2, 64
+    needed = [-(-(p + n) // block_size) for p, n in specs]
+    num_blocks = sum(needed) + 2
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    requests = [
+        ScheduledRequest(f"r{i}", [1] * n, p, [free.pop() for _ in range(needed[i])], True,
+                         SamplingParams(), seed=0)
+        for i, (p, n) in enumerate(specs)
+    ]  # fmt: skip
+    num_tokens = sum(n for _, n in specs)
+    cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    kv = torch.randn(num_tokens, 2, num_kv_heads, head_dim, generator=gen).to(dtype)
+    ours_cache = cache.clone()
+    meta = prepare_step(requests, block_size, dtype, build_decode_mask=False).meta
+    out = CpuPagedAttention(extension).forward(q, kv, ours_cache, meta)
+    meta = prepare_step(requests, block_size, torch.float32, build_decode_mask=True).meta
+    reference_cache = cache.float()
+    expected = TorchPagedAttention().forward(q.float(), kv.float(), reference_cache, meta)
+    assert torch.equal(ours_cache.float(), reference_cache)  # same writes
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_engine_greedy_tokens_with_prefix_caching_and_chunked_prefill(
+    extension, tmp_path, monkeypatch
+):
+    """End to end on a tiny fp32 model (head_dim 64, 4 query heads per KV head, block 16):
+    prompts sharing a prefix, prefilled in chunks of 12 tokens, the second round hitting the
+    prefix cache; the C++ backend (its extend kernel seen running) gives the reference
+    backend's greedy tokens."""
+    from engine import LLM
+    from tests.tiny_model import make_tiny_llama
+
+    model_dir = make_tiny_llama(
+        tmp_path / "tiny", seed=3, hidden_size=256, num_attention_heads=4, num_key_value_heads=1,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    shared = [(7 * i) % 300 + 5 for i in range(37)]  # two full blocks and a bit
+    rounds = [
+        [shared + [11, 12, 13], shared[:20] + [14] * 9],
+        [shared + [21, 22], shared + [23] * 30, shared[:16] + [24]],  # prefix-cache hits
+    ]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    extend_calls = []
+    real_extend = paged_attention.extend
+    monkeypatch.setattr(
+        paged_attention, "extend",
+        lambda *args, **kwargs: extend_calls.append(1) or real_extend(*args, **kwargs),
+    )  # fmt: skip
+
+    def tokens(backend: str) -> list[list[int]]:
+        llm = LLM(
+            model_dir, dtype="float32", attention_backend=backend, block_size=16,
+            num_kv_blocks=64, max_num_batched_tokens=12, enable_prefix_caching=True,
+        )  # fmt: skip
+        return [out.token_ids for prompts in rounds for out in llm.generate(prompts, params)]
+
+    expected = tokens("torch")
+    assert not extend_calls
+    assert all(len(t) == 12 for t in expected)
+    assert tokens("cpu") == expected
+    assert extend_calls  # the chunks after the first read the cache through the kernel
+
+
+def test_extend_dispatch_rule():
+    """Fresh prompts never take the extend kernel; bf16 chunks after a prefix always; fp32
+    ones up to EXTEND_MAX_TOKENS_FP32 new tokens; fp16 never (the kernel lacks it)."""
+    ids = torch.zeros(3, dtype=torch.int64)
+    limit = paged_attention.EXTEND_MAX_TOKENS_FP32
+    rule = paged_attention.use_extend_kernel
+    assert not rule(PrefillChunk(0, 5, 0), torch.bfloat16)
+    assert rule(PrefillChunk(0, 500, 20, ids), torch.bfloat16)
+    assert rule(PrefillChunk(0, limit, 20, ids), torch.float32)
+    assert not rule(PrefillChunk(0, limit + 1, 20, ids), torch.float32)
+    assert not rule(PrefillChunk(0, 2, 20, ids), torch.float16)
+
+
+@pytest.fixture(scope="module")
+def portable_extension(extension):
+    """The kernels built with no vector flags (what a CPU without AVX2 gets): the AVX-512 code
+    paths compiled out. Built once per machine into the cache dir like the native build."""
+    module = paged_attention.build(isa="portable")
+    if module is None:
+        pytest.skip("the portable build failed here")
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_portable_build_matches_reference(portable_extension, dtype, head_dim):
+    specs = [(0, 7), (1, 1), (15, 3), (16, 16), (17, 40), (83, 5)]
+    q, kv_cache, chunks = extend_case(specs, 2, 4, head_dim, 16, dtype, seed=5)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    paged_attention.extend(portable_extension, q, kv_cache, chunks, out)
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+    for chunk in chunks:
+        expected = reference_extend(q.float(), kv_cache.float(), chunk)
+        got = out[chunk.token_start : chunk.token_start + chunk.num_tokens].float()
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    q, kv_cache, table, context_lens = decode_case([1, 16, 17, 600], 2, 4, head_dim, 16, dtype, 5)
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    paged_attention.decode(portable_extension, q, kv_cache, table, context_lens, out=out)
+    expected = reference_decode(q.float(), kv_cache.float(), table, context_lens)
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_extend_kernel_rejects_what_it_cannot_compute(extension):
+    q, kv_cache, chunks = extend_case([(16, 4)], 2, 2, 64, 16, torch.float32, seed=0)
+    out = torch.empty(q.shape)
+    narrow = PrefillChunk(chunks[0].token_start, 4, 16, chunks[0].block_ids[:1])
+    with pytest.raises(RuntimeError, match="block_table too narrow"):
+        paged_attention.extend(extension, q, kv_cache, [narrow], out)
+    outside = PrefillChunk(q.shape[0] - 2, 4, 16, chunks[0].block_ids)
+    with pytest.raises(RuntimeError, match="outside q"):
+        paged_attention.extend(extension, q, kv_cache, [outside], out)
+    with pytest.raises(RuntimeError, match="float32 and bfloat16"):
+        paged_attention.extend(extension, q.half(), kv_cache.half(), chunks, out.half())

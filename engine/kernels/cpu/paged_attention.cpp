@@ -13,6 +13,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -222,6 +226,260 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& kv_cache,
   });
 }
 
+
+#if defined(__AVX512F__)
+// e^x for x <= 0 (scores minus their running max), 16 lanes: 2^(x log2 e) split into an
+// integer power (applied exactly by scalef) and 2^f, f in [-1/2, 1/2], by its degree-6 Taylor
+// polynomial (relative error ~1e-7, fp32's own rounding). Replaces 16 calls of scalar expf.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Scores of four query rows against one 16-token block (kt [D, 16]): four independent FMA
+// chains sharing each load of kt, so the FMA latency is hidden.
+template <int HEAD_DIM>
+inline void block_scores4(const float* q, int64_t D, const float* kt, float* s) {
+  if constexpr (HEAD_DIM > 0) D = HEAD_DIM;
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 k = _mm512_loadu_ps(kt + d * 16);
+    s0 = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), k, s0);
+    s1 = _mm512_fmadd_ps(_mm512_set1_ps(q[D + d]), k, s1);
+    s2 = _mm512_fmadd_ps(_mm512_set1_ps(q[2 * D + d]), k, s2);
+    s3 = _mm512_fmadd_ps(_mm512_set1_ps(q[3 * D + d]), k, s3);
+  }
+  _mm512_storeu_ps(s, s0);
+  _mm512_storeu_ps(s + 16, s1);
+  _mm512_storeu_ps(s + 32, s2);
+  _mm512_storeu_ps(s + 48, s3);
+}
+#endif
+
+// Online-softmax step of one row over one block's first n scores (in place: scores become
+// weights): returns the correction for the row's accumulator and updates its max and sum.
+inline float softmax_step(float* sr, int64_t n, int64_t B, float& m, float& l) {
+#if defined(__AVX512F__)
+  if (B == 16) {
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
+    const __m512 scores = _mm512_loadu_ps(sr);
+    const float new_max = std::max(m, _mm512_mask_reduce_max_ps(keep, scores));
+    const __m512 weights =
+        _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+    _mm512_storeu_ps(sr, weights);
+    const float correction = std::exp(m - new_max);  // 0 on the first block (m = -inf)
+    l = l * correction + _mm512_reduce_add_ps(weights);
+    m = new_max;
+    return correction;
+  }
+#endif
+  const float new_max = std::max(m, *std::max_element(sr, sr + n));
+  const float correction = std::exp(m - new_max);
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
+    sr[t] = std::exp(sr[t] - new_max);
+    sum += sr[t];
+  }
+  l = l * correction + sum;
+  m = new_max;
+  return correction;
+}
+
+// Scores of one query row against one block: s[t] = q . k_t for t < B, with the block's K
+// transposed to kt [D, B] (zero past the block's tokens), so the loop is a broadcast-FMA over
+// the block's tokens with no horizontal sums. B = 16 on AVX-512 is one register.
+template <int HEAD_DIM>
+inline void block_scores(const float* q, const float* kt, int64_t D, int64_t B, float* s) {
+  if constexpr (HEAD_DIM > 0) D = HEAD_DIM;
+#if defined(__AVX512F__)
+  if (B == 16) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      sum = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(kt + d * 16), sum);
+    }
+    _mm512_storeu_ps(s, sum);
+    return;
+  }
+#endif
+  std::fill(s, s + B, 0.f);
+  for (int64_t d = 0; d < D; ++d) {
+    const float qd = q[d];
+    const float* row = kt + d * B;
+#pragma omp simd
+    for (int64_t t = 0; t < B; ++t) s[t] += qd * row[t];
+  }
+}
+
+// acc [D] += sum over t < n of p[t] * v[t] (v rows [n, D] fp32): the accumulator stays in
+// registers across the block's tokens when D is a compile-time multiple of 16 on AVX-512.
+template <int HEAD_DIM>
+inline void block_values(const float* p, const float* v, int64_t n, int64_t D, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 128) {
+    constexpr int R = HEAD_DIM / 16;
+    __m512 a[R];
+    for (int j = 0; j < R; ++j) a[j] = _mm512_loadu_ps(acc + 16 * j);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 weight = _mm512_set1_ps(p[t]);
+      const float* row = v + t * HEAD_DIM;
+      for (int j = 0; j < R; ++j) a[j] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(row + 16 * j), a[j]);
+    }
+    for (int j = 0; j < R; ++j) _mm512_storeu_ps(acc + 16 * j, a[j]);
+    return;
+  }
+#endif
+  if constexpr (HEAD_DIM > 0) D = HEAD_DIM;
+  for (int64_t t = 0; t < n; ++t) axpy(p[t], v + t * D, acc, D);
+}
+
+// Causal attention of one query tile of one extend chunk (prefill after cached tokens) and one
+// KV head, over the cache through the sequence's block table. Query i of the tile sits at
+// position first_pos + i and attends to cache positions [0, first_pos + i] (its own K/V were
+// written to the cache before the call). The tile's rows are (query, group head) pairs; each
+// block's K/V rows of the head are widened to fp32 once (K transposed) and used by every row,
+// so the work per block is two small matrix products (scores, then values), not dot products.
+template <typename scalar_t, int HEAD_DIM>
+void extend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
+                 const scalar_t* cache, const int64_t* table, int64_t first_pos,
+                 int64_t num_queries, int64_t kv_head, float softmax_scale, const Shapes& s,
+                 scalar_t* out, int64_t out_row_stride) {
+  const int64_t G = s.group, B = s.block_size;
+  const int64_t D = HEAD_DIM > 0 ? HEAD_DIM : s.head_dim;
+  const int64_t R = num_queries * G;  // row r = query (r / G), head kv_head * G + r % G
+  std::vector<float> qf(R * D), row(D), scores(R * B), m(R), l(R), acc(R * D, 0.f);
+  std::vector<float> kt(D * B, 0.f), vf(B * D);
+  for (int64_t r = 0; r < R; ++r) {
+    const scalar_t* src = q + (r / G) * q_row_stride + (kv_head * G + r % G) * q_head_stride;
+    const float* q_row = load_row(src, row.data(), D);
+    for (int64_t d = 0; d < D; ++d) qf[r * D + d] = q_row[d] * softmax_scale;
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+  }
+  const int64_t token_stride = 2 * s.num_kv_heads * D;
+  const int64_t v_offset = s.num_kv_heads * D;
+  const int64_t last_pos = first_pos + num_queries - 1;
+  const int64_t num_blocks = last_pos / B + 1;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t num_tokens = std::min(B, last_pos + 1 - b * B);
+    const scalar_t* block = cache + table[b] * B * token_stride + kv_head * D;
+    if (b + 1 < num_blocks) {  // scattered blocks: prefetch the next one (see attend_partition)
+      const char* next =
+          reinterpret_cast<const char*>(cache + table[b + 1] * B * token_stride + kv_head * D);
+      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+      for (int64_t t = 0; t < B; ++t) {
+        for (int64_t offset = 0; offset < row_bytes; offset += 64) {
+          __builtin_prefetch(next + t * token_stride * sizeof(scalar_t) + offset);
+          __builtin_prefetch(next + (t * token_stride + v_offset) * sizeof(scalar_t) + offset);
+        }
+      }
+    }
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const float* k = load_row(block + t * token_stride, row.data(), D);
+      for (int64_t d = 0; d < D; ++d) kt[d * B + t] = k[d];
+      const float* v = load_row(block + t * token_stride + v_offset, vf.data() + t * D, D);
+      if (v != vf.data() + t * D) std::memcpy(vf.data() + t * D, v, D * sizeof(float));
+    }
+    if (num_tokens < B) {  // the last block's tail: zeros, so the score loop stays full width
+      for (int64_t d = 0; d < D; ++d) std::fill(&kt[d * B + num_tokens], &kt[d * B + B], 0.f);
+    }
+    int64_t r = 0;
+#if defined(__AVX512F__)
+    if (B == 16) {
+      for (; r + 4 <= R; r += 4) block_scores4<HEAD_DIM>(qf.data() + r * D, D, kt.data(), &scores[r * B]);
+    }
+#endif
+    for (; r < R; ++r) block_scores<HEAD_DIM>(qf.data() + r * D, kt.data(), D, B, &scores[r * B]);
+    for (r = 0; r < R; ++r) {
+      // Keys of this block that row r may see: positions <= its own (causal).
+      const int64_t n = std::max<int64_t>(0, std::min(num_tokens, first_pos + r / G - b * B + 1));
+      if (n == 0) continue;  // the whole block lies after this query: nothing changes
+      float* sr = scores.data() + r * B;
+      const float correction = softmax_step(sr, n, B, m[r], l[r]);
+      if (correction != 1.f) scale(correction, acc.data() + r * D, D);
+      block_values<HEAD_DIM>(sr, vf.data(), n, D, acc.data() + r * D);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {  // every row saw key 0, so l[r] > 0
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; ++d) row[d] = acc[r * D + d] * inv;
+    store_row(row.data(), out + (r / G) * out_row_stride + (kv_head * G + r % G) * D, D);
+  }
+}
+
+template <typename scalar_t>
+void extend_impl(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                 const torch::Tensor& block_table, const torch::Tensor& query_starts,
+                 const torch::Tensor& query_lens, const torch::Tensor& start_positions,
+                 double softmax_scale, int64_t query_tile, torch::Tensor& out) {
+  Shapes s;
+  s.num_seqs = block_table.size(0);
+  s.num_heads = q.size(1);
+  s.head_dim = q.size(2);
+  s.block_size = kv_cache.size(1);
+  s.num_kv_heads = kv_cache.size(3);
+  s.group = s.num_heads / s.num_kv_heads;
+  s.max_blocks = block_table.size(1);
+  s.partition_blocks = 0;
+  s.num_partitions = 0;
+  s.q_seq_stride = q.stride(0);
+  s.q_head_stride = q.stride(1);
+  const int64_t* starts = query_starts.data_ptr<int64_t>();
+  const int64_t* lens = query_lens.data_ptr<int64_t>();
+  const int64_t* positions = start_positions.data_ptr<int64_t>();
+  // Work items: (sequence, query tile) pairs, each for every KV head.
+  std::vector<int64_t> tile_seq, tile_first;
+  for (int64_t seq = 0; seq < s.num_seqs; ++seq) {
+    TORCH_CHECK(lens[seq] >= 1 && positions[seq] >= 0 && starts[seq] >= 0 &&
+                    starts[seq] + lens[seq] <= q.size(0),
+                "extend chunk ", seq, " lies outside q");
+    TORCH_CHECK((positions[seq] + lens[seq] + s.block_size - 1) / s.block_size <= s.max_blocks,
+                "block_table too narrow for extend chunk ", seq);
+    for (int64_t first = 0; first < lens[seq]; first += query_tile) {
+      tile_seq.push_back(seq);
+      tile_first.push_back(first);
+    }
+  }
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* cache_ptr = kv_cache.data_ptr<scalar_t>();
+  const int64_t* table_ptr = block_table.data_ptr<int64_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int64_t out_row_stride = s.num_heads * s.head_dim;
+  const float sm_scale = static_cast<float>(softmax_scale);
+  const int64_t num_tiles = static_cast<int64_t>(tile_seq.size());
+  at::parallel_for(0, num_tiles * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t tile = item / s.num_kv_heads, kv_head = item % s.num_kv_heads;
+      const int64_t seq = tile_seq[tile], first = tile_first[tile];
+      const int64_t n = std::min(query_tile, lens[seq] - first);
+      const int64_t row0 = starts[seq] + first;
+      const scalar_t* q_tile = q_ptr + row0 * s.q_seq_stride;
+      scalar_t* out_tile = out_ptr + row0 * out_row_stride;
+      const int64_t* table_seq = table_ptr + seq * s.max_blocks;
+      const int64_t pos = positions[seq] + first;
+      if (s.head_dim == 64) {
+        extend_tile<scalar_t, 64>(q_tile, s.q_seq_stride, s.q_head_stride, cache_ptr, table_seq,
+                                  pos, n, kv_head, sm_scale, s, out_tile, out_row_stride);
+      } else if (s.head_dim == 128) {
+        extend_tile<scalar_t, 128>(q_tile, s.q_seq_stride, s.q_head_stride, cache_ptr, table_seq,
+                                   pos, n, kv_head, sm_scale, s, out_tile, out_row_stride);
+      } else {
+        extend_tile<scalar_t, 0>(q_tile, s.q_seq_stride, s.q_head_stride, cache_ptr, table_seq,
+                                 pos, n, kv_head, sm_scale, s, out_tile, out_row_stride);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // q [num_seqs, num_heads, head_dim] (rows and heads may be strided, head_dim contiguous);
@@ -255,7 +513,50 @@ void paged_attention_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tens
   }
 }
 
+// Extend (prefill after cached tokens): q [num_tokens, num_heads, head_dim] (strided like the
+// decode q); chunk i is q rows [query_starts[i], + query_lens[i]) at positions
+// start_positions[i] + 0.., attending causally to the cache through block_table [num_chunks,
+// max_blocks] (its own new K/V already written). Writes those rows of out [num_tokens,
+// num_heads, head_dim] (contiguous) and no others.
+void paged_attention_extend(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
+                            torch::Tensor query_starts, torch::Tensor query_lens,
+                            torch::Tensor start_positions, double softmax_scale,
+                            int64_t query_tile, torch::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_table.dim() == 2,
+              "q must be 3-d, kv_cache 5-d and block_table 2-d");
+  TORCH_CHECK(q.stride(2) == 1 && kv_cache.is_contiguous() && out.is_contiguous(),
+              "head_dim must be contiguous, kv_cache and out contiguous");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, kv_cache and out must share a dtype");
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  for (const auto* t : {&block_table, &query_starts, &query_lens, &start_positions}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "block_table, query_starts, query_lens and start_positions must be contiguous "
+                "int64");
+  }
+  const int64_t num_chunks = block_table.size(0);
+  TORCH_CHECK(query_starts.numel() == num_chunks && query_lens.numel() == num_chunks &&
+                  start_positions.numel() == num_chunks,
+              "one query start, length and start position per block-table row");
+  TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(q.size(2) == kv_cache.size(4), "head_dim of q and kv_cache differ");
+  TORCH_CHECK(query_tile >= 1, "query_tile must be >= 1");
+  if (num_chunks == 0) return;
+  if (q.scalar_type() == at::kFloat) {
+    extend_impl<float>(q, kv_cache, block_table, query_starts, query_lens, start_positions,
+                       softmax_scale, query_tile, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    extend_impl<at::BFloat16>(q, kv_cache, block_table, query_starts, query_lens,
+                              start_positions, softmax_scale, query_tile, out);
+  } else {
+    TORCH_CHECK(false, "paged_attention_extend supports float32 and bfloat16, got ",
+                q.scalar_type());
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode,
         "Paged decode attention over the block pool, in place (GQA, online softmax)");
+  m.def("paged_attention_extend", &paged_attention_extend,
+        "Causal extend (prefill after cached tokens) attention over the block pool, in place");
 }

@@ -1,4 +1,5 @@
-"""The C++ paged decode attention (paged_attention.cpp): build once per machine, load, dispatch.
+"""The C++ paged attention (paged_attention.cpp), decode and extend: build once per machine,
+load, dispatch.
 
 Why a kernel: the torch reference gathers every decoding request's whole context out of the
 block pool (`index_select`) before SDPA, in every layer of every step, a copy that grows with
@@ -25,6 +26,41 @@ attention is a small part of the step and the difference is within this machine'
 decode mask. Next levers: bf16 dot products with avx512_bf16 (vdpbf16ps) instead of widening,
 and a K layout transposed per block so a block's scores are one broadcast-FMA loop.
 
+Extend (a prefill chunk after cached tokens: a prefix-cache hit, the next chunk of a chunked
+prefill, a resumed request) reads the cache in place too: `paged_attention_extend` takes all such
+chunks of a step in one call, work items (chunk, query tile of up to 16 tokens, KV head), each
+walking the block table up to its last query's position with a causal online softmax (the
+chunk's own K/V are written to the cache before attention, in TorchPagedAttention.forward).
+Per block, the head's K rows are widened to fp32 and transposed once ([head_dim, block]), so
+scores are broadcast-FMAs over the block's 16 tokens (four query rows at a time), the
+exponentials are one AVX-512 polynomial, and the value sums stay in registers. The first
+version (a dot product per query row and key, scalar expf) ran at 0.3-0.7x the reference for
+32+ new tokens; this one (SmolLM2 shapes, one thread, CPU time, 7 alternating rounds, ratio of
+medians reference / kernel; loadtest/bench_extend_attention.py, raw JSON in
+loadtest/results/extend-attention-*.json):
+
+    new tokens:          2     8     32    128   512
+    bf16  prefix 16      1.44  1.56  1.32  1.39  1.37
+                 128     1.22  1.38  1.06  1.20  1.41
+                 512     1.32  1.10  0.98  1.08  1.31
+                 2048    1.75  1.31  1.04  1.02  0.99
+    fp32  prefix 16      1.28  1.33  1.00  1.27  1.41
+                 128     1.17  1.12  0.85  0.98  1.22
+                 512     0.99  1.26  0.96  0.90  1.01
+                 2048    1.06  1.11  0.84  0.77  0.87
+
+Hence the rule (`use_extend_kernel`): bf16 chunks after a cached prefix always take the kernel
+(it never lost by more than this machine's noise); fp32 chunks only
+up to 16 new tokens (EXTEND_MAX_TOKENS_FP32): beyond that MKL's fp32 GEMMs inside SDPA win once
+the prefix is long (0.77-0.87 at 2048). Fresh prompts (no cached prefix) stay on SDPA's causal
+kernel: there is nothing in the cache to avoid copying. In the engine (SmolLM2 bf16, 2 threads,
+16 requests hitting a cached prefix, one new token each; `bench_extend_attention --engine`, the
+rule switched in one engine, 5 alternating rounds, wall time while other jobs loaded the
+machine, load average 4-5): reference / kernel 1.23 with a 2048-token prefix and 8 new tokens
+each, 0.97 with 512 and 24 (within the noise: the GEMMs of the 384 new tokens dominate there).
+Next lever: bf16 dot products
+(avx512_bf16) for the scores instead of widening K.
+
 Build: `torch.utils.cpp_extension.load` with flags chosen from the running CPU (`-mavx512f ...`
 on AVX-512, `-mavx2 -mfma` on AVX2, none otherwise), into a directory under the cache dir named
 by the instruction set and a hash of the source: compiled once (40 s of CPU on the 2-core Zen 4
@@ -47,13 +83,21 @@ from types import ModuleType
 import structlog
 import torch
 
-from engine.layers.attention import AttentionMetadata, TorchPagedAttention, decode_mask
+from engine.layers.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    TorchPagedAttention,
+    decode_mask,
+)
 from engine.platform import cpu_info
 
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 PARTITION_TOKENS = 512  # context tokens per work item before a long context is split
+MAX_QUERY_TILE = 16  # extend: query tokens per work item (see choose_query_tile)
+# extend: longest new chunk sent to the kernel in fp32 (bf16: any length); see the docstring
+EXTEND_MAX_TOKENS_FP32 = 16
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 _ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -141,10 +185,55 @@ def decode(
     return out
 
 
+def extend(
+    extension: ModuleType,
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], the whole step's q (head_dim contiguous)
+    kv_cache: torch.Tensor,  # [num_kv_blocks, block_size, 2, num_kv_heads, head_dim]
+    chunks: list[PrefillChunk],  # each with block_ids covering [0, start_position + num_tokens)
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim] contiguous: the chunks' rows written
+    query_tile: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of prefill chunks that follow cached tokens, reading the cache in place
+    (their own K/V written to the cache already). All chunks in one kernel call."""
+    block_table = torch.nn.utils.rnn.pad_sequence(
+        [chunk.block_ids for chunk in chunks], batch_first=True
+    )
+    query_starts = torch.tensor([chunk.token_start for chunk in chunks], dtype=torch.int64)
+    query_lens = torch.tensor([chunk.num_tokens for chunk in chunks], dtype=torch.int64)
+    start_positions = torch.tensor([chunk.start_position for chunk in chunks], dtype=torch.int64)
+    if query_tile is None:
+        query_tile = choose_query_tile(int(query_lens.sum()), kv_cache.shape[3])
+    extension.paged_attention_extend(
+        q, kv_cache, block_table, query_starts, query_lens, start_positions,
+        q.shape[-1] ** -0.5, query_tile, out,
+    )  # fmt: skip
+    return out
+
+
+def choose_query_tile(num_queries: int, num_kv_heads: int) -> int:
+    """Query rows per work item: up to MAX_QUERY_TILE (each tile reads the context's K/V once
+    per KV head, so bigger tiles read less), but small enough that every thread gets about two
+    items (a chunk of 8 tokens over 3 KV heads on 2 threads: tiles of 6, not one of 8 that
+    leaves a thread a third of the work)."""
+    per_thread = -(-num_queries * num_kv_heads // (2 * torch.get_num_threads()))
+    return max(1, min(MAX_QUERY_TILE, per_thread))
+
+
+def use_extend_kernel(chunk: PrefillChunk, dtype: torch.dtype) -> bool:
+    """Whether a prefill chunk goes to the extend kernel rather than gather + SDPA: only chunks
+    that follow cached tokens (a fresh prompt has no cache to read: SDPA's causal kernel on
+    its own K/V), in bf16 always, in fp32 up to EXTEND_MAX_TOKENS_FP32 new tokens (measured:
+    see the module docstring)."""
+    if chunk.block_ids is None or dtype not in SUPPORTED_DTYPES:
+        return False
+    return dtype == torch.bfloat16 or chunk.num_tokens <= EXTEND_MAX_TOKENS_FP32
+
+
 class CpuPagedAttention(TorchPagedAttention):
-    """The C++ kernel on the decode rows; prefill chunks (and dtypes the kernel lacks, fp16)
-    go through the torch reference it subclasses. Needs no decode mask: the kernel stops at
-    each request's context length."""
+    """The C++ kernels on the decode rows and on prefill chunks that follow cached tokens
+    (`use_extend_kernel`); fresh prompts (and dtypes the kernels lack, fp16) go through the
+    torch reference it subclasses. Needs no decode mask: the kernels stop at each request's
+    context length."""
 
     name = "cpu"
     needs_decode_mask = False
@@ -166,3 +255,18 @@ class CpuPagedAttention(TorchPagedAttention):
             with torch.profiler.record_function("mini_infer::paged_attention_decode"):
                 return decode(*args)
         return decode(*args)
+
+    def _prefills(self, q, kv, kv_cache, chunks: list[PrefillChunk], out: torch.Tensor) -> None:
+        in_place, gathered = [], []
+        for chunk in chunks:
+            kernel = use_extend_kernel(chunk, q.dtype)
+            (in_place if kernel else gathered).append(chunk)
+        if gathered:
+            super()._prefills(q, kv, kv_cache, gathered, out)
+        if not in_place:
+            return
+        if torch.autograd._profiler_enabled():
+            with torch.profiler.record_function("mini_infer::paged_attention_extend"):
+                extend(self.extension, q, kv_cache, in_place, out)
+        else:
+            extend(self.extension, q, kv_cache, in_place, out)
