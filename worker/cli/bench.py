@@ -1,5 +1,5 @@
-"""`mini-infer bench engine|e2e|accuracy|quant-kernels`: benchmarks print a table and JSON;
-they are not tests."""
+"""`mini-infer bench engine|e2e|accuracy|quant-kernels|extend-attention|omp-policy|kv-memory`:
+benchmarks print a table and JSON; they are not tests."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ BENCHES = {
     "e2e": "loadtest.bench_e2e",
     "accuracy": "loadtest.bench_accuracy",
     "quant-kernels": "loadtest.bench_quant_kernels",
+    "extend-attention": "loadtest.bench_extend_attention",
+    "omp-policy": "loadtest.bench_omp_policy",
+    "kv-memory": "loadtest.kv_memory",
 }
 
 
@@ -20,4 +23,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    return importlib.import_module(BENCHES[args.which]).main(args.rest)
+    return importlib.import_module(BENCHES[args.which]).main(args.rest) or 0
