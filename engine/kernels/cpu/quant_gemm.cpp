@@ -39,13 +39,21 @@ struct Problem {
   int64_t rows, in_features, out_features, num_blocks, group_size, num_groups;
   const float* x;     // [rows, K] fp32
   const float* xsum;  // int4: [rows, num_groups] sums of x over each group
+  void* y;            // [rows, out_features], float32 or bfloat16 (out_bf16)
+  bool out_bf16;
 };
+
+// y[index] = value, rounded to nearest even when y is bf16.
+inline void put(const Problem& p, int64_t index, float value) {
+  if (p.out_bf16) static_cast<at::BFloat16*>(p.y)[index] = static_cast<at::BFloat16>(value);
+  else static_cast<float*>(p.y)[index] = value;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Portable scalar path.
 
-void int4_portable(const Problem& p, const uint8_t* codes, const float* scale_min, float* y,
-                   int64_t b0, int64_t b1) {
+void int4_portable(const Problem& p, const uint8_t* codes, const float* scale_min, int64_t b0,
+                   int64_t b1) {
   const int64_t half_k = p.in_features / 2, gs2 = p.group_size / 2;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* cb = codes + b * half_k * kBlock;
@@ -65,14 +73,14 @@ void int4_portable(const Problem& p, const uint8_t* codes, const float* scale_mi
           const float* sm = smb + g * 2 * kBlock;
           total += sm[j] * acc + sm[kBlock + j] * p.xsum[r * p.num_groups + g];
         }
-        y[r * p.out_features + b * kBlock + j] = total;
+        put(p, r * p.out_features + b * kBlock + j, total);
       }
     }
   }
 }
 
-void int8_portable(const Problem& p, const int8_t* codes, const float* scale, float* y,
-                   int64_t b0, int64_t b1) {
+void int8_portable(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
+                   int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     const int8_t* cb = codes + b * p.in_features * kBlock;
     const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
@@ -81,7 +89,7 @@ void int8_portable(const Problem& p, const int8_t* codes, const float* scale, fl
       for (int64_t j = 0; j < lanes; ++j) {
         float acc = 0.f;
         for (int64_t k = 0; k < p.in_features; ++k) acc += cb[k * kBlock + j] * x[k];
-        y[r * p.out_features + b * kBlock + j] = scale[b * kBlock + j] * acc;
+        put(p, r * p.out_features + b * kBlock + j, scale[b * kBlock + j] * acc);
       }
     }
   }
@@ -93,9 +101,23 @@ void int8_portable(const Problem& p, const int8_t* codes, const float* scale, fl
 
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
+// Store the first lanes (mask) of v at y[index...], as fp32 or rounded to nearest-even bf16.
+AVX512_TARGET inline void store16(const Problem& p, int64_t index, __mmask16 mask, __m512 v) {
+  if (!p.out_bf16) {
+    _mm512_mask_storeu_ps(static_cast<float*>(p.y) + index, mask, v);
+    return;
+  }
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  _mm256_mask_storeu_epi16(static_cast<at::BFloat16*>(p.y) + index, mask,
+                           _mm512_cvtepi32_epi16(rounded));
+}
+
 template <int R>
 AVX512_TARGET void int4_block_avx512(const Problem& p, const uint8_t* cb, const float* smb,
-                                     int64_t row0, float* y, int64_t col0, int64_t lanes) {
+                                     int64_t row0, int64_t col0, int64_t lanes) {
   constexpr int U = R <= 2 ? 4 : 2;
   const __m512i low4 = _mm512_set1_epi32(15);
   const int64_t gs2 = p.group_size / 2;
@@ -136,13 +158,12 @@ AVX512_TARGET void int4_block_avx512(const Problem& p, const uint8_t* cb, const 
     }
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
-  for (int r = 0; r < R; ++r)
-    _mm512_mask_storeu_ps(y + (row0 + r) * p.out_features + col0, mask, out[r]);
+  for (int r = 0; r < R; ++r) store16(p, (row0 + r) * p.out_features + col0, mask, out[r]);
 }
 
 template <int R>
 AVX512_TARGET void int8_block_avx512(const Problem& p, const int8_t* cb, const float* scale,
-                                     int64_t row0, float* y, int64_t col0, int64_t lanes) {
+                                     int64_t row0, int64_t col0, int64_t lanes) {
   constexpr int U = R <= 2 ? 4 : 2;
   const float* x = p.x + row0 * p.in_features;
   __m512 acc[R][U];
@@ -170,7 +191,7 @@ AVX512_TARGET void int8_block_avx512(const Problem& p, const int8_t* cb, const f
   for (int r = 0; r < R; ++r) {
     __m512 a = acc[r][0];
     for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[r][u]);
-    _mm512_mask_storeu_ps(y + (row0 + r) * p.out_features + col0, mask, _mm512_mul_ps(a, s));
+    store16(p, (row0 + r) * p.out_features + col0, mask, _mm512_mul_ps(a, s));
   }
 }
 
@@ -279,27 +300,27 @@ void for_row_tiles(int64_t rows, int64_t max_tile, Fn&& fn) {
     default: CALL(8); break;          \
   }
 
-void int4_avx512(const Problem& p, const uint8_t* codes, const float* scale_min, float* y,
-                 int64_t b0, int64_t b1) {
+void int4_avx512(const Problem& p, const uint8_t* codes, const float* scale_min, int64_t b0,
+                 int64_t b1) {
   const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
     for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
 #define CALL(R) \
-  int4_block_avx512<R>(p, codes + b * block_codes, scale_min + b * block_sm, r0, y, b * kBlock, lanes)
+  int4_block_avx512<R>(p, codes + b * block_codes, scale_min + b * block_sm, r0, b * kBlock, lanes)
       DISPATCH_ROWS(n, CALL)
 #undef CALL
     });
   }
 }
 
-void int8_avx512(const Problem& p, const int8_t* codes, const float* scale, float* y,
-                 int64_t b0, int64_t b1) {
+void int8_avx512(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
+                 int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
     for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
 #define CALL(R) \
-  int8_block_avx512<R>(p, codes + b * p.in_features * kBlock, scale, r0, y, b * kBlock, lanes)
+  int8_block_avx512<R>(p, codes + b * p.in_features * kBlock, scale, r0, b * kBlock, lanes)
       DISPATCH_ROWS(n, CALL)
 #undef CALL
     });
@@ -307,15 +328,14 @@ void int8_avx512(const Problem& p, const int8_t* codes, const float* scale, floa
 }
 
 // Copies an AVX2 half's [n, 8] results into y, dropping lanes past out_features.
-void store_half(const Problem& p, const float* tmp, int64_t r0, int64_t n, int64_t col,
-                float* y) {
-  const int64_t lanes = std::max<int64_t>(0, std::min<int64_t>(8, p.out_features - col));
+void store_half(const Problem& p, const float* tmp, int64_t r0, int64_t n, int64_t col) {
+  const int64_t lanes = std::min<int64_t>(8, p.out_features - col);
   for (int64_t r = 0; r < n; ++r)
-    std::memcpy(y + (r0 + r) * p.out_features + col, tmp + r * 8, lanes * sizeof(float));
+    for (int64_t j = 0; j < lanes; ++j) put(p, (r0 + r) * p.out_features + col + j, tmp[r * 8 + j]);
 }
 
-void int4_avx2(const Problem& p, const uint8_t* codes, const float* scale_min, float* y,
-               int64_t b0, int64_t b1) {
+void int4_avx2(const Problem& p, const uint8_t* codes, const float* scale_min, int64_t b0,
+               int64_t b1) {
   const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
   float tmp[4 * 8];
   for (int64_t b = b0; b < b1; ++b) {
@@ -331,13 +351,13 @@ void int4_avx2(const Problem& p, const uint8_t* codes, const float* scale_min, f
           default: CALL(4); break;
         }
 #undef CALL
-        store_half(p, tmp, r0, n, col, y);
+        store_half(p, tmp, r0, n, col);
       });
     }
   }
 }
 
-void int8_avx2(const Problem& p, const int8_t* codes, const float* scale, float* y, int64_t b0,
+void int8_avx2(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
                int64_t b1) {
   float tmp[4 * 8];
   for (int64_t b = b0; b < b1; ++b) {
@@ -353,7 +373,7 @@ void int8_avx2(const Problem& p, const int8_t* codes, const float* scale, float*
           default: CALL(4); break;
         }
 #undef CALL
-        store_half(p, tmp, r0, n, col, y);
+        store_half(p, tmp, r0, n, col);
       });
     }
   }
@@ -374,7 +394,7 @@ void check_isa(int64_t isa) {
   }
 }
 
-// x [rows, K] (fp32 or bf16, any strides) -> contiguous fp32 copy (or x itself).
+// x [rows, K] (fp32 or bf16, any strides) -> contiguous fp32 (x itself when it already is).
 at::Tensor activations_fp32(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2, "quant_gemm: x must be [rows, in_features]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -382,21 +402,30 @@ at::Tensor activations_fp32(const at::Tensor& x) {
   return x.to(at::kFloat).contiguous();
 }
 
+// The output: `out` if given (contiguous [rows, out_features] of x's dtype), else a new tensor.
+at::Tensor output(const at::Tensor& x, int64_t out_features, const c10::optional<at::Tensor>& out) {
+  if (!out.has_value()) return at::empty({x.size(0), out_features}, x.options());
+  const at::Tensor& y = *out;
+  TORCH_CHECK(y.scalar_type() == x.scalar_type() && y.is_contiguous() &&
+                  y.sizes() == at::IntArrayRef({x.size(0), out_features}),
+              "quant_gemm: out must be contiguous ", x.scalar_type(), " [", x.size(0), ", ",
+              out_features, "]");
+  return y;
+}
+
 // Blocks per parallel task: at least ~32 KiB of weights, so tiny layers run on one thread.
 int64_t grain(int64_t block_bytes) { return std::max<int64_t>(1, (32 << 10) / block_bytes); }
 
-at::Tensor finish(const at::Tensor& y, const at::Tensor& x) {
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
-}
-
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_min,
-                     int64_t group_size, int64_t out_features, int64_t isa) {
+                     int64_t group_size, int64_t out_features, int64_t isa,
+                     const c10::optional<at::Tensor>& out) {
   check_isa(isa);
   const at::Tensor xf = activations_fp32(x);
   const int64_t rows = xf.size(0), in_features = xf.size(1);
-  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && in_features % group_size == 0,
+  TORCH_CHECK(group_size > 0 && group_size % 4 == 0 && in_features % group_size == 0,
               "quant_gemm: in_features ", in_features, " must be a multiple of group_size ",
-              group_size);
+              group_size, " (a multiple of 4)");
+  TORCH_CHECK(out_features > 0, "quant_gemm: out_features must be positive");
   const int64_t num_blocks = (out_features + kBlock - 1) / kBlock;
   const int64_t num_groups = in_features / group_size;
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
@@ -408,27 +437,28 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
               "quant_gemm: int4 scale_min must be contiguous float32 [", num_blocks, ", ",
               num_groups, ", 2, 16], got ", scale_min.sizes());
   // Per-group activation sums (the minimum's term), once per call.
-  at::Tensor xsum = xf.view({rows, num_groups, group_size}).sum(-1).contiguous();
-  at::Tensor y = at::empty({rows, out_features}, xf.options());
-  Problem p{rows, in_features, out_features, num_blocks, group_size, num_groups,
-            xf.data_ptr<float>(), xsum.data_ptr<float>()};
+  const at::Tensor xsum = xf.view({rows, num_groups, group_size}).sum(-1).contiguous();
+  at::Tensor y = output(x, out_features, out);
+  const Problem p{rows, in_features, out_features, num_blocks, group_size, num_groups,
+                  xf.data_ptr<float>(), xsum.data_ptr<float>(), y.data_ptr(),
+                  y.scalar_type() == at::kBFloat16};
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* sm = scale_min.data_ptr<float>();
-  float* out = y.data_ptr<float>();
   const int64_t block_bytes = in_features / 2 * kBlock + num_groups * 2 * kBlock * 4;
   at::parallel_for(0, num_blocks, grain(block_bytes), [&](int64_t b0, int64_t b1) {
-    if (isa == kAvx512) int4_avx512(p, c, sm, out, b0, b1);
-    else if (isa == kAvx2) int4_avx2(p, c, sm, out, b0, b1);
-    else int4_portable(p, c, sm, out, b0, b1);
+    if (isa == kAvx512) int4_avx512(p, c, sm, b0, b1);
+    else if (isa == kAvx2) int4_avx2(p, c, sm, b0, b1);
+    else int4_portable(p, c, sm, b0, b1);
   });
-  return finish(y, x);
+  return y;
 }
 
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                     int64_t out_features, int64_t isa) {
+                     int64_t out_features, int64_t isa, const c10::optional<at::Tensor>& out) {
   check_isa(isa);
   const at::Tensor xf = activations_fp32(x);
   const int64_t rows = xf.size(0), in_features = xf.size(1);
+  TORCH_CHECK(out_features > 0, "quant_gemm: out_features must be positive");
   const int64_t num_blocks = (out_features + kBlock - 1) / kBlock;
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() &&
                   codes.sizes() == at::IntArrayRef({num_blocks, in_features, kBlock}),
@@ -437,22 +467,26 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
                   scale.numel() == num_blocks * kBlock,
               "quant_gemm: int8 scale must be contiguous float32 [", num_blocks * kBlock, "]");
-  at::Tensor y = at::empty({rows, out_features}, xf.options());
-  Problem p{rows, in_features, out_features, num_blocks, 0, 0, xf.data_ptr<float>(), nullptr};
+  at::Tensor y = output(x, out_features, out);
+  const Problem p{rows, in_features, out_features, num_blocks, 0, 0, xf.data_ptr<float>(),
+                  nullptr, y.data_ptr(), y.scalar_type() == at::kBFloat16};
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
-  float* out = y.data_ptr<float>();
   at::parallel_for(0, num_blocks, grain(in_features * kBlock), [&](int64_t b0, int64_t b1) {
-    if (isa == kAvx512) int8_avx512(p, c, s, out, b0, b1);
-    else if (isa == kAvx2) int8_avx2(p, c, s, out, b0, b1);
-    else int8_portable(p, c, s, out, b0, b1);
+    if (isa == kAvx512) int8_avx512(p, c, s, b0, b1);
+    else if (isa == kAvx2) int8_avx2(p, c, s, b0, b1);
+    else int8_portable(p, c, s, b0, b1);
   });
-  return finish(y, x);
+  return y;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_gemm", &int4_gemm, "y = x @ W^T, W int4 group-wise (blocked layout)");
-  m.def("int8_gemm", &int8_gemm, "y = x @ W^T, W int8 per output channel (blocked layout)");
+  m.def("int4_gemm", &int4_gemm, "y = x @ W^T, W int4 group-wise (blocked layout)",
+        py::arg("x"), py::arg("codes"), py::arg("scale_min"), py::arg("group_size"),
+        py::arg("out_features"), py::arg("isa"), py::arg("out") = py::none());
+  m.def("int8_gemm", &int8_gemm, "y = x @ W^T, W int8 per output channel (blocked layout)",
+        py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("out_features"),
+        py::arg("isa"), py::arg("out") = py::none());
 }

@@ -122,9 +122,11 @@ def int4_gemm(
     group_size: int,
     out_features: int,
     isa: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [rows, in] float32/bfloat16 -> [rows, out] in x's dtype."""
-    return ext.int4_gemm(x, packed, scale_min, group_size, out_features, _isa_code(isa))
+    """x [rows, in] float32/bfloat16 -> [rows, out_features] in x's dtype (into `out` if
+    given); `isa` forces a path (default: the widest this CPU runs)."""
+    return ext.int4_gemm(x, packed, scale_min, group_size, out_features, _isa_code(isa), out)
 
 
 def int8_gemm(
@@ -134,6 +136,7 @@ def int8_gemm(
     scale: torch.Tensor,
     out_features: int,
     isa: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [rows, in] float32/bfloat16 -> [rows, out] in x's dtype."""
-    return ext.int8_gemm(x, packed, scale, out_features, _isa_code(isa))
+    """As `int4_gemm`, for int8 per-channel weights."""
+    return ext.int8_gemm(x, packed, scale, out_features, _isa_code(isa), out)
