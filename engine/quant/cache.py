@@ -121,4 +121,3 @@ def load_quantized(model: nn.Module, tensor_path: Path) -> None:
 def remove_cache(tensor_path: Path, manifest_path: Path) -> None:
     manifest_path.unlink(missing_ok=True)
     tensor_path.unlink(missing_ok=True)
-

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from engine.quant.primitives import INT4_GROUP_SIZES
 
 SCHEMES = ("int8", "int4", "w8a8")
+KERNELS = ("auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class QuantConfig:
     scheme: str
     group_size: int = 32
     quantize_lm_head: bool = True
+    # "auto": the C++ GEMV of engine/kernels/cpu/quant_gemm.py at few rows where it builds
+    # (engine/quant/linear.py says where), torch's kernels otherwise; "torch": torch's only.
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -36,10 +40,12 @@ class QuantConfig:
             raise ValueError(
                 f"int4 group size must be one of {INT4_GROUP_SIZES}, got {self.group_size}"
             )
+        if self.kernel not in KERNELS:
+            raise ValueError(f"quantized kernel must be one of {KERNELS}, got {self.kernel!r}")
 
     def lm_head_config(self) -> QuantConfig | None:
         """How lm_head is quantized (None: left in the model dtype)."""
-        return QuantConfig("int8") if self.quantize_lm_head else None
+        return QuantConfig("int8", kernel=self.kernel) if self.quantize_lm_head else None
 
     @property
     def name(self) -> str:

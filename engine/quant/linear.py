@@ -46,9 +46,12 @@ see engine/quant/config.py).
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
+from engine.kernels.cpu import quant_gemm
 from engine.quant.config import QuantConfig
 from engine.quant.primitives import (
     check_group_size,
@@ -61,6 +64,9 @@ from engine.quant.primitives import (
 
 # w8a8 uses _int_mm from this many rows on; below, the int8 weight-only kernel (see above).
 W8A8_INT_MM_MIN_ROWS = 16
+# Up to this many rows the C++ GEMV (engine/kernels/cpu/quant_gemm.py) runs where it built
+# (QuantConfig.kernel "auto"); torch's kernels above (see above for the measurement).
+QUANT_GEMM_MAX_ROWS = 8
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -87,6 +93,7 @@ class QuantLinear(nn.Module):
         self.quant = quant
         self.scheme = quant.scheme
         self.is_packed = False
+        self.cpp: ModuleType | None = None
         if self.scheme == "int4":
             check_group_size(in_features, quant.group_size)
             num_groups = in_features // quant.group_size
@@ -161,9 +168,10 @@ class QuantLinear(nn.Module):
 
     # -- packing and compute ---------------------------------------------------------------
     def pack(self) -> None:
-        """Re-lay the canonical tensors out for the kernel (call once, after loading)."""
+        """Re-lay the canonical tensors out for the kernels (call once, after loading)."""
         if self.is_packed:
             return
+        self.cpp = self._pack_cpp()
         if self.scheme == "int4":
             # The kernel wants out_features a multiple of 16: pad with zero rows, slice after.
             pad = -self.out_features % 16
@@ -183,11 +191,34 @@ class QuantLinear(nn.Module):
             self.scale_compute = self.scale.to(self.dtype)
         self.is_packed = True
 
+    def _pack_cpp(self) -> ModuleType | None:
+        """The C++ kernel's layout of the canonical tensors, kept beside torch's (both are
+        used: which one depends on the row count), and the extension; None where the kernel
+        is not asked for, did not build, or lacks the dtype."""
+        if self.quant.kernel != "auto" or self.dtype not in quant_gemm.SUPPORTED_DTYPES:
+            return None
+        extension = quant_gemm.load()
+        if extension is None:
+            return None
+        if self.scheme == "int4":
+            self.cpp_codes, self.cpp_scales = quant_gemm.pack_int4(
+                self.weight.data, self.scale, self.minimum
+            )
+        else:
+            self.cpp_codes, self.cpp_scales = quant_gemm.pack_int8(self.weight.data, self.scale)
+        return extension
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [num_tokens, in_features] -> [num_tokens, out_features]
         if not self.is_packed:
             return self.forward_reference(x)
-        if self.scheme == "int4":
+        if (
+            self.cpp is not None
+            and x.shape[0] <= QUANT_GEMM_MAX_ROWS
+            and not torch.compiler.is_compiling()  # a pybind call would break the graph
+        ):
+            y = self._forward_cpp(x)
+        elif self.scheme == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, self.weight, self.quant.group_size, self.scales_and_zeros
             )
@@ -200,6 +231,14 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+    def _forward_cpp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scheme == "int4":
+            return quant_gemm.int4_gemm(
+                self.cpp, x, self.cpp_codes, self.cpp_scales, self.quant.group_size,
+                self.out_features,
+            )  # fmt: skip
+        return quant_gemm.int8_gemm(self.cpp, x, self.cpp_codes, self.cpp_scales, self.out_features)
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize-then-matmul in float32 (w8a8 also quantizes the activations where its

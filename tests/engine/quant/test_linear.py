@@ -15,9 +15,15 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.kernels.cpu import quant_gemm
 from engine.layers.linear import Linear, make_linear, make_merged_linear
-from engine.quant.config import QuantConfig
-from engine.quant.linear import W8A8_INT_MM_MIN_ROWS, QuantLinear, QuantMergedLinear
+from engine.quant.config import KERNELS, QuantConfig
+from engine.quant.linear import (
+    QUANT_GEMM_MAX_ROWS,
+    W8A8_INT_MM_MIN_ROWS,
+    QuantLinear,
+    QuantMergedLinear,
+)
 from engine.quant.primitives import (
     dequantize_int4,
     dequantize_int8,
@@ -40,16 +46,18 @@ def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     out_features=st.integers(1, 80),
     in_groups=st.integers(1, 4),
     group_size=st.sampled_from([32, 64, 128]),
-    num_rows=st.sampled_from([1, 2, 7, W8A8_INT_MM_MIN_ROWS, 33, 64]),
+    num_rows=st.sampled_from([1, 2, 7, QUANT_GEMM_MAX_ROWS, W8A8_INT_MM_MIN_ROWS, 33, 64]),
     bias=st.booleans(),
+    kernel=st.sampled_from(KERNELS),
     seed=st.integers(0, 2**16),
 )
 def test_kernel_matches_dequantizing_reference(
-    scheme, dtype, out_features, in_groups, group_size, num_rows, bias, seed
+    scheme, dtype, out_features, in_groups, group_size, num_rows, bias, kernel, seed
 ):
     torch.manual_seed(seed)
     in_features = in_groups * group_size
-    layer = QuantLinear(in_features, out_features, bias, dtype, QuantConfig(scheme, group_size))
+    quant = QuantConfig(scheme, group_size, kernel=kernel)
+    layer = QuantLinear(in_features, out_features, bias, dtype, quant)
     layer.weight_loader(layer.weight, torch.randn(out_features, in_features), None)
     if bias:
         layer.weight_loader(layer.bias, torch.randn(out_features), None)
@@ -59,6 +67,30 @@ def test_kernel_matches_dequantizing_reference(
     y = layer(x)
     assert y.shape == (num_rows, out_features) and y.dtype == dtype
     assert _relative_error(y, reference) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
+def test_the_cpp_kernel_serves_few_rows_and_torch_many(scheme, monkeypatch):
+    """ "auto" routes up to QUANT_GEMM_MAX_ROWS rows to the C++ kernel (where it built) and more
+    to torch's; "torch" never uses the C++ kernel."""
+    if quant_gemm.load() is None:
+        pytest.skip("the C++ kernel did not build here (no compiler)")
+    calls = []
+    for name in ("int4_gemm", "int8_gemm"):
+        real = getattr(quant_gemm, name)
+        monkeypatch.setattr(
+            quant_gemm, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k)
+        )
+    for kernel, rows, expected in [("auto", 1, 1), ("auto", QUANT_GEMM_MAX_ROWS, 1),
+                                   ("auto", QUANT_GEMM_MAX_ROWS + 1, 0), ("torch", 1, 0)]:  # fmt: skip
+        layer = QuantLinear(64, 24, False, torch.bfloat16, QuantConfig(scheme, kernel=kernel))
+        layer.weight_loader(layer.weight, torch.randn(24, 64), None)
+        layer.pack()
+        calls.clear()
+        layer(torch.randn(rows, 64).to(torch.bfloat16))
+        assert len(calls) == expected, (kernel, rows)
+    with pytest.raises(ValueError, match="quantized kernel"):
+        QuantConfig("int8", kernel="fast")
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
