@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.quant.primitives import INT4_GROUP_SIZES
 
@@ -54,7 +54,8 @@ class QuantConfig:
 
     @classmethod
     def parse(cls, spec: str | QuantConfig | None) -> QuantConfig | None:
-        """None | "int8" | "int4" | "int4-g64" | "int4:64" | "w8a8" | a QuantConfig."""
+        """None | "int8" | "int4" | "int4-g64" | "int4:64" | "w8a8" | a QuantConfig; a suffix
+        "@torch" (or "@auto") sets `kernel`: "int4@torch"."""
         if spec is None or isinstance(spec, QuantConfig):
             return spec
         if not isinstance(spec, str):
@@ -62,6 +63,9 @@ class QuantConfig:
         text = spec.strip().lower()
         if text in ("", "none"):
             return None
+        text, _, kernel = text.partition("@")
+        if kernel:  # "int4@torch": torch's kernels only (A/B runs of the C++ GEMV)
+            return replace(cls.parse(text), kernel=kernel)
         for sep in ("-g", ":"):
             if text.startswith("int4" + sep):
                 size = text[len("int4" + sep) :]

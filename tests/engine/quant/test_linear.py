@@ -144,6 +144,9 @@ def test_seam_and_bad_input():
         QuantConfig.parse("int4-g16")
     assert QuantConfig.parse("int4-g64") == QuantConfig("int4", 64)
     assert QuantConfig.parse("INT8") == QuantConfig("int8") and QuantConfig.parse(None) is None
+    assert QuantConfig.parse("int4-g64@torch") == QuantConfig("int4", 64, kernel="torch")
+    with pytest.raises(ValueError, match="quantized kernel"):
+        QuantConfig.parse("int8@fast")
 
 
 # -- whole model ------------------------------------------------------------------------------
