@@ -16,8 +16,8 @@
 // Codes are widened to fp32 in registers and multiplied with fp32 activations (bf16 inputs are
 // widened once per call); accumulation is fp32; bf16 outputs are rounded to nearest even.
 //
-// Instruction sets: AVX-512 (16 lanes = one block), AVX2 (two 8-lane halves) and a scalar
-// fallback, all compiled into one library (function-level target attributes) and chosen per
+// Instruction sets: AVX-512 (16 lanes = one block; with AVX-512 BF16, int4 x bf16 uses
+// vdpbf16ps), AVX2 (two 8-lane halves) and a scalar fallback, all compiled into one library (function-level target attributes) and chosen per
 // call by the `isa` argument, so every path can be forced and tested on any CPU that runs it.
 
 #include <torch/extension.h>
@@ -33,12 +33,13 @@
 namespace {
 
 constexpr int64_t kBlock = 16;  // output channels per block (one AVX-512 vector of fp32)
-enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 struct Problem {
   int64_t rows, in_features, out_features, num_blocks, group_size, num_groups;
   const float* x;     // [rows, K] fp32
   const float* xsum;  // int4: [rows, num_groups] sums of x over each group
+  const uint16_t* xbf;  // the bf16 activations [rows, K] when x is bf16 (else nullptr)
   void* y;            // [rows, out_features], float32 or bfloat16 (out_bf16)
   bool out_bf16;
 };
@@ -195,6 +196,68 @@ AVX512_TARGET void int8_block_avx512(const Problem& p, const int8_t* cb, const f
   }
 }
 
+// AVX-512 BF16, int4 with bf16 activations: `vdpbf16ps` multiplies a lane's pair of bf16
+// values by a pair of activations and adds both products to an fp32 lane, 32 MACs per
+// instruction against 16 for an FMA, and bf16 activations are used as they are. The codes
+// become bf16 without a conversion instruction: a code q in the mantissa of 1.0 gives
+// 1 + q/16 (exact in bf16), so a lane's two codes are two shifts and two bit operations away
+// from the byte; the offset sums to the group's activation sum, removed in the epilogue:
+//   sum_k q_k x_k = 16 * (sum_k (1 + q_k/16) x_k - sum_k x_k).
+// Products of bf16 values are exact in fp32 and the sums are fp32, as in the FMA path.
+
+#define AVX512BF16_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+template <int R>
+AVX512BF16_TARGET void int4_block_avx512bf16(const Problem& p, const uint8_t* cb,
+                                             const float* smb, int64_t row0, int64_t col0,
+                                             int64_t lanes) {
+  constexpr int U = R <= 2 ? 4 : 2;
+  const __m512i mask = _mm512_set1_epi32(0x00780078);
+  const __m512i one = _mm512_set1_epi32(0x3f803f80);
+  const int64_t gs2 = p.group_size / 2;
+  const uint32_t* x = reinterpret_cast<const uint32_t*>(p.xbf + row0 * p.in_features);
+  const int64_t x_stride = p.in_features / 2;  // in pairs
+  const float* xsum = p.xsum + row0 * p.num_groups;
+  __m512 out[R];
+  for (int r = 0; r < R; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.num_groups; ++g) {
+    __m512 acc[R][U];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+    const uint8_t* c = cb + g * gs2 * kBlock;
+    const uint32_t* xg = x + g * gs2;
+    for (int64_t e = 0; e < gs2; e += U) {
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) {
+        const __m512i w = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + (e + u) * kBlock)));
+        const __m512i codes = _mm512_or_si512(
+            _mm512_ternarylogic_epi32(_mm512_slli_epi32(w, 3), _mm512_slli_epi32(w, 15), mask,
+                                      0xA8),  // (a | b) & c
+            one);
+        const __m512bh weights = (__m512bh)codes;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512bh xs = (__m512bh)_mm512_set1_epi32(xg[r * x_stride + e + u]);
+          acc[r][u] = _mm512_dpbf16_ps(acc[r][u], weights, xs);
+        }
+      }
+    }
+    const __m512 s16 = _mm512_mul_ps(_mm512_loadu_ps(smb + g * 2 * kBlock), _mm512_set1_ps(16.f));
+    const __m512 m = _mm512_loadu_ps(smb + g * 2 * kBlock + kBlock);
+    for (int r = 0; r < R; ++r) {
+      __m512 a = acc[r][0];
+      for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[r][u]);
+      const __m512 sum = _mm512_set1_ps(xsum[r * p.num_groups + g]);
+      out[r] = _mm512_fmadd_ps(m, sum, out[r]);
+      out[r] = _mm512_fmadd_ps(_mm512_sub_ps(a, sum), s16, out[r]);
+    }
+  }
+  const __mmask16 mask16 = static_cast<__mmask16>((1u << lanes) - 1u);
+  for (int r = 0; r < R; ++r) store16(p, (row0 + r) * p.out_features + col0, mask16, out[r]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // AVX2: a block is two 8-lane halves, each computed in its own pass over the block (the second
 // pass finds the block's codes in L1). At most 4 rows at a time (16 ymm registers).
@@ -314,6 +377,21 @@ void int4_avx512(const Problem& p, const uint8_t* codes, const float* scale_min,
   }
 }
 
+void int4_avx512bf16(const Problem& p, const uint8_t* codes, const float* scale_min,
+                     int64_t b0, int64_t b1) {
+  const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
+    for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
+#define CALL(R)                                                                             \
+  int4_block_avx512bf16<R>(p, codes + b * block_codes, scale_min + b * block_sm, r0, b * kBlock, \
+                           lanes)
+      DISPATCH_ROWS(n, CALL)
+#undef CALL
+    });
+  }
+}
+
 void int8_avx512(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
                  int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
@@ -383,11 +461,15 @@ void int8_avx2(const Problem& p, const int8_t* codes, const float* scale, int64_
 // Entry points.
 
 void check_isa(int64_t isa) {
-  TORCH_CHECK(isa >= kPortable && isa <= kAvx512, "quant_gemm: unknown isa ", isa);
-  if (isa == kAvx512) {
+  TORCH_CHECK(isa >= kPortable && isa <= kAvx512Bf16, "quant_gemm: unknown isa ", isa);
+  if (isa == kAvx512Bf16) {
+    TORCH_CHECK(__builtin_cpu_supports("avx512bf16"),
+                "quant_gemm: this CPU cannot run the avx512bf16 path");
+  }
+  if (isa >= kAvx512) {
     TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"),
-                "quant_gemm: this CPU cannot run the avx512 path");
+                "quant_gemm: this CPU cannot run the avx512 paths");
   } else if (isa == kAvx2) {
     TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
                 "quant_gemm: this CPU cannot run the avx2 path");
@@ -422,9 +504,9 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   check_isa(isa);
   const at::Tensor xf = activations_fp32(x);
   const int64_t rows = xf.size(0), in_features = xf.size(1);
-  TORCH_CHECK(group_size > 0 && group_size % 4 == 0 && in_features % group_size == 0,
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && in_features % group_size == 0,
               "quant_gemm: in_features ", in_features, " must be a multiple of group_size ",
-              group_size, " (a multiple of 4)");
+              group_size, " (a multiple of 8)");
   TORCH_CHECK(out_features > 0, "quant_gemm: out_features must be positive");
   const int64_t num_blocks = (out_features + kBlock - 1) / kBlock;
   const int64_t num_groups = in_features / group_size;
@@ -439,14 +521,21 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   // Per-group activation sums (the minimum's term), once per call.
   const at::Tensor xsum = xf.view({rows, num_groups, group_size}).sum(-1).contiguous();
   at::Tensor y = output(x, out_features, out);
+  // vdpbf16ps takes bf16 activations as they are; fp32 ones would have to be rounded (not the
+  // reference's math), so they take the FMA path.
+  const bool bf16_in = x.scalar_type() == at::kBFloat16;
+  const at::Tensor xbf = bf16_in ? x.contiguous() : at::Tensor();
+  if (isa == kAvx512Bf16 && !bf16_in) isa = kAvx512;
   const Problem p{rows, in_features, out_features, num_blocks, group_size, num_groups,
-                  xf.data_ptr<float>(), xsum.data_ptr<float>(), y.data_ptr(),
-                  y.scalar_type() == at::kBFloat16};
+                  xf.data_ptr<float>(), xsum.data_ptr<float>(),
+                  bf16_in ? reinterpret_cast<const uint16_t*>(xbf.data_ptr()) : nullptr,
+                  y.data_ptr(), y.scalar_type() == at::kBFloat16};
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* sm = scale_min.data_ptr<float>();
   const int64_t block_bytes = in_features / 2 * kBlock + num_groups * 2 * kBlock * 4;
   at::parallel_for(0, num_blocks, grain(block_bytes), [&](int64_t b0, int64_t b1) {
-    if (isa == kAvx512) int4_avx512(p, c, sm, b0, b1);
+    if (isa == kAvx512Bf16) int4_avx512bf16(p, c, sm, b0, b1);
+    else if (isa == kAvx512) int4_avx512(p, c, sm, b0, b1);
     else if (isa == kAvx2) int4_avx2(p, c, sm, b0, b1);
     else int4_portable(p, c, sm, b0, b1);
   });
@@ -469,11 +558,11 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
               "quant_gemm: int8 scale must be contiguous float32 [", num_blocks * kBlock, "]");
   at::Tensor y = output(x, out_features, out);
   const Problem p{rows, in_features, out_features, num_blocks, 0, 0, xf.data_ptr<float>(),
-                  nullptr, y.data_ptr(), y.scalar_type() == at::kBFloat16};
+                  nullptr, nullptr, y.data_ptr(), y.scalar_type() == at::kBFloat16};
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
   at::parallel_for(0, num_blocks, grain(in_features * kBlock), [&](int64_t b0, int64_t b1) {
-    if (isa == kAvx512) int8_avx512(p, c, s, b0, b1);
+    if (isa >= kAvx512) int8_avx512(p, c, s, b0, b1);  // no bf16 variant for int8
     else if (isa == kAvx2) int8_avx2(p, c, s, b0, b1);
     else int8_portable(p, c, s, b0, b1);
   });

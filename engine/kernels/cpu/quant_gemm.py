@@ -35,12 +35,13 @@ from engine.platform import cpu_info
 
 SOURCE = Path(__file__).with_name("quant_gemm.cpp")
 BLOCK = 16  # output channels per block of the packed layout
-ISAS = ("portable", "avx2", "avx512")
+ISAS = ("portable", "avx2", "avx512", "avx512bf16")
 _ISA_CODE = {name: code for code, name in enumerate(ISAS)}
 _ISA_FLAGS = {  # what the CPU must report for each path (Linux /proc/cpuinfo names)
     "portable": (),
     "avx2": ("avx2", "fma"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    "avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
 }
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
