@@ -1,6 +1,8 @@
 """Quantized GEMM kernels against each other and against bf16 (oneDNN-packed), per shape.
 
     python -m loadtest.bench_quant_kernels [--rounds 5] [--rows 1,8,32,64] [--json out.json]
+    python -m loadtest.bench_quant_kernels --engine [--quantizations none,int4,int4@torch]
+        [--llamacpp] [--workloads W1] [--rounds 3] [--json out.json]
 
 SmolLM2-135M shapes: qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576, lm_head
 576->49152. Columns, for bf16 activations:
@@ -13,6 +15,11 @@ The kernels run in alternating rounds; each cell is (bf16 median time) / (kernel
 so > 1 means faster than bf16; `c/t` is torch's time over the C++ kernel's for the same scheme;
 GB/s is the C++ kernel's packed weight bytes (codes and scales) over its median time. The tables
 in engine/quant/linear.py and engine/kernels/cpu/quant_gemm.py come from here.
+
+`--engine` runs whole workloads instead (loadtest/bench_engine.py's processes, bf16), one engine
+per quantization spec ("int4@torch": torch's kernels only, the A/B of the C++ kernel), plus
+llama.cpp on its Q4_1 GGUF with `--llamacpp`, all alternating round by round; it prints the
+medians and each one's ratio to the first spec and to llama.cpp.
 """
 
 from __future__ import annotations
@@ -24,8 +31,6 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-
-import torch
 
 SHAPES = {
     "qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
@@ -43,18 +48,28 @@ def _time(fn, repeat: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # engine first: it sets the OpenMP wait policy, which must precede torch's libgomp start.
     from engine.kernels.cpu import quant_gemm
     from engine.layers.linear import Linear
     from engine.platform import cpu_info
     from engine.quant.config import QuantConfig
     from engine.quant.linear import QuantLinear
 
+    # isort: split
+    import torch
+
     parser = argparse.ArgumentParser(prog="bench_quant_kernels")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rows", default="1,8,32,64")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--engine", action="store_true", help="whole-engine workloads instead")
+    parser.add_argument("--quantizations", default="none,int4,int4@torch,int8,int8@torch")
+    parser.add_argument("--workloads", default="W1")
+    parser.add_argument("--llamacpp", action="store_true", help="also llama.cpp on the GGUF")
     args = parser.parse_args(argv)
+    if args.engine:
+        return run_engines(args)
     rows_list = [int(r) for r in args.rows.split(",")]
     extension = quant_gemm.load()
     if extension is None:
@@ -127,6 +142,50 @@ def main(argv: list[str] | None = None) -> int:
         meta = {"cpu": cpu_info().model_name, "threads": torch.get_num_threads(),
                 "rounds": args.rounds, "torch": torch.__version__}  # fmt: skip
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    return 0
+
+
+def run_engines(args) -> int:
+    from engine.loader import resolve_model
+    from loadtest.bench_engine import _default_gguf, measure
+    from loadtest.llamacpp_peer import find_server, missing_message
+
+    model_path = str(resolve_model("smollm2-135m"))
+    names = args.workloads.split(",")
+    specs = {}
+    for quant in args.quantizations.split(","):
+        specs[f"bf16-{quant}"] = ("engine", None if quant == "none" else quant)
+    server, gguf = find_server(None), _default_gguf()
+    if args.llamacpp:
+        if server is None or gguf is None:
+            print(missing_message() if server is None else "no GGUF", file=sys.stderr)
+        else:
+            specs["llamacpp-gguf"] = ("llamacpp", None)
+    runs: dict[str, list[dict]] = {key: [] for key in specs}
+    for round_index in range(args.rounds):
+        for key, (impl, quant) in specs.items():
+            print(f"[bench] round {round_index + 1}: {key} ...", file=sys.stderr, flush=True)
+            spec = {"model": "smollm2-135m", "model_path": model_path, "dtype": "bfloat16",
+                    "max_tokens": 128, "workloads": names, "compile": "off",
+                    "quantization": quant, "llama_server": str(server), "gguf": str(gguf)}  # fmt: skip
+            runs[key].append(measure(impl, spec))
+    medians = {
+        key: {w: statistics.median(r["results"][w]["tokens_per_s"] for r in rs) for w in names}
+        for key, rs in runs.items()
+    }
+    first = next(iter(specs))
+    print(f"{'run':22} " + " ".join(f"{w:>8}" for w in names) + "  (tok/s medians; ratios)")
+    for key, med in medians.items():
+        ratios = " ".join(
+            f"/{ref}={med[w] / medians[ref][w]:.2f}"
+            for ref in (first, "llamacpp-gguf") if ref in medians and ref != key
+            for w in names
+        )  # fmt: skip
+        print(f"{key:22} " + " ".join(f"{med[w]:8.1f}" for w in names) + f"  {ratios}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"rounds": args.rounds, "runs": runs,
+                                         "medians": medians}, indent=1))  # fmt: skip
     return 0
 
 
