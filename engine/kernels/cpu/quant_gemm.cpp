@@ -476,12 +476,36 @@ void check_isa(int64_t isa) {
   }
 }
 
-// x [rows, K] (fp32 or bf16, any strides) -> contiguous fp32 (x itself when it already is).
-at::Tensor activations_fp32(const at::Tensor& x) {
+// The activations as fp32 (and as bf16 when they are): plain loops rather than ATen ops, since
+// at one row the dispatch of a cast and a sum would cost more than the work.
+struct Activations {
+  at::Tensor contiguous;       // x, or a contiguous copy of it
+  std::vector<float> widened;  // bf16 x as fp32
+  const float* f32 = nullptr;
+  const uint16_t* bf16 = nullptr;
+  int64_t rows = 0, cols = 0;
+};
+
+Activations activations(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2, "quant_gemm: x must be [rows, in_features]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_gemm: x must be float32 or bfloat16, got ", x.scalar_type());
-  return x.to(at::kFloat).contiguous();
+  Activations a;
+  a.contiguous = x.contiguous();
+  a.rows = x.size(0);
+  a.cols = x.size(1);
+  if (x.scalar_type() == at::kFloat) {
+    a.f32 = a.contiguous.data_ptr<float>();
+    return a;
+  }
+  a.bf16 = reinterpret_cast<const uint16_t*>(a.contiguous.data_ptr());
+  a.widened.resize(a.rows * a.cols);
+  for (int64_t i = 0; i < a.rows * a.cols; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(a.bf16[i]) << 16;
+    std::memcpy(&a.widened[i], &bits, sizeof(float));
+  }
+  a.f32 = a.widened.data();
+  return a;
 }
 
 // The output: `out` if given (contiguous [rows, out_features] of x's dtype), else a new tensor.
@@ -502,8 +526,8 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      int64_t group_size, int64_t out_features, int64_t isa,
                      const c10::optional<at::Tensor>& out) {
   check_isa(isa);
-  const at::Tensor xf = activations_fp32(x);
-  const int64_t rows = xf.size(0), in_features = xf.size(1);
+  const Activations a = activations(x);
+  const int64_t rows = a.rows, in_features = a.cols;
   TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && in_features % group_size == 0,
               "quant_gemm: in_features ", in_features, " must be a multiple of group_size ",
               group_size, " (a multiple of 8)");
@@ -519,17 +543,15 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
               "quant_gemm: int4 scale_min must be contiguous float32 [", num_blocks, ", ",
               num_groups, ", 2, 16], got ", scale_min.sizes());
   // Per-group activation sums (the minimum's term), once per call.
-  const at::Tensor xsum = xf.view({rows, num_groups, group_size}).sum(-1).contiguous();
+  std::vector<float> xsum(rows * num_groups, 0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < in_features; ++k) xsum[r * num_groups + k / group_size] += a.f32[r * in_features + k];
   at::Tensor y = output(x, out_features, out);
   // vdpbf16ps takes bf16 activations as they are; fp32 ones would have to be rounded (not the
   // reference's math), so they take the FMA path.
-  const bool bf16_in = x.scalar_type() == at::kBFloat16;
-  const at::Tensor xbf = bf16_in ? x.contiguous() : at::Tensor();
-  if (isa == kAvx512Bf16 && !bf16_in) isa = kAvx512;
+  if (isa == kAvx512Bf16 && a.bf16 == nullptr) isa = kAvx512;
   const Problem p{rows, in_features, out_features, num_blocks, group_size, num_groups,
-                  xf.data_ptr<float>(), xsum.data_ptr<float>(),
-                  bf16_in ? reinterpret_cast<const uint16_t*>(xbf.data_ptr()) : nullptr,
-                  y.data_ptr(), y.scalar_type() == at::kBFloat16};
+                  a.f32, xsum.data(), a.bf16, y.data_ptr(), y.scalar_type() == at::kBFloat16};
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float* sm = scale_min.data_ptr<float>();
   const int64_t block_bytes = in_features / 2 * kBlock + num_groups * 2 * kBlock * 4;
@@ -545,8 +567,8 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                      int64_t out_features, int64_t isa, const c10::optional<at::Tensor>& out) {
   check_isa(isa);
-  const at::Tensor xf = activations_fp32(x);
-  const int64_t rows = xf.size(0), in_features = xf.size(1);
+  const Activations a = activations(x);
+  const int64_t rows = a.rows, in_features = a.cols;
   TORCH_CHECK(out_features > 0, "quant_gemm: out_features must be positive");
   const int64_t num_blocks = (out_features + kBlock - 1) / kBlock;
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() &&
@@ -557,8 +579,8 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                   scale.numel() == num_blocks * kBlock,
               "quant_gemm: int8 scale must be contiguous float32 [", num_blocks * kBlock, "]");
   at::Tensor y = output(x, out_features, out);
-  const Problem p{rows, in_features, out_features, num_blocks, 0, 0, xf.data_ptr<float>(),
-                  nullptr, nullptr, y.data_ptr(), y.scalar_type() == at::kBFloat16};
+  const Problem p{rows, in_features, out_features, num_blocks, 0,      0,
+                  a.f32, nullptr,      nullptr,      y.data_ptr(), y.scalar_type() == at::kBFloat16};
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
   at::parallel_for(0, num_blocks, grain(in_features * kBlock), [&](int64_t b0, int64_t b1) {
