@@ -4,7 +4,8 @@
 by the caller (the kernel, the instruction set and a hash of the source), so each machine pays
 the compile once (tens of seconds of CPU; minutes of wall time on a loaded 2-core VM) and every
 later start imports the cached library in about a second; a changed source or another CPU gets
-its own directory. No C++ compiler, or a build that fails, gives None with one warning: callers
+its own directory. The source is compiled from a copy inside that directory, so checkouts at
+different paths holding the same source share one build instead of rebuilding it in turn. No C++ compiler, or a build that fails, gives None with one warning: callers
 fall back to their torch path, the engine never fails for want of a compiler.
 """
 
@@ -60,7 +61,7 @@ def build(
     try:
         return cpp_extension.load(
             name=name,
-            sources=[str(source)],
+            sources=[str(_staged(source, directory))],
             extra_cflags=["-O3", "-fopenmp", *cflags],
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
@@ -69,6 +70,19 @@ def build(
     except Exception as error:  # a compiler that fails is the same as none: fall back
         log.warning(f"{event}.build_failed", fallback=fallback, error=str(error)[-2000:])
         return None
+
+
+def _staged(source: Path, directory: Path) -> Path:
+    """A copy of `source` inside its build directory, written only when missing or different.
+    ninja tracks a source by path and mtime: built from the checkout itself, two checkouts of
+    the same source (same directory name) would each rebuild it in turn, every time."""
+    staged = directory / Path(source).name
+    text = Path(source).read_bytes()
+    if not staged.is_file() or staged.read_bytes() != text:
+        tmp = staged.with_name(f".{staged.name}.tmp-{os.getpid()}")
+        tmp.write_bytes(text)
+        os.replace(tmp, staged)
+    return staged
 
 
 def remove_stale_lock(directory: Path, max_age_s: float = 900.0) -> None:
