@@ -181,3 +181,24 @@ def test_a_path_this_cpu_cannot_run_is_refused(ext, monkeypatch):
 def test_no_compiler_means_no_extension_and_a_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert quant_gemm.build(tmp_path) is None
+
+
+def test_the_source_is_staged_once_and_restaged_when_it_changes(tmp_path):
+    """Builds compile a copy of the source inside the build directory, rewritten only when the
+    source differs (a rewrite would make ninja rebuild)."""
+    import os
+
+    from engine.kernels.cpu.extension import _staged
+
+    source = tmp_path / "kernel.cpp"
+    source.write_text("int a;\n")
+    build_dir = tmp_path / "build"
+    build_dir.mkdir()
+    staged = _staged(source, build_dir)
+    assert staged.parent == build_dir and staged.read_text() == "int a;\n"
+    os.utime(staged, (1, 1))
+    _staged(source, build_dir)
+    assert staged.stat().st_mtime == 1  # unchanged source: the copy is left alone
+    source.write_text("int b;\n")
+    _staged(source, build_dir)
+    assert staged.read_text() == "int b;\n"
