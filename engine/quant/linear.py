@@ -50,6 +50,14 @@ results/quant-kernels-bf16.json):
     32         1.28  1.06  5.04    1.04  2.21          0.34  1.23  2.41    1.03  1.88
     64         2.30  3.63  1.63    1.34  2.59          0.51  0.62  1.26    1.22  2.03
 
+And against bf16 oneDNN-packed (same run; bf16 time / ours, > 1 = faster than bf16):
+
+    rows   int8: qkv  o     gate_up down  lm_head   int4: qkv  o     gate_up down  lm_head
+    1          2.00  2.87  1.85    2.30  3.65          1.77  2.52  2.26    2.43  4.04
+    8          1.22  1.57  1.02    0.98  1.09          1.31  1.74  1.47    0.94  1.91
+    32         0.87  0.73  1.50    0.62  0.53          0.17  0.85  1.61    0.64  0.92
+    64         0.34  0.56  0.38    1.00  0.54          0.26  0.35  0.38    0.63  0.90
+
 So ours up to 16 rows (better at every shape at 1 row, and all but one noisy cell to 16);
 from 32 rows int4 is mixed on the small shapes, and past a few rows bf16 (not kept once
 quantized) beats every weight-only kernel anyway. A per-shape calibration could move the
