@@ -225,7 +225,9 @@ class QuantLinear(nn.Module):
     def _pack_cpp(self) -> ModuleType | None:
         """The C++ kernel's layout of the canonical tensors, kept beside torch's (both are
         used: which one depends on the row count), and the extension; None where the kernel
-        is not asked for, did not build, or lacks the dtype."""
+        is not asked for, did not build, or lacks the dtype. The copy costs memory: int4 0.75
+        bytes per weight (codes and float32 scale/minimum) on top of torch's 0.56, int8 1 on top
+        of 1 (SmolLM2 int8: peak RSS 825 against 779 MiB with kernel "torch", W1 bench)."""
         if self.quant.kernel != "auto" or self.dtype not in quant_gemm.SUPPORTED_DTYPES:
             return None
         extension = quant_gemm.load()
