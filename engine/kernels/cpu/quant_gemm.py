@@ -40,10 +40,14 @@ thread: 21 GB/s), so one row is at the memory bandwidth; what remains is bytes: 
 Per-layer ratios against torch's kernels and bf16 at 1-64 rows: engine/quant/linear.py.
 
 In the engine (loadtest/bench_quant_kernels.py --engine, SmolLM2 bf16, W1 = one request of 128
-tokens, 3 alternating rounds, medians, machine loaded): int4 34.6 tok/s against 29.2 with
-torch's int4 kernel (1.18x), int8 38.8 against 16.1 (2.4x), bf16 15.0, llama.cpp on its Q4_1
-GGUF 33.9: int4 / llama.cpp 1.02 (target 1.2: not met), int8 / llama.cpp 1.14 (target 1.0:
-met); per-round values spread by up to 2x (llama.cpp 26-59 tok/s), so these are rough.
+tokens, each setting in its own process, 3 alternating rounds, medians, machine shared with
+other jobs: load average 2-4; loadtest/results/quant-engine-w1-*-final.json):
+
+    bf16 20.8 tok/s   int4 53.9   int4 with torch's kernel 40.7   int8 50.9   llama.cpp Q4_1 49.3
+
+int4 / torch's int4 1.32x, int4 / bf16 2.59x, int4 / llama.cpp 1.09 (target 1.2: not met),
+int8 / llama.cpp 1.03 (target 1.0: met). An earlier run under heavier load (load average 5)
+gave 1.18x, 1.02 and 1.14 for the same ratios (int8 with torch's kernel: 0.47 of llama.cpp).
 """
 
 from __future__ import annotations
