@@ -10,7 +10,7 @@ reference; `pack()` turns them into the kernel layout once.
 
 Kernels (no dequantize-then-matmul):
 - up to `QUANT_GEMM_MAX_ROWS` rows (decoding), our C++ GEMV, engine/kernels/cpu/quant_gemm.py,
-  for int8, int4 and w8a8's weight-only rows, wherever it builds (QuantConfig.kernel "auto";
+  for int8, int4 and w8a8's weight-only rows (below W8A8_INT_MM_MIN_ROWS), wherever it builds (QuantConfig.kernel "auto";
   "torch" turns it off). It keeps its own packed copy of the codes beside torch's.
 - above, torch 2.13's CPU ops:
   - int8: `aten._weight_int8pack_mm(x, codes [out, in], scale)`.
@@ -233,6 +233,7 @@ class QuantLinear(nn.Module):
         extension = quant_gemm.load()
         if extension is None:
             return None
+        self.cpp_isa = quant_gemm.isa_code()
         if self.scheme == "int4":
             self.cpp_codes, self.cpp_scales = quant_gemm.pack_int4(
                 self.weight.data, self.scale, self.minimum
@@ -245,9 +246,12 @@ class QuantLinear(nn.Module):
         # [num_tokens, in_features] -> [num_tokens, out_features]
         if not self.is_packed:
             return self.forward_reference(x)
-        if (
+        rows = x.shape[0]
+        if self.scheme == "w8a8" and rows >= W8A8_INT_MM_MIN_ROWS:
+            y = _int8_gemm(x, self.weight, self.scale)  # before the C++ kernel: other math
+        elif (
             self.cpp is not None
-            and x.shape[0] <= QUANT_GEMM_MAX_ROWS
+            and rows <= QUANT_GEMM_MAX_ROWS
             and not torch.compiler.is_compiling()  # a pybind call would break the graph
         ):
             y = self._forward_cpp(x)
@@ -257,8 +261,6 @@ class QuantLinear(nn.Module):
             )
             if y.shape[1] != self.out_features:
                 y = y[:, : self.out_features]
-        elif self.scheme == "w8a8" and x.shape[0] >= W8A8_INT_MM_MIN_ROWS:
-            y = _int8_gemm(x, self.weight, self.scale)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale_compute)
         if self.bias is not None:
@@ -266,12 +268,15 @@ class QuantLinear(nn.Module):
         return y
 
     def _forward_cpp(self, x: torch.Tensor) -> torch.Tensor:
+        # The extension itself, not quant_gemm's wrappers: at one row, 121 calls a step.
         if self.scheme == "int4":
-            return quant_gemm.int4_gemm(
-                self.cpp, x, self.cpp_codes, self.cpp_scales, self.quant.group_size,
-                self.out_features,
+            return self.cpp.int4_gemm(
+                x, self.cpp_codes, self.cpp_scales, self.quant.group_size, self.out_features,
+                self.cpp_isa, None,
             )  # fmt: skip
-        return quant_gemm.int8_gemm(self.cpp, x, self.cpp_codes, self.cpp_scales, self.out_features)
+        return self.cpp.int8_gemm(
+            x, self.cpp_codes, self.cpp_scales, self.out_features, self.cpp_isa, None
+        )
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize-then-matmul in float32 (w8a8 also quantizes the activations where its

@@ -101,7 +101,9 @@ def best_isa() -> str:
     return next(isa for isa in reversed(ISAS) if can_run(isa))
 
 
-def _isa_code(isa: str | None) -> int:
+def isa_code(isa: str | None = None) -> int:
+    """The extension's number for `isa` (default: the widest this CPU runs); raises if this CPU
+    cannot run it. Callers on a hot path take it once and call the extension directly."""
     isa = isa or best_isa()
     if isa not in _ISA_CODE:
         raise ValueError(f"unknown isa {isa!r}; expected one of {ISAS}")
@@ -155,7 +157,7 @@ def int4_gemm(
 ) -> torch.Tensor:
     """x [rows, in] float32/bfloat16 -> [rows, out_features] in x's dtype (into `out` if
     given); `isa` forces a path (default: the widest this CPU runs)."""
-    return ext.int4_gemm(x, packed, scale_min, group_size, out_features, _isa_code(isa), out)
+    return ext.int4_gemm(x, packed, scale_min, group_size, out_features, isa_code(isa), out)
 
 
 def int8_gemm(
@@ -168,4 +170,4 @@ def int8_gemm(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As `int4_gemm`, for int8 per-channel weights."""
-    return ext.int8_gemm(x, packed, scale, out_features, _isa_code(isa), out)
+    return ext.int8_gemm(x, packed, scale, out_features, isa_code(isa), out)

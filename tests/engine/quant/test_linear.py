@@ -69,26 +69,40 @@ def test_kernel_matches_dequantizing_reference(
     assert _relative_error(y, reference) < TOLERANCE[dtype]
 
 
+class _CountingExtension:
+    """Stands in for the C++ extension: counts the calls, then makes them."""
+
+    def __init__(self, extension):
+        self.extension, self.calls = extension, 0
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls += 1
+            return getattr(self.extension, name)(*args)
+
+        return call
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
-def test_the_cpp_kernel_serves_few_rows_and_torch_many(scheme, monkeypatch):
-    """ "auto" routes up to QUANT_GEMM_MAX_ROWS rows to the C++ kernel (where it built) and more
-    to torch's; "torch" never uses the C++ kernel."""
+def test_the_cpp_kernel_serves_few_rows_and_torch_many(scheme):
+    """QuantConfig.kernel "auto" routes up to QUANT_GEMM_MAX_ROWS rows to the C++ kernel (where it
+    built; w8a8 below W8A8_INT_MM_MIN_ROWS, its weight-only rows) and more to torch's; "torch"
+    never loads it."""
     if quant_gemm.load() is None:
         pytest.skip("the C++ kernel did not build here (no compiler)")
-    calls = []
-    for name in ("int4_gemm", "int8_gemm"):
-        real = getattr(quant_gemm, name)
-        monkeypatch.setattr(
-            quant_gemm, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k)
-        )
-    for kernel, rows, expected in [("auto", 1, 1), ("auto", QUANT_GEMM_MAX_ROWS, 1),
-                                   ("auto", QUANT_GEMM_MAX_ROWS + 1, 0), ("torch", 1, 0)]:  # fmt: skip
+    last = QUANT_GEMM_MAX_ROWS if scheme != "w8a8" else W8A8_INT_MM_MIN_ROWS - 1
+    for kernel, rows, expected in [("auto", 1, 1), ("auto", last, 1),
+                                   ("auto", QUANT_GEMM_MAX_ROWS + 1, 0)]:  # fmt: skip
         layer = QuantLinear(64, 24, False, torch.bfloat16, QuantConfig(scheme, kernel=kernel))
         layer.weight_loader(layer.weight, torch.randn(24, 64), None)
         layer.pack()
-        calls.clear()
+        layer.cpp = counting = _CountingExtension(layer.cpp)
         layer(torch.randn(rows, 64).to(torch.bfloat16))
-        assert len(calls) == expected, (kernel, rows)
+        assert counting.calls == expected, (kernel, rows)
+    layer = QuantLinear(64, 24, False, torch.bfloat16, QuantConfig(scheme, kernel="torch"))
+    layer.weight_loader(layer.weight, torch.randn(24, 64), None)
+    layer.pack()
+    assert layer.cpp is None
     with pytest.raises(ValueError, match="quantized kernel"):
         QuantConfig("int8", kernel="fast")
 
