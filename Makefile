@@ -11,6 +11,7 @@ install: $(STAMP)
 	@# The C++ paged-attention kernel is built once per machine (cached under the cache dir), here
 	@# rather than inside the first request or test; without a compiler the engine falls back.
 	@$(BIN)/python -c "from engine.kernels.cpu.paged_attention import load; load()"
+	@$(BIN)/python -c "from engine.kernels.cpu.quant_gemm import load; load()"
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -9,6 +9,12 @@ to temporary names and are renamed into place, the manifest last, under a file l
 
 Only the quantized layers' tensors are cached; the rest (embeddings, norms) still come from the
 checkpoint, memory-mapped and skipping the big projection weights.
+
+Measured (SmolLM2 int4 from the cache, bf16, 2-core AMD EPYC Zen 4 shared with other jobs, the
+files in the page cache, cProfile): `load_model_weights` 0.83 s, of which packing for the
+kernels 0.44 s (torch's int4 layout, then the C++ GEMV's: 0.17 s), the float checkpoint's other
+tensors 0.17 s, the SHA-256 of the 161 MB tensor file 0.13 s, the cached tensors 0.08 s. A
+cold start adds the disk reads; importing the two built C++ kernels is separate (~2 s of CPU).
 """
 
 from __future__ import annotations
@@ -121,4 +127,3 @@ def load_quantized(model: nn.Module, tensor_path: Path) -> None:
 def remove_cache(tensor_path: Path, manifest_path: Path) -> None:
     manifest_path.unlink(missing_ok=True)
     tensor_path.unlink(missing_ok=True)
-

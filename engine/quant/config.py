@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.quant.primitives import INT4_GROUP_SIZES
 
 SCHEMES = ("int8", "int4", "w8a8")
+KERNELS = ("auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class QuantConfig:
     scheme: str
     group_size: int = 32
     quantize_lm_head: bool = True
+    # "auto": the C++ GEMV of engine/kernels/cpu/quant_gemm.py at few rows where it builds
+    # (engine/quant/linear.py says where), torch's kernels otherwise; "torch": torch's only.
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -36,10 +40,12 @@ class QuantConfig:
             raise ValueError(
                 f"int4 group size must be one of {INT4_GROUP_SIZES}, got {self.group_size}"
             )
+        if self.kernel not in KERNELS:
+            raise ValueError(f"quantized kernel must be one of {KERNELS}, got {self.kernel!r}")
 
     def lm_head_config(self) -> QuantConfig | None:
         """How lm_head is quantized (None: left in the model dtype)."""
-        return QuantConfig("int8") if self.quantize_lm_head else None
+        return QuantConfig("int8", kernel=self.kernel) if self.quantize_lm_head else None
 
     @property
     def name(self) -> str:
@@ -48,7 +54,8 @@ class QuantConfig:
 
     @classmethod
     def parse(cls, spec: str | QuantConfig | None) -> QuantConfig | None:
-        """None | "int8" | "int4" | "int4-g64" | "int4:64" | "w8a8" | a QuantConfig."""
+        """None | "int8" | "int4" | "int4-g64" | "int4:64" | "w8a8" | a QuantConfig; a suffix
+        "@torch" (or "@auto") sets `kernel`: "int4@torch"."""
         if spec is None or isinstance(spec, QuantConfig):
             return spec
         if not isinstance(spec, str):
@@ -56,6 +63,9 @@ class QuantConfig:
         text = spec.strip().lower()
         if text in ("", "none"):
             return None
+        text, _, kernel = text.partition("@")
+        if kernel:  # "int4@torch": torch's kernels only (A/B runs of the C++ GEMV)
+            return replace(cls.parse(text), kernel=kernel)
         for sep in ("-g", ":"):
             if text.startswith("int4" + sep):
                 size = text[len("int4" + sep) :]

@@ -111,4 +111,3 @@ def load_q4_1(model: nn.Module, gguf_path: Path) -> int:
         num_taken += 1
     log.info("quant.gguf_q4_1", path=str(gguf_path), num_tensors=num_taken)
     return num_taken
-

@@ -8,17 +8,23 @@ fused weight). Until `pack()` the layer holds the canonical tensors of
 engine/quant/primitives.py (what the quantized cache stores) and computes with the dequantizing
 reference; `pack()` turns them into the kernel layout once.
 
-Kernels (torch 2.13 CPU ops, no dequantize-then-matmul):
-- int8: `aten._weight_int8pack_mm(x, codes [out, in], scale)`.
-- int4: `aten._convert_weight_to_int4pack_for_cpu` once, then `aten._weight_int4pack_mm_for_cpu`
-  per call. The kernel computes w = (q - 8) * s + z, so z = minimum + 8 * scale.
-- w8a8: activations quantized per token, `torch._int_mm(int8, int8) -> int32` (VNNI), rescaled
-  by (token scale x channel scale). At few rows the int8 weight-only kernel on unquantized
-  activations is used instead (faster there, and more accurate): the same int8 weight serves
-  both.
+Kernels (no dequantize-then-matmul):
+- up to `QUANT_GEMM_MAX_ROWS` rows (decoding), our C++ GEMV, engine/kernels/cpu/quant_gemm.py,
+  for int8, int4 and w8a8's weight-only rows (below W8A8_INT_MM_MIN_ROWS), wherever it builds (QuantConfig.kernel "auto";
+  "torch" turns it off). It keeps its own packed copy of the codes beside torch's.
+- above, torch 2.13's CPU ops:
+  - int8: `aten._weight_int8pack_mm(x, codes [out, in], scale)`.
+  - int4: `aten._convert_weight_to_int4pack_for_cpu` once, then
+    `aten._weight_int4pack_mm_for_cpu` per call. It computes w = (q - 8) * s + z, so
+    z = minimum + 8 * scale.
+  - w8a8: activations quantized per token, `torch._int_mm(int8, int8) -> int32` (VNNI),
+    rescaled by (token scale x channel scale). Below W8A8_INT_MM_MIN_ROWS the int8 weight-only
+    kernel on unquantized activations is used instead (faster there, and more accurate): the
+    same int8 weight serves both.
 
-Measured (loadtest/bench_quant_kernels.py, 2-core AMD EPYC Zen 4, bf16 activations, 3
-alternating rounds, time of bf16 oneDNN-packed / time of the kernel, > 1 = faster than bf16):
+Measured, torch's kernels (loadtest/bench_quant_kernels.py, 2-core AMD EPYC Zen 4, bf16
+activations, 3 alternating rounds, time of bf16 oneDNN-packed / time of the kernel, > 1 =
+faster than bf16):
 
     shape (in->out)      rows  int8   int4   w8a8(_int_mm)
     576->960   qkv       1     2.40   2.16   1.16
@@ -33,22 +39,50 @@ alternating rounds, time of bf16 oneDNN-packed / time of the kernel, > 1 = faste
                          8     0.61   1.05   1.09
                          64    0.22   0.47   0.83
 
-These kernels are meant for bf16 activations: `_weight_int8pack_mm` with float32 activations
-takes a slow path here (576->3072: 2.4 s for 512 rows against 86 ms in bf16, 224 vs 16 ms at
-64 rows), so quantized models should be loaded with dtype="bfloat16"; float32 works, slowly.
+The C++ kernel against torch's, same benchmark (5 alternating rounds, the machine loaded by
+other jobs: load average 5, so single cells are noisy; torch's time / ours, > 1 = ours faster;
+results/quant-kernels-bf16.json):
+
+    rows   int8: qkv  o     gate_up down  lm_head   int4: qkv  o     gate_up down  lm_head
+    1          1.24  1.16  1.68    1.19  3.33          1.57  1.15  1.52    1.22  1.34
+    8          1.28  1.15  1.74    1.02  2.40          2.01  1.09  2.01    0.74  2.21
+    16         1.95  1.13  0.81    1.17  2.42          1.26  1.39  2.54    1.13  2.17
+    32         1.28  1.06  5.04    1.04  2.21          0.34  1.23  2.41    1.03  1.88
+    64         2.30  3.63  1.63    1.34  2.59          0.51  0.62  1.26    1.22  2.03
+
+And against bf16 oneDNN-packed (same run; bf16 time / ours, > 1 = faster than bf16):
+
+    rows   int8: qkv  o     gate_up down  lm_head   int4: qkv  o     gate_up down  lm_head
+    1          2.00  2.87  1.85    2.30  3.65          1.77  2.52  2.26    2.43  4.04
+    8          1.22  1.57  1.02    0.98  1.09          1.31  1.74  1.47    0.94  1.91
+    32         0.87  0.73  1.50    0.62  0.53          0.17  0.85  1.61    0.64  0.92
+    64         0.34  0.56  0.38    1.00  0.54          0.26  0.35  0.38    0.63  0.90
+
+So ours up to 16 rows (better at every shape at 1 row, and all but one noisy cell to 16);
+from 32 rows int4 is mixed on the small shapes, and past a few rows bf16 (not kept once
+quantized) beats every weight-only kernel anyway. A per-shape calibration could move the
+threshold; the measured margin did not call for one.
+
+`_weight_int8pack_mm` with float32 activations takes a slow path here (576->3072: 2.4 s for
+512 rows against 86 ms in bf16, 224 vs 16 ms at 64 rows), so quantized models should be loaded
+with dtype="bfloat16"; our kernel takes float32 activations at the same speed, so float32
+decoding is no longer slow at few rows, only prefill is.
 
 So the weight-only kernels win for one row (the single-stream latency case, and they halve or
 quarter the weight bytes) and lose past a few rows; `_int_mm` is about even with bf16 at 32-64
 rows. Hence w8a8 switches kernels at `W8A8_INT_MM_MIN_ROWS`. lm_head is quantized as int8
-weight-only for every scheme (1.3x bf16 at one row; int4 would be 3.3x but cost 7% perplexity,
-see engine/quant/config.py).
+weight-only for every scheme (1.3x bf16 at one row with torch's kernel, 3.6x with ours; int4
+would be faster still but cost 7% perplexity, see engine/quant/config.py).
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
+from engine.kernels.cpu import quant_gemm
 from engine.quant.config import QuantConfig
 from engine.quant.primitives import (
     check_group_size,
@@ -61,6 +95,9 @@ from engine.quant.primitives import (
 
 # w8a8 uses _int_mm from this many rows on; below, the int8 weight-only kernel (see above).
 W8A8_INT_MM_MIN_ROWS = 16
+# Up to this many rows the C++ GEMV (engine/kernels/cpu/quant_gemm.py) runs where it built
+# (QuantConfig.kernel "auto"); torch's kernels above (see above for the measurement).
+QUANT_GEMM_MAX_ROWS = 16
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -87,6 +124,7 @@ class QuantLinear(nn.Module):
         self.quant = quant
         self.scheme = quant.scheme
         self.is_packed = False
+        self.cpp: ModuleType | None = None
         if self.scheme == "int4":
             check_group_size(in_features, quant.group_size)
             num_groups = in_features // quant.group_size
@@ -161,9 +199,10 @@ class QuantLinear(nn.Module):
 
     # -- packing and compute ---------------------------------------------------------------
     def pack(self) -> None:
-        """Re-lay the canonical tensors out for the kernel (call once, after loading)."""
+        """Re-lay the canonical tensors out for the kernels (call once, after loading)."""
         if self.is_packed:
             return
+        self.cpp = self._pack_cpp()
         if self.scheme == "int4":
             # The kernel wants out_features a multiple of 16: pad with zero rows, slice after.
             pad = -self.out_features % 16
@@ -183,23 +222,61 @@ class QuantLinear(nn.Module):
             self.scale_compute = self.scale.to(self.dtype)
         self.is_packed = True
 
+    def _pack_cpp(self) -> ModuleType | None:
+        """The C++ kernel's layout of the canonical tensors, kept beside torch's (both are
+        used: which one depends on the row count), and the extension; None where the kernel
+        is not asked for, did not build, or lacks the dtype. The copy costs memory: int4 0.75
+        bytes per weight (codes and float32 scale/minimum) on top of torch's 0.56, int8 1 on top
+        of 1 (SmolLM2 int8: peak RSS 825 against 779 MiB with kernel "torch", W1 bench)."""
+        if self.quant.kernel != "auto" or self.dtype not in quant_gemm.SUPPORTED_DTYPES:
+            return None
+        extension = quant_gemm.load()
+        if extension is None:
+            return None
+        self.cpp_isa = quant_gemm.isa_code()
+        if self.scheme == "int4":
+            self.cpp_codes, self.cpp_scales = quant_gemm.pack_int4(
+                self.weight.data, self.scale, self.minimum
+            )
+        else:
+            self.cpp_codes, self.cpp_scales = quant_gemm.pack_int8(self.weight.data, self.scale)
+        return extension
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [num_tokens, in_features] -> [num_tokens, out_features]
         if not self.is_packed:
             return self.forward_reference(x)
-        if self.scheme == "int4":
+        rows = x.shape[0]
+        if self.scheme == "w8a8" and rows >= W8A8_INT_MM_MIN_ROWS:
+            y = _int8_gemm(x, self.weight, self.scale)  # before the C++ kernel: other math
+        elif (
+            self.cpp is not None
+            and rows <= QUANT_GEMM_MAX_ROWS
+            and not torch.compiler.is_compiling()  # a pybind call would break the graph
+        ):
+            y = self._forward_cpp(x)
+        elif self.scheme == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, self.weight, self.quant.group_size, self.scales_and_zeros
             )
             if y.shape[1] != self.out_features:
                 y = y[:, : self.out_features]
-        elif self.scheme == "w8a8" and x.shape[0] >= W8A8_INT_MM_MIN_ROWS:
-            y = _int8_gemm(x, self.weight, self.scale)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale_compute)
         if self.bias is not None:
             y = y + self.bias
         return y
+
+    def _forward_cpp(self, x: torch.Tensor) -> torch.Tensor:
+        # The extension itself, not quant_gemm's wrappers: at one row, 121 calls a step.
+        if self.scheme == "int4":
+            return self.cpp.int4_gemm(
+                x, self.cpp_codes, self.cpp_scales, self.quant.group_size, self.out_features,
+                self.cpp_isa, None,
+            )  # fmt: skip
+        return self.cpp.int8_gemm(
+            x, self.cpp_codes, self.cpp_scales, self.out_features, self.cpp_isa, None
+        )
 
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize-then-matmul in float32 (w8a8 also quantizes the activations where its

@@ -65,24 +65,22 @@ Build: `torch.utils.cpp_extension.load` with flags chosen from the running CPU (
 on AVX-512, `-mavx2 -mfma` on AVX2, none otherwise), into a directory under the cache dir named
 by the instruction set and a hash of the source: compiled once (40 s of CPU on the 2-core Zen 4
 VM; 1.5-4 minutes of wall time while other jobs share it), then loaded in about a second by
-every later start; a changed source or another CPU gets
-its own directory. No C++ compiler (or a failed build) means the torch reference, with one
-warning; the engine never fails for want of it.
+every later start; a changed source or another CPU gets its own directory (shared with the other
+kernels: engine/kernels/cpu/extension.py). No C++ compiler (or a failed build) means the torch
+reference, with one warning; the engine never fails for want of it.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import shutil
-import time
 from pathlib import Path
 from types import ModuleType
 
-import structlog
 import torch
 
+from engine.kernels.cpu import extension
+from engine.kernels.cpu.extension import compiler  # noqa: F401  (re-exported)
+from engine.kernels.cpu.extension import remove_stale_lock as _remove_stale_lock  # noqa: F401
 from engine.layers.attention import (
     AttentionMetadata,
     PrefillChunk,
@@ -90,8 +88,6 @@ from engine.layers.attention import (
     decode_mask,
 )
 from engine.platform import cpu_info
-
-log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 PARTITION_TOKENS = 512  # context tokens per work item before a long context is split
@@ -106,60 +102,16 @@ _ISA_FLAGS = {
 }
 
 
-def compiler() -> str | None:
-    """The C++ compiler torch's extension builder would use, if it is installed."""
-    return shutil.which(os.environ.get("CXX", "c++"))
-
-
 def extension_name(isa: str) -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
-    return f"mini_infer_paged_attention_{isa}_{digest}"
+    return f"mini_infer_paged_attention_{isa}_{extension.source_digest(SOURCE)}"
 
 
 def build(build_root: Path | None = None, isa: str | None = None) -> ModuleType | None:
     """Compile (or reuse) and import the extension; None, with a warning, if that fails."""
     isa = isa or cpu_info().vector_isa
-    if compiler() is None:
-        log.warning(
-            "paged_attention.no_compiler", fallback="torch",
-            detail="no C++ compiler (set CXX or install g++): decode attention gathers K/V",
-        )  # fmt: skip
-        return None
-    if build_root is None:
-        from engine.loader import cache_dir
-
-        build_root = cache_dir() / "torch_extensions"
-    name = extension_name(isa)
-    directory = build_root / name
-    directory.mkdir(parents=True, exist_ok=True)
-    _remove_stale_lock(directory)
-    from torch.utils import cpp_extension
-
-    try:
-        return cpp_extension.load(
-            name=name,
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS[isa]],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            verbose=False,
-        )
-    except Exception as error:  # a compiler that fails is the same as none: fall back
-        log.warning("paged_attention.build_failed", fallback="torch", error=str(error)[-2000:])
-        return None
-
-
-def _remove_stale_lock(directory: Path, max_age_s: float = 900.0) -> None:
-    """torch's builder serialises builds with a `lock` file and waits while one exists; a
-    process killed mid-build leaves it behind, and every later start would wait forever. A
-    build takes minutes at most, so a lock older than `max_age_s` is stale."""
-    lock = directory / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > max_age_s:
-            lock.unlink()
-            log.warning("paged_attention.stale_lock_removed", path=str(lock))
-    except FileNotFoundError:
-        pass
+    return extension.build(
+        extension_name(isa), SOURCE, _ISA_FLAGS[isa], build_root, event="paged_attention"
+    )
 
 
 @functools.cache

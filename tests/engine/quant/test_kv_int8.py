@@ -60,6 +60,7 @@ def test_int8_kv_is_close_to_the_float_cache(tiny_dir):
             token = prompt[i]
             assert abs(x[i][token].logprob - y[i][token].logprob) < 0.05
 
+
 def test_int8_kv_same_tokens_under_preemption_chunking_and_prefix_sharing(tiny_dir):
     params = SamplingParams(max_tokens=12, temperature=0.0)
     plain = LLM(

@@ -15,9 +15,15 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.kernels.cpu import quant_gemm
 from engine.layers.linear import Linear, make_linear, make_merged_linear
-from engine.quant.config import QuantConfig
-from engine.quant.linear import W8A8_INT_MM_MIN_ROWS, QuantLinear, QuantMergedLinear
+from engine.quant.config import KERNELS, QuantConfig
+from engine.quant.linear import (
+    QUANT_GEMM_MAX_ROWS,
+    W8A8_INT_MM_MIN_ROWS,
+    QuantLinear,
+    QuantMergedLinear,
+)
 from engine.quant.primitives import (
     dequantize_int4,
     dequantize_int8,
@@ -40,16 +46,18 @@ def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     out_features=st.integers(1, 80),
     in_groups=st.integers(1, 4),
     group_size=st.sampled_from([32, 64, 128]),
-    num_rows=st.sampled_from([1, 2, 7, W8A8_INT_MM_MIN_ROWS, 33, 64]),
+    num_rows=st.sampled_from([1, 2, 7, QUANT_GEMM_MAX_ROWS, W8A8_INT_MM_MIN_ROWS, 33, 64]),
     bias=st.booleans(),
+    kernel=st.sampled_from(KERNELS),
     seed=st.integers(0, 2**16),
 )
 def test_kernel_matches_dequantizing_reference(
-    scheme, dtype, out_features, in_groups, group_size, num_rows, bias, seed
+    scheme, dtype, out_features, in_groups, group_size, num_rows, bias, kernel, seed
 ):
     torch.manual_seed(seed)
     in_features = in_groups * group_size
-    layer = QuantLinear(in_features, out_features, bias, dtype, QuantConfig(scheme, group_size))
+    quant = QuantConfig(scheme, group_size, kernel=kernel)
+    layer = QuantLinear(in_features, out_features, bias, dtype, quant)
     layer.weight_loader(layer.weight, torch.randn(out_features, in_features), None)
     if bias:
         layer.weight_loader(layer.bias, torch.randn(out_features), None)
@@ -59,6 +67,44 @@ def test_kernel_matches_dequantizing_reference(
     y = layer(x)
     assert y.shape == (num_rows, out_features) and y.dtype == dtype
     assert _relative_error(y, reference) < TOLERANCE[dtype]
+
+
+class _CountingExtension:
+    """Stands in for the C++ extension: counts the calls, then makes them."""
+
+    def __init__(self, extension):
+        self.extension, self.calls = extension, 0
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls += 1
+            return getattr(self.extension, name)(*args)
+
+        return call
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
+def test_the_cpp_kernel_serves_few_rows_and_torch_many(scheme):
+    """QuantConfig.kernel "auto" routes up to QUANT_GEMM_MAX_ROWS rows to the C++ kernel (where it
+    built; w8a8 below W8A8_INT_MM_MIN_ROWS, its weight-only rows) and more to torch's; "torch"
+    never loads it."""
+    if quant_gemm.load() is None:
+        pytest.skip("the C++ kernel did not build here (no compiler)")
+    last = QUANT_GEMM_MAX_ROWS if scheme != "w8a8" else W8A8_INT_MM_MIN_ROWS - 1
+    for kernel, rows, expected in [("auto", 1, 1), ("auto", last, 1),
+                                   ("auto", QUANT_GEMM_MAX_ROWS + 1, 0)]:  # fmt: skip
+        layer = QuantLinear(64, 24, False, torch.bfloat16, QuantConfig(scheme, kernel=kernel))
+        layer.weight_loader(layer.weight, torch.randn(24, 64), None)
+        layer.pack()
+        layer.cpp = counting = _CountingExtension(layer.cpp)
+        layer(torch.randn(rows, 64).to(torch.bfloat16))
+        assert counting.calls == expected, (kernel, rows)
+    layer = QuantLinear(64, 24, False, torch.bfloat16, QuantConfig(scheme, kernel="torch"))
+    layer.weight_loader(layer.weight, torch.randn(24, 64), None)
+    layer.pack()
+    assert layer.cpp is None
+    with pytest.raises(ValueError, match="quantized kernel"):
+        QuantConfig("int8", kernel="fast")
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
@@ -112,6 +158,9 @@ def test_seam_and_bad_input():
         QuantConfig.parse("int4-g16")
     assert QuantConfig.parse("int4-g64") == QuantConfig("int4", 64)
     assert QuantConfig.parse("INT8") == QuantConfig("int8") and QuantConfig.parse(None) is None
+    assert QuantConfig.parse("int4-g64@torch") == QuantConfig("int4", 64, kernel="torch")
+    with pytest.raises(ValueError, match="quantized kernel"):
+        QuantConfig.parse("int8@fast")
 
 
 # -- whole model ------------------------------------------------------------------------------

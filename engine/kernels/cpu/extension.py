@@ -1,0 +1,98 @@
+"""Build-once-per-machine for this package's C++ kernels (paged_attention.cpp, quant_gemm.cpp).
+
+`torch.utils.cpp_extension.load` compiles a source into a directory under the cache dir named
+by the caller (the kernel, the instruction set and a hash of the source), so each machine pays
+the compile once (tens of seconds of CPU; minutes of wall time on a loaded 2-core VM) and every
+later start imports the cached library in about a second; a changed source or another CPU gets
+its own directory. The source is compiled from a copy inside that directory, so checkouts at
+different paths holding the same source share one build instead of rebuilding it in turn. No C++ compiler, or a build that fails, gives None with one warning: callers
+fall back to their torch path, the engine never fails for want of a compiler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's extension builder would use, if it is installed."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def source_digest(source: Path) -> str:
+    return hashlib.sha256(Path(source).read_bytes()).hexdigest()[:10]
+
+
+def build(
+    name: str,
+    source: Path,
+    cflags: Sequence[str],
+    build_root: Path | None = None,
+    event: str = "extension",
+    fallback: str = "torch",
+) -> ModuleType | None:
+    """Compile (or reuse) `source` as the extension `name` and import it; None, with a warning
+    logged as `{event}.no_compiler` / `{event}.build_failed`, if that is impossible."""
+    if compiler() is None:
+        log.warning(
+            f"{event}.no_compiler", fallback=fallback,
+            detail="no C++ compiler (set CXX or install g++)",
+        )  # fmt: skip
+        return None
+    if build_root is None:
+        from engine.loader import cache_dir  # the loader pulls in safetensors etc.: import late
+
+        build_root = cache_dir() / "torch_extensions"
+    directory = Path(build_root) / name
+    directory.mkdir(parents=True, exist_ok=True)
+    remove_stale_lock(directory)
+    from torch.utils import cpp_extension
+
+    try:
+        return cpp_extension.load(
+            name=name,
+            sources=[str(_staged(source, directory))],
+            extra_cflags=["-O3", "-fopenmp", *cflags],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=False,
+        )
+    except Exception as error:  # a compiler that fails is the same as none: fall back
+        log.warning(f"{event}.build_failed", fallback=fallback, error=str(error)[-2000:])
+        return None
+
+
+def _staged(source: Path, directory: Path) -> Path:
+    """A copy of `source` inside its build directory, written only when missing or different.
+    ninja tracks a source by path and mtime: built from the checkout itself, two checkouts of
+    the same source (same directory name) would each rebuild it in turn, every time."""
+    staged = directory / Path(source).name
+    text = Path(source).read_bytes()
+    if not staged.is_file() or staged.read_bytes() != text:
+        tmp = staged.with_name(f".{staged.name}.tmp-{os.getpid()}")
+        tmp.write_bytes(text)
+        os.replace(tmp, staged)
+    return staged
+
+
+def remove_stale_lock(directory: Path, max_age_s: float = 900.0) -> None:
+    """torch's builder serialises builds with a `lock` file and waits while one exists; a
+    process killed mid-build leaves it behind, and every later start would wait forever. A
+    build takes minutes at most, so a lock older than `max_age_s` is stale."""
+    lock = Path(directory) / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            lock.unlink()
+            log.warning("extension.stale_lock_removed", path=str(lock))
+    except FileNotFoundError:
+        pass

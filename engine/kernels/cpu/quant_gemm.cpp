@@ -1,0 +1,603 @@
+// Quantized GEMV / small GEMM (1..~8 activation rows) for weight-only int4 and int8.
+//
+// Weight layout (packed once at load by quant_gemm.py): output channels in blocks of 16, and
+// within a block the 16 channels' codes for one input position side by side, so one vector
+// lane is one output channel and the weight stream is read strictly in order:
+//   int4: codes uint8 [blocks, K/2, 16]: byte j of entry p holds channel 16b+j's codes for
+//         inputs 2p (low nibble) and 2p+1 (high nibble);
+//         scale_min float32 [blocks, K/group, 2, 16]: (scale, minimum) of each channel's group.
+//   int8: codes int8 [blocks, K, 16]; scale float32 [blocks * 16].
+// Out-of-range channels of the last block are zero codes with zero scales; their results are
+// never stored.
+//
+// Math (the same as engine/quant/primitives.py's reference, only summed in another order):
+//   int4: y[r, o] = sum_g ( s[o,g] * sum_{k in g} q[o,k] x[r,k]  +  m[o,g] * sum_{k in g} x[r,k] )
+//   int8: y[r, o] = s[o] * sum_k q[o,k] x[r,k]
+// Codes are widened to fp32 in registers and multiplied with fp32 activations (bf16 inputs are
+// widened once per call); accumulation is fp32; bf16 outputs are rounded to nearest even.
+//
+// Instruction sets: AVX-512 (16 lanes = one block; with AVX-512 BF16, int4 x bf16 uses
+// vdpbf16ps), AVX2 (two 8-lane halves) and a scalar fallback, all compiled into one library (function-level target attributes) and chosen per
+// call by the `isa` argument, so every path can be forced and tested on any CPU that runs it.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // output channels per block (one AVX-512 vector of fp32)
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+
+struct Problem {
+  int64_t rows, in_features, out_features, num_blocks, group_size, num_groups;
+  const float* x;     // [rows, K] fp32
+  const float* xsum;  // int4: [rows, num_groups] sums of x over each group
+  const uint16_t* xbf;  // the bf16 activations [rows, K] when x is bf16 (else nullptr)
+  void* y;            // [rows, out_features], float32 or bfloat16 (out_bf16)
+  bool out_bf16;
+};
+
+// y[index] = value, rounded to nearest even when y is bf16.
+inline void put(const Problem& p, int64_t index, float value) {
+  if (p.out_bf16) static_cast<at::BFloat16*>(p.y)[index] = static_cast<at::BFloat16>(value);
+  else static_cast<float*>(p.y)[index] = value;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Portable scalar path.
+
+void int4_portable(const Problem& p, const uint8_t* codes, const float* scale_min, int64_t b0,
+                   int64_t b1) {
+  const int64_t half_k = p.in_features / 2, gs2 = p.group_size / 2;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* cb = codes + b * half_k * kBlock;
+    const float* smb = scale_min + b * p.num_groups * 2 * kBlock;
+    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const float* x = p.x + r * p.in_features;
+      for (int64_t j = 0; j < lanes; ++j) {
+        float total = 0.f;
+        for (int64_t g = 0; g < p.num_groups; ++g) {
+          float acc = 0.f;
+          for (int64_t e = g * gs2; e < (g + 1) * gs2; ++e) {
+            const uint8_t byte = cb[e * kBlock + j];
+            acc += static_cast<float>(byte & 15) * x[2 * e];
+            acc += static_cast<float>(byte >> 4) * x[2 * e + 1];
+          }
+          const float* sm = smb + g * 2 * kBlock;
+          total += sm[j] * acc + sm[kBlock + j] * p.xsum[r * p.num_groups + g];
+        }
+        put(p, r * p.out_features + b * kBlock + j, total);
+      }
+    }
+  }
+}
+
+void int8_portable(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
+                   int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int8_t* cb = codes + b * p.in_features * kBlock;
+    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const float* x = p.x + r * p.in_features;
+      for (int64_t j = 0; j < lanes; ++j) {
+        float acc = 0.f;
+        for (int64_t k = 0; k < p.in_features; ++k) acc += cb[k * kBlock + j] * x[k];
+        put(p, r * p.out_features + b * kBlock + j, scale[b * kBlock + j] * acc);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512: one block = one vector of 16 channels. R rows at a time (R <= 8), each with U
+// independent accumulators so that the FMA latency (4 cycles) does not serialise one row.
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+
+// Store the first lanes (mask) of v at y[index...], as fp32 or rounded to nearest-even bf16.
+AVX512_TARGET inline void store16(const Problem& p, int64_t index, __mmask16 mask, __m512 v) {
+  if (!p.out_bf16) {
+    _mm512_mask_storeu_ps(static_cast<float*>(p.y) + index, mask, v);
+    return;
+  }
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  _mm256_mask_storeu_epi16(static_cast<at::BFloat16*>(p.y) + index, mask,
+                           _mm512_cvtepi32_epi16(rounded));
+}
+
+template <int R>
+AVX512_TARGET void int4_block_avx512(const Problem& p, const uint8_t* cb, const float* smb,
+                                     int64_t row0, int64_t col0, int64_t lanes) {
+  constexpr int U = R <= 2 ? 4 : 2;
+  const __m512i low4 = _mm512_set1_epi32(15);
+  const int64_t gs2 = p.group_size / 2;
+  const float* x = p.x + row0 * p.in_features;
+  const float* xsum = p.xsum + row0 * p.num_groups;
+  __m512 out[R];
+  for (int r = 0; r < R; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.num_groups; ++g) {
+    __m512 acc[R][U];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+    const uint8_t* c = cb + g * gs2 * kBlock;
+    const float* xg = x + g * p.group_size;
+    for (int64_t e = 0; e < gs2; e += U / 2) {
+#pragma GCC unroll 4
+      for (int h = 0; h < U / 2; ++h) {
+        const __m512i w = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + (e + h) * kBlock)));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(w, low4));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+        const int64_t k = 2 * (e + h);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          acc[r][2 * h] =
+              _mm512_fmadd_ps(lo, _mm512_set1_ps(xg[r * p.in_features + k]), acc[r][2 * h]);
+          acc[r][2 * h + 1] =
+              _mm512_fmadd_ps(hi, _mm512_set1_ps(xg[r * p.in_features + k + 1]), acc[r][2 * h + 1]);
+        }
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(smb + g * 2 * kBlock);
+    const __m512 m = _mm512_loadu_ps(smb + g * 2 * kBlock + kBlock);
+    for (int r = 0; r < R; ++r) {
+      __m512 a = acc[r][0];
+      for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[r][u]);
+      out[r] = _mm512_fmadd_ps(a, s, out[r]);
+      out[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * p.num_groups + g]), out[r]);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
+  for (int r = 0; r < R; ++r) store16(p, (row0 + r) * p.out_features + col0, mask, out[r]);
+}
+
+template <int R>
+AVX512_TARGET void int8_block_avx512(const Problem& p, const int8_t* cb, const float* scale,
+                                     int64_t row0, int64_t col0, int64_t lanes) {
+  constexpr int U = R <= 2 ? 4 : 2;
+  const float* x = p.x + row0 * p.in_features;
+  __m512 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  const int64_t k_main = p.in_features - p.in_features % U;
+  for (int64_t k = 0; k < k_main; k += U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + (k + u) * kBlock))));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        acc[r][u] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * p.in_features + k + u]), acc[r][u]);
+    }
+  }
+  for (int64_t k = k_main; k < p.in_features; ++k) {
+    const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + k * kBlock))));
+    for (int r = 0; r < R; ++r)
+      acc[r][0] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[r * p.in_features + k]), acc[r][0]);
+  }
+  const __m512 s = _mm512_loadu_ps(scale + col0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
+  for (int r = 0; r < R; ++r) {
+    __m512 a = acc[r][0];
+    for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[r][u]);
+    store16(p, (row0 + r) * p.out_features + col0, mask, _mm512_mul_ps(a, s));
+  }
+}
+
+// AVX-512 BF16, int4 with bf16 activations: `vdpbf16ps` multiplies a lane's pair of bf16
+// values by a pair of activations and adds both products to an fp32 lane, 32 MACs per
+// instruction against 16 for an FMA, and bf16 activations are used as they are. The codes
+// become bf16 without a conversion instruction: a code q in the mantissa of 1.0 gives
+// 1 + q/16 (exact in bf16), so a lane's two codes are two shifts and two bit operations away
+// from the byte; the offset sums to the group's activation sum, removed in the epilogue:
+//   sum_k q_k x_k = 16 * (sum_k (1 + q_k/16) x_k - sum_k x_k).
+// Products of bf16 values are exact in fp32 and the sums are fp32, as in the FMA path.
+
+#define AVX512BF16_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+template <int R>
+AVX512BF16_TARGET void int4_block_avx512bf16(const Problem& p, const uint8_t* cb,
+                                             const float* smb, int64_t row0, int64_t col0,
+                                             int64_t lanes) {
+  constexpr int U = R <= 2 ? 4 : 2;
+  const __m512i mask = _mm512_set1_epi32(0x00780078);
+  const __m512i one = _mm512_set1_epi32(0x3f803f80);
+  const int64_t gs2 = p.group_size / 2;
+  const uint32_t* x = reinterpret_cast<const uint32_t*>(p.xbf + row0 * p.in_features);
+  const int64_t x_stride = p.in_features / 2;  // in pairs
+  const float* xsum = p.xsum + row0 * p.num_groups;
+  __m512 out[R];
+  for (int r = 0; r < R; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.num_groups; ++g) {
+    __m512 acc[R][U];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+    const uint8_t* c = cb + g * gs2 * kBlock;
+    const uint32_t* xg = x + g * gs2;
+    for (int64_t e = 0; e < gs2; e += U) {
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) {
+        const __m512i w = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + (e + u) * kBlock)));
+        const __m512i codes = _mm512_or_si512(
+            _mm512_ternarylogic_epi32(_mm512_slli_epi32(w, 3), _mm512_slli_epi32(w, 15), mask,
+                                      0xA8),  // (a | b) & c
+            one);
+        const __m512bh weights = (__m512bh)codes;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512bh xs = (__m512bh)_mm512_set1_epi32(xg[r * x_stride + e + u]);
+          acc[r][u] = _mm512_dpbf16_ps(acc[r][u], weights, xs);
+        }
+      }
+    }
+    const __m512 s16 = _mm512_mul_ps(_mm512_loadu_ps(smb + g * 2 * kBlock), _mm512_set1_ps(16.f));
+    const __m512 m = _mm512_loadu_ps(smb + g * 2 * kBlock + kBlock);
+    for (int r = 0; r < R; ++r) {
+      __m512 a = acc[r][0];
+      for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[r][u]);
+      const __m512 sum = _mm512_set1_ps(xsum[r * p.num_groups + g]);
+      out[r] = _mm512_fmadd_ps(m, sum, out[r]);
+      out[r] = _mm512_fmadd_ps(_mm512_sub_ps(a, sum), s16, out[r]);
+    }
+  }
+  const __mmask16 mask16 = static_cast<__mmask16>((1u << lanes) - 1u);
+  for (int r = 0; r < R; ++r) store16(p, (row0 + r) * p.out_features + col0, mask16, out[r]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2: a block is two 8-lane halves, each computed in its own pass over the block (the second
+// pass finds the block's codes in L1). At most 4 rows at a time (16 ymm registers).
+
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
+
+template <int R>
+AVX2_TARGET void int4_half_avx2(const Problem& p, const uint8_t* cb, const float* smb,
+                                int64_t row0, float* out_tmp /* [R, 8] */, int half) {
+  constexpr int U = R <= 2 ? 4 : 2;
+  const __m256i low4 = _mm256_set1_epi32(15);
+  const int64_t gs2 = p.group_size / 2;
+  const float* x = p.x + row0 * p.in_features;
+  const float* xsum = p.xsum + row0 * p.num_groups;
+  __m256 out[R];
+  for (int r = 0; r < R; ++r) out[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.num_groups; ++g) {
+    __m256 acc[R][U];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_ps();
+    const uint8_t* c = cb + g * gs2 * kBlock + half * 8;
+    const float* xg = x + g * p.group_size;
+    for (int64_t e = 0; e < gs2; e += U / 2) {
+#pragma GCC unroll 4
+      for (int h = 0; h < U / 2; ++h) {
+        const __m256i w = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + (e + h) * kBlock)));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(w, low4));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
+        const int64_t k = 2 * (e + h);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          acc[r][2 * h] =
+              _mm256_fmadd_ps(lo, _mm256_set1_ps(xg[r * p.in_features + k]), acc[r][2 * h]);
+          acc[r][2 * h + 1] =
+              _mm256_fmadd_ps(hi, _mm256_set1_ps(xg[r * p.in_features + k + 1]), acc[r][2 * h + 1]);
+        }
+      }
+    }
+    const __m256 s = _mm256_loadu_ps(smb + g * 2 * kBlock + half * 8);
+    const __m256 m = _mm256_loadu_ps(smb + g * 2 * kBlock + kBlock + half * 8);
+    for (int r = 0; r < R; ++r) {
+      __m256 a = acc[r][0];
+      for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[r][u]);
+      out[r] = _mm256_fmadd_ps(a, s, out[r]);
+      out[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[r * p.num_groups + g]), out[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out_tmp + r * 8, out[r]);
+}
+
+template <int R>
+AVX2_TARGET void int8_half_avx2(const Problem& p, const int8_t* cb, const float* scale,
+                                int64_t row0, float* out_tmp, int half, int64_t col0) {
+  constexpr int U = R <= 2 ? 4 : 2;
+  const float* x = p.x + row0 * p.in_features;
+  __m256 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_ps();
+  const int8_t* c = cb + half * 8;
+  const int64_t k_main = p.in_features - p.in_features % U;
+  for (int64_t k = 0; k < k_main; k += U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + (k + u) * kBlock))));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        acc[r][u] = _mm256_fmadd_ps(w, _mm256_set1_ps(x[r * p.in_features + k + u]), acc[r][u]);
+    }
+  }
+  for (int64_t k = k_main; k < p.in_features; ++k) {
+    const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + k * kBlock))));
+    for (int r = 0; r < R; ++r)
+      acc[r][0] = _mm256_fmadd_ps(w, _mm256_set1_ps(x[r * p.in_features + k]), acc[r][0]);
+  }
+  const __m256 s = _mm256_loadu_ps(scale + col0 + half * 8);
+  for (int r = 0; r < R; ++r) {
+    __m256 a = acc[r][0];
+    for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[r][u]);
+    _mm256_storeu_ps(out_tmp + r * 8, _mm256_mul_ps(a, s));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row tiling: the block's codes stay in L1 while each tile of rows runs over them.
+
+template <typename Fn>
+void for_row_tiles(int64_t rows, int64_t max_tile, Fn&& fn) {
+  for (int64_t r0 = 0; r0 < rows; r0 += max_tile) fn(r0, std::min(max_tile, rows - r0));
+}
+
+#define DISPATCH_ROWS(n, CALL)        \
+  switch (n) {                        \
+    case 1: CALL(1); break;           \
+    case 2: CALL(2); break;           \
+    case 3: CALL(3); break;           \
+    case 4: CALL(4); break;           \
+    case 5: CALL(5); break;           \
+    case 6: CALL(6); break;           \
+    case 7: CALL(7); break;           \
+    default: CALL(8); break;          \
+  }
+
+void int4_avx512(const Problem& p, const uint8_t* codes, const float* scale_min, int64_t b0,
+                 int64_t b1) {
+  const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
+    for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
+#define CALL(R) \
+  int4_block_avx512<R>(p, codes + b * block_codes, scale_min + b * block_sm, r0, b * kBlock, lanes)
+      DISPATCH_ROWS(n, CALL)
+#undef CALL
+    });
+  }
+}
+
+void int4_avx512bf16(const Problem& p, const uint8_t* codes, const float* scale_min,
+                     int64_t b0, int64_t b1) {
+  const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
+    for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
+#define CALL(R)                                                                             \
+  int4_block_avx512bf16<R>(p, codes + b * block_codes, scale_min + b * block_sm, r0, b * kBlock, \
+                           lanes)
+      DISPATCH_ROWS(n, CALL)
+#undef CALL
+    });
+  }
+}
+
+void int8_avx512(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
+                 int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
+    for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
+#define CALL(R) \
+  int8_block_avx512<R>(p, codes + b * p.in_features * kBlock, scale, r0, b * kBlock, lanes)
+      DISPATCH_ROWS(n, CALL)
+#undef CALL
+    });
+  }
+}
+
+// Copies an AVX2 half's [n, 8] results into y, dropping lanes past out_features.
+void store_half(const Problem& p, const float* tmp, int64_t r0, int64_t n, int64_t col) {
+  const int64_t lanes = std::min<int64_t>(8, p.out_features - col);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < lanes; ++j) put(p, (r0 + r) * p.out_features + col + j, tmp[r * 8 + j]);
+}
+
+void int4_avx2(const Problem& p, const uint8_t* codes, const float* scale_min, int64_t b0,
+               int64_t b1) {
+  const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
+  float tmp[4 * 8];
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int half = 0; half < 2; ++half) {
+      const int64_t col = b * kBlock + half * 8;
+      if (col >= p.out_features) break;
+      for_row_tiles(p.rows, 4, [&](int64_t r0, int64_t n) {
+#define CALL(R) int4_half_avx2<R>(p, codes + b * block_codes, scale_min + b * block_sm, r0, tmp, half)
+        switch (n) {
+          case 1: CALL(1); break;
+          case 2: CALL(2); break;
+          case 3: CALL(3); break;
+          default: CALL(4); break;
+        }
+#undef CALL
+        store_half(p, tmp, r0, n, col);
+      });
+    }
+  }
+}
+
+void int8_avx2(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
+               int64_t b1) {
+  float tmp[4 * 8];
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int half = 0; half < 2; ++half) {
+      const int64_t col = b * kBlock + half * 8;
+      if (col >= p.out_features) break;
+      for_row_tiles(p.rows, 4, [&](int64_t r0, int64_t n) {
+#define CALL(R) int8_half_avx2<R>(p, codes + b * p.in_features * kBlock, scale, r0, tmp, half, b * kBlock)
+        switch (n) {
+          case 1: CALL(1); break;
+          case 2: CALL(2); break;
+          case 3: CALL(3); break;
+          default: CALL(4); break;
+        }
+#undef CALL
+        store_half(p, tmp, r0, n, col);
+      });
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry points.
+
+void check_isa(int64_t isa) {
+  TORCH_CHECK(isa >= kPortable && isa <= kAvx512Bf16, "quant_gemm: unknown isa ", isa);
+  if (isa == kAvx512Bf16) {
+    TORCH_CHECK(__builtin_cpu_supports("avx512bf16"),
+                "quant_gemm: this CPU cannot run the avx512bf16 path");
+  }
+  if (isa >= kAvx512) {
+    TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"),
+                "quant_gemm: this CPU cannot run the avx512 paths");
+  } else if (isa == kAvx2) {
+    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+                "quant_gemm: this CPU cannot run the avx2 path");
+  }
+}
+
+// The activations as fp32 (and as bf16 when they are): plain loops rather than ATen ops, since
+// at one row the dispatch of a cast and a sum would cost more than the work.
+struct Activations {
+  at::Tensor contiguous;       // x, or a contiguous copy of it
+  std::vector<float> widened;  // bf16 x as fp32
+  const float* f32 = nullptr;
+  const uint16_t* bf16 = nullptr;
+  int64_t rows = 0, cols = 0;
+};
+
+Activations activations(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "quant_gemm: x must be [rows, in_features]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "quant_gemm: x must be float32 or bfloat16, got ", x.scalar_type());
+  Activations a;
+  a.contiguous = x.contiguous();
+  a.rows = x.size(0);
+  a.cols = x.size(1);
+  if (x.scalar_type() == at::kFloat) {
+    a.f32 = a.contiguous.data_ptr<float>();
+    return a;
+  }
+  a.bf16 = reinterpret_cast<const uint16_t*>(a.contiguous.data_ptr());
+  a.widened.resize(a.rows * a.cols);
+  for (int64_t i = 0; i < a.rows * a.cols; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(a.bf16[i]) << 16;
+    std::memcpy(&a.widened[i], &bits, sizeof(float));
+  }
+  a.f32 = a.widened.data();
+  return a;
+}
+
+// The output: `out` if given (contiguous [rows, out_features] of x's dtype), else a new tensor.
+at::Tensor output(const at::Tensor& x, int64_t out_features, const c10::optional<at::Tensor>& out) {
+  if (!out.has_value()) return at::empty({x.size(0), out_features}, x.options());
+  const at::Tensor& y = *out;
+  TORCH_CHECK(y.scalar_type() == x.scalar_type() && y.is_contiguous() &&
+                  y.sizes() == at::IntArrayRef({x.size(0), out_features}),
+              "quant_gemm: out must be contiguous ", x.scalar_type(), " [", x.size(0), ", ",
+              out_features, "]");
+  return y;
+}
+
+// Blocks per parallel task: at least ~32 KiB of weights, so tiny layers run on one thread.
+int64_t grain(int64_t block_bytes) { return std::max<int64_t>(1, (32 << 10) / block_bytes); }
+
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_min,
+                     int64_t group_size, int64_t out_features, int64_t isa,
+                     const c10::optional<at::Tensor>& out) {
+  check_isa(isa);
+  const Activations a = activations(x);
+  const int64_t rows = a.rows, in_features = a.cols;
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && in_features % group_size == 0,
+              "quant_gemm: in_features ", in_features, " must be a multiple of group_size ",
+              group_size, " (a multiple of 8)");
+  TORCH_CHECK(out_features > 0, "quant_gemm: out_features must be positive");
+  const int64_t num_blocks = (out_features + kBlock - 1) / kBlock;
+  const int64_t num_groups = in_features / group_size;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.sizes() == at::IntArrayRef({num_blocks, in_features / 2, kBlock}),
+              "quant_gemm: int4 codes must be contiguous uint8 [", num_blocks, ", ",
+              in_features / 2, ", 16], got ", codes.sizes());
+  TORCH_CHECK(scale_min.scalar_type() == at::kFloat && scale_min.is_contiguous() &&
+                  scale_min.sizes() == at::IntArrayRef({num_blocks, num_groups, 2, kBlock}),
+              "quant_gemm: int4 scale_min must be contiguous float32 [", num_blocks, ", ",
+              num_groups, ", 2, 16], got ", scale_min.sizes());
+  // Per-group activation sums (the minimum's term), once per call.
+  std::vector<float> xsum(rows * num_groups, 0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < in_features; ++k) xsum[r * num_groups + k / group_size] += a.f32[r * in_features + k];
+  at::Tensor y = output(x, out_features, out);
+  // vdpbf16ps takes bf16 activations as they are; fp32 ones would have to be rounded (not the
+  // reference's math), so they take the FMA path.
+  if (isa == kAvx512Bf16 && a.bf16 == nullptr) isa = kAvx512;
+  const Problem p{rows, in_features, out_features, num_blocks, group_size, num_groups,
+                  a.f32, xsum.data(), a.bf16, y.data_ptr(), y.scalar_type() == at::kBFloat16};
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* sm = scale_min.data_ptr<float>();
+  const int64_t block_bytes = in_features / 2 * kBlock + num_groups * 2 * kBlock * 4;
+  at::parallel_for(0, num_blocks, grain(block_bytes), [&](int64_t b0, int64_t b1) {
+    if (isa == kAvx512Bf16) int4_avx512bf16(p, c, sm, b0, b1);
+    else if (isa == kAvx512) int4_avx512(p, c, sm, b0, b1);
+    else if (isa == kAvx2) int4_avx2(p, c, sm, b0, b1);
+    else int4_portable(p, c, sm, b0, b1);
+  });
+  return y;
+}
+
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                     int64_t out_features, int64_t isa, const c10::optional<at::Tensor>& out) {
+  check_isa(isa);
+  const Activations a = activations(x);
+  const int64_t rows = a.rows, in_features = a.cols;
+  TORCH_CHECK(out_features > 0, "quant_gemm: out_features must be positive");
+  const int64_t num_blocks = (out_features + kBlock - 1) / kBlock;
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() &&
+                  codes.sizes() == at::IntArrayRef({num_blocks, in_features, kBlock}),
+              "quant_gemm: int8 codes must be contiguous int8 [", num_blocks, ", ", in_features,
+              ", 16], got ", codes.sizes());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.numel() == num_blocks * kBlock,
+              "quant_gemm: int8 scale must be contiguous float32 [", num_blocks * kBlock, "]");
+  at::Tensor y = output(x, out_features, out);
+  const Problem p{rows, in_features, out_features, num_blocks, 0,      0,
+                  a.f32, nullptr,      nullptr,      y.data_ptr(), y.scalar_type() == at::kBFloat16};
+  const int8_t* c = codes.data_ptr<int8_t>();
+  const float* s = scale.data_ptr<float>();
+  at::parallel_for(0, num_blocks, grain(in_features * kBlock), [&](int64_t b0, int64_t b1) {
+    if (isa >= kAvx512) int8_avx512(p, c, s, b0, b1);  // no bf16 variant for int8
+    else if (isa == kAvx2) int8_avx2(p, c, s, b0, b1);
+    else int8_portable(p, c, s, b0, b1);
+  });
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_gemm", &int4_gemm, "y = x @ W^T, W int4 group-wise (blocked layout)",
+        py::arg("x"), py::arg("codes"), py::arg("scale_min"), py::arg("group_size"),
+        py::arg("out_features"), py::arg("isa"), py::arg("out") = py::none());
+  m.def("int8_gemm", &int8_gemm, "y = x @ W^T, W int8 per output channel (blocked layout)",
+        py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("out_features"),
+        py::arg("isa"), py::arg("out") = py::none());
+}

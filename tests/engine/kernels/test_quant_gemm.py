@@ -1,0 +1,204 @@
+"""The C++ quantized GEMV (engine/kernels/cpu/quant_gemm.cpp) against the dequantizing
+reference, every instruction-set path forced in turn.
+
+Tolerances: the kernel sums the same products as the reference (x @ dequantized W^T in fp32)
+in another order, so each output may differ by a few fp32 roundings of the sum of |x_k w_k|:
+we allow 1e-5 of that sum (the fp32 sums here have at most 512 terms, so a real difference is
+below 512 * 2^-24 * 3 ~ 1e-4 of it only in pathological cancellations; a wrong code or a wrong
+scale moves an output by about |x_k w_k| / sum, >= 1/512 of it). bf16 outputs are rounded
+once from the fp32 result, so add half a bf16 ulp (2^-8 relative) of the reference.
+Outputs are written into a NaN-poisoned buffer: an element the kernel forgot stays NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.kernels.cpu import quant_gemm
+from engine.quant.primitives import (
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4_groupwise,
+    quantize_int8_per_channel,
+)
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = quant_gemm.load()
+    if module is None:
+        pytest.skip("the C++ kernel did not build here (no compiler); the layers use torch's")
+    return module
+
+
+def _isa(name: str) -> str:
+    if not quant_gemm.can_run(name):
+        pytest.skip(f"this CPU lacks {quant_gemm._ISA_FLAGS[name]} for the {name} path")
+    return name
+
+
+ISAS = [pytest.param(name, id=name) for name in quant_gemm.ISAS]
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """y against x @ weight^T in fp32, with the bound of the module docstring."""
+    reference = x.float() @ weight.t()
+    magnitude = x.float().abs() @ weight.abs().t()
+    bound = 1e-5 * magnitude + 1e-6
+    if y.dtype == torch.bfloat16:
+        bound = bound + 2.0**-8 * reference.abs()
+    assert y.dtype == x.dtype
+    assert torch.isfinite(y).all(), "an output was left unwritten (still NaN)"
+    excess = (y.float() - reference).abs() - bound
+    assert excess.max() <= 0, f"worst excess over the bound: {excess.max().item()}"
+
+
+def _poisoned(rows: int, out_features: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((rows, out_features), float("nan"), dtype=dtype)
+
+
+dtypes = st.sampled_from([torch.float32, torch.bfloat16])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 8),
+    out_features=st.integers(1, 70),
+    group_size=st.sampled_from([32, 64, 128]),
+    num_groups=st.integers(1, 4),
+    dtype=dtypes,
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_int4_matches_the_dequantizing_reference(
+    ext, isa, rows, out_features, group_size, num_groups, dtype, seed
+):
+    isa = _isa(isa)
+    generator = torch.Generator().manual_seed(seed)
+    in_features = group_size * num_groups
+    weight = torch.randn(out_features, in_features, generator=generator)
+    codes, scale, minimum = quantize_int4_groupwise(weight, group_size)
+    packed, scale_min = quant_gemm.pack_int4(codes, scale, minimum)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    y = _poisoned(rows, out_features, dtype)
+    result = quant_gemm.int4_gemm(ext, x, packed, scale_min, group_size, out_features, isa, y)
+    assert result.data_ptr() == y.data_ptr()
+    _check(y, x, dequantize_int4(codes, scale, minimum))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 8),
+    out_features=st.integers(1, 70),
+    in_features=st.integers(1, 200),
+    dtype=dtypes,
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_int8_matches_the_dequantizing_reference(
+    ext, isa, rows, out_features, in_features, dtype, seed
+):
+    isa = _isa(isa)
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    codes, scale = quantize_int8_per_channel(weight)
+    packed, packed_scale = quant_gemm.pack_int8(codes, scale)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    y = _poisoned(rows, out_features, dtype)
+    quant_gemm.int8_gemm(ext, x, packed, packed_scale, out_features, isa, y)
+    _check(y, x, dequantize_int8(codes, scale))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [9, 17])
+def test_more_rows_than_one_tile_and_extreme_codes(ext, isa, rows):
+    """Row counts past the 8-row (AVX2: 4-row) tile, SmolLM2's widths, and the code extremes
+    (int4 0 and 15, int8 -127 and 127) that a wrong nibble or sign extension would break."""
+    isa = _isa(isa)
+    generator = torch.Generator().manual_seed(rows)
+    in_features, out_features = 576, 100
+    codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    codes[:, :64] = torch.tensor([0, 15]).repeat(32)
+    codes = codes.to(torch.uint8)
+    scale = torch.rand(out_features, in_features // 32, generator=generator) * 0.1
+    minimum = torch.randn(out_features, in_features // 32, generator=generator) * 0.1
+    codes8 = torch.randint(-127, 128, (out_features, in_features), generator=generator)
+    codes8[:, :64] = torch.tensor([-127, 127]).repeat(32)
+    codes8 = codes8.to(torch.int8)
+    scale8 = torch.rand(out_features, generator=generator) * 0.01
+    x = torch.randn(rows, in_features, generator=generator)
+    y = quant_gemm.int4_gemm(ext, x, *quant_gemm.pack_int4(codes, scale, minimum), 32,
+                             out_features, isa)  # fmt: skip
+    _check(y, x, dequantize_int4(codes, scale, minimum))
+    y8 = quant_gemm.int8_gemm(ext, x, *quant_gemm.pack_int8(codes8, scale8), out_features, isa)
+    _check(y8, x, dequantize_int8(codes8, scale8))
+
+
+def test_a_strided_input_gives_the_same_result(ext):
+    generator = torch.Generator().manual_seed(0)
+    codes, scale = quantize_int8_per_channel(torch.randn(40, 64, generator=generator))
+    packed = quant_gemm.pack_int8(codes, scale)
+    wide = torch.randn(3, 128, generator=generator)
+    strided = wide[:, ::2]
+    assert not strided.is_contiguous()
+    expected = quant_gemm.int8_gemm(ext, strided.contiguous(), *packed, 40)
+    assert torch.equal(quant_gemm.int8_gemm(ext, strided, *packed, 40), expected)
+
+
+def test_bad_arguments_are_refused_with_a_message(ext):
+    codes, scale, minimum = quantize_int4_groupwise(torch.randn(20, 64), 32)
+    packed, scale_min = quant_gemm.pack_int4(codes, scale, minimum)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="int4 codes must be"):
+        quant_gemm.int4_gemm(ext, torch.randn(2, 128), packed, scale_min, 32, 20)
+    with pytest.raises(RuntimeError, match="multiple of group_size"):
+        quant_gemm.int4_gemm(ext, torch.randn(2, 48), packed, scale_min, 32, 20)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        quant_gemm.int4_gemm(ext, x.half(), packed, scale_min, 32, 20)
+    with pytest.raises(RuntimeError, match="out must be"):
+        quant_gemm.int4_gemm(ext, x, packed, scale_min, 32, 20, out=torch.empty(2, 21))
+    with pytest.raises(ValueError, match="unknown isa"):
+        quant_gemm.int4_gemm(ext, x, packed, scale_min, 32, 20, isa="neon")
+    with pytest.raises(ValueError, match="bad int8 tensors"):
+        quant_gemm.pack_int8(torch.zeros(4, 8, dtype=torch.int8), torch.ones(5))
+
+
+def test_a_path_this_cpu_cannot_run_is_refused(ext, monkeypatch):
+    from engine import platform
+
+    bare = platform.CpuInfo("no-vector-cpu", frozenset(), "DEFAULT")
+    monkeypatch.setattr(quant_gemm, "cpu_info", lambda: bare)
+    codes, scale = quantize_int8_per_channel(torch.randn(16, 32))
+    with pytest.raises(RuntimeError, match="cannot run the avx512 path"):
+        quant_gemm.int8_gemm(ext, torch.randn(1, 32), *quant_gemm.pack_int8(codes, scale), 16,
+                             isa="avx512")  # fmt: skip
+    assert quant_gemm.can_run("portable")
+
+
+def test_no_compiler_means_no_extension_and_a_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert quant_gemm.build(tmp_path) is None
+
+
+def test_the_source_is_staged_once_and_restaged_when_it_changes(tmp_path):
+    """Builds compile a copy of the source inside the build directory, rewritten only when the
+    source differs (a rewrite would make ninja rebuild)."""
+    import os
+
+    from engine.kernels.cpu.extension import _staged
+
+    source = tmp_path / "kernel.cpp"
+    source.write_text("int a;\n")
+    build_dir = tmp_path / "build"
+    build_dir.mkdir()
+    staged = _staged(source, build_dir)
+    assert staged.parent == build_dir and staged.read_text() == "int a;\n"
+    os.utime(staged, (1, 1))
+    _staged(source, build_dir)
+    assert staged.stat().st_mtime == 1  # unchanged source: the copy is left alone
+    source.write_text("int b;\n")
+    _staged(source, build_dir)
+    assert staged.read_text() == "int b;\n"
