@@ -121,7 +121,7 @@ def load() -> ModuleType | None:
 
 
 def decode(
-    extension: ModuleType,
+    kernels: ModuleType,  # the built extension (load())
     q: torch.Tensor,  # [num_decodes, num_heads, head_dim], head_dim contiguous
     kv_cache: torch.Tensor,  # [num_kv_blocks, block_size, 2, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [num_decodes, max_num_blocks] int64
@@ -131,14 +131,14 @@ def decode(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype)
     partition_blocks = max(1, PARTITION_TOKENS // kv_cache.shape[1])
-    extension.paged_attention_decode(
+    kernels.paged_attention_decode(
         q, kv_cache, block_table, context_lens, q.shape[-1] ** -0.5, partition_blocks, out
     )
     return out
 
 
 def extend(
-    extension: ModuleType,
+    kernels: ModuleType,  # the built extension (load())
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], the whole step's q (head_dim contiguous)
     kv_cache: torch.Tensor,  # [num_kv_blocks, block_size, 2, num_kv_heads, head_dim]
     chunks: list[PrefillChunk],  # each with block_ids covering [0, start_position + num_tokens)
@@ -155,7 +155,7 @@ def extend(
     start_positions = torch.tensor([chunk.start_position for chunk in chunks], dtype=torch.int64)
     if query_tile is None:
         query_tile = choose_query_tile(int(query_lens.sum()), kv_cache.shape[3])
-    extension.paged_attention_extend(
+    kernels.paged_attention_extend(
         q, kv_cache, block_table, query_starts, query_lens, start_positions,
         q.shape[-1] ** -0.5, query_tile, out,
     )  # fmt: skip
