@@ -23,8 +23,14 @@ class Block:
 class BlockPool:
     """Fixed pool of `num_blocks` blocks.
 
-    The free queue is ordered for eviction: the front is evicted first. A freed block goes to
-    the back, so unreferenced blocks that still hold a cached prefix are evicted in LRU order.
+    The free queue is ordered for eviction: the front is evicted first. A freed block that
+    holds a cached prefix goes to the back, so those are evicted in LRU order; a freed block
+    that holds nothing worth keeping (no hash: a partial block, or caching off) goes to the
+    front and is the next one handed out. That reuses memory the pool has already committed
+    (its pages are touched on first use, engine/model_runner.py) before blocks never used, so
+    without cached content RSS follows the peak working set instead of creeping up to the
+    whole pool (measured, SmolLM2 bf16, caching off, 120 requests of 72 tokens: +283 MiB
+    when every freed block went to the back).
     An OrderedDict gives what vLLM's intrusive doubly linked list gives (O(1) pop from the
     front, O(1) removal from the middle when a cached free block is hit again) in one line.
     """
@@ -75,13 +81,16 @@ class BlockPool:
 
     def free(self, blocks: list[Block]) -> None:
         """Drop one reference on each block. Callers pass a request's blocks tail first, so the
-        tail (least likely to be shared) is evicted before the shared head."""
+        tail (least likely to be shared) is evicted before the shared head; uncached blocks
+        go to the front (reused first)."""
         for block in blocks:
             if block.ref_count <= 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block.block_id] = block
+                if block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
 
     def cache(self, block: Block, block_hash: bytes) -> None:
         """Register a full block under its chain hash. The first block with a given content

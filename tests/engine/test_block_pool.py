@@ -12,13 +12,16 @@ def _req(rid, tokens):
     return Request(rid, tokens, SamplingParams(max_tokens=4))
 
 
-def test_allocate_in_order_and_free_to_back():
-    pool = BlockPool(4)
-    a = pool.allocate(2)
-    assert [b.block_id for b in a] == [0, 1]
+def test_allocate_in_order_uncached_reused_first_cached_to_back():
+    """Blocks holding nothing are handed out again before never-used ones (their memory is
+    already committed); blocks holding a cached prefix wait at the back for a hit."""
+    pool = BlockPool(5)
+    a = pool.allocate(3)
+    assert [b.block_id for b in a] == [0, 1, 2]
+    pool.cache(a[0], b"prefix")
     pool.free(list(reversed(a)))  # tail first
-    # free queue now: 2, 3, 1, 0
-    assert [b.block_id for b in pool.allocate(4)] == [2, 3, 1, 0]
+    # free queue now: 1, 2 (uncached, most recently freed first), 3, 4 (never used), 0 (cached)
+    assert [b.block_id for b in pool.allocate(5)] == [1, 2, 3, 4, 0]
     pool.check_invariants()
 
 
