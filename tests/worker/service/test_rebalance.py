@@ -32,6 +32,7 @@ import structlog.testing
 from schemas.codec import MSGPACK, encode
 from schemas.headers import request_headers
 from tests.worker.kafka_helpers import (
+    SMALL_ENGINE,
     Producer,
     ReplyReader,
     create_topic,
@@ -46,8 +47,8 @@ from worker.service.worker import Worker
 pytestmark = pytest.mark.kafka
 
 NUM_PARTITIONS = 4
-MAX_TOKENS = 120
-SEND_INTERVAL_S = 0.25
+MAX_TOKENS = 200
+SEND_INTERVAL_S = 0.2
 GRACE_S = 0.5  # as `serve` is given in these tests: too short to finish what the leaver runs
 
 
@@ -104,8 +105,16 @@ class InProcessMember(Member):
             model_dir, broker.bootstrap_servers, group_id, topic, worker_id=name,
             kafka={"num_partitions": NUM_PARTITIONS, "client_id": f"worker-{name}"},
         )  # fmt: skip
-        self.worker = Worker(settings)
-        self.started_s = 0.0
+        self._model_dir = model_dir
+        self._engine = None
+        # The engine's start-up takes tens of seconds on a loaded machine: built beforehand, so
+        # that the join itself happens mid-load, when the test wants it.
+        self.worker = Worker(settings, engine_factory=lambda: self._engine)
+
+    async def build_engine(self) -> None:
+        from engine import LLMEngine
+
+        self._engine = await asyncio.to_thread(LLMEngine, str(self._model_dir), **SMALL_ENGINE)
         self._captured = structlog.testing.LogCapture()
 
     def _events(self) -> list[dict]:
@@ -148,6 +157,7 @@ async def test_a_worker_joining_and_leaving_under_load_loses_nothing_and_redoes_
     newcomer = InProcessMember("c", *args[:-1])
     members: list[Member] = list(processes)
     try:
+        await newcomer.build_engine()
         for member in processes:
             await wait_for_file(member.ready_file, member.process, member.log_path, 180)
         await wait_for_assignment(members)
