@@ -74,10 +74,7 @@ async def test_a_worker_serves_and_commits_again_after_the_broker_comes_back_emp
             # loop, which would burn a core. A bound on behaviour, far above backing off.
             print(f"\nCPU during the outage: {cpu_s:.2f} s in {wall_s:.1f} s")
             assert cpu_s < MAX_CPU_SHARE * wall_s, (cpu_s, wall_s)
-            outage_events = {e["event"] for e in events if e.get("log_level") != "debug"}
-            assert outage_events & {"consumer.broker_unreachable", "worker.topic_check_failed"}, (
-                outage_events
-            )
+            assert "worker.broker_unreachable" in {e["event"] for e in events}, events
             await wait_for_topic(bootstrap, topic)  # recreated by the worker, not by us
 
             async with Producer(bootstrap) as producer, ReplyReader(bootstrap) as replies:

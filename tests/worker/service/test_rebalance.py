@@ -232,15 +232,6 @@ async def test_a_worker_joining_and_leaving_under_load_loses_nothing_and_redoes_
         num_dropped = sum(e["num_dropped"] for m in members for e in m.events("consumer.assigned"))
         num_dropped += sum(e["num_redelivered"] for e in newcomer.events("worker.drained"))
         num_finished_in_limbo = sum(finished_between_revoke_and_assign(m) for m in members)
-        for m in members:
-            for e in m.events():
-                if e.get("event") in (
-                    "consumer.assigned",
-                    "consumer.revoked",
-                    "worker.drained",
-                    "consumer.commit_failed",
-                ):
-                    print(m.name, {k: v for k, v in e.items() if k not in ("logger", "level")})
         print(
             f"\n{len(sent)} requests; moved partitions {sorted(moved)}; {len(regenerated)} "
             f"regenerated <= {num_dropped} dropped + {num_finished_in_limbo} finished while "
