@@ -12,7 +12,7 @@ slopes over the second half (after warm-up), leaked KV blocks, p99 TTFT of the l
 against the first. Not part of `make test` (it takes minutes); tests/loadtest/test_soak.py runs
 it for seconds with a tiny model.
 
-    python -m loadtest.soak --minutes 10            # smollm2-135m, bfloat16
+    mini-infer soak --minutes 10            # smollm2-135m, bfloat16 (= python -m loadtest.soak)
 
 Results (see loadtest/README.md, "Soak"), measured on the 2-core AMD EPYC Zen 4 VM with other
 jobs sharing it: recorded there with the PNG path. `--rescore results.json` recomputes the
@@ -355,10 +355,7 @@ def print_table(doc: dict) -> None:
     print(f"verdict: {'ok' if v['ok'] else 'NOT ok'}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest.soak", description=__doc__.split("\n")[0]
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--model", default="smollm2-135m", help="a model name or checkpoint path")
     parser.add_argument("--dtype", default="bfloat16")
@@ -376,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--plot", type=Path, help="PNG path (default: next to the JSON)")
     parser.add_argument("--rescore", type=Path, help="recompute the verdict and PNG of a JSON")
-    args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     if args.rescore:
         doc = json.loads(args.rescore.read_text())
         samples = [Sample(**s) for s in doc["samples"]]
@@ -398,4 +397,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    parser = argparse.ArgumentParser(prog="mini-infer soak", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))
