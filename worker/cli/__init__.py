@@ -20,8 +20,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "worker.cli.fetch_model",
         "download/convert the default model and print its path",
     ),
-    "bench": ("worker.cli.bench", "benchmarks: engine, e2e, accuracy, quant-kernels (JSON + table)"),
+    "bench": (
+        "worker.cli.bench",
+        "benchmarks: engine, e2e, accuracy, quant-kernels (JSON + table)",
+    ),
     "loadtest": ("loadtest.loadgen", "load generator through Kafka, reports like vllm bench serve"),
+    "soak": (
+        "loadtest.soak",
+        "minutes of mixed load on one worker: RSS, fds, KV blocks, p99 drift",
+    ),
 }
 
 
@@ -44,4 +51,3 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.main(args) or 0)
     except KeyboardInterrupt:
         return 130
-

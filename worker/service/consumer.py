@@ -7,8 +7,10 @@ commits watermarks.
   the assigned partitions are paused, so the worker never buffers without bound, and resumed as
   soon as there is room. Below the bounds it reads ahead of the engine, so that the batcher can
   admit by urgency (see `LimitSettings`).
-- On revocation, finished work is committed first (after letting in-flight finals land), then the
-  revoked partitions' unfinished jobs are dropped: the next owner redoes them.
+- On revocation, finished work is committed first (after letting in-flight finals land). The
+  rebalance is eager (every partition revoked, most given back): the revoked partitions are
+  suspended, and only those that did not come back have their unfinished jobs dropped (the next
+  owner redoes them); jobs of the others run on, and fetching resumes after them.
 - A bad message is routed (DLQ or error final), never raised: the poll loop catches only what a
   broker can throw at it, and logs and goes on. Handling one record is total: a bug while
   handling it dead-letters that record (reason `internal`), so no message can kill the task and,
@@ -73,6 +75,7 @@ class RequestConsumer:
         self._is_polling = True
         self._admissions: set[asyncio.Task] = set()  # requests waiting for their reply topic
         self._is_paused = False
+        self._in_flight_at_revoke: dict[TopicPartition, int] = {}
         self.last_poll_ok_s: float | None = None  # monotonic; readiness asks how recent it is
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=bootstrap_servers,
@@ -242,18 +245,56 @@ class RequestConsumer:
         self.tracker.mark_committed(offsets)
 
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
+        """The start of a rebalance. aiokafka's protocol is eager: every partition is revoked,
+        most come back at the end of the same rebalance. So nothing is dropped here: finished
+        work is committed, the partitions' epochs are suspended and their jobs run on;
+        `on_assigned` drops only the jobs of partitions that moved."""
         if not revoked:
             return
         # Finals already on their way are finished work: let them land, then commit them.
         await self._publisher.flush(timeout_s=REVOKE_FLUSH_TIMEOUT_S)
         await self.commit(revoked)
-        num_dropped = self._pipeline.drop(self._pipeline.jobs_of(revoked), "revoked")
-        self.tracker.drop(revoked)
+        self.tracker.suspend(revoked)
+        self._in_flight_at_revoke = {p: len(self._pipeline.jobs_of([p])) for p in revoked}
         log.info(
             "consumer.revoked",
             partitions=sorted(p.partition for p in revoked),
+            num_in_flight=sum(self._in_flight_at_revoke.values()),
+        )
+
+    async def on_assigned(self, assigned: set[TopicPartition]) -> None:
+        """The end of a rebalance. A suspended partition that came back, with the group's
+        committed offset still the one this worker committed (nobody else took it meanwhile),
+        resumes its epoch: its jobs go on and fetching continues after the last record seen
+        (not from the committed offset: those records are in flight here). The jobs of every
+        other suspended partition are dropped without a final: the new owner redoes them."""
+        kept = []
+        for partition in sorted(assigned & self.tracker.suspended):
+            if await self._committed_unchanged(partition):
+                next_offset = self.tracker.resume(partition)
+                if next_offset is not None:
+                    self._consumer.seek(partition, next_offset)
+                kept.append(partition)
+        moved = self.tracker.forget_suspended()
+        num_dropped = self._pipeline.drop(self._pipeline.jobs_of(moved), "revoked")
+        self.tracker.assign(assigned)
+        log.info(
+            "consumer.assigned",
+            partitions=sorted(p.partition for p in assigned),
+            kept=sorted(p.partition for p in kept),
+            # jobs in flight at the revocation that went on: not dropped, not redone
+            num_kept=sum(self._in_flight_at_revoke.get(p, 0) for p in kept),
+            moved=sorted(p.partition for p in moved),
             num_dropped=num_dropped,
         )
+
+    async def _committed_unchanged(self, partition: TopicPartition) -> bool:
+        try:
+            committed = await self._consumer.committed(partition)
+        except KafkaError as error:  # unknown: treat as moved (redone: at-least-once)
+            log.warning("consumer.committed_unknown", error=repr(error))
+            return False
+        return committed == self.tracker.committed_when_suspended(partition)
 
     def lags(self) -> dict[TopicPartition, int]:
         """Per assigned partition: the broker's high watermark (from the last fetch) minus the
@@ -291,8 +332,7 @@ class _Rebalance(ConsumerRebalanceListener):
         await self._owner.on_revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned) -> None:
-        self._owner.tracker.assign(assigned)
-        log.info("consumer.assigned", partitions=sorted(p.partition for p in assigned))
+        await self._owner.on_assigned(set(assigned))
 
 
 class _SkippedRecord:
@@ -313,4 +353,3 @@ def skipped_record(error: RecordTooLargeError) -> tuple[TopicPartition, int] | N
     if not partitions or not offsets:
         return None
     return partitions[0], offsets[0]
-

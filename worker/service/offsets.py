@@ -15,6 +15,12 @@ below what this epoch had seen: a late ack for an old job at offset N must not f
 different request at offset N. Offsets only move forward within one assignment, so an offset
 below the highest seen starts a new epoch.
 
+aiokafka rebalances eagerly: every member gives up every partition at each rebalance and gets
+its share back at the end of it. So a revoked partition is first `suspend`ed (its epoch and
+unfinished offsets kept aside, acks still counted), and at the next assignment either `resume`d
+(it came back to us and nobody else moved it meanwhile: its jobs run on, as if nothing happened)
+or `forget_suspended` (it moved: its unfinished work is the next owner's).
+
 Pure Python over integers and hashable partition keys: no aiokafka, so it is tested exactly.
 """
 
@@ -78,6 +84,8 @@ class OffsetTracker:
     def __init__(self) -> None:
         self._partitions: dict[Hashable, PartitionOffsets] = {}
         self._committed: dict[Hashable, int] = {}
+        # Revoked at the start of a rebalance, not yet known to come back: (epoch, committed).
+        self._suspended: dict[Hashable, tuple[PartitionOffsets, int | None]] = {}
 
     def assign(self, partitions: Iterable[Hashable]) -> None:
         """Partitions the group gave us: each starts an epoch (kept if it is still ours)."""
@@ -88,7 +96,14 @@ class OffsetTracker:
         return partition in self._partitions
 
     def is_current(self, partition: Hashable, epoch: PartitionOffsets | None) -> bool:
-        return epoch is not None and self._partitions.get(partition) is epoch
+        """Whether `epoch` is the partition's epoch: assigned, or suspended by a rebalance that
+        may give it back (work of a suspended epoch goes on until that is known)."""
+        if epoch is None:
+            return False
+        suspended = self._suspended.get(partition)
+        return self._partitions.get(partition) is epoch or (
+            suspended is not None and suspended[0] is epoch
+        )
 
     def add(self, partition: Hashable, offset: int) -> PartitionOffsets | None:
         """Track a consumed offset; returns the epoch to stamp its job with, or None when the
@@ -143,3 +158,35 @@ class OffsetTracker:
         for key in partitions:
             self._partitions.pop(key, None)
             self._committed.pop(key, None)
+            self._suspended.pop(key, None)
+
+    def suspend(self, partitions: Iterable[Hashable]) -> None:
+        """Revoked by an (eager) rebalance that may give them back: set their epochs aside.
+        Acks of their jobs still count meanwhile; nothing of them is committed until resumed."""
+        for key in partitions:
+            offsets = self._partitions.pop(key, None)
+            if offsets is not None:
+                self._suspended[key] = (offsets, self._committed.pop(key, None))
+
+    @property
+    def suspended(self) -> set[Hashable]:
+        return set(self._suspended)
+
+    def committed_when_suspended(self, partition: Hashable) -> int | None:
+        """What this worker had committed for a suspended partition (None: nothing)."""
+        return self._suspended[partition][1]
+
+    def resume(self, partition: Hashable) -> int | None:
+        """A suspended partition came back unchanged: its epoch goes on. Returns the offset to
+        fetch from next (one past the highest seen; None if none was seen)."""
+        offsets, committed = self._suspended.pop(partition)
+        self._partitions[partition] = offsets
+        if committed is not None:
+            self._committed[partition] = committed
+        return offsets.next_offset
+
+    def forget_suspended(self) -> set[Hashable]:
+        """The suspended partitions that did not come back: forgotten; returns them."""
+        gone = set(self._suspended)
+        self._suspended.clear()
+        return gone

@@ -37,6 +37,7 @@ from worker.service.bridge import Dropped as EngineDropped
 from worker.service.bridge import Rejected as EngineRejected
 from worker.service.dead_letters import DeadLetterWriter
 from worker.service.job import Job, JobState
+from worker.service.job_registry import JobRegistry
 from worker.service.offsets import OffsetTracker
 from worker.service.prompts import PromptRenderer
 from worker.service.replies import ReplyWriter, reply_headers
@@ -80,19 +81,19 @@ class Pipeline:
         self._tokens_per_message = settings.publisher.tokens_per_message
         self._num_attempts = 0
         self._engine_totals = request_metrics.EngineTotals()
-        self._jobs: dict[str, Job] = {}  # attempt -> job, until DONE or DROPPED
-        self._inflight_bytes = 0
-        self._by_request: dict[str, set[Job]] = {}
+        self._jobs = JobRegistry(telemetry)  # until DONE or DROPPED
         # Cancels seen for requests not (yet) here: a cancel can overtake its request.
         self._cancelled_ids: OrderedDict[str, None] = OrderedDict()
         self.batcher = Batcher(
-            settings.batcher, self._release, bridge.queued_tokens_at_least_as_urgent_as,
+            settings.batcher,
+            self._release,
+            bridge.queued_tokens_at_least_as_urgent_as,
             on_error=self.fail,
         )
 
     @property
     def num_running(self) -> int:
-        return sum(1 for j in self._jobs.values() if j.state is JobState.RUNNING)
+        return self._jobs.num_running
 
     @property
     def num_unacked(self) -> int:
@@ -101,7 +102,7 @@ class Pipeline:
     @property
     def inflight_bytes(self) -> int:
         """Estimated memory of the jobs not yet answered (the consumer pauses past a budget)."""
-        return self._inflight_bytes
+        return self._jobs.inflight_bytes
 
     # --- admission ---------------------------------------------------------------------------
 
@@ -119,7 +120,7 @@ class Pipeline:
         return job
 
     def _admit(self, job: Job, request) -> None:
-        leader = self._running_duplicate_of(job)
+        leader = self._jobs.running_duplicate_of(job)
         if leader is not None:
             # The same request delivered again (a producer retry, a redelivery after a
             # rebalance) while it runs here: generate it once; this offset finishes with it.
@@ -137,7 +138,7 @@ class Pipeline:
         else:
             job.prompt_token_ids = rendered.token_ids
             job.num_prompt_tokens = len(rendered.token_ids)
-            self._add_memory(job, BYTES_PER_PROMPT_TOKEN * job.num_prompt_tokens)
+            self._jobs.add_memory(job, BYTES_PER_PROMPT_TOKEN * job.num_prompt_tokens)
             self.batcher.submit(job, job.urgency, job.deadline_ms, job.num_prompt_tokens)
             self._arm_deadline(job)
 
@@ -150,7 +151,11 @@ class Pipeline:
         return job
 
     def _new_job(
-        self, decision: Accepted | Rejected, partition: Any, record: Any, received_s: float,
+        self,
+        decision: Accepted | Rejected,
+        partition: Any,
+        record: Any,
+        received_s: float,
         epoch: Any,
     ) -> Job:
         offset = record.offset
@@ -173,18 +178,9 @@ class Pipeline:
             received_s=received_s, record=record, epoch=epoch,
             kafka_wait_s=request_metrics.kafka_wait_s(record),
         )  # fmt: skip
-        self._register(job)
+        self._jobs.add(job)
         request_metrics.on_arrival(self._telemetry, job)
         return job
-
-    def _add_memory(self, job: Job, num_bytes: int) -> None:
-        job.memory_bytes += num_bytes
-        self._inflight_bytes += num_bytes
-
-    def _register(self, job: Job) -> None:
-        self._add_memory(job, len(getattr(job.record, "value", None) or b""))
-        self._jobs[job.attempt] = job
-        self._by_request.setdefault(job.request_id, set()).add(job)
 
     def _release(self, jobs: list[Job]) -> None:
         """Batcher callback: in release order (urgency, deadline, arrival)."""
@@ -209,12 +205,6 @@ class Pipeline:
     def _seconds_to_deadline(self, job: Job) -> float:
         deadline_ms = job.deadline_ms
         return float("inf") if deadline_ms is None else deadline_ms / 1000 - time.time()
-
-    def _running_duplicate_of(self, job: Job) -> Job | None:
-        for other in self._by_request.get(job.request_id, ()):
-            if other is not job and other.is_active and other.request == job.request:
-                return other
-        return None
 
     def _release_followers(self, leader: Job, is_answered: bool) -> None:
         """The leader ended. Answered (its final acknowledged, or set aside): the duplicates'
@@ -276,7 +266,7 @@ class Pipeline:
             case Restarted(request_ids):
                 self.on_restarted(request_ids)
             case EngineDropped(request_ids, message):
-                jobs = [self._jobs[i] for i in request_ids if i in self._jobs]
+                jobs = [j for j in map(self._jobs.get, request_ids) if j is not None]
                 num_dropped = self.drop(jobs, "engine_failed")
                 log.error("pipeline.engine_dropped", num_dropped=num_dropped, error=message)
 
@@ -379,7 +369,7 @@ class Pipeline:
         self._cancelled_ids.move_to_end(request_id)
         while len(self._cancelled_ids) > MAX_REMEMBERED_CANCELS:
             self._cancelled_ids.popitem(last=False)
-        jobs = [j for j in self._by_request.get(request_id, ()) if j.is_active]
+        jobs = [j for j in self._jobs.of_request(request_id) if j.is_active]
         for job in jobs:
             self._stop(job, "cancelled")
         return len(jobs)
@@ -421,11 +411,10 @@ class Pipeline:
         return num_dropped
 
     def jobs_of(self, partitions: Iterable[Any]) -> list[Job]:
-        wanted = set(partitions)
-        return [j for j in self._jobs.values() if j.partition in wanted]
+        return self._jobs.jobs_of(partitions)
 
     def active_jobs(self) -> list[Job]:
-        return [j for j in self._jobs.values() if j.is_active]
+        return self._jobs.active()
 
     # --- the end of a job --------------------------------------------------------------------
 
@@ -485,15 +474,7 @@ class Pipeline:
         )  # fmt: skip
 
     def _forget(self, job: Job) -> None:
-        if self._jobs.pop(job.attempt, None) is None:
-            return
-        self._inflight_bytes -= job.memory_bytes
-        self._telemetry.inflight_requests.add(-1)
-        siblings = self._by_request.get(job.request_id)
-        if siblings is not None:
-            siblings.discard(job)
-            if not siblings:
-                del self._by_request[job.request_id]
+        self._jobs.forget(job)
 
 
 def _wire_logprobs(token_ids: list[int], positions, top_k: int | None) -> list[TokenLogprob] | None:

@@ -234,12 +234,27 @@ class Worker:
         )
 
     async def _watch_topics(self) -> None:
+        """Every `TOPIC_CHECK_INTERVAL_S`: recreate the worker's topics if the broker lost them.
+        Also the outage log: aiokafka's clients retry a lost broker quietly (with their own
+        backoff, `retry_backoff_ms` and `reconnect_backoff_ms`: no busy loop), so this check is
+        where an outage is named once, when it starts, and again when it ends."""
+        outage_since_s = None
         while True:
             await asyncio.sleep(TOPIC_CHECK_INTERVAL_S)
             try:
                 await self.topics.refresh(self._own_topics())
             except (KafkaError, OSError) as error:
                 log.warning("worker.topic_check_failed", error=repr(error))
+                if outage_since_s is None:
+                    outage_since_s = time.monotonic()
+                    log.error("worker.broker_unreachable", error=repr(error))
+                continue
+            if outage_since_s is not None:
+                log.warning(
+                    "worker.broker_reachable",
+                    outage_s=round(time.monotonic() - outage_since_s, 1),
+                )
+                outage_since_s = None
 
     def _spawn(self, coro, name: str) -> None:
         task = asyncio.create_task(coro, name=f"{name}-{self.worker_id}")

@@ -39,7 +39,18 @@ FIELDS = [
 ]  # fmt: skip
 
 nasty_ints = st.sampled_from(
-    [2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**300, -(10**300), MAX_DEADLINE_MS + 1]
+    [
+        2**31,
+        2**63 - 1,
+        2**63,
+        2**64,
+        -(2**63) - 1,
+        10**300,
+        -(10**300),
+        MAX_DEADLINE_MS + 1,
+        10**400,
+        -(10**400),
+    ]  # beyond a float: int / 1000 raises OverflowError
 )
 nasty_texts = st.sampled_from(
     ["", "\x00", "\u202e\u0041", "\x1b[31mred\n", "\ud7ff", "\U0010ffff", "\ufeff", "é" * 3000,
@@ -51,7 +62,9 @@ scalars = st.one_of(
 )  # fmt: skip
 values = st.recursive(
     scalars,
-    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=6), inner, max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=6), inner, max_size=6)
+    ),
     max_leaves=30,
 )
 reply_tos = st.sampled_from(

@@ -105,3 +105,27 @@ def test_a_late_ack_after_the_log_restarted_does_not_finish_the_new_request() ->
     assert tracker.unfinished("a") == [0, 1, 2, 3, 4]
     assert tracker.finish("a", 0, new[0])
     assert tracker.to_commit() == {"a": 1}
+
+
+def test_a_partition_given_back_by_an_eager_rebalance_keeps_its_epoch() -> None:
+    """Guards against every in-flight request being redone at each rebalance: aiokafka revokes
+    every partition and gives most of them back; one that comes back keeps its epoch (acks that
+    landed meanwhile count), one that moved is forgotten."""
+    tracker = OffsetTracker()
+    tracker.assign(["a", "b"])
+    epoch_a = {offset: tracker.add("a", offset) for offset in range(3)}
+    epoch_b = tracker.add("b", 0)
+    assert tracker.finish("a", 0, epoch_a[0])
+    tracker.mark_committed(tracker.to_commit())  # a: 1, b: 0
+    tracker.suspend(["a", "b"])
+    assert tracker.add("a", 3) is None  # not ours while suspended: nothing is tracked
+    assert tracker.to_commit() == {}  # and nothing committed
+    assert tracker.is_current("a", epoch_a[1])
+    assert tracker.finish("a", 1, epoch_a[1])  # an ack during the rebalance still counts
+    assert tracker.committed_when_suspended("a") == 1
+    assert tracker.resume("a") == 3  # fetching goes on after the last record seen
+    assert tracker.forget_suspended() == {"b"}
+    assert not tracker.is_current("b", epoch_b) and not tracker.finish("b", 0, epoch_b)
+    tracker.assign(["a"])  # the assignment does not start a new epoch for a resumed partition
+    assert tracker.is_current("a", epoch_a[2]) and tracker.unfinished("a") == [2]
+    assert tracker.to_commit() == {"a": 2}

@@ -39,6 +39,8 @@ def start_serve(
     ready_file: Path,
     log_path: Path,
     worker_id: str = "terminated",
+    num_partitions: int = 2,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
     env = {
         **os.environ,
@@ -50,11 +52,12 @@ def start_serve(
         # session to expire, so a shorter (still Kafka-legal) session keeps the test short.
         "MINI_INFER_KAFKA__SESSION_TIMEOUT_MS": "6000",
         "MINI_INFER_KAFKA__HEARTBEAT_INTERVAL_MS": "1000",
+        **(extra_env or {}),
     }
     command = [
         sys.executable, "-m", "worker.cli", "serve",
         "--bootstrap-servers", bootstrap_servers, "--model", str(model_dir), "--group-id", group_id,
-        "--request-topic", topic, "--partitions", "2", "--grace-s", str(GRACE_S),
+        "--request-topic", topic, "--partitions", str(num_partitions), "--grace-s", str(GRACE_S),
         "--ready-file", str(ready_file), "--worker-id", worker_id, "--log-format", "json",
     ]  # fmt: skip
     with open(log_path, "wb") as log_file:
