@@ -7,6 +7,12 @@ file descriptors (/proc/<pid>/fd) are sampled, with the engine's KV blocks in us
 /metrics gauge); each `--window-s` window gives TTFT and end-to-end latency p50/p99 of the
 requests that finished in it. At the end, once idle, the blocks still in use are the leaked ones.
 
+The worker's KV pool is committed at start (`kv_cache_prefault`), as a production worker that
+wants a flat RSS would run it: otherwise the pool's pages are committed as blocks are first
+used and, with prefix caching, the pool fills with cached prefixes, so RSS climbs towards
+"baseline + pool size" (512 MiB by default: bounded, by design) and that climb hides a real
+leak. `--lazy-pool` runs without it, to watch that climb.
+
 Writes JSON under loadtest/results/ and a PNG of the curves, and prints the verdict: RSS and fd
 slopes over the second half (after warm-up), leaked KV blocks, p99 TTFT of the last window
 against the first. Not part of `make test` (it takes minutes); tests/loadtest/test_soak.py runs
@@ -227,7 +233,8 @@ async def soak_service(args):
     async with EmbeddedBroker() as broker:
         with tempfile.TemporaryDirectory() as tmp:
             ready_file, port = Path(tmp) / "ready", free_port()
-            options = {**ENGINE_OPTIONS, "num_threads": default_num_threads()}
+            options = {**ENGINE_OPTIONS, "num_threads": default_num_threads(),
+                       "kv_cache_prefault": not args.lazy_pool}  # fmt: skip
             env = {f"MINI_INFER_ENGINE__{k.upper()}": str(v) for k, v in options.items()}
             env["MINI_INFER_KAFKA__ENABLE_IDEMPOTENCE"] = "false"  # the embedded broker lacks it
             command = [sys.executable, "-m", "worker.cli", "serve",
@@ -294,6 +301,7 @@ async def run(args) -> dict:
         "model": args.model,
         "dtype": args.dtype,
         "minutes": args.minutes,
+        "kv_pool": "lazy" if args.lazy_pool else "prefault",
         "rate_per_s": args.rate,
         "elapsed_s": round(elapsed_s, 1),
         "num_requests": len(outcomes),
@@ -368,6 +376,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-s", type=float, default=5.0)
     parser.add_argument("--window-s", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--lazy-pool", action="store_true",
+        help="commit the KV pool as blocks are first used (RSS then climbs by up to the pool)",
+    )  # fmt: skip
     parser.add_argument(
         "--out", type=Path, help="JSON path (default: loadtest/results/soak-*.json)"
     )
