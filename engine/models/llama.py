@@ -28,6 +28,11 @@ def head_dim_of(hf_config) -> int:
     )
 
 
+def _layer_quant(quant, name: str):
+    """The quantization of one projection (engine/quant/config.py: QuantConfig.for_layer)."""
+    return quant.for_layer(name) if quant is not None else None
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self, hf_config, qkv_bias: bool, o_bias: bool, backend, dtype: torch.dtype, quant=None
@@ -38,9 +43,12 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(hf_config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = make_merged_linear(
-            hf_config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias, dtype, quant
+            hf_config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias, dtype,
+            _layer_quant(quant, "qkv_proj"),
+        )  # fmt: skip
+        self.o_proj = make_linear(
+            q_size, hf_config.hidden_size, o_bias, dtype, _layer_quant(quant, "o_proj")
         )
-        self.o_proj = make_linear(q_size, hf_config.hidden_size, o_bias, dtype, quant)
         self.backend = backend
         # This layer's view of the runner's pool: [num_kv_blocks, block_size, 2, kv, head_dim].
         self.kv_cache: torch.Tensor | None = None
@@ -65,9 +73,12 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(hf_config, "mlp_bias", False))
         size = hf_config.intermediate_size
         self.gate_up_proj = make_merged_linear(
-            hf_config.hidden_size, {"gate": size, "up": size}, bias, dtype, quant
+            hf_config.hidden_size, {"gate": size, "up": size}, bias, dtype,
+            _layer_quant(quant, "gate_up_proj"),
+        )  # fmt: skip
+        self.down_proj = make_linear(
+            size, hf_config.hidden_size, bias, dtype, _layer_quant(quant, "down_proj")
         )
-        self.down_proj = make_linear(size, hf_config.hidden_size, bias, dtype, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # 2 x [num_tokens, intermediate]
