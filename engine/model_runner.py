@@ -154,9 +154,9 @@ class ModelRunner:
         self.max_model_len = self._max_model_len(config, self.hf_config)
         backend = self.attention = get_attention_backend(config.attention_backend)
         if config.kv_cache_dtype == "int8" and backend.name != "triton":
-            # The Triton backend quantizes on store and reads int8 itself; the others fall
-            # back to the torch reference over the int8 pool.
-            backend = self.attention = kv_int8.Int8PagedAttention()
+            # The Triton backend quantizes on store and reads int8 itself; the C++ one has an
+            # int8 decode kernel (prefills by the reference); "torch" is the reference.
+            backend = self.attention = kv_int8.backend_for(backend)
         self.model = model_class(
             self.hf_config, self.dtype, self.max_model_len, backend, quant=self.quant
         ).eval()

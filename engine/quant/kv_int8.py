@@ -11,7 +11,11 @@ bf16 and 1536 in fp32: the same pool holds 1.88x the tokens of bf16 (3.8x fp32).
 
 Reading: the attention backend here (`Int8PagedAttention`, the torch reference) gathers a
 request's blocks, dequantizes them into the compute dtype and runs the same SDPA as
-engine/layers/attention.py. Every token, the chunk's own included, is attended to in its
+engine/layers/attention.py. On the C++ backend, decode rows instead go through its int8
+kernel (`CpuInt8PagedAttention`, engine/kernels/cpu/paged_attention.py), which reads codes
+and scales in place and dequantizes each row in fp32 as it reads it (no rounding to the
+compute dtype between the two: bf16 results differ from the reference by bf16 rounding); the
+Triton kernels read it too (engine/kernels/triton). Every token, the chunk's own included, is attended to in its
 dequantized form, so a result does not depend on how a prompt was chunked, preempted and
 recomputed, or served from shared prefix blocks.
 """
@@ -114,3 +118,13 @@ class Int8PagedAttention:
             flat_scales = kv_cache.scales.view(-1, *kv_cache.scales.shape[2:])
             kv = dequantize_kv(flat_codes[slots], flat_scales[slots], q.dtype)
         return prefill_sdpa(q, kv, chunk.mask)
+
+
+def backend_for(float_backend) -> Int8PagedAttention:
+    """The int8-pool backend standing in for a float one: the C++ decode kernel where the
+    float backend is the C++ one (its built extension is reused), else the torch reference."""
+    if float_backend.name == "cpu":
+        from engine.kernels.cpu.paged_attention import CpuInt8PagedAttention
+
+        return CpuInt8PagedAttention(float_backend.extension)
+    return Int8PagedAttention()

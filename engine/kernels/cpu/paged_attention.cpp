@@ -41,6 +41,25 @@ inline const float* load_row(const at::BFloat16* src, float* buffer, int64_t n) 
   return buffer;
 }
 
+// int8 KV cache (engine/quant/kv_int8.py): a row of codes times its per-token, per-head scale.
+inline const float* load_row(const int8_t* src, float row_scale, float* buffer, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(src[i]) * row_scale;
+  return buffer;
+}
+
+// A K or V row of the cache as fp32, whatever the cache holds (float caches carry no scale).
+template <typename cache_t>
+inline const float* load_kv_row(const cache_t* src, float /*row_scale*/, float* buffer,
+                                int64_t n) {
+  return load_row(src, buffer, n);
+}
+
+template <>
+inline const float* load_kv_row(const int8_t* src, float row_scale, float* buffer, int64_t n) {
+  return load_row(src, row_scale, buffer, n);
+}
+
 inline void store_row(const float* src, float* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(float));
 }
@@ -77,11 +96,12 @@ struct Shapes {
 // [group, head_dim].
 // HEAD_DIM > 0 fixes head_dim at compile time (64, 128: the common ones), so the row loops
 // unroll into straight vector code with no remainder handling; 0 reads it at run time.
-template <typename scalar_t, int HEAD_DIM>
-void attend_partition(const scalar_t* q, const scalar_t* cache, const int64_t* table,
-                      int64_t context_len, int64_t kv_head, int64_t first_block,
-                      int64_t last_block, float softmax_scale, const Shapes& s, float* m,
-                      float* l, float* acc) {
+// `scales` (int8 caches only, else null): [num_blocks, block_size, 2, num_kv_heads] float32.
+template <typename scalar_t, typename cache_t, int HEAD_DIM>
+void attend_partition(const scalar_t* q, const cache_t* cache, const float* scales,
+                      const int64_t* table, int64_t context_len, int64_t kv_head,
+                      int64_t first_block, int64_t last_block, float softmax_scale,
+                      const Shapes& s, float* m, float* l, float* acc) {
   const int64_t G = s.group, B = s.block_size;
   const int64_t D = HEAD_DIM > 0 ? HEAD_DIM : s.head_dim;
   std::vector<float> qf(G * D), row(D), scores(G * B);
@@ -97,22 +117,26 @@ void attend_partition(const scalar_t* q, const scalar_t* cache, const int64_t* t
   const int64_t v_offset = s.num_kv_heads * D;
   for (int64_t b = first_block; b < last_block; ++b) {
     const int64_t num_tokens = std::min(B, context_len - b * B);
-    const scalar_t* block = cache + table[b] * B * token_stride + kv_head * D;
+    const cache_t* block = cache + table[b] * B * token_stride + kv_head * D;
+    // scale of token t's K: block_scales[t * 2 * KVH]; its V: the next KVH entries on
+    const float* block_scales =
+        scales == nullptr ? nullptr : scales + (table[b] * B * 2) * s.num_kv_heads + kv_head;
     if (b + 1 < last_block) {
       // Blocks lie anywhere in the pool, so the hardware prefetcher cannot follow the table:
       // fetch the next block's K/V rows of this head while this block is computed.
       const char* next =
           reinterpret_cast<const char*>(cache + table[b + 1] * B * token_stride + kv_head * D);
-      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(cache_t));
       for (int64_t t = 0; t < B; ++t) {
         for (int64_t offset = 0; offset < row_bytes; offset += 64) {
-          __builtin_prefetch(next + t * token_stride * sizeof(scalar_t) + offset);
-          __builtin_prefetch(next + (t * token_stride + v_offset) * sizeof(scalar_t) + offset);
+          __builtin_prefetch(next + t * token_stride * sizeof(cache_t) + offset);
+          __builtin_prefetch(next + (t * token_stride + v_offset) * sizeof(cache_t) + offset);
         }
       }
     }
     for (int64_t t = 0; t < num_tokens; ++t) {
-      const float* k = load_row(block + t * token_stride, row.data(), D);
+      const float k_scale = block_scales ? block_scales[t * 2 * s.num_kv_heads] : 1.f;
+      const float* k = load_kv_row(block + t * token_stride, k_scale, row.data(), D);
       for (int64_t g = 0; g < G; ++g) scores[g * B + t] = dot(qf.data() + g * D, k, D);
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -130,16 +154,19 @@ void attend_partition(const scalar_t* q, const scalar_t* cache, const int64_t* t
       if (correction != 1.f) scale(correction, acc + g * D, D);
     }
     for (int64_t t = 0; t < num_tokens; ++t) {
-      const float* v = load_row(block + t * token_stride + v_offset, row.data(), D);
+      const float v_scale =
+          block_scales ? block_scales[t * 2 * s.num_kv_heads + s.num_kv_heads] : 1.f;
+      const float* v = load_kv_row(block + t * token_stride + v_offset, v_scale, row.data(), D);
       for (int64_t g = 0; g < G; ++g) axpy(scores[g * B + t], v, acc + g * D, D);
     }
   }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t = scalar_t>
 void decode_impl(const torch::Tensor& q, const torch::Tensor& kv_cache,
                  const torch::Tensor& block_table, const torch::Tensor& context_lens,
-                 double softmax_scale, int64_t partition_blocks, torch::Tensor& out) {
+                 double softmax_scale, int64_t partition_blocks, torch::Tensor& out,
+                 const float* scales = nullptr) {
   Shapes s;
   s.num_seqs = q.size(0);
   s.num_heads = q.size(1);
@@ -153,7 +180,7 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& kv_cache,
   s.q_seq_stride = q.stride(0);
   s.q_head_stride = q.stride(1);
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  const scalar_t* cache_ptr = kv_cache.data_ptr<scalar_t>();
+  const cache_t* cache_ptr = kv_cache.data_ptr<cache_t>();
   const int64_t* table_ptr = block_table.data_ptr<int64_t>();
   const int64_t* lens_ptr = context_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
@@ -183,13 +210,13 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& kv_cache,
       const scalar_t* q_seq = q_ptr + seq * s.q_seq_stride;
       const int64_t* table_seq = table_ptr + seq * s.max_blocks;
       if (D == 64) {
-        attend_partition<scalar_t, 64>(q_seq, cache_ptr, table_seq, context_len, kv_head, first,
+        attend_partition<scalar_t, cache_t, 64>(q_seq, cache_ptr, scales, table_seq, context_len, kv_head, first,
                                        last, sm_scale, s, m, l, acc);
       } else if (D == 128) {
-        attend_partition<scalar_t, 128>(q_seq, cache_ptr, table_seq, context_len, kv_head, first,
+        attend_partition<scalar_t, cache_t, 128>(q_seq, cache_ptr, scales, table_seq, context_len, kv_head, first,
                                         last, sm_scale, s, m, l, acc);
       } else {
-        attend_partition<scalar_t, 0>(q_seq, cache_ptr, table_seq, context_len, kv_head, first,
+        attend_partition<scalar_t, cache_t, 0>(q_seq, cache_ptr, scales, table_seq, context_len, kv_head, first,
                                       last, sm_scale, s, m, l, acc);
       }
       if (P == 1) {  // the only partition: normalise and write out now
@@ -513,6 +540,42 @@ void paged_attention_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tens
   }
 }
 
+// The same over the int8 KV cache: codes [num_blocks, block_size, 2, num_kv_heads, head_dim]
+// int8 and scales [num_blocks, block_size, 2, num_kv_heads] float32, both contiguous; each K/V
+// row is dequantized (codes x scale, in fp32) as it is read.
+void paged_attention_decode_int8(torch::Tensor q, torch::Tensor codes, torch::Tensor scales,
+                                 torch::Tensor block_table, torch::Tensor context_lens,
+                                 double softmax_scale, int64_t partition_blocks,
+                                 torch::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && codes.dim() == 5 && scales.dim() == 4,
+              "q must be 3-d, codes 5-d and scales 4-d");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat,
+              "codes must be int8 and scales float32");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() &&
+                  scales.sizes() == codes.sizes().slice(0, 4),
+              "codes and scales must be contiguous, scales shaped like codes without head_dim");
+  TORCH_CHECK(q.stride(2) == 1 && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "head_dim of q must be contiguous; out contiguous, of q's dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+                  block_table.is_contiguous() && context_lens.is_contiguous(),
+              "block_table and context_lens must be contiguous int64");
+  TORCH_CHECK(q.size(1) % codes.size(3) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(q.size(2) == codes.size(4), "head_dim of q and the cache differ");
+  TORCH_CHECK(partition_blocks >= 1, "partition_blocks must be >= 1");
+  if (q.size(0) == 0) return;
+  const float* scales_ptr = scales.data_ptr<float>();
+  if (q.scalar_type() == at::kFloat) {
+    decode_impl<float, int8_t>(q, codes, block_table, context_lens, softmax_scale,
+                               partition_blocks, out, scales_ptr);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode_impl<at::BFloat16, int8_t>(q, codes, block_table, context_lens, softmax_scale,
+                                      partition_blocks, out, scales_ptr);
+  } else {
+    TORCH_CHECK(false, "paged_attention_decode_int8 supports float32 and bfloat16 q, got ",
+                q.scalar_type());
+  }
+}
+
 // Extend (prefill after cached tokens): q [num_tokens, num_heads, head_dim] (strided like the
 // decode q); chunk i is q rows [query_starts[i], + query_lens[i]) at positions
 // start_positions[i] + 0.., attending causally to the cache through block_table [num_chunks,
@@ -557,6 +620,8 @@ void paged_attention_extend(torch::Tensor q, torch::Tensor kv_cache, torch::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode,
         "Paged decode attention over the block pool, in place (GQA, online softmax)");
+  m.def("paged_attention_decode_int8", &paged_attention_decode_int8,
+        "Paged decode attention over the int8 KV cache (codes x per-token scales), in place");
   m.def("paged_attention_extend", &paged_attention_extend,
         "Causal extend (prefill after cached tokens) attention over the block pool, in place");
 }

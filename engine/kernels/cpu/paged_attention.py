@@ -88,6 +88,7 @@ from engine.layers.attention import (
     decode_mask,
 )
 from engine.platform import cpu_info
+from engine.quant.kv_int8 import Int8KVCache, Int8PagedAttention
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 PARTITION_TOKENS = 512  # context tokens per work item before a long context is split
@@ -134,6 +135,23 @@ def decode(
     kernels.paged_attention_decode(
         q, kv_cache, block_table, context_lens, q.shape[-1] ** -0.5, partition_blocks, out
     )
+    return out
+
+
+def decode_int8(
+    kernels: ModuleType,  # the built extension (load())
+    q: torch.Tensor,  # [num_decodes, num_heads, head_dim], head_dim contiguous
+    kv_cache: Int8KVCache,  # codes [num_kv_blocks, block_size, 2, KVH, head_dim], scales
+    block_table: torch.Tensor,  # [num_decodes, max_num_blocks] int64
+    context_lens: torch.Tensor,  # [num_decodes] int64
+) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
+    """Decode over the int8 KV cache: each K/V row dequantized (codes x scale) as it is read."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    partition_blocks = max(1, PARTITION_TOKENS // kv_cache.codes.shape[1])
+    kernels.paged_attention_decode_int8(
+        q, kv_cache.codes, kv_cache.scales, block_table, context_lens, q.shape[-1] ** -0.5,
+        partition_blocks, out,
+    )  # fmt: skip
     return out
 
 
@@ -222,3 +240,29 @@ class CpuPagedAttention(TorchPagedAttention):
                 extend(self.extension, q, kv_cache, in_place, out)
         else:
             extend(self.extension, q, kv_cache, in_place, out)
+
+
+class CpuInt8PagedAttention(Int8PagedAttention):
+    """The int8 KV cache with the C++ decode kernel reading codes and scales in place (no
+    gather, no dequantized copy); prefill chunks go through the torch reference it subclasses
+    (the extend kernel reads float caches only)."""
+
+    name = "cpu-int8kv"
+    needs_decode_mask = False
+
+    def __init__(self, extension: ModuleType):
+        self.extension = extension
+
+    def _decode(self, q, kv_cache: Int8KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        if q.dtype not in SUPPORTED_DTYPES:
+            if meta.decode_mask is None:
+                meta.decode_mask = decode_mask(
+                    meta.decode_context_lens,
+                    meta.decode_block_table.shape[1] * kv_cache.codes.shape[1], q.dtype,
+                )  # fmt: skip
+            return super()._decode(q, kv_cache, meta)
+        args = (self.extension, q, kv_cache, meta.decode_block_table, meta.decode_context_lens)
+        if torch.autograd._profiler_enabled():  # a pybind call is invisible to the profiler
+            with torch.profiler.record_function("mini_infer::paged_attention_decode_int8"):
+                return decode_int8(*args)
+        return decode_int8(*args)

@@ -1,0 +1,84 @@
+"""The C++ decode kernel over the int8 KV cache against the torch reference: it must read
+codes and their per-token, per-head scales in place (a K/V row multiplied by another token's or
+head's scale, or a slot past the context, changes the output; unused slots carry NaN scales so
+a stray read turns it NaN), and the engine on the C++ backend must give the torch int8 path's
+greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import LLM, SamplingParams
+from engine.kernels.cpu import paged_attention
+from engine.quant.kv_int8 import Int8KVCache, dequantize_kv, quantize_kv
+from tests.engine.test_cpu_attention import decode_case, reference_decode
+
+
+@pytest.fixture(scope="module")
+def extension():
+    module = paged_attention.load()
+    if module is None:
+        pytest.skip("the C++ kernel could not be built here (no compiler)")
+    return module
+
+
+def int8_pool(kv_cache: torch.Tensor, table: torch.Tensor, context_lens: torch.Tensor):
+    """Quantize a float pool; every slot no sequence uses gets NaN scales (poison)."""
+    flat = kv_cache.float().reshape(-1, *kv_cache.shape[2:])
+    codes, scales = quantize_kv(flat)
+    used = torch.zeros(kv_cache.shape[0], kv_cache.shape[1], dtype=torch.bool)
+    for row, n in enumerate(context_lens.tolist()):
+        positions = torch.arange(n)
+        used[table[row, positions // kv_cache.shape[1]], positions % kv_cache.shape[1]] = True
+    scales = scales.view(*kv_cache.shape[:2], *scales.shape[1:]).clone()
+    scales[~used] = float("nan")
+    return Int8KVCache(codes.view(kv_cache.shape), scales.contiguous())
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_int8_kernel_matches_reference(extension, data):
+    block_size = data.draw(st.sampled_from([4, 16]), "block_size")
+    partition = paged_attention.PARTITION_TOKENS
+    lens = data.draw(
+        st.lists(st.sampled_from([1, block_size - 1, block_size, block_size + 1,
+                                  5 * block_size + 3, partition + 7]).filter(lambda n: n >= 1),
+                 min_size=1, max_size=4),
+        "lens",
+    )  # fmt: skip
+    num_kv_heads = data.draw(st.sampled_from([1, 2, 3]), "num_kv_heads")
+    group = data.draw(st.sampled_from([1, 3, 4, 8]), "group")
+    head_dim = data.draw(st.sampled_from([64, 128, 80]), "head_dim")
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), "dtype")
+    seed = data.draw(st.integers(0, 2**16), "seed")
+    q, kv_cache, table, context_lens = decode_case(
+        lens, num_kv_heads, group, head_dim, block_size, torch.float32, seed
+    )
+    pool = int8_pool(kv_cache, table, context_lens)
+    q = q.to(dtype)
+    out = paged_attention.decode_int8(extension, q, pool, table, context_lens)
+    # The kernel dequantizes in fp32: the reference on the fp32-dequantized pool.
+    dequantized = dequantize_kv(pool.codes, torch.nan_to_num(pool.scales), torch.float32)
+    expected = reference_decode(q.float(), dequantized, table, context_lens)
+    assert torch.isfinite(out).all()
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_engine_on_the_cpu_kernel_matches_the_torch_int8_path(tiny_model_dir):
+    prompts = ["The quick brown fox jumps over the lazy dog.", "Kafka streams prompts to workers"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def generate(backend):
+        llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_dtype="int8",
+                  attention_backend=backend, block_size=4, num_kv_blocks=64)  # fmt: skip
+        name = llm.engine.runner.attention.name
+        return name, [o.token_ids for o in llm.generate(prompts, params)]
+
+    reference_name, expected = generate("torch")
+    kernel_name, got = generate("cpu")
+    assert (reference_name, kernel_name) == ("torch-int8kv", "cpu-int8kv")
+    assert got == expected
