@@ -236,17 +236,21 @@ async def test_a_worker_joining_and_leaving_under_load_loses_nothing_and_redoes_
             "their partition moved"
         )
         assert len(regenerated) <= num_dropped + num_finished_in_limbo
-        # The rebalances were under load: a kept partition had work in flight that went on.
-        num_kept = sum(e["num_kept"] for m in members for e in m.events("consumer.assigned"))
-        print(f"{num_kept} jobs in flight at a revocation went on where their partition stayed")
-        assert num_kept > 0
-
         # No storm of failed commits: at most a few per member (one per rebalance it lived
         # through is what a commit racing the rebalance can cost).
         num_commit_failed = sum(m.num_commit_failures() for m in members)
         num_rebalances = max(len(m.events("consumer.assigned")) for m in members)
         print(f"{num_commit_failed} CommitFailedError over {num_rebalances} assignments")
         assert num_commit_failed <= num_rebalances * len(members), num_commit_failed
+
+        # Whether this run exercised the keep path: a kept partition had work in flight at a
+        # revocation that went on. On a fast idle machine the 200-token load can have nothing
+        # in flight at that instant (seen once in CI); then the run says so instead of passing
+        # as if it had checked it. (Everything above was checked either way.)
+        num_kept = sum(e["num_kept"] for m in members for e in m.events("consumer.assigned"))
+        print(f"{num_kept} jobs in flight at a revocation went on where their partition stayed")
+        if num_kept == 0:
+            pytest.skip("no job was in flight on a kept partition at the revocation this run")
     finally:
         for member in processes:
             member.kill()
