@@ -214,17 +214,10 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def _decode(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         if q.dtype not in SUPPORTED_DTYPES:
-            if meta.decode_mask is None:
-                meta.decode_mask = decode_mask(
-                    meta.decode_context_lens, meta.decode_block_table.shape[1] * kv_cache.shape[1],
-                    q.dtype,
-                )  # fmt: skip
+            _ensure_decode_mask(meta, kv_cache.shape[1], q.dtype)
             return super()._decode(q, kv_cache, meta)
         args = (self.extension, q, kv_cache, meta.decode_block_table, meta.decode_context_lens)
-        if torch.autograd._profiler_enabled():  # a pybind call is invisible to the profiler
-            with torch.profiler.record_function("mini_infer::paged_attention_decode"):
-                return decode(*args)
-        return decode(*args)
+        return _profiled("mini_infer::paged_attention_decode", decode, *args)
 
     def _prefills(self, q, kv, kv_cache, chunks: list[PrefillChunk], out: torch.Tensor) -> None:
         in_place, gathered = [], []
@@ -235,11 +228,8 @@ class CpuPagedAttention(TorchPagedAttention):
             super()._prefills(q, kv, kv_cache, gathered, out)
         if not in_place:
             return
-        if torch.autograd._profiler_enabled():
-            with torch.profiler.record_function("mini_infer::paged_attention_extend"):
-                extend(self.extension, q, kv_cache, in_place, out)
-        else:
-            extend(self.extension, q, kv_cache, in_place, out)
+        _profiled("mini_infer::paged_attention_extend", extend, self.extension, q, kv_cache,
+                  in_place, out)  # fmt: skip
 
 
 class CpuInt8PagedAttention(Int8PagedAttention):
@@ -255,14 +245,24 @@ class CpuInt8PagedAttention(Int8PagedAttention):
 
     def _decode(self, q, kv_cache: Int8KVCache, meta: AttentionMetadata) -> torch.Tensor:
         if q.dtype not in SUPPORTED_DTYPES:
-            if meta.decode_mask is None:
-                meta.decode_mask = decode_mask(
-                    meta.decode_context_lens,
-                    meta.decode_block_table.shape[1] * kv_cache.codes.shape[1], q.dtype,
-                )  # fmt: skip
+            _ensure_decode_mask(meta, kv_cache.codes.shape[1], q.dtype)
             return super()._decode(q, kv_cache, meta)
         args = (self.extension, q, kv_cache, meta.decode_block_table, meta.decode_context_lens)
-        if torch.autograd._profiler_enabled():  # a pybind call is invisible to the profiler
-            with torch.profiler.record_function("mini_infer::paged_attention_decode_int8"):
-                return decode_int8(*args)
-        return decode_int8(*args)
+        return _profiled("mini_infer::paged_attention_decode_int8", decode_int8, *args)
+
+
+def _ensure_decode_mask(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> None:
+    """The reference's decode mask, which the kernels do not need (so the runner skips it),
+    built here for a step that falls back to the reference (a dtype the kernels lack)."""
+    if meta.decode_mask is None:
+        width = meta.decode_block_table.shape[1] * block_size
+        meta.decode_mask = decode_mask(meta.decode_context_lens, width, dtype)
+
+
+def _profiled(name: str, kernel, *args):
+    """kernel(*args), under a named profiler range when one records: a pybind call is
+    invisible to the profiler otherwise."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(name):
+            return kernel(*args)
+    return kernel(*args)
