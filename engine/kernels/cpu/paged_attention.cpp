@@ -85,6 +85,22 @@ inline void scale(float alpha, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= alpha;
 }
 
+// Blocks lie anywhere in the pool, so the hardware prefetcher cannot follow the block table:
+// fetch one block's K and V rows of one head (`rows`: its first K row) while the previous
+// block is computed. Strides in elements of the cache.
+template <typename cache_t>
+inline void prefetch_block(const cache_t* rows, int64_t block_size, int64_t head_dim,
+                           int64_t token_stride, int64_t v_offset) {
+  const char* base = reinterpret_cast<const char*>(rows);
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t t = 0; t < block_size; ++t) {
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) {
+      __builtin_prefetch(base + t * token_stride * sizeof(cache_t) + offset);
+      __builtin_prefetch(base + (t * token_stride + v_offset) * sizeof(cache_t) + offset);
+    }
+  }
+}
+
 struct Shapes {
   int64_t num_seqs, num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
   int64_t partition_blocks, num_partitions;
@@ -122,17 +138,8 @@ void attend_partition(const scalar_t* q, const cache_t* cache, const float* scal
     const float* block_scales =
         scales == nullptr ? nullptr : scales + (table[b] * B * 2) * s.num_kv_heads + kv_head;
     if (b + 1 < last_block) {
-      // Blocks lie anywhere in the pool, so the hardware prefetcher cannot follow the table:
-      // fetch the next block's K/V rows of this head while this block is computed.
-      const char* next =
-          reinterpret_cast<const char*>(cache + table[b + 1] * B * token_stride + kv_head * D);
-      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(cache_t));
-      for (int64_t t = 0; t < B; ++t) {
-        for (int64_t offset = 0; offset < row_bytes; offset += 64) {
-          __builtin_prefetch(next + t * token_stride * sizeof(cache_t) + offset);
-          __builtin_prefetch(next + (t * token_stride + v_offset) * sizeof(cache_t) + offset);
-        }
-      }
+      prefetch_block(cache + table[b + 1] * B * token_stride + kv_head * D, B, D, token_stride,
+                     v_offset);
     }
     for (int64_t t = 0; t < num_tokens; ++t) {
       const float k_scale = block_scales ? block_scales[t * 2 * s.num_kv_heads] : 1.f;
@@ -399,16 +406,9 @@ void extend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t num_tokens = std::min(B, last_pos + 1 - b * B);
     const scalar_t* block = cache + table[b] * B * token_stride + kv_head * D;
-    if (b + 1 < num_blocks) {  // scattered blocks: prefetch the next one (see attend_partition)
-      const char* next =
-          reinterpret_cast<const char*>(cache + table[b + 1] * B * token_stride + kv_head * D);
-      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
-      for (int64_t t = 0; t < B; ++t) {
-        for (int64_t offset = 0; offset < row_bytes; offset += 64) {
-          __builtin_prefetch(next + t * token_stride * sizeof(scalar_t) + offset);
-          __builtin_prefetch(next + (t * token_stride + v_offset) * sizeof(scalar_t) + offset);
-        }
-      }
+    if (b + 1 < num_blocks) {
+      prefetch_block(cache + table[b + 1] * B * token_stride + kv_head * D, B, D, token_stride,
+                     v_offset);
     }
     for (int64_t t = 0; t < num_tokens; ++t) {
       const float* k = load_row(block + t * token_stride, row.data(), D);
