@@ -20,11 +20,14 @@ from engine.kernels.triton.attention import (
 )
 from engine.kernels.triton.backend import TritonPagedAttention
 from engine.kernels.triton.kv_store import store_kv_int8
-from engine.model_runner import prepare_step
 from engine.quant.kv_int8 import Int8KVCache, Int8PagedAttention, quantize_kv
-from engine.sampling_params import SamplingParams as Params
-from engine.scheduler_output import ScheduledRequest
-from tests.engine.kernels.triton_cases import DEVICE, TOLERANCES, context_len, paged_cache
+from tests.engine.kernels.triton_cases import (
+    DEVICE,
+    TOLERANCES,
+    context_len,
+    mixed_step,
+    paged_cache,
+)
 
 KINDS = ["one", "below", "at", "above", "many"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -141,19 +144,8 @@ def test_backend_matches_torch_int8_backend_on_a_mixed_step():
     """Decodes at block boundaries, a fresh prefill and extends after cached prefixes, with the
     runner's own metadata: the same output and the same codes and scales in the pool."""
     gen = torch.Generator().manual_seed(0)
-    block_size, num_heads, num_kv_heads, head_dim = 16, 6, 2, 64
-    specs = [(0, 1), (15, 1), (16, 1), (39, 1), (0, 20), (16, 9), (33, 5)]
-    num_blocks = sum(-(-(s + n) // block_size) for s, n in specs) + 2
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    requests = []
-    for i, (start, n) in enumerate(specs):
-        ids = [free.pop() for _ in range(-(-(start + n) // block_size))]
-        requests.append(ScheduledRequest(f"r{i}", [1] * n, start, ids, True, Params(), seed=0))
-    batch = prepare_step(requests, block_size)
-    num_tokens = sum(n for _, n in specs)
-    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
-    q = qkv[:, :num_heads]
-    kv = qkv[:, num_heads:].view(num_tokens, 2, num_kv_heads, head_dim)
+    block_size, num_kv_heads, head_dim = 16, 2, 64
+    batch, q, kv, num_blocks = mixed_step(gen, block_size, 6, num_kv_heads, head_dim)
     prefix = torch.randn(num_blocks * block_size, 2, num_kv_heads, head_dim, generator=gen)
     codes, scales = quantize_kv(prefix)
     shape = (num_blocks, block_size, 2, num_kv_heads)

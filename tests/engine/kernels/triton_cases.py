@@ -59,3 +59,32 @@ def paged_cache(
                 2, num_kv_heads, head_dim, generator=generator
             )
     return cache.to(dtype).to(DEVICE), tables.to(DEVICE)
+
+
+# (start_position, num_new_tokens): decodes at 1, 16, 17 and 40 tokens of context, a fresh
+# 20-token prefill, extends of 9 tokens after 16 cached and 5 after 33.
+MIXED_STEP = [(0, 1), (15, 1), (16, 1), (39, 1), (0, 20), (16, 9), (33, 5)]
+
+
+def mixed_step(generator, block_size=16, num_heads=6, num_kv_heads=2, head_dim=64):
+    """(batch, q, kv, num_blocks) of one step of MIXED_STEP with the runner's own metadata
+    (`prepare_step`) over shuffled blocks; q and kv are strided views of one fused projection
+    output, as the model passes them."""
+    from engine.model_runner import prepare_step
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler_output import ScheduledRequest
+
+    num_blocks = sum(-(-(s + n) // block_size) for s, n in MIXED_STEP) + 2
+    free = torch.randperm(num_blocks, generator=generator).tolist()
+    requests = []
+    for i, (start, n) in enumerate(MIXED_STEP):
+        ids = [free.pop() for _ in range(-(-(start + n) // block_size))]
+        requests.append(
+            ScheduledRequest(f"r{i}", [1] * n, start, ids, True, SamplingParams(), seed=0)
+        )
+    batch = prepare_step(requests, block_size)
+    num_tokens = sum(n for _, n in MIXED_STEP)
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=generator)
+    q = qkv[:, :num_heads]
+    kv = qkv[:, num_heads:].view(num_tokens, 2, num_kv_heads, head_dim)
+    return batch, q, kv, num_blocks
