@@ -15,23 +15,14 @@ import sys
 from pathlib import Path
 
 CHILD = """
-import json, sys, time
-from engine import LLMEngine, SamplingParams
+import json, sys
 from engine.loader import load_tokenizer, resolve_model
-from loadtest.workloads import ENGINE_OPTIONS, chat_prompts
+from loadtest.bench_engine import run_engine
+from loadtest.workloads import chat_prompts
 prompts = chat_prompts(load_tokenizer(resolve_model("smollm2-135m")), 32)
-eng = LLMEngine("smollm2-135m", dtype="bfloat16", kv_cache_dtype="int8",
-                attention_backend=sys.argv[1], **ENGINE_OPTIONS)
-out = {"backend": eng.runner.attention.name}
-for name, n in (("W1", 1), ("W2", 32)):
-    for i, p in enumerate(prompts[:n]):
-        eng.add_request(f"{name}-{i}", p, SamplingParams(max_tokens=128, temperature=0,
-                                                        ignore_eos=True))
-    start, tokens = time.perf_counter(), 0
-    while eng.has_unfinished_requests():
-        tokens += sum(len(d.token_ids) for d in eng.step())
-    out[name] = round(tokens / (time.perf_counter() - start), 1)
-print(json.dumps(out))
+options = {"kv_cache_dtype": "int8", "attention_backend": sys.argv[1]}
+print(json.dumps({name: run_engine("smollm2-135m", "bfloat16", prompts[:n], 128, **options)
+                  ["tokens_per_s"] for name, n in (("W1", 1), ("W2", 32))}))
 """
 
 
