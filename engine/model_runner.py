@@ -141,9 +141,12 @@ class ModelRunner:
         self.model = model_class(
             self.hf_config, self.dtype, self.max_model_len, backend, quant=self.quant
         ).eval()
-        # Quantized layers are packed by load_model_weights; the plain ones here, per shape.
-        load_model_weights(self.model, Path(model_path), self.quant)
         self.is_compiled = self._should_compile(config.compile)
+        # Quantized layers are packed by load_model_weights (torch's layout too when compiled:
+        # the C++ kernel's pybind call cannot be traced); the plain ones here, per shape.
+        load_model_weights(
+            self.model, Path(model_path), self.quant, keep_torch_layout=self.is_compiled
+        )
         # Compiled: Inductor's freezing lays the weights out itself, from plain ones.
         linear_kernel = "plain" if self.is_compiled else config.linear_kernel
         self.linear_kernels = self._pack_linears(linear_kernel)

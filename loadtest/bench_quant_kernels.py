@@ -7,8 +7,8 @@
 SmolLM2-135M shapes: qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576, lm_head
 576->49152. Columns, for bf16 activations:
 - int8 / int4: torch's weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`);
-- int8c / int4c: the C++ kernel of engine/kernels/cpu/quant_gemm.py called directly (whatever
-  the row count: the layer itself only routes up to QUANT_GEMM_MAX_ROWS rows to it);
+- int8c / int4c: the C++ kernel of engine/kernels/cpu/quant_gemm.py called directly (the
+  layer runs it at every row count where it builds);
 - w8a8: the layer as the engine runs it with torch's kernels (int8 weight-only below 16 rows,
   torch._int_mm from 16).
 The kernels run in alternating rounds; each cell is (bf16 median time) / (kernel median time),

@@ -27,11 +27,12 @@ def load_model_weights(
     quant: QuantConfig | None,
     cache_root: Path | None = None,
     pack: bool = True,
+    keep_torch_layout: bool = False,
 ) -> str:
     """Load `model`'s weights; returns where the quantized tensors came from: "none" (float
     model), "gguf" (the GGUF's blocks as they are), "cache", or "quantized" (freshly, from the
     float or GGUF weights, then cached). `pack=False` leaves the quantized layers in their
-    canonical form (tests compare those tensors)."""
+    canonical form (tests compare those tensors); `keep_torch_layout`: see QuantLinear.pack."""
     from engine.loader import gguf_source, load_weights
     from engine.quant import cache, gguf
 
@@ -48,7 +49,7 @@ def load_model_weights(
         origin = _load_through_cache(model, model_path, quant, cache_root, gguf_file, skip)
     for module in cache.quant_modules(model).values():
         if pack:
-            module.pack()
+            module.pack(keep_torch_layout)
     log.info("quant.loaded", scheme=quant.name, origin=origin)
     return origin
 

@@ -9,10 +9,15 @@ engine/quant/primitives.py (what the quantized cache stores) and computes with t
 reference; `pack()` turns them into the kernel layout once.
 
 Kernels (no dequantize-then-matmul):
-- up to `QUANT_GEMM_MAX_ROWS` rows (decoding), our C++ GEMV, engine/kernels/cpu/quant_gemm.py,
-  for int8, int4 and w8a8's weight-only rows (below W8A8_INT_MM_MIN_ROWS), wherever it builds (QuantConfig.kernel "auto";
-  "torch" turns it off). It keeps its own packed copy of the codes beside torch's.
-- above, torch 2.13's CPU ops:
+- at every row count, our C++ GEMV / small GEMM, engine/kernels/cpu/quant_gemm.py, for int8,
+  int4 and w8a8's weight-only rows (below W8A8_INT_MM_MIN_ROWS), wherever it builds
+  (QuantConfig.kernel "auto"; "torch" turns it off). Its layout is then the only copy of the
+  codes (`pack`): torch's layout is built only where the C++ kernel is not used (or for
+  torch.compile, and w8a8's `_int_mm`). It beat torch's weight-only kernels at every row
+  count measured, 1 to 512 (torch's time / ours at 32, 128, 512 rows, load average 55, so
+  noisy: gate_up int4 9.4 / 1.6 / 2.0, int8 0.8 / 1.4 / 1.5; down int4 1.6 / 2.7 / 1.2, int8
+  1.2 / 2.6 / 1.4; lm_head int8 2.3 / 2.6 / 3.0; `bench_quant_kernels --rows 32,128,512`).
+- otherwise torch 2.13's CPU ops:
   - int8: `aten._weight_int8pack_mm(x, codes [out, in], scale)`.
   - int4: `aten._convert_weight_to_int4pack_for_cpu` once, then
     `aten._weight_int4pack_mm_for_cpu` per call. It computes w = (q - 8) * s + z, so
@@ -95,9 +100,6 @@ from engine.quant.primitives import (
 
 # w8a8 uses _int_mm from this many rows on; below, the int8 weight-only kernel (see above).
 W8A8_INT_MM_MIN_ROWS = 16
-# Up to this many rows the C++ GEMV (engine/kernels/cpu/quant_gemm.py) runs where it built
-# (QuantConfig.kernel "auto"); torch's kernels above (see above for the measurement).
-QUANT_GEMM_MAX_ROWS = 16
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -198,36 +200,47 @@ class QuantLinear(nn.Module):
         return dequantize_int8(self.weight.data, self.scale)
 
     # -- packing and compute ---------------------------------------------------------------
-    def pack(self) -> None:
-        """Re-lay the canonical tensors out for the kernels (call once, after loading)."""
+    def pack(self, keep_torch_layout: bool = False) -> None:
+        """Re-lay the canonical tensors out for the kernels (call once, after loading): one
+        layout per weight, the C++ kernel's where it builds (it runs every row count), else
+        torch's. `keep_torch_layout` (torch.compile, which cannot trace the pybind call) and
+        w8a8 (its `_int_mm` rows) keep torch's beside it."""
         if self.is_packed:
             return
         self.cpp = self._pack_cpp()
-        if self.scheme == "int4":
-            # The kernel wants out_features a multiple of 16: pad with zero rows, slice after.
-            pad = -self.out_features % 16
-            codes, scale, zero = self.weight.data, self.scale, self.minimum + 8.0 * self.scale
-            if pad:
-                codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
-                scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
-                zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
-            # [in // group_size, out, 2]: (scale, zero) per group, in the activation dtype.
-            self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1)
-            self.scales_and_zeros = self.scales_and_zeros.contiguous().to(self.dtype)
-            # The uint8 codes (1 byte per weight) give way to the nibble-packed copy.
-            self.weight = nn.Parameter(packed, requires_grad=False)
-            del self.scale, self.minimum
+        self.has_torch_layout = self.cpp is None or keep_torch_layout or self.scheme == "w8a8"
+        if not self.has_torch_layout:
+            # The canonical codes (1 byte per weight) and scales give way to the C++ layout.
+            self.weight = nn.Parameter(self.cpp_codes, requires_grad=False)
+            del self.scale
+            if self.scheme == "int4":
+                del self.minimum
+        elif self.scheme == "int4":
+            self._pack_torch_int4()
         else:
             self.scale_compute = self.scale.to(self.dtype)
         self.is_packed = True
 
+    def _pack_torch_int4(self) -> None:
+        # The kernel wants out_features a multiple of 16: pad with zero rows, slice after.
+        pad = -self.out_features % 16
+        codes, scale, zero = self.weight.data, self.scale, self.minimum + 8.0 * self.scale
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
+            scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+            zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+        # [in // group_size, out, 2]: (scale, zero) per group, in the activation dtype.
+        self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1)
+        self.scales_and_zeros = self.scales_and_zeros.contiguous().to(self.dtype)
+        # The uint8 codes (1 byte per weight) give way to the nibble-packed copy.
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        del self.scale, self.minimum
+
     def _pack_cpp(self) -> ModuleType | None:
-        """The C++ kernel's layout of the canonical tensors, kept beside torch's (both are
-        used: which one depends on the row count), and the extension; None where the kernel
-        is not asked for, did not build, or lacks the dtype. The copy costs memory: int4 0.75
-        bytes per weight (codes and float32 scale/minimum) on top of torch's 0.56, int8 1 on top
-        of 1 (SmolLM2 int8: peak RSS 825 against 779 MiB with kernel "torch", W1 bench)."""
+        """The C++ kernel's layout of the canonical tensors and the extension; None where the
+        kernel is not asked for, did not build, or lacks the dtype. int4: 0.75 bytes per weight
+        (codes and float32 scale/minimum; torch's layout: 0.56), int8: 1 (+ 4 per row)."""
         if self.quant.kernel != "auto" or self.dtype not in quant_gemm.SUPPORTED_DTYPES:
             return None
         extension = quant_gemm.load()
@@ -249,10 +262,8 @@ class QuantLinear(nn.Module):
         rows = x.shape[0]
         if self.scheme == "w8a8" and rows >= W8A8_INT_MM_MIN_ROWS:
             y = _int8_gemm(x, self.weight, self.scale)  # before the C++ kernel: other math
-        elif (
-            self.cpp is not None
-            and rows <= QUANT_GEMM_MAX_ROWS
-            and not torch.compiler.is_compiling()  # a pybind call would break the graph
+        elif self.cpp is not None and not (
+            self.has_torch_layout and torch.compiler.is_compiling()  # pybind breaks the graph
         ):
             y = self._forward_cpp(x)
         elif self.scheme == "int4":

@@ -19,7 +19,6 @@ from engine.kernels.cpu import quant_gemm
 from engine.layers.linear import Linear, make_linear, make_merged_linear
 from engine.quant.config import KERNELS, QuantConfig
 from engine.quant.linear import (
-    QUANT_GEMM_MAX_ROWS,
     W8A8_INT_MM_MIN_ROWS,
     QuantLinear,
     QuantMergedLinear,
@@ -46,14 +45,16 @@ def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     out_features=st.integers(1, 80),
     in_groups=st.integers(1, 4),
     group_size=st.sampled_from([32, 64, 128]),
-    num_rows=st.sampled_from([1, 2, 7, QUANT_GEMM_MAX_ROWS, W8A8_INT_MM_MIN_ROWS, 33, 64]),
+    num_rows=st.sampled_from([1, 2, 7, 16, W8A8_INT_MM_MIN_ROWS, 33, 64, 300]),
     bias=st.booleans(),
     kernel=st.sampled_from(KERNELS),
+    keep_torch_layout=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_kernel_matches_dequantizing_reference(
-    scheme, dtype, out_features, in_groups, group_size, num_rows, bias, kernel, seed
-):
+    scheme, dtype, out_features, in_groups, group_size, num_rows, bias, kernel,
+    keep_torch_layout, seed,
+):  # fmt: skip
     torch.manual_seed(seed)
     in_features = in_groups * group_size
     quant = QuantConfig(scheme, group_size, kernel=kernel)
@@ -63,7 +64,7 @@ def test_kernel_matches_dequantizing_reference(
         layer.weight_loader(layer.bias, torch.randn(out_features), None)
     x = torch.randn(num_rows, in_features).to(dtype)
     reference = layer.forward_reference(x)
-    layer.pack()
+    layer.pack(keep_torch_layout)
     y = layer(x)
     assert y.shape == (num_rows, out_features) and y.dtype == dtype
     assert _relative_error(y, reference) < TOLERANCE[dtype]
@@ -84,25 +85,31 @@ class _CountingExtension:
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
-def test_the_cpp_kernel_serves_few_rows_and_torch_many(scheme):
-    """QuantConfig.kernel "auto" routes up to QUANT_GEMM_MAX_ROWS rows to the C++ kernel (where it
-    built; w8a8 below W8A8_INT_MM_MIN_ROWS, its weight-only rows) and more to torch's; "torch"
-    never loads it."""
+def test_one_layout_per_weight_the_cpp_kernel_at_every_row_count(scheme):
+    """QuantConfig.kernel "auto": the C++ kernel (where it built) serves every row count and its
+    layout is the only copy of the codes (w8a8 keeps the canonical codes for `_int_mm` from
+    W8A8_INT_MM_MIN_ROWS rows); "torch" never loads it."""
     if quant_gemm.load() is None:
         pytest.skip("the C++ kernel did not build here (no compiler)")
-    last = QUANT_GEMM_MAX_ROWS if scheme != "w8a8" else W8A8_INT_MM_MIN_ROWS - 1
-    for kernel, rows, expected in [("auto", 1, 1), ("auto", last, 1),
-                                   ("auto", QUANT_GEMM_MAX_ROWS + 1, 0)]:  # fmt: skip
-        layer = QuantLinear(64, 24, False, torch.bfloat16, QuantConfig(scheme, kernel=kernel))
+    last = 300 if scheme != "w8a8" else W8A8_INT_MM_MIN_ROWS - 1
+    cases = [(1, 1), (last, 1)] + ([(W8A8_INT_MM_MIN_ROWS, 0)] if scheme == "w8a8" else [])
+    for rows, expected in cases:
+        layer = QuantLinear(64, 24, False, torch.bfloat16, QuantConfig(scheme))
         layer.weight_loader(layer.weight, torch.randn(24, 64), None)
         layer.pack()
+        assert layer.has_torch_layout is (scheme == "w8a8")
+        if scheme != "w8a8":
+            assert layer.weight is layer.cpp_codes or layer.weight.data_ptr() == (
+                layer.cpp_codes.data_ptr()
+            )
+            assert not hasattr(layer, "scale") and not hasattr(layer, "scales_and_zeros")
         layer.cpp = counting = _CountingExtension(layer.cpp)
         layer(torch.randn(rows, 64).to(torch.bfloat16))
-        assert counting.calls == expected, (kernel, rows)
+        assert counting.calls == expected, (scheme, rows)
     layer = QuantLinear(64, 24, False, torch.bfloat16, QuantConfig(scheme, kernel="torch"))
     layer.weight_loader(layer.weight, torch.randn(24, 64), None)
     layer.pack()
-    assert layer.cpp is None
+    assert layer.cpp is None and layer.has_torch_layout
     with pytest.raises(ValueError, match="quantized kernel"):
         QuantConfig("int8", kernel="fast")
 
