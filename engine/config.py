@@ -9,8 +9,10 @@ from dataclasses import dataclass, fields
 class EngineConfig:
     """How the engine runs. Every field has a default that works on a laptop CPU.
 
-    The KV-cache pool is sized from `kv_cache_memory_bytes` unless `num_kv_blocks` pins it
-    (tests use a handful of blocks to force preemption).
+    The KV-cache pool holds what the configured sequences can use (`max_num_seqs` sequences of
+    `max_model_len` tokens), capped by `kv_cache_memory_bytes`, unless `num_kv_blocks` pins it
+    (tests use a handful of blocks to force preemption); its pages are committed as they are
+    first written.
     """
 
     block_size: int = 16

@@ -241,6 +241,13 @@ class ModelRunner:
             max_model_len = window
         return max_model_len
 
+    def _default_num_kv_blocks(self, bytes_per_block: int) -> int:
+        """What the configured sequences can use (max_num_seqs full-length sequences), capped
+        by the memory budget: a pool past that is never written. Its pages are committed on
+        first write either way (`_lazy_zeros`)."""
+        usable = self.config.max_num_seqs * cdiv(self.max_model_len, self.block_size)
+        return max(1, min(usable, self.config.kv_cache_memory_bytes // bytes_per_block))
+
     def _allocate_kv_cache(self) -> None:
         hf = self.hf_config
         num_layers, num_kv_heads, head_dim = (
@@ -254,8 +261,8 @@ class ModelRunner:
             bytes_per_block = kv_int8.bytes_per_block(
                 num_layers, self.block_size, num_kv_heads, head_dim
             )
-        self.num_kv_blocks = self.config.num_kv_blocks or max(
-            1, self.config.kv_cache_memory_bytes // bytes_per_block
+        self.num_kv_blocks = self.config.num_kv_blocks or self._default_num_kv_blocks(
+            bytes_per_block
         )
         if self.config.kv_cache_dtype == "int8":
             self._allocate_int8_kv_cache(num_layers, num_kv_heads, head_dim, bytes_per_block)

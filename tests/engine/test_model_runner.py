@@ -306,6 +306,11 @@ def test_kv_cache_sizing(variant_dirs):
     assert half.num_kv_blocks == 20
     pinned = ModelRunner(path, EngineConfig(num_kv_blocks=3, max_model_len=100), torch.float32)
     assert (pinned.num_kv_blocks, pinned.max_model_len) == (3, 100)
+    # No more than the configured sequences can use: 2 sequences of 100 tokens = 2 x 7 blocks.
+    usable = EngineConfig(max_num_seqs=2, max_model_len=100, kv_cache_memory_bytes=1 << 30)
+    assert ModelRunner(path, usable, torch.float32).num_kv_blocks == 14
+    budget = EngineConfig(max_num_seqs=2, kv_cache_memory_bytes=10 * bytes_per_block)
+    assert ModelRunner(path, budget, torch.float32).num_kv_blocks == 10  # the budget caps it
     with pytest.raises(ValueError, match="max_position_embeddings"):
         ModelRunner(path, EngineConfig(max_model_len=4096), torch.float32)
 

@@ -1,0 +1,137 @@
+"""Peak RSS and throughput of the engine process at W2, one code tree against another, in one
+run (issue 17's memory target: int4 weights + the int8 KV cache).
+
+    python -m loadtest.bench_memory --baseline /path/to/other/checkout [--rounds 3]
+        [--options '{"dtype": "bfloat16", "quantization": "int4", "kv_cache_dtype": "int8"}']
+        [--out r.json]
+
+Each (tree, round) runs in its own process (`python -m loadtest.bench_memory --child` with that
+tree first on PYTHONPATH), so its peak RSS (`ru_maxrss`) is its own: load the default model with
+`--options`, run W2 (32 chat prompts submitted together, 128 tokens each, EOS ignored), report
+RSS after load, peak RSS and tokens/s. Trees alternate round by round; the table gives medians
+and this tree's ratio to the baseline. The machine is shared: `uptime` is recorded beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+DEFAULT_OPTIONS = {"dtype": "bfloat16", "quantization": "int4", "kv_cache_dtype": "int8"}
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def child(model: str, options: dict, num_requests: int, max_tokens: int) -> dict:
+    from engine import LLM, SamplingParams
+    from loadtest.workloads import chat_prompts
+
+    start = time.perf_counter()
+    llm = LLM(model, **options)
+    load_s = time.perf_counter() - start
+    rss_after_load = _rss_mib()
+    prompts = chat_prompts(llm.tokenizer, num_requests)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    return {
+        "load_s": round(load_s, 2),
+        "rss_after_load_mib": round(rss_after_load, 1),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "tokens_per_s": round(sum(len(o.token_ids) for o in outs) / elapsed, 1),
+        "num_kv_blocks": llm.engine.runner.num_kv_blocks,
+    }
+
+
+def run_tree(tree: Path, args) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_WAIT_POLICY": "PASSIVE"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", args.model,
+           "--options", json.dumps(args.options), "--num-requests", str(args.num_requests),
+           "--max-tokens", str(args.max_tokens)]  # fmt: skip
+    # Run as a script: sys.path[0] is loadtest/, then PYTHONPATH, so `engine` is `tree`'s.
+    done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": done.stderr[-800:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_memory", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", type=Path, help="the other checkout (its root)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--options", type=json.loads, default=DEFAULT_OPTIONS)
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.child:
+        result = child(args.model, args.options, args.num_requests, args.max_tokens)
+        print(json.dumps(result), flush=True)
+        return 0
+    trees = {"baseline": args.baseline.resolve(), "this": HERE}
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    uptime = [_uptime()]
+    for round_index in range(args.rounds):
+        for name, tree in trees.items():
+            result = run_tree(tree, args)
+            print(f"[memory] round {round_index} {name}: {result}", file=sys.stderr, flush=True)
+            runs[name].append(result)
+    uptime.append(_uptime())
+    medians = {name: _medians(r) for name, r in runs.items()}
+    doc = {"options": args.options, "trees": {k: str(v) for k, v in trees.items()},
+           "uptime": uptime, "runs": runs, "medians": medians,
+           "ratio_this_to_baseline": _ratios(medians)}  # fmt: skip
+    print(_table(medians))
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+KEYS = ("rss_after_load_mib", "peak_rss_mib", "tokens_per_s", "load_s")
+
+
+def _medians(runs: list[dict]) -> dict:
+    ok = [r for r in runs if "error" not in r]
+    return {key: statistics.median(r[key] for r in ok) for key in KEYS} if ok else {}
+
+
+def _ratios(medians: dict) -> dict:
+    base, this = medians.get("baseline"), medians.get("this")
+    if not base or not this:
+        return {}
+    return {key: round(this[key] / base[key], 3) for key in KEYS}
+
+
+def _table(medians: dict) -> str:
+    lines = [f"{'tree':9} " + " ".join(f"{k:>20}" for k in KEYS)]
+    for name, m in medians.items():
+        lines.append(f"{name:9} " + " ".join(f"{m.get(k, float('nan')):>20}" for k in KEYS))
+    return "\n".join(lines)
+
+
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
