@@ -1,5 +1,5 @@
-"""`mini-infer serve`: run one worker until SIGTERM/SIGINT, with an embedded broker when no
-bootstrap servers are configured. Every setting is also a flag (see `--help`)."""
+"""`mini-infer serve`: run one worker until SIGTERM/SIGINT against the configured Kafka (an
+embedded broker only with `--embedded-broker`). Every setting is also a flag (see `--help`)."""
 
 from __future__ import annotations
 

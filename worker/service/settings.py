@@ -65,7 +65,13 @@ class ReplyTopicSettings(_Group):
 
 class KafkaSettings(_Group):
     bootstrap_servers: str | None = Field(
-        default=None, description="host:port[,host:port]; None starts the embedded broker"
+        default=None,
+        description="host:port[,host:port]; required unless embedded_broker is set",
+    )
+    # A development convenience (`make run`, `demo`, tests): a worker with no broker configured
+    # must fail at start, not serve an in-memory broker that no producer can reach.
+    embedded_broker: bool = Field(
+        default=False, description="start an in-memory broker (development only)"
     )
     embedded_port: int | None = Field(
         default=None, ge=1, le=65535, description="embedded broker port"
@@ -151,6 +157,8 @@ class KafkaSettings(_Group):
                 "enable_idempotence=True does not work against the embedded broker (stock aiokafka "
                 "cannot initialise a producer id there); leave it unset or set bootstrap_servers"
             )
+        if not self.is_embedded and self.embedded_broker:
+            raise ValueError("embedded_broker is set but so is bootstrap_servers: choose one")
         if not self.is_embedded and self.embedded_port is not None:
             raise ValueError(
                 "embedded_port is set but bootstrap_servers points at an external broker"
@@ -305,7 +313,12 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
     "--bootstrap-servers": (
         "kafka.bootstrap_servers",
         str,
-        "Kafka host:port list (default: embedded broker)",
+        "Kafka host:port list (required unless --embedded-broker)",
+    ),
+    "--embedded-broker": (
+        "kafka.embedded_broker",
+        bool,
+        "start an in-memory broker for development (never in production)",
     ),
     "--port": ("kafka.embedded_port", int, "port of the embedded broker (default: a free one)"),
     "--model": ("model", str, "smollm2-135m, a Hugging Face checkpoint dir or a .gguf file"),
@@ -345,7 +358,10 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, (_, type_, help_text) in CLI_FLAGS.items():
-        parser.add_argument(flag, type=type_, default=None, help=help_text)
+        if type_ is bool:  # a switch: present sets True, absent leaves env/defaults alone
+            parser.add_argument(flag, action="store_const", const=True, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, type=type_, default=None, help=help_text)
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:

@@ -13,8 +13,8 @@ Shutdown, in the order that loses nothing (at-least-once):
 7. close: cancel listener, consumer (leaves the group, so the rebalance starts at once),
    engine thread, producer, admin, telemetry.
 
-`mini-infer serve` runs one worker until SIGTERM/SIGINT, with an embedded broker when no
-bootstrap servers are configured.
+`mini-infer serve` runs one worker until SIGTERM/SIGINT against the configured Kafka; it starts an
+embedded broker only when asked to (`--embedded-broker`, for development).
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ log = structlog.get_logger(__name__)
 
 DRAIN_POLL_S = 0.05
 TOPIC_CHECK_INTERVAL_S = 15.0
+NO_BROKER_MESSAGE = (
+    "no Kafka configured: set MINI_INFER_KAFKA__BOOTSTRAP_SERVERS (or --bootstrap-servers); "
+    "for development only, --embedded-broker (MINI_INFER_KAFKA__EMBEDDED_BROKER=true) starts an "
+    "in-memory broker"
+)
 
 
 def make_worker_id() -> str:
@@ -352,6 +357,8 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> 
     try:
         async with contextlib.AsyncExitStack() as stack:
             bootstrap_servers = settings.kafka.bootstrap_servers
+            if bootstrap_servers is None and not settings.kafka.embedded_broker:
+                raise ValueError(NO_BROKER_MESSAGE)
             if bootstrap_servers is None:
                 broker = EmbeddedBroker(port=settings.kafka.embedded_port)
                 bootstrap_servers = (await stack.enter_async_context(broker)).bootstrap_servers

@@ -64,6 +64,7 @@ def test_secrets_are_not_printed(monkeypatch) -> None:
         ({"kafka": {"dlq_topic": "mini-infer.requests"}}, "three different"),
         ({"kafka": {"request_timeout_ms": 5000}}, "request_timeout_ms"),
         ({"kafka": {"bootstrap_servers": "k:1", "embedded_port": 9092}}, "embedded_port"),
+        ({"kafka": {"bootstrap_servers": "k:1", "embedded_broker": True}}, "choose one"),
         ({"engine": {"block_size": 0}}, "block_size"),
         ({"limits": {"max_num_inflight": 0}}, "max_num_inflight"),
         ({"kafka": {"request_topic": "bad/name"}}, "request_topic"),
