@@ -359,7 +359,9 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, (_, type_, help_text) in CLI_FLAGS.items():
         if type_ is bool:  # a switch: present sets True, absent leaves env/defaults alone
-            parser.add_argument(flag, action="store_const", const=True, default=None, help=help_text)
+            parser.add_argument(
+                flag, action="store_const", const=True, default=None, help=help_text
+            )
         else:
             parser.add_argument(flag, type=type_, default=None, help=help_text)
 

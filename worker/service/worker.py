@@ -206,16 +206,23 @@ class Worker:
         return {"engine_thread": self.bridge is not None and self.bridge.is_alive(stall_s)}
 
     def readiness(self) -> dict[str, bool]:
-        """Model loaded and warmed up (asked only then), partitions held, broker polled."""
+        """Started and able to work: the model loaded and warmed up (asked only then), the engine
+        thread alive, the consumer running, and the broker answering its polls. Holding
+        partitions is not a condition: with as many replicas as partitions a surge pod holds
+        none until the old pod leaves, and a rollout that waited for it would never finish
+        (`mini_infer.consumer.partitions.assigned` shows who holds what)."""
         consumer = self.consumer
         last_poll_s = consumer.last_poll_ok_s if consumer is not None else None
         stale_s = self.settings.observability.broker_stale_s
         return {
             "engine_thread": self.bridge is not None and self.bridge.is_alive(float("inf")),
-            "partitions_assigned": consumer is not None and bool(consumer.assignment),
+            "consumer_running": self._is_task_running("consumer"),
             "broker_reachable": last_poll_s is not None
             and time.monotonic() - last_poll_s < stale_s,
         }
+
+    def _is_task_running(self, prefix: str) -> bool:
+        return any(t.get_name().startswith(prefix + "-") and not t.done() for t in self._tasks)
 
     async def _sample_kafka(self) -> None:
         t = self.telemetry

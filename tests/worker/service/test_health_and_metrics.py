@@ -54,32 +54,47 @@ async def wait_for_status(worker: Worker, path: str, status: int, timeout_s: flo
         await asyncio.sleep(0.1)
 
 
-async def test_readiness_follows_assignment_and_the_ready_file(
+async def test_ready_means_started_and_able_to_work_not_holding_partitions(
     broker, tiny_model_dir, tmp_path
 ) -> None:
+    """One partition, two workers: the one without a partition is ready all the same (a surge
+    pod in a rollout with replicas = partitions), and stopping makes a worker unready."""
     topic, group_id = fresh_topics()
+    await create_topic(broker.bootstrap_servers, topic, 1)
     ready_file = tmp_path / "ready.json"
-    settings = worker_settings(
-        tiny_model_dir, broker.bootstrap_servers, group_id, topic,
-        observability={"health_port": 0, "ready_file": ready_file},
-    )  # fmt: skip
-    worker = Worker(settings)
-    await worker.start()
+    workers = [
+        Worker(worker_settings(
+            tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id=name,
+            observability={"health_port": 0, "ready_file": ready_file if name == "a" else None},
+        ))  # fmt: skip
+        for name in ("a", "b")
+    ]
+    for worker in workers:
+        await worker.start()
     try:
-        # Joining the group takes seconds: until then the worker is alive but serves nothing.
-        if not worker.consumer.assignment:
-            code, body = await get(worker, "/readyz")
-            assert code == 503 and '"partitions_assigned": false' in body
-        assert (await get(worker, "/healthz"))[0] == 200
-        await worker.wait_assigned()
-        body = await wait_for_status(worker, "/readyz", 200)
-        assert '"broker_reachable": true' in body and ready_file.exists()
-        assert (await get(worker, "/nope"))[0] == 404
-        worker.health.set_ready(False)  # stopping: no longer ready, still alive
-        assert (await get(worker, "/readyz"))[0] == 503
-        assert (await get(worker, "/healthz"))[0] == 200
+        deadline_s = time.monotonic() + 60
+        while True:
+            holders = [w for w in workers if w.consumer.assignment]
+            idle = [w for w in workers if not w.consumer.assignment]
+            if len(holders) == 1:
+                code, body = await get(idle[0], "/readyz")
+                if code == 200:
+                    break
+            assert time.monotonic() < deadline_s, f"no worker ready without a partition: {body}"
+            await asyncio.sleep(0.1)
+        assert '"consumer_running": true' in body and '"broker_reachable": true' in body
+        assert "partitions_assigned" not in body
+        assert not idle[0].consumer.assignment  # still none: ready without one
+        first = workers[0]
+        await wait_for_status(first, "/readyz", 200)
+        assert ready_file.exists() and (await get(first, "/healthz"))[0] == 200
+        assert (await get(first, "/nope"))[0] == 404
+        first.health.set_ready(False)  # stopping: no longer ready, still alive
+        assert (await get(first, "/readyz"))[0] == 503
+        assert (await get(first, "/healthz"))[0] == 200
     finally:
-        await worker.stop(grace_s=1)
+        for worker in workers:
+            await worker.stop(grace_s=1)
     assert not ready_file.exists()
 
 
