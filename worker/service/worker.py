@@ -76,6 +76,12 @@ def default_engine_factory(settings: WorkerSettings):
     return build
 
 
+def served_model_name(settings: WorkerSettings) -> str:
+    """The name metrics carry for the model: `served_model_name` where settings have one, else
+    the configured model (an alias, a directory or a .gguf file)."""
+    return getattr(settings, "served_model_name", None) or settings.model
+
+
 def served_model_names(configured: str, model_path: str) -> frozenset[str]:
     """Names a request's `model` may use for what this worker serves."""
     path = model_path.rstrip("/")
@@ -97,7 +103,10 @@ class Worker:
         if self.bootstrap_servers is None:
             raise ValueError("a Worker needs bootstrap servers (serve() starts an embedded broker)")
         self.worker_id = settings.worker_id or make_worker_id()
-        self.telemetry = telemetry or Telemetry(settings.observability, self.worker_id)
+        self.telemetry = telemetry or Telemetry(
+            settings.observability, self.worker_id,
+            model_name=served_model_name(settings), group_id=settings.kafka.group_id,
+        )  # fmt: skip
         self._engine_factory = engine_factory or default_engine_factory(settings)
         obs = settings.observability
         registry = self.telemetry.prometheus_registry if obs.prometheus else None
@@ -132,6 +141,8 @@ class Worker:
         started_s = time.monotonic()
         self.bridge = EngineBridge(self._engine_factory, s.limits.max_consecutive_step_failures)
         info = await self.bridge.start()
+        if info.stats is not None:
+            self.telemetry.observe_engine(info.stats)  # KV blocks known before any request
         log_.info(
             "worker.engine_loaded",
             model=info.model_path,
@@ -225,18 +236,13 @@ class Worker:
         return any(t.get_name().startswith(prefix + "-") and not t.done() for t in self._tasks)
 
     async def _sample_kafka(self) -> None:
-        t = self.telemetry
+        state = self.telemetry.kafka_state
         while True:
             consumer = self.consumer
             if consumer is not None:
-                for partition, lag in consumer.lags().items():
-                    attributes = {
-                        "messaging.destination.name": partition.topic,
-                        "messaging.destination.partition.id": str(partition.partition),
-                    }
-                    t.consumer_lag.set(lag, attributes)
-                t.paused_partitions.set(consumer.num_paused)
-                t.assigned_partitions.set(len(consumer.assignment))
+                state.lags = {(p.topic, p.partition): lag for p, lag in consumer.lags().items()}
+                state.num_paused = consumer.num_paused
+                state.num_assigned = len(consumer.assignment)
             await asyncio.sleep(self.settings.observability.kafka_sample_interval_s)
 
     def _own_topics(self) -> dict[str, int]:
