@@ -14,7 +14,18 @@ from worker.service.settings import add_settings_arguments, settings_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"mini-infer {package_version()}")
     add_settings_arguments(parser)
+
+
+def package_version() -> str:
+    """The installed distribution's version; the source tree's when run uninstalled."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mini-infer")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def main(args: argparse.Namespace) -> int:

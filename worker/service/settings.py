@@ -10,6 +10,7 @@ broker, a reply prefix that covers the request topic, ...) raise here, before an
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -34,6 +35,7 @@ from schemas.contract import (
     TOPIC_NAME_PATTERN,
 )
 from schemas.headers import Urgency
+from worker.client.security import aiokafka_security_options, check_security
 
 
 def _not_dot_or_dotdot(name: str) -> str:
@@ -105,9 +107,12 @@ class KafkaSettings(_Group):
     fetch_max_wait_ms: PositiveMs = 20
     consumer_stop_timeout_s: float = Field(default=10.0, gt=0)
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
     sasl_username: str | None = None
     sasl_password: SecretStr | None = None
+    # OAUTHBEARER: the token is read from this file at each connection (a projected
+    # service-account token or a file a sidecar refreshes), so it rotates without a restart.
+    sasl_oauth_token_file: Path | None = None
     ssl_cafile: Path | None = None
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
@@ -132,22 +137,14 @@ class KafkaSettings(_Group):
                 f"reply_topic_prefix {self.reply_topic_prefix!r} covers {covered}: a request could "
                 "then name a worker topic as its reply_to"
             )
-        is_sasl = self.security_protocol.startswith("SASL")
-        if is_sasl and (
-            self.sasl_mechanism is None or not self.sasl_username or self.sasl_password is None
-        ):
-            raise ValueError(
-                f"security_protocol {self.security_protocol} needs sasl_mechanism, sasl_username and sasl_password"
-            )
-        if not is_sasl and self.sasl_mechanism is not None:
-            raise ValueError(
-                "sasl_mechanism is set but security_protocol is not SASL_PLAINTEXT or SASL_SSL"
-            )
-        has_ssl_files = any(
-            p is not None for p in (self.ssl_cafile, self.ssl_certfile, self.ssl_keyfile)
-        )
-        if has_ssl_files and not self.security_protocol.endswith("SSL"):
-            raise ValueError("ssl_* files are set but security_protocol is not SSL or SASL_SSL")
+        check_security(
+            self.security_protocol, self.sasl_mechanism, self.sasl_username,
+            self.sasl_password.get_secret_value() if self.sasl_password else None,
+            self.sasl_oauth_token_file,
+            has_ssl_files=any(
+                p is not None for p in (self.ssl_cafile, self.ssl_certfile, self.ssl_keyfile)
+            ),
+        )  # fmt: skip
         if self.is_embedded and self.security_protocol != "PLAINTEXT":
             raise ValueError(
                 "the embedded broker speaks PLAINTEXT only; set bootstrap_servers for SASL/TLS"
@@ -182,21 +179,12 @@ class KafkaSettings(_Group):
 
     def client_options(self) -> dict:
         """Connection and security options shared by every aiokafka client the worker makes."""
-        options: dict = {"security_protocol": self.security_protocol}
-        if self.sasl_mechanism is not None:
-            options["sasl_mechanism"] = self.sasl_mechanism
-            options["sasl_plain_username"] = self.sasl_username
-            options["sasl_plain_password"] = self.sasl_password.get_secret_value()
-        if self.security_protocol.endswith("SSL"):
-            from aiokafka.helpers import create_ssl_context
-
-            options["ssl_context"] = create_ssl_context(
-                cafile=self.ssl_cafile,
-                certfile=self.ssl_certfile,
-                keyfile=self.ssl_keyfile,
-                password=self.ssl_password.get_secret_value() if self.ssl_password else None,
-            )
-        return options
+        secret = lambda value: value.get_secret_value() if value is not None else None  # noqa: E731
+        return aiokafka_security_options(
+            self.security_protocol, self.sasl_mechanism, self.sasl_username,
+            secret(self.sasl_password), self.sasl_oauth_token_file,
+            self.ssl_cafile, self.ssl_certfile, self.ssl_keyfile, secret(self.ssl_password),
+        )  # fmt: skip
 
 
 class BatcherSettings(_Group):
@@ -308,6 +296,22 @@ class WorkerSettings(BaseSettings):
 
 # --- the same settings as `mini-infer serve` flags ------------------------------------------
 
+_BYTE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+               "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}  # fmt: skip
+
+
+def parse_byte_size(text: str) -> int:
+    """'536870912', '512MiB', '2GiB', '1.5G' (SI) -> bytes. ArgumentTypeError otherwise."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size like 512MiB or 2GiB: {text!r}")
+    number, unit = match.groups()
+    size = int(float(number) * _BYTE_UNITS[(unit or "").lower()])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"a size must be at least one byte: {text!r}")
+    return size
+
+
 # flag -> (settings path, type, help). Unset flags leave env/defaults alone.
 CLI_FLAGS: dict[str, tuple[str, type, str]] = {
     "--bootstrap-servers": (
@@ -329,6 +333,13 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
     "--linear-kernel": ("engine.linear_kernel", str, "auto | plain | packed"),
     "--compile": ("engine.compile", str, "torch.compile the forward: auto | on | off"),
     "--device": ("engine.device", str, "auto | cpu | cuda (Triton kernels, CUDA graphs)"),
+    "--max-model-len": ("engine.max_model_len", int, "longest prompt + output, in tokens"),
+    "--max-num-seqs": ("engine.max_num_seqs", int, "sequences the engine runs at once"),
+    "--kv-cache-memory": (
+        "engine.kv_cache_memory_bytes",
+        parse_byte_size,
+        "KV-cache pool size: bytes, or with a unit (512MiB, 2GiB, 1.5G)",
+    ),
     "--group-id": ("kafka.group_id", str, "consumer group of the worker pool"),
     "--group-instance-id": (
         "kafka.group_instance_id",
