@@ -38,9 +38,9 @@ def _request_classes() -> dict[tuple[int, int], type[RequestStruct]]:
     classes = {}
     for module in (admin, commit, coordination, fetch, metadata, offset, produce):
         for value in vars(module).values():
-            if isinstance(value, type) and issubclass(value, RequestStruct):
-                if hasattr(value, "API_VERSION") and not value.FLEXIBLE_VERSION:
-                    classes[(value.API_KEY, value.API_VERSION)] = value
+            is_request = isinstance(value, type) and issubclass(value, RequestStruct)
+            if is_request and hasattr(value, "API_VERSION") and not value.FLEXIBLE_VERSION:
+                classes[(value.API_KEY, value.API_VERSION)] = value
     return classes
 
 

@@ -183,6 +183,10 @@ class Telemetry:
         self.assigned_partitions = meter.create_gauge(
             "mini_infer.consumer.partitions.assigned", unit="{partition}"
         )
+        self.records_refetched = meter.create_counter(
+            "mini_infer.consumer.records.refetched", unit="{record}",
+            description="records of an assigned partition not yet tracked: sought back, not lost",
+        )  # fmt: skip
 
     def start_request_span(
         self, topic: str, request_id: str, traceparent: str | None, attributes: dict

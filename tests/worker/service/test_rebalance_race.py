@@ -86,7 +86,9 @@ async def test_records_of_gained_partitions_are_answered_while_the_listener_awai
             hold_listener_until_fetched(survivor, gained)
             await leaver.stop(grace_s=0)
             ids = []
-            for partition in sorted(p.partition for p in gained):  # waiting for the survivor, which does not own them yet
+            for partition in sorted(
+                p.partition for p in gained
+            ):  # waiting for the survivor, which does not own them yet
                 for i in range(NUM_PER_PARTITION):
                     request = make_request(replies.topic, id=f"p{partition}-{i}", max_tokens=2)
                     await producer.send(topic, request, partition=partition)
