@@ -50,6 +50,10 @@ DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 # The names this module put into os.environ, comma-separated: inherited by child processes
 # (the bench's spawned children import engine again and must still know which values were ours).
 SET_BY_ENGINE_VAR = "MINI_INFER_OMP_SET_BY_ENGINE"
+# MINI_INFER_OMP_DEFAULTS=off leaves libgomp's own defaults; any of POLICY_VARS already set
+# means the user chose, and nothing here is added.
+OPT_OUT_VAR = "MINI_INFER_OMP_DEFAULTS"
+POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def apply_defaults() -> bool:
@@ -57,6 +61,10 @@ def apply_defaults() -> bool:
     (then libgomp has read its environment and the setting has no effect)."""
     if "torch" in sys.modules:
         return False
+    if os.environ.get(OPT_OUT_VAR, "").lower() in ("0", "off", "false"):
+        return True  # libgomp's own defaults (the OpenMP benchmark measures them this way)
+    if any(name in os.environ for name in POLICY_VARS):
+        return True  # the user chose a policy: ours would mix with it
     added = [name for name in DEFAULTS if name not in os.environ]
     for name in added:
         os.environ[name] = DEFAULTS[name]

@@ -26,6 +26,7 @@ import queue
 import resource
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -144,6 +145,8 @@ def _child(impl: str, spec: dict, q) -> None:
     from engine.loader import load_tokenizer
 
     torch.manual_seed(0)
+    if spec.get("busy_thread"):
+        threading.Thread(target=_busy_loop, daemon=True).start()
     results = {}
     for name, workload in workloads(spec["max_tokens"]).items():
         if name not in spec["workloads"]:
@@ -166,6 +169,16 @@ def _child(impl: str, spec: dict, q) -> None:
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     q.put({"results": results, "peak_rss_mib": round(peak_rss_mib, 1),
            "threads": torch.get_num_threads()})  # fmt: skip
+
+
+def _busy_loop() -> None:
+    """A competitor in the engine's process, shaped like the worker's event loop: 1 ms of
+    Python work (holding the GIL and a core), 1 ms asleep, forever (a daemon thread)."""
+    while True:
+        until = time.perf_counter() + 0.001
+        while time.perf_counter() < until:
+            pass
+        time.sleep(0.001)
 
 
 def measure(impl: str, spec: dict) -> dict:

@@ -226,6 +226,9 @@ def test_openmp_threads_sleep_by_default_unless_told_otherwise():
     )
     assert _fresh_python(f"import engine; {show}") == "PASSIVE True"
     assert _fresh_python(f"import engine; {show}", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE True"
+    # A spin count chosen by the user, or the opt-out: libgomp's own policy, nothing added.
+    assert _fresh_python(f"import engine; {show}", GOMP_SPINCOUNT="10000") == "None True"
+    assert _fresh_python(f"import engine; {show}", MINI_INFER_OMP_DEFAULTS="off") == "None True"
     # torch first: libgomp has read its environment already; nothing is set, and it says so.
     assert _fresh_python(f"import torch, engine; {show}") == "None False"
 
