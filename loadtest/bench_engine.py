@@ -9,11 +9,12 @@ the implementations alternate N times and the medians are reported (this machine
 
     mini-infer bench engine [--dtypes float32,bfloat16] [--workloads W1,W2,W3,W4]
         [--compare hf,llamacpp,llamacpp-stream] [--rounds 3] [--compile off] [--out r.json] [--plot r.png]
-    mini-infer bench engine --profile [--dtypes bfloat16]
+    mini-infer bench engine --profile [--dtypes bfloat16] [--quantization int4]
 
 `--plot` draws throughput against concurrency (the uniform workloads: 1, 8, 32, 64 requests).
-`--profile` prints the operators of one decode step, eager against compiled, and where its time
-goes (GEMM / attention / the rest), from torch.profiler.
+`--profile` prints where the wall-clock time of a W1 and a W2 decode step goes: GEMV/GEMM,
+attention, other operators, Python in the forward, and each part outside it
+(loadtest/profile_step.py).
 """
 
 from __future__ import annotations
@@ -238,7 +239,9 @@ def run(args) -> int:
     if args.profile:
         from loadtest.profile_step import profile
 
-        return profile(args.model, args.dtypes.split(",")[0])
+        names = tuple(w for w in args.workloads.split(",") if w in ("W1", "W2"))
+        return profile(args.model, args.dtypes.split(",")[0], args.quantization,
+                       names or ("W1", "W2"), args.compile, args.out)  # fmt: skip
     model_path = str(resolve_model(args.model))
     peers = [p for p in args.compare.split(",") if p]
     unknown = set(peers) - {"hf", *LLAMACPP_PEERS}
