@@ -27,6 +27,10 @@ from engine.kernels.cpu import extension, quant_gemm
 
 SOURCE = Path(__file__).with_name("bf16_gemm.cpp")
 BLOCK = 16  # output channels per block of the packed layout
+# Our kernel up to this many rows (decode batches); beyond, oneDNN's F.linear on a transient
+# unpacked copy: prefill chunks are compute-bound (the copy is small beside the GEMM), and
+# this way a prefill rounds exactly as Hugging Face's bf16 model does.
+GEMV_MAX_ROWS = 16
 ISAS = quant_gemm.ISAS
 can_run = quant_gemm.can_run
 best_isa = quant_gemm.best_isa
@@ -81,3 +85,19 @@ def gemm(
     """x bf16 [rows, in] -> bf16 [rows, out_features] (into `out` if given); `isa` forces a path
     (default: the widest this CPU runs)."""
     return ext.bf16_gemm(x, packed, bias, out_features, isa_code(isa), out)
+
+
+def linear(
+    call,
+    isa: int,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    in_features: int,
+) -> torch.Tensor:
+    """A linear layer on a packed weight: x bf16 [rows, in] -> [rows, out_features]. `call` is
+    the extension's `bf16_gemm` and `isa` its code, looked up once by the caller."""
+    if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+        return call(x, packed, bias, out_features, isa, None)
+    return torch.nn.functional.linear(x, unpack(packed, out_features, in_features), bias)
