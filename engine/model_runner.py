@@ -210,11 +210,10 @@ class ModelRunner:
         choices = choose_linear_kernels(
             [(m.in_features, m.out_features) for m in linears], self.dtype, requested
         )
-        counts = {"plain": 0, "packed": 0}
+        counts = {"plain": 0, "packed": 0, "gemv": 0}
         for module in linears:
-            if choices[(module.in_features, module.out_features)] == "packed":
-                module.pack()
-            counts["packed" if module.is_packed else "plain"] += 1
+            module.pack(choices[(module.in_features, module.out_features)])
+            counts[module.kernel] += 1
         return counts
 
     @staticmethod

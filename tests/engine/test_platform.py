@@ -1,8 +1,8 @@
 """CPU feature detection, dtype="auto", and the per-machine linear kernel choice.
 
 Every path is exercised on any x86-64 CPU by forcing it: fabricated CpuInfo for the dtype rule,
-`linear_kernel="plain" | "packed"` for the GEMM paths, a patched oneDNN check for a CPU without
-a packed path."""
+`linear_kernel="plain" | "packed" | "gemv"` for the GEMM paths, a patched oneDNN check for a CPU
+without a packed path."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 import engine.kernels.cpu.linear_choice as linear_choice
 import engine.platform as platform
 from engine.config import EngineConfig
+from engine.kernels.cpu import bf16_gemm
 from engine.layers.linear import Linear
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.platform import CpuInfo, auto_dtype, has_native, parse_cpuinfo
@@ -180,16 +181,23 @@ def test_resolve_dtype_rejects_auto_without_a_config_and_unknown_names():
         EngineConfig(linear_kernel="fast")
 
 
-@pytest.mark.parametrize("linear_kernel", ["plain", "packed"])
+@pytest.mark.parametrize("linear_kernel", ["plain", "packed", "gemv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_every_linear_path_matches_hf(tiny_model_dir, linear_kernel, dtype):
-    """Each forced path (falling back to plain where oneDNN cannot pack) gives HF's logits."""
+    """Each forced path (falling back to one this CPU runs: gemv -> packed -> plain) gives HF's
+    logits."""
     runner = ModelRunner(
         tiny_model_dir, EngineConfig(num_kv_blocks=8, linear_kernel=linear_kernel), dtype
     )
-    expect_packed = linear_kernel == "packed" and platform.can_pack_onednn(dtype)
+    runnable = {
+        "plain": True,
+        "packed": platform.can_pack_onednn(dtype),
+        "gemv": dtype == torch.bfloat16 and bf16_gemm.load() is not None,
+    }
+    fallbacks = {"plain": ["plain"], "packed": ["packed", "plain"], "gemv": ["gemv", "packed", "plain"]}
+    expected_path = next(path for path in fallbacks[linear_kernel] if runnable[path])
     # 2 layers x (qkv, o, gate_up, down) + lm_head
-    assert runner.linear_kernels["packed"] == (9 if expect_packed else 0)
+    assert runner.linear_kernels[expected_path] == 9
     tokens = list(range(3, 12))
     request = ScheduledRequest(
         "r", tokens, 0, [0, 1, 2], needs_sample=True, params=SamplingParams(), seed=0

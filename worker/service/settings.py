@@ -335,7 +335,7 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
         "auto (a GGUF's own) | none | int8 | int4 (group 32) | int4-g64 | int4-g128 | w8a8",
     ),
     "--kv-cache-dtype": ("engine.kv_cache_dtype", str, "auto | int8"),
-    "--linear-kernel": ("engine.linear_kernel", str, "auto | plain | packed"),
+    "--linear-kernel": ("engine.linear_kernel", str, "auto | plain | packed | gemv"),
     "--compile": ("engine.compile", str, "torch.compile the forward: auto | on | off"),
     "--device": ("engine.device", str, "auto | cpu | cuda (Triton kernels, CUDA graphs)"),
     "--max-model-len": ("engine.max_model_len", int, "longest prompt + output, in tokens"),
