@@ -40,7 +40,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> list[int]:
         """logits [num_requests, vocab] (row i belongs to requests[i]; any float dtype: greedy
         rows take the argmax as is, sampled rows are computed in float32) -> token ids."""
-        if any(r.params.has_logits_processing for r in requests):
+        if any(r.params.has_logits_processing or r.grammar is not None for r in requests):
             logits = process_logits(logits, requests)
         random_rows = [
             i for i, r in enumerate(requests) if r.params.temperature >= _MIN_TEMPERATURE

@@ -38,6 +38,8 @@ class StructuredOutput:
                 f"structured output type must be one of {STRUCTURED_OUTPUT_TYPES}, got {self.type!r}"
             )
         if self.type == "choice":
+            if isinstance(self.spec, str):  # tuple("ab") would be two one-letter choices
+                raise ValueError("choice needs a list of strings, not one string")
             choices = tuple(self.spec or ())
             if not choices or any(not isinstance(c, str) or not c for c in choices):
                 raise ValueError("choice needs a non-empty list of non-empty strings")
