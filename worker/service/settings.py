@@ -266,9 +266,10 @@ class WorkerSettings(BaseSettings):
     )
 
     model: str = Field(default="smollm2-135m", min_length=1, description="alias, HF dir or .gguf")
-    # auto: the checkpoint's dtype when this CPU computes it natively, else float32.
+    # "auto" (both): a GGUF runs in its own quantization, computing in bf16 where this CPU has
+    # it natively; see engine/precision.py. float32 and "none" give the HF-exact path.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: str | None = None
+    quantization: str | None = "auto"
     engine: EngineConfig = Field(default_factory=EngineConfig)
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     batcher: BatcherSettings = Field(default_factory=BatcherSettings)
@@ -328,9 +329,13 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
     "--model": ("model", str, "smollm2-135m, a Hugging Face checkpoint dir or a .gguf file"),
     "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16"),
     "--attention-backend": ("engine.attention_backend", str, "auto | cpu | torch | triton"),
-    "--quantization": ("quantization", str, "int8 | int4 (group 32) | int4-g64 | int4-g128 | w8a8"),
+    "--quantization": (
+        "quantization",
+        str,
+        "auto (a GGUF's own) | none | int8 | int4 (group 32) | int4-g64 | int4-g128 | w8a8",
+    ),
     "--kv-cache-dtype": ("engine.kv_cache_dtype", str, "auto | int8"),
-    "--linear-kernel": ("engine.linear_kernel", str, "auto | plain | packed"),
+    "--linear-kernel": ("engine.linear_kernel", str, "auto | plain | packed | gemv"),
     "--compile": ("engine.compile", str, "torch.compile the forward: auto | on | off"),
     "--device": ("engine.device", str, "auto | cpu | cuda (Triton kernels, CUDA graphs)"),
     "--max-model-len": ("engine.max_model_len", int, "longest prompt + output, in tokens"),
