@@ -53,6 +53,8 @@ from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 log = structlog.get_logger(__name__)
 
 MAX_DEFAULT_MODEL_LEN = 8192
+
+
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros whose memory the OS commits page by page on first write.
 
