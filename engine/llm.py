@@ -14,9 +14,11 @@ from engine.sampling_params import SamplingParams
 class LLM:
     """Load a model once, generate for many prompts with continuous batching.
 
-    `model`: a Hugging Face Llama-family checkpoint directory, a `.gguf` file, or the alias
-    `smollm2-135m`. `dtype`: "auto" (the checkpoint's dtype where this CPU computes it natively,
-    else float32), "float32", "bfloat16" or "float16". Extra keyword arguments are
+    `model`: a Hugging Face checkpoint directory, a hub id ("Qwen/Qwen3-0.6B", at `revision`:
+    a branch, tag or commit; fetched into the hub cache), a `.gguf` file, or the alias
+    `smollm2-135m` (README.md, "Models", lists the architectures). `dtype`: "auto" (the
+    checkpoint's dtype where this CPU computes it natively, else float32), "float32",
+    "bfloat16" or "float16". Extra keyword arguments are
     `EngineConfig` fields.
     """
 
@@ -25,9 +27,12 @@ class LLM:
         model: str | Path = "smollm2-135m",
         dtype: str = "auto",
         quantization: str | None = None,
+        revision: str | None = None,
         **engine_config,
     ) -> None:
-        self.engine = LLMEngine(model, dtype=dtype, quantization=quantization, **engine_config)
+        self.engine = LLMEngine(
+            model, dtype=dtype, quantization=quantization, revision=revision, **engine_config
+        )
         self._num_calls = 0
 
     @property

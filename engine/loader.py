@@ -27,6 +27,7 @@ from platformdirs import user_cache_dir
 from safetensors import safe_open
 from torch import nn
 
+from engine.model_source import download_hub_model, is_hub_id
 from engine.models import resolve_architecture
 
 log = structlog.get_logger(__name__)
@@ -44,11 +45,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MINI_INFER_CACHE_DIR") or user_cache_dir("mini-infer"))
 
 
-def resolve_model(model: str | Path, progress: bool = True) -> Path:
+def resolve_model(model: str | Path, progress: bool = True, revision: str | None = None) -> Path:
     """A local HF checkpoint directory for the alias "smollm2-135m", a .gguf file (converted once
-    into the cache) or a checkpoint directory. ValueError for anything else."""
+    into the cache), a checkpoint directory or a hub id "org/name" at `revision` (through the
+    hub cache, engine/model_source.py). ValueError for anything else."""
     if isinstance(model, str) and model.strip().lower() == DEFAULT_MODEL_ALIAS:
         return fetch_default_model(progress=progress)
+    if is_hub_id(model):
+        return download_hub_model(model, revision, progress)
+    if revision is not None:
+        raise ValueError(f"revision {revision!r} applies to hub ids only, not to {str(model)!r}")
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
@@ -60,7 +66,7 @@ def resolve_model(model: str | Path, progress: bool = True) -> Path:
     what = "has no config.json" if path.is_dir() else "does not exist"
     raise ValueError(
         f"model {str(model)!r} {what}: expected a Hugging Face checkpoint directory (with "
-        f"config.json), a .gguf file, or the alias {DEFAULT_MODEL_ALIAS!r}"
+        f"config.json), a .gguf file, a hub id (org/name), or the alias {DEFAULT_MODEL_ALIAS!r}"
     )
 
 
