@@ -13,6 +13,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("engine.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("engine.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("engine.models.qwen3", "Qwen3ForCausalLM"),
 }
 
 # Checkpoints without `architectures` fall back on `model_type`.
@@ -20,6 +21,7 @@ _MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 
