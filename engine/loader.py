@@ -192,9 +192,11 @@ def load_weights(model: nn.Module, path: Path, skip_modules: frozenset[str] = fr
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(f"{key}: checkpoint {tuple(tensor.shape)} vs {tuple(param.shape)}")
             param.data.copy_(tensor)
-        else:
-            loader(param, tensor, shard)
-        loaded.add((name, shard))
+            loaded.add((name, shard))
+            continue
+        for part_shard, part in _fused_parts(owners[name], key, tensor, shard):
+            loader(param, part, part_shard)
+            loaded.add((name, part_shard))
     if _needs_tied_head(model, params, skipped, loaded):
         # A quantized lm_head keeps its own codes, made from the tied embedding table.
         head = model.get_submodule("lm_head")
@@ -212,6 +214,23 @@ def _needs_tied_head(model: nn.Module, params: dict, skipped: set, loaded: set) 
         and "lm_head.weight" not in skipped
         and ("lm_head.weight", None) not in loaded
     )
+
+
+def _fused_parts(
+    module: nn.Module, key: str, tensor: torch.Tensor, shard: str | None
+) -> list[tuple[str | None, torch.Tensor]]:
+    """(shard, tensor) pieces to load: the tensor as it is, or, when the checkpoint stores a
+    fused projection whole (Phi-3's qkv_proj and gate_up_proj), its rows split shard by shard
+    in the layer's order, which is the checkpoint's too (q, k, v; gate, up)."""
+    sizes = getattr(module, "shard_sizes", None)
+    if shard is not None or not sizes:
+        return [(shard, tensor)]
+    if tensor.shape[0] != sum(sizes.values()):
+        raise ValueError(
+            f"{key}: checkpoint has {tensor.shape[0]} rows, the fused {list(sizes)} "
+            f"projection {sum(sizes.values())}"
+        )
+    return list(zip(sizes, tensor.split(list(sizes.values())), strict=True))
 
 
 def _shards_of(module: nn.Module) -> list[str | None]:

@@ -14,6 +14,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("engine.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("engine.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("engine.models.qwen3", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("engine.models.phi3", "Phi3ForCausalLM"),
 }
 
 # Checkpoints without `architectures` fall back on `model_type`.
@@ -22,6 +23,7 @@ _MODEL_TYPES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 

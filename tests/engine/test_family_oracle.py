@@ -5,6 +5,8 @@ quantized engine equals HF running the dequantized weights."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from tests.engine.quant.test_linear import _dequantized_hf
 from tests.engine.test_llm_oracle import _prompts, hf_greedy
 from tests.tiny_archs import make_tiny_family
 
-FAMILIES = ["qwen3"]
+FAMILIES = ["qwen3", "phi3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -80,3 +82,24 @@ def test_weight_only_quantized_matches_hf_on_dequantized_weights(
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             )[0, len(prompt):].tolist()  # fmt: skip
         assert out.token_ids == expected
+
+
+def test_phi3_long_rope_matches_hf(tmp_path):
+    """Phi-3's "longrope": short factors while a sequence stays within
+    original_max_position_embeddings (64 here), long ones for a prompt beyond it, prefilled
+    in one chunk (HF's own regimes; engine/models/phi3.py says why crossing differs)."""
+    rng = random.Random(0)
+    rope = {
+        "rope_type": "longrope", "rope_theta": 10000.0,
+        "short_factor": [1 + rng.random() for _ in range(8)],  # head_dim 16: 8 frequencies
+        "long_factor": [2 + 3 * rng.random() for _ in range(8)],
+    }  # fmt: skip
+    path = make_tiny_family(
+        tmp_path / "phi3-longrope", "phi3", seed=2, max_position_embeddings=256,
+        original_max_position_embeddings=64, rope_parameters=rope,
+    )  # fmt: skip
+    llm = LLM(path, dtype="float32", enable_chunked_prefill=False, max_num_batched_tokens=256)
+    vocab = llm.engine.vocab_size
+    _check(llm, path, _prompts(3, vocab, seed=5, lengths=(3, 20, 40)), max_tokens=12)
+    for prompt in _prompts(3, vocab, seed=6, lengths=(70, 90, 100)):  # one at a time
+        _check(llm, path, [prompt], max_tokens=8)
