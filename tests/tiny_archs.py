@@ -15,7 +15,16 @@ _FAMILY_OPTIONS: dict[str, dict] = {
     "qwen3": dict(head_dim=32),  # head_dim != hidden / heads, as in the real Qwen3 models
     "phi3": dict(),
     "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8),
-    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8),
+    "gemma3_text": dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={  # a local rope for sliding layers, a scaled global one for full ones
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+        },
+    ),  # fmt: skip
 }
 
 

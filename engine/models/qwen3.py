@@ -21,11 +21,13 @@ from engine.models.llama import (
 
 
 class Qwen3Attention(LlamaAttention):
+    qk_norm_class = RMSNorm  # Gemma 3 plugs in its own (engine/models/gemma.py)
+
     def __init__(self, hf_config, qkv_bias, o_bias, backend, dtype: torch.dtype, quant=None):
         super().__init__(hf_config, qkv_bias, o_bias, backend, dtype, quant)
         # One weight [head_dim] shared by every head (HF's q_norm / k_norm).
-        self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, dtype)
+        self.q_norm = self.qk_norm_class(self.head_dim, hf_config.rms_norm_eps, dtype)
+        self.k_norm = self.qk_norm_class(self.head_dim, hf_config.rms_norm_eps, dtype)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens, num_heads, num_kv_heads = x.shape[0], self.num_heads, self.num_kv_heads

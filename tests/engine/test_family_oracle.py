@@ -16,7 +16,7 @@ from tests.engine.quant.test_linear import _dequantized_hf
 from tests.engine.test_llm_oracle import _prompts, hf_greedy
 from tests.tiny_archs import make_tiny_family
 
-FAMILIES = ["qwen3", "phi3"]
+FAMILIES = ["qwen3", "phi3", "gemma2", "gemma3_text"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
