@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.kernels.cpu import quant_gemm
 from engine.quant.config import QuantConfig
 from tests.engine.quant.test_linear import _dequantized_hf
 from tests.engine.test_llm_oracle import _prompts, hf_greedy
@@ -70,6 +71,7 @@ def test_prefix_sharing_and_preemption_match_hf(family_dir):
 def test_weight_only_quantized_matches_hf_on_dequantized_weights(
     family_dir, spec, tmp_path, monkeypatch
 ):
+    quant_gemm.load()  # built under the real cache dir, not once more in the private one
     monkeypatch.setenv("MINI_INFER_CACHE_DIR", str(tmp_path / "cache"))
     llm = LLM(family_dir, quantization=spec, dtype="float32", num_kv_blocks=64)
     hf = _dequantized_hf(family_dir, QuantConfig.parse(spec))
