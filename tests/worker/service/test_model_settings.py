@@ -4,6 +4,10 @@ factory and the routing names."""
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -12,6 +16,8 @@ from tests.hub_cache import add_to_hub_cache, commit_hash
 from worker.cli.serve import add_arguments
 from worker.service.settings import WorkerSettings, settings_from_args
 from worker.service.worker import default_engine_factory, served_model_names
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -60,3 +66,21 @@ def test_the_engine_factory_loads_a_hub_id_at_its_revision(
     missing = WorkerSettings(model="org/tiny", revision="v4")
     with pytest.raises(ValueError, match="org/tiny@v4"):
         default_engine_factory(missing)()
+
+
+def test_fetch_model_cli_resolves_a_hub_id_offline(tmp_path, tiny_model_dir) -> None:
+    """The environment as a user sets it before starting a process: HF_HUB_CACHE and
+    HF_HUB_OFFLINE read by huggingface_hub itself, no network."""
+    snapshot = add_to_hub_cache(tmp_path, "org/tiny", tiny_model_dir, refs=("v1",))
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_CACHE": str(tmp_path),
+           "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    command = [sys.executable, "-m", "worker.cli", "fetch-model", "--model", "org/tiny"]
+    found = subprocess.run(
+        [*command, "--revision", "v1"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == str(snapshot)
+    missing = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+    assert missing.returncode == 1 and "org/tiny" in missing.stderr and missing.stdout == ""
