@@ -142,6 +142,9 @@ class ModelRunner:
         # Quantized layers are packed by load_model_weights; the plain ones here, per shape.
         load_model_weights(self.model, Path(model_path), self.quant)
         self.is_compiled = self._should_compile(config.compile)
+        if self.is_compiled and not getattr(self.model, "supports_compile", True):
+            log.warning("model_runner.compile_unsupported", model=type(self.model).__name__)
+            self.is_compiled = False
         # Compiled: Inductor's freezing lays the weights out itself, from plain ones.
         linear_kernel = "plain" if self.is_compiled else config.linear_kernel
         self.linear_kernels = self._pack_linears(linear_kernel)

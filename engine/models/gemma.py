@@ -14,9 +14,9 @@ What differs from Llama, each as HF's modeling_gemma2.py / modeling_gemma3.py co
 - layers alternate between sliding-window and full attention (`layer_types`).
 
 Attention runs on the torch reference backend, the one that applies the sliding window and
-the soft-cap (engine/layers/sliding_window.py, engine/layers/attention.py): the C++ and Triton
-kernels do neither, so "auto", "cpu" and "triton" fall back to it with a warning; the int8 KV
-cache (whose kernels lack them too) is refused.
+the soft-cap (engine/layers/sliding_window.py, engine/layers/attention.py): the C++ kernels do
+neither, so "auto" and "cpu" fall back to it with a warning; the Triton backend (CUDA) and the
+int8 KV cache, whose kernels lack them too, are refused, and `compile="on"` runs eagerly.
 """
 
 from __future__ import annotations
@@ -117,12 +117,13 @@ class GemmaModel(nn.Module):
             for layer_type in layer_types
         )
         self.norm = GemmaRMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
-        self.rotary = {  # plain attributes: the tables are not weights
-            layer_type: RotaryEmbedding(
-                _rope_config(hf_config, layer_type), head_dim_of(hf_config), max_position, dtype
-            )
-            for layer_type in sorted(set(layer_types))
-        }
+        head_dim = head_dim_of(hf_config)
+        self.rotary = nn.ModuleDict(
+            {
+                name: RotaryEmbedding(_rope_config(hf_config, name), head_dim, max_position, dtype)
+                for name in sorted(set(layer_types))
+            }
+        )
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
@@ -144,6 +145,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     model_class = GemmaModel
     supports_sliding_window = True  # the runner need not cap max_model_len at the window
+    supports_compile = False  # the compiled graph's attention op has no window or soft-cap
 
     def __init__(self, hf_config, dtype, max_position, backend, quant=None):
         super().__init__(hf_config, dtype, max_position, backend, quant)
@@ -176,6 +178,11 @@ def _reference_backend(backend, hf_config) -> TorchPagedAttention:
         raise ValueError(
             f"{hf_config.architectures[0]} needs sliding-window and soft-capped attention, which "
             "the int8 KV cache does not have; use kv_cache_dtype='auto'"
+        )
+    if backend.name == "triton":  # the masks and tables below are built on the CPU
+        raise ValueError(
+            f"{hf_config.architectures[0]} needs sliding-window and soft-capped attention, which "
+            "the Triton kernels do not have; run it on the CPU (attention_backend 'auto')"
         )
     if backend.name != "torch":
         log.warning(

@@ -92,10 +92,31 @@ def test_windowed_softcapped_paged_attention_equals_hf(specs, window, softcap, b
         row += n
 
 
-def test_gemma_refuses_the_int8_kv_cache(tmp_path):
-    from engine import LLM
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory):
     from tests.tiny_archs import make_tiny_family
 
-    path = make_tiny_family(tmp_path / "gemma2", "gemma2", max_position_embeddings=64)
-    with pytest.raises(ValueError, match="int8 KV cache"):
-        LLM(path, dtype="float32", kv_cache_dtype="int8", num_kv_blocks=8)
+    return make_tiny_family(tmp_path_factory.mktemp("gemma2"), "gemma2", max_position_embeddings=64)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(kv_cache_dtype="int8"), "int8 KV cache"),
+        (dict(attention_backend="triton"), "Triton kernels"),
+    ],
+)
+def test_gemma_refuses_kernels_without_window_or_softcap(gemma2_dir, options, message):
+    from engine import LLM
+
+    with pytest.raises(ValueError, match=message):
+        LLM(gemma2_dir, dtype="float32", num_kv_blocks=8, **options)
+
+
+def test_gemma_falls_back_to_the_reference_backend_and_eager_mode(gemma2_dir):
+    from engine import LLM
+
+    llm = LLM(gemma2_dir, dtype="float32", num_kv_blocks=8, attention_backend="cpu", compile="on")
+    assert not llm.engine.runner.is_compiled
+    backends = {type(m.backend) for m in llm.engine.runner.model.modules() if hasattr(m, "backend")}
+    assert backends == {TorchPagedAttention}
