@@ -286,6 +286,10 @@ class WorkerSettings(BaseSettings):
     publisher: PublisherSettings = Field(default_factory=PublisherSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="to finish in-flight work")
+    # The whole stop (drain, commit, flush, leave the group, close) ends within this; keep it
+    # below the pod's terminationGracePeriodSeconds (45 s in deploy/k8s) minus a margin. The
+    # drain gets what the other steps leave of it.
+    stop_budget_s: float = Field(default=40.0, gt=0, description="bound on the whole shutdown")
     worker_id: str | None = Field(
         default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$", description="None: generated"
     )
