@@ -109,6 +109,7 @@ class Worker:
         self.pipeline: Pipeline | None = None
         self.consumer: RequestConsumer | None = None
         self.cancels: CancelListener | None = None
+        self.renderer: PromptRenderer | None = None
         self.tracker = OffsetTracker()
         self._tasks: list[asyncio.Task] = []
         self.failed = asyncio.Event()  # a background task died: the worker cannot go on
@@ -145,7 +146,7 @@ class Worker:
         replies = ReplyWriter(
             self.publisher, s.limits.max_message_bytes, s.publisher.num_final_retries
         )
-        renderer = PromptRenderer(tokenizer)
+        renderer = self.renderer = PromptRenderer(tokenizer)
         dead_letters = DeadLetterWriter(
             self.publisher, self.tracker, self.telemetry, kafka.dlq_topic,
             s.publisher.num_final_retries, s.limits.max_message_bytes, self._fail,
@@ -360,7 +361,10 @@ class Worker:
                 log.exception(
                     "worker.close_failed", part=getattr(closer, "__qualname__", str(closer))
                 )
+        if self.renderer is not None:
+            self.renderer.close()
         self.cancels = self.consumer = self.bridge = self.publisher = self.topics = None
+        self.renderer = None
         self.telemetry.shutdown()
         log.info("worker.stopped", worker_id=self.worker_id)
 
