@@ -125,9 +125,8 @@ async def test_sigterm_drains_exits_zero_and_unfinished_work_is_redelivered(
             assert (await replies.final_of(short.id, timeout_s=60)).attempt.startswith(
                 "terminated:"
             )
-            await replies.wait_until(
-                lambda: all(replies.tokens(r.id) for r in long), what="the long requests to stream"
-            )
+            # The short one's final came from the gated engine: the long ones are in it, with
+            # tokens made (their text may still be buffered: a token can decode to nothing).
             signalled_s = time.monotonic()
             process.send_signal(signal.SIGTERM)
             return_code = await asyncio.to_thread(process.wait, GRACE_S + 20)
