@@ -185,7 +185,10 @@ class Pipeline:
             offset=offset, urgency=urgency, request=request, span=span,
             params=decision.params if request is not None else None,
             reply_headers=reply_headers(traceparent_of(span)),
-            stream=ReplyStream(request_id, attempt, self._tokens_per_message, is_streaming),
+            stream=ReplyStream(
+                request_id, attempt, self._tokens_per_message, is_streaming,
+                request.nonce if request is not None else decision.nonce,
+            ),
             received_s=received_s, record=record, epoch=epoch,
             kafka_wait_s=request_metrics.kafka_wait_s(record),
         )  # fmt: skip
@@ -332,7 +335,8 @@ class Pipeline:
                 self._num_attempts += 1
                 attempt = f"{self._worker_id}:{self._num_attempts}"
                 job.stream = ReplyStream(
-                    job.request_id, attempt, self._tokens_per_message, job.stream.is_streaming
+                    job.request_id, attempt, self._tokens_per_message, job.stream.is_streaming,
+                    job.stream.nonce,
                 )
                 job.span.set_attribute("mini_infer.restarted_as", attempt)
             job.num_output_tokens = 0
