@@ -34,7 +34,6 @@ FinishReason = Literal["stop", "length", "cancelled", "expired", "error"]
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
 
-
 def _not_dot_or_dotdot(name: str) -> str:
     if name in (".", ".."):
         raise ValueError("a topic cannot be named '.' or '..'")

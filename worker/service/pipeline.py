@@ -335,7 +335,10 @@ class Pipeline:
                 self._num_attempts += 1
                 attempt = f"{self._worker_id}:{self._num_attempts}"
                 job.stream = ReplyStream(
-                    job.request_id, attempt, self._tokens_per_message, job.stream.is_streaming,
+                    job.request_id,
+                    attempt,
+                    self._tokens_per_message,
+                    job.stream.is_streaming,
                     job.stream.nonce,
                 )
                 job.span.set_attribute("mini_infer.restarted_as", attempt)

@@ -30,7 +30,6 @@ from schemas.messages import ErrorCode, Request
 log = structlog.get_logger(__name__)
 
 
-
 @dataclass(frozen=True)
 class DeadLetter:
     reason: str  # a `DeadLetterReason` value
