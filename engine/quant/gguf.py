@@ -36,6 +36,8 @@ import structlog
 import torch
 from torch import nn
 
+from engine.quant.primitives import quantize_int4_groupwise, quantize_int8_per_channel
+
 log = structlog.get_logger(__name__)
 
 Q4_1_BLOCK_BYTES = 20
@@ -86,9 +88,9 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{what}"
 
 
-def architecture(reader) -> str:
-    field = reader.fields.get("general.architecture")
-    arch = field.contents() if field is not None else ""
+def architecture(index) -> str:
+    """The file's architecture (a GGUFIndex's), if Mini-Infer reads its tensor names."""
+    arch = index.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
@@ -97,9 +99,9 @@ def architecture(reader) -> str:
 
 
 def _reader(gguf_path: Path):
-    from gguf import GGUFReader
+    from engine.quant.gguf_index import read_index
 
-    return GGUFReader(str(gguf_path))  # memory-maps the file: tensors are read when touched
+    return read_index(gguf_path)  # parsed once per file version; tensors mapped when read
 
 
 def native_scheme(gguf_path: Path) -> str | None:
@@ -128,17 +130,31 @@ _SUPPORTED_TEXT = (
 )
 
 
+DEQUANTIZE_ROWS = 4096  # rows per chunk: gguf's temporaries stay small beside the output
+
+
 def dequantize(tensor) -> torch.Tensor:
-    """float32 [rows, cols] (or [n] for 1-d tensors) of a GGUF tensor."""
+    """float32 [rows, cols] (or [n] for 1-d tensors) of a GGUF tensor, dequantized by the gguf
+    package in chunks of rows (its temporaries are several times a chunk's float size)."""
     from gguf.quants import dequantize as gguf_dequantize
 
+    data = tensor.data
     try:
-        values = gguf_dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        if data.ndim < 2 or data.shape[0] <= DEQUANTIZE_ROWS:
+            return torch.from_numpy(np.array(gguf_dequantize(np.asarray(data), tensor.tensor_type),
+                                             dtype=np.float32, copy=True))  # fmt: skip
+        out = None
+        for start in range(0, data.shape[0], DEQUANTIZE_ROWS):
+            chunk = gguf_dequantize(np.asarray(data[start : start + DEQUANTIZE_ROWS]),
+                                    tensor.tensor_type)  # fmt: skip
+            if out is None:
+                out = np.empty((data.shape[0], *chunk.shape[1:]), dtype=np.float32)
+            out[start : start + chunk.shape[0]] = chunk
+        return torch.from_numpy(out)
     except NotImplementedError as error:
         raise ValueError(
             f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}: {_SUPPORTED_TEXT}"
         ) from error
-    return torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
 
 
 def _unpermute_if_needed(t: torch.Tensor, gguf_name: str, arch: str, hf_config) -> torch.Tensor:
@@ -272,5 +288,13 @@ def _fill_tied_head(model: nn.Module, modules: dict, filled: set[str]) -> None:
     head = modules.get("lm_head")
     if head is None or "lm_head" in filled or not getattr(model, "tie_word_embeddings", False):
         return
-    head.weight_loader(head.weight, model.get_submodule("model.embed_tokens").weight, None)
+    # In chunks of rows (quantization is per row): whole, its float32 temporaries were several
+    # times the 113 MB of SmolLM2's table, all on the load's peak RSS.
+    table = model.get_submodule("model.embed_tokens").weight.data
+    for start in range(0, table.shape[0], DEQUANTIZE_ROWS):
+        rows = table[start : start + DEQUANTIZE_ROWS]
+        if head.scheme == "int4":
+            head.load_quantized(start, *quantize_int4_groupwise(rows, head.quant.group_size))
+        else:
+            head.load_quantized(start, *quantize_int8_per_channel(rows))
     filled.add("lm_head")

@@ -189,6 +189,56 @@ def test_unsupported_types_get_a_clear_error(tmp_path):
         ours(GGUFReader(str(path)).tensors[0])
     other = write_gguf(tmp_path / "x.gguf", {"blk.0.ffn_down.weight": (raw, "Q8_K")}, "gpt2")
     from engine.quant.gguf import architecture
+    from engine.quant.gguf_index import read_index
 
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
-        architecture(GGUFReader(str(other)))
+        architecture(read_index(other))
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        read_index(tmp_path / "junk.gguf")
+
+
+def test_index_reads_what_gguf_reader_reads(tiny_dir, tmp_path):
+    from engine.quant.gguf_index import read_index
+
+    model_dir = make_gguf_model(tiny_dir, tmp_path / "m", "Q4_1")
+    ours, theirs = read_index(model_dir / "model.gguf"), GGUFReader(str(model_dir / "model.gguf"))
+    assert ours.architecture == "llama" and len(ours.tensors) == len(theirs.tensors) > 0
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.n_elements) == (b.name, b.tensor_type, int(b.n_elements))
+        x, y = np.asarray(a.data), np.asarray(b.data)
+        assert x.dtype == y.dtype and np.array_equal(x, y), a.name
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    cut=st.integers(0, 4000),
+    flips=st.lists(st.integers(0, 3999), max_size=4),
+    seed=st.integers(0, 9),
+)
+def test_index_of_a_damaged_file_is_a_clear_error_or_a_consistent_index(
+    tmp_path_factory, tiny_dir, cut, flips, seed
+):
+    """Truncated or bit-flipped headers: ValueError (never a crash or a huge allocation), or an
+    index whose tensors all lie inside the file."""
+    from engine.quant.gguf_index import read_index
+
+    folder = tmp_path_factory.mktemp("damaged")
+    source = make_gguf_model(tiny_dir, folder / "m", "Q4_0") / "model.gguf"
+    raw = bytearray(source.read_bytes()[: max(cut, 1) if cut < 4000 else None])
+    rng = np.random.default_rng(seed)
+    for position in flips:
+        if position < len(raw):
+            raw[position] ^= int(rng.integers(1, 256))
+    damaged = folder / "damaged.gguf"
+    damaged.write_bytes(bytes(raw))
+    try:
+        index = read_index(damaged)
+    except ValueError:
+        return
+    for tensor in index.tensors:
+        try:
+            data = tensor.data
+        except ValueError:  # numpy refuses a mapping past the end of the file
+            continue
+        assert data.nbytes <= len(raw)
