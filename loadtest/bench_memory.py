@@ -1,15 +1,16 @@
 """Peak RSS and throughput of the engine process at W2, one code tree against another, in one
 run (issue 17's memory target: int4 weights + the int8 KV cache).
 
-    python -m loadtest.bench_memory --baseline /path/to/other/checkout [--rounds 3]
+    python loadtest/bench_memory.py --baseline /path/to/other/checkout [--rounds 3]
         [--options '{"dtype": "bfloat16", "quantization": "int4", "kv_cache_dtype": "int8"}']
-        [--out r.json]
+        [--llama-server path/to/llama-server] [--out r.json]
 
 Each (tree, round) runs in its own process (`python -m loadtest.bench_memory --child` with that
 tree first on PYTHONPATH), so its peak RSS (`ru_maxrss`) is its own: load the default model with
 `--options`, run W2 (32 chat prompts submitted together, 128 tokens each, EOS ignored), report
 RSS after load, peak RSS and tokens/s. Trees alternate round by round; the table gives medians
-and this tree's ratio to the baseline. The machine is shared: `uptime` is recorded beside.
+and this tree's ratio to the baseline (and to llama-server on the same GGUF and prompts, its
+own -np 32, with `--llama-server`). The machine is shared: `uptime` is recorded beside.
 """
 
 from __future__ import annotations
@@ -59,6 +60,20 @@ def child(model: str, options: dict, num_requests: int, max_tokens: int) -> dict
     }
 
 
+def run_llama_server(args) -> dict:
+    """llama.cpp's llama-server on the same GGUF and W2 (its own -np 32 slots): its peak RSS."""
+    from engine.loader import gguf_source, load_tokenizer, resolve_model
+    from loadtest.llamacpp_peer import run_llamacpp
+    from loadtest.workloads import chat_prompts
+
+    model_path = resolve_model(args.model)
+    prompts = chat_prompts(load_tokenizer(model_path), args.num_requests)
+    result = run_llamacpp(
+        args.llama_server, gguf_source(model_path), prompts, [args.max_tokens] * len(prompts)
+    )
+    return {"peak_rss_mib": result["server_peak_rss_mib"], "tokens_per_s": result["tokens_per_s"]}
+
+
 def run_tree(tree: Path, args) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_WAIT_POLICY": "PASSIVE"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", args.model,
@@ -79,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--options", type=json.loads, default=DEFAULT_OPTIONS)
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--llama-server", type=Path, default=None, help="also llama-server")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -87,11 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result), flush=True)
         return 0
     trees = {"baseline": args.baseline.resolve(), "this": HERE}
+    if args.llama_server is not None:
+        trees["llama-server"] = args.llama_server
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     uptime = [_uptime()]
     for round_index in range(args.rounds):
         for name, tree in trees.items():
-            result = run_tree(tree, args)
+            result = run_llama_server(args) if name == "llama-server" else run_tree(tree, args)
             print(f"[memory] round {round_index} {name}: {result}", file=sys.stderr, flush=True)
             runs[name].append(result)
     uptime.append(_uptime())
@@ -112,14 +130,17 @@ KEYS = ("rss_after_load_mib", "peak_rss_mib", "tokens_per_s", "load_s")
 
 def _medians(runs: list[dict]) -> dict:
     ok = [r for r in runs if "error" not in r]
-    return {key: statistics.median(r[key] for r in ok) for key in KEYS} if ok else {}
+    keys = [key for key in KEYS if ok and all(key in r for r in ok)]
+    return {key: statistics.median(r[key] for r in ok) for key in keys}
 
 
 def _ratios(medians: dict) -> dict:
-    base, this = medians.get("baseline"), medians.get("this")
-    if not base or not this:
-        return {}
-    return {key: round(this[key] / base[key], 3) for key in KEYS}
+    this = medians.get("this") or {}
+    out = {}
+    for other in ("baseline", "llama-server"):
+        base = medians.get(other) or {}
+        out[other] = {k: round(this[k] / base[k], 3) for k in KEYS if k in this and k in base}
+    return out
 
 
 def _table(medians: dict) -> str:

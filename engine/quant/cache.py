@@ -12,7 +12,7 @@ checkpoint, memory-mapped and skipping the big projection weights.
 
 Measured (SmolLM2 int4 from the cache, bf16, 2-core AMD EPYC Zen 4 shared with other jobs, the
 files in the page cache, cProfile): `load_model_weights` 0.83 s, of which packing for the
-kernels 0.44 s (torch's int4 layout, then the C++ GEMV's: 0.17 s), the float checkpoint's other
+kernels 0.44 s (then torch's int4 layout and the C++ GEMV's; now the C++ one's only: 0.17 s), the float checkpoint's other
 tensors 0.17 s, the SHA-256 of the 161 MB tensor file 0.13 s, the cached tensors 0.08 s. A
 cold start adds the disk reads; importing the two built C++ kernels is separate (~2 s of CPU).
 """

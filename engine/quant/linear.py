@@ -63,10 +63,10 @@ And against bf16 oneDNN-packed (same run; bf16 time / ours, > 1 = faster than bf
     32         0.87  0.73  1.50    0.62  0.53          0.17  0.85  1.61    0.64  0.92
     64         0.34  0.56  0.38    1.00  0.54          0.26  0.35  0.38    0.63  0.90
 
-So ours up to 16 rows (better at every shape at 1 row, and all but one noisy cell to 16);
-from 32 rows int4 is mixed on the small shapes, and past a few rows bf16 (not kept once
-quantized) beats every weight-only kernel anyway. A per-shape calibration could move the
-threshold; the measured margin did not call for one.
+That run routed ours up to 16 rows only (from 32 rows int4 looked mixed on the small shapes);
+the later run quoted at the top (32-512 rows) found ours ahead at every row count, so it now
+serves all of them and torch's second copy of the codes is gone. Past a few rows bf16 (not
+kept once quantized) beats every weight-only kernel anyway.
 
 `_weight_int8pack_mm` with float32 activations takes a slow path here (576->3072: 2.4 s for
 512 rows against 86 ms in bf16, 224 vs 16 ms at 64 rows), so quantized models should be loaded
