@@ -109,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     uptime = [_uptime()]
     for round_index in range(args.rounds):
         for name, tree in trees.items():
-            result = run_llama_server(args) if name == "llama-server" else run_tree(tree, args)
+            try:
+                result = run_llama_server(args) if name == "llama-server" else run_tree(tree, args)
+            except Exception as error:  # one side failing keeps the others' numbers
+                result = {"error": repr(error)[-500:]}
             print(f"[memory] round {round_index} {name}: {result}", file=sys.stderr, flush=True)
             runs[name].append(result)
     uptime.append(_uptime())
