@@ -295,6 +295,7 @@ def _convert_cached_gguf(gguf_path: Path, progress: bool) -> Path:
     key = f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()
     short_hash = hashlib.sha256(key).hexdigest()[:12]
     target = cache_dir() / "converted" / f"{gguf_path.stem}-{short_hash}"
+
     def build(work: Path, out: Path) -> None:
         convert_gguf(gguf_path, out, progress=progress)
         (out / GGUF_SOURCE_RECORD).write_text(json.dumps({"path": str(gguf_path)}))

