@@ -240,6 +240,17 @@ def test_grace_period_covers_the_workers_drain(settings: WorkerSettings) -> None
     assert settings.shutdown_grace_s == default  # the ConfigMap restates the default
 
 
+def test_the_whole_stop_fits_in_the_grace_period_and_read_ahead_is_kept(
+    settings: WorkerSettings,
+) -> None:
+    """The worker's stop budget bounds its whole shutdown (drain, commit, flush, close): below
+    the grace period, or the kubelet's SIGKILL lands before the commit. And the worker reads
+    ahead of what its engine runs, or urgency has nothing to reorder."""
+    pod = MANIFESTS["Deployment"]["spec"]["template"]["spec"]
+    assert settings.stop_budget_s < pod["terminationGracePeriodSeconds"]
+    assert settings.limits.max_num_inflight > settings.engine.max_num_seqs
+
+
 def test_resources_and_threads(settings: WorkerSettings) -> None:
     resources = _container()["resources"]
     assert resources["requests"] == resources["limits"]  # Guaranteed QoS
