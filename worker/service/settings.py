@@ -271,7 +271,14 @@ class WorkerSettings(BaseSettings):
         env_prefix="MINI_INFER_", env_nested_delimiter="__", extra="forbid", frozen=True
     )
 
-    model: str = Field(default="smollm2-135m", min_length=1, description="alias, HF dir or .gguf")
+    model: str = Field(
+        default="smollm2-135m", min_length=1, description="alias, HF dir, hub id org/name or .gguf"
+    )
+    revision: str | None = Field(
+        default=None, min_length=1, description="of a hub id: branch, tag or commit (None: main)"
+    )
+    # The name requests' `model` field and the health/metrics labels use; None: `model`.
+    served_model_name: str | None = Field(default=None, min_length=1, max_length=256)
     # "auto" (both): a GGUF runs in its own quantization, computing in bf16 where this CPU has
     # it natively; see engine/precision.py. float32 and "none" give the HF-exact path.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -290,6 +297,11 @@ class WorkerSettings(BaseSettings):
     worker_id: str | None = Field(
         default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$", description="None: generated"
     )
+
+    @property
+    def model_name(self) -> str:
+        """What this worker calls its model in replies' routing, health and metrics."""
+        return self.served_model_name or self.model
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:
@@ -336,7 +348,17 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
         "start an in-memory broker for development (never in production)",
     ),
     "--port": ("kafka.embedded_port", int, "port of the embedded broker (default: a free one)"),
-    "--model": ("model", str, "smollm2-135m, a Hugging Face checkpoint dir or a .gguf file"),
+    "--model": (
+        "model",
+        str,
+        "smollm2-135m, a Hugging Face checkpoint dir, a hub id org/name or a .gguf file",
+    ),
+    "--revision": ("revision", str, "branch, tag or commit of a hub id (default: main)"),
+    "--served-model-name": (
+        "served_model_name",
+        str,
+        "the name requests use for the model (default: --model)",
+    ),
     "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16"),
     "--attention-backend": ("engine.attention_backend", str, "auto | cpu | torch | triton"),
     "--quantization": (

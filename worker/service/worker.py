@@ -76,8 +76,9 @@ def default_engine_factory(settings: WorkerSettings):
 
         config = dataclasses.asdict(settings.engine)
         return LLMEngine(
-            settings.model, dtype=settings.dtype, quantization=settings.quantization, **config
-        )
+            settings.model, dtype=settings.dtype, quantization=settings.quantization,
+            revision=settings.revision, **config,
+        )  # fmt: skip
 
     return build
 
@@ -85,11 +86,16 @@ def default_engine_factory(settings: WorkerSettings):
 def served_model_name(settings: WorkerSettings) -> str:
     """The name metrics carry for the model: `served_model_name` where settings have one, else
     the configured model (an alias, a directory or a .gguf file)."""
-    return getattr(settings, "served_model_name", None) or settings.model
+    return settings.model_name
 
 
-def served_model_names(configured: str, model_path: str) -> frozenset[str]:
-    """Names a request's `model` may use for what this worker serves."""
+def served_model_names(
+    configured: str, model_path: str, served_name: str | None = None
+) -> frozenset[str]:
+    """Names a request's `model` may use for what this worker serves: the served name alone
+    when one is set (the deployment chose it), else the configured model and its path."""
+    if served_name is not None:
+        return frozenset({served_name})
     path = model_path.rstrip("/")
     base = os.path.basename(path)
     return frozenset({configured, path, base, base.removesuffix(".gguf")})
@@ -171,9 +177,8 @@ class Worker:
             s, self.worker_id, self.bridge, replies, dead_letters, self.tracker, self.telemetry,
             renderer,
         )  # fmt: skip
-        policy = RoutingPolicy(
-            limits, kafka.reply_topic_prefix, served_model_names(s.model, info.model_path)
-        )
+        names = served_model_names(s.model, info.model_path, s.served_model_name)
+        policy = RoutingPolicy(limits, kafka.reply_topic_prefix, names)
         self.cancels = CancelListener(kafka, self.bootstrap_servers, self.pipeline, limits)
         await self.cancels.start()
         self.consumer = RequestConsumer(
@@ -197,7 +202,7 @@ class Worker:
         self._spawn(self._sample_kafka(), "kafka-gauges")
         self._spawn(self._watch_publisher(), "publisher-watch")
         self.health.set_ready(
-            True, worker_id=self.worker_id, model=s.model, group_id=kafka.group_id
+            True, worker_id=self.worker_id, model=s.model_name, group_id=kafka.group_id
         )
 
     def _fail(self, error: BaseException) -> None:
