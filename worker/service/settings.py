@@ -238,9 +238,9 @@ class PublisherSettings(_Group):
     linger_ms: int = Field(default=0, ge=0)
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
     num_final_retries: int = Field(default=3, ge=0)
-    # From publish to the broker's ack; past it a message is undeliverable (a final: dead-
-    # lettered as final_undeliverable, its offset committed). An idempotent producer retries a
-    # topic that refuses writes forever; this is what bounds it.
+    # From publish to the broker's ack; past it a message is undeliverable (a final is
+    # dead-lettered as final_undeliverable, its offset committed). An idempotent producer
+    # retries a topic that refuses writes forever; this is what bounds it.
     delivery_timeout_s: float = Field(default=30.0, gt=0)
     # Unsent messages one reply topic may hold in the worker (a stuck topic's tokens pile up).
     max_num_lane_messages: int = Field(default=10_000, ge=1)
