@@ -9,7 +9,9 @@ lm_head 576->49152; a 1B Llama's (Llama-3.2-1B) qkv 2048->3072, gate_up 2048->16
 - gemv: our kernel called directly, on the weight packed in pairs along K;
 - packed: oneDNN's `_linear_pointwise` on its own packed layout (the engine's previous default);
 - plain: `F.linear` on the checkpoint layout (oneDNN repacks it inside every call);
-- read: `torch.sum` over the same weight bytes, the memory-read yardstick.
+- read: `torch.sum` over the same weight bytes, the memory-read yardstick;
+- gemv_hp (with `--huge-pages`): our kernel on a copy of the packed weight in transparent huge
+  pages (madvise; MINI_INFER_HUGE_PAGES=1 makes the engine pack that way).
 Each round times every column in turn (alternating; each sample is the mean of enough calls to
 last ~20 ms); the table gives medians over the rounds, GB/s of weight bytes (out * in * 2) per
 median call, and the ratios packed/gemv and plain/gemv (> 1: ours is faster). The same weight
@@ -62,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,4,16")
     parser.add_argument("--shapes", default="smol,1b")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--huge-pages", action="store_true", help="add the gemv_hp column")
     args = parser.parse_args(argv)
+    columns = COLUMNS + (("gemv_hp",) if args.huge_pages else ())
     extension = bf16_gemm.load()
     if extension is None:
         raise SystemExit("the C++ kernel did not build here (no compiler)")
@@ -70,15 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     print(f"cpu {cpu_info().model_name}, {torch.get_num_threads()} threads, isa {isa}, "
           f"load average {load_before[0]:.1f}")  # fmt: skip
-    print(f"{'shape':12} {'rows':>4} " + " ".join(f"{c + ' us':>9}" for c in COLUMNS)
-          + " " + " ".join(f"{c + ' GB/s':>11}" for c in COLUMNS)
+    print(f"{'shape':12} {'rows':>4} " + " ".join(f"{c + ' us':>9}" for c in columns)
+          + " " + " ".join(f"{c + ' GB/s':>11}" for c in columns)
           + f" {'packed/gemv':>11} {'plain/gemv':>10}")  # fmt: skip
     results = []
     torch.manual_seed(0)
     for group in args.shapes.split(","):
         for name, (in_features, out_features) in SHAPES[group].items():
             weight = (torch.randn(out_features, in_features) * 0.02).to(torch.bfloat16)
-            packed = bf16_gemm.pack(weight)
+            packed = bf16_gemm.pack(weight, huge_pages=False)
+            packed_hp = bf16_gemm.pack(weight, huge_pages=True) if args.huge_pages else None
             onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
             nbytes = weight.numel() * weight.element_size()
             for rows in [int(r) for r in args.rows.split(",")]:
@@ -91,23 +96,26 @@ def main(argv: list[str] | None = None) -> int:
                     "plain": partial(F.linear, x, weight),
                     "read": weight.sum,
                 }
-                times: dict[str, list[float]] = {c: [] for c in COLUMNS}
+                if packed_hp is not None:
+                    fns["gemv_hp"] = partial(bf16_gemm.gemm, extension, x, packed_hp, None,
+                                             out_features)  # fmt: skip
+                times: dict[str, list[float]] = {c: [] for c in columns}
                 with torch.inference_mode():
                     for _ in range(args.rounds):
                         for column, fn in fns.items():
                             times[column].append(_sample(fn))
                 median = {c: statistics.median(v) for c, v in times.items()}
-                gb_s = {c: nbytes / median[c] / 1e9 for c in COLUMNS}
+                gb_s = {c: nbytes / median[c] / 1e9 for c in columns}
                 row = {"group": group, "shape": name, "in": in_features, "out": out_features,
-                       "rows": rows, "median_us": {c: median[c] * 1e6 for c in COLUMNS},
+                       "rows": rows, "median_us": {c: median[c] * 1e6 for c in columns},
                        "samples_us": {c: [t * 1e6 for t in v] for c, v in times.items()},
                        "gb_s": gb_s, "packed_over_gemv": median["packed"] / median["gemv"],
                        "plain_over_gemv": median["plain"] / median["gemv"]}  # fmt: skip
                 results.append(row)
                 label = f"{group}:{name}"
                 print(f"{label:12} {rows:>4} "
-                      + " ".join(f"{median[c] * 1e6:9.1f}" for c in COLUMNS) + " "
-                      + " ".join(f"{gb_s[c]:11.1f}" for c in COLUMNS)
+                      + " ".join(f"{median[c] * 1e6:9.1f}" for c in columns) + " "
+                      + " ".join(f"{gb_s[c]:11.1f}" for c in columns)
                       + f" {row['packed_over_gemv']:11.2f} {row['plain_over_gemv']:10.2f}",
                       flush=True)  # fmt: skip
     load_after = os.getloadavg()
@@ -119,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"cpu": cpu_info().model_name, "threads": torch.get_num_threads(), "isa": isa,
-                "rounds": args.rounds, "torch": torch.__version__,
+                "rounds": args.rounds, "torch": torch.__version__, "huge_pages": args.huge_pages,
                 "load_average": {"before": load_before, "after": load_after}}  # fmt: skip
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0
