@@ -62,7 +62,7 @@ class CudaModelRunner(ModelRunner):
         model_path: Path,
         config: EngineConfig,
         dtype: torch.dtype | str,
-        quantization: str | None = None,
+        quantization: str | None = "auto",
         *,
         device: torch.device | str = "cuda",
         use_cuda_graphs: bool = True,

@@ -215,7 +215,11 @@ def _fresh_python(code: str, **env) -> str:
     import subprocess
     import sys
 
-    environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    from engine.openmp import SET_BY_ENGINE_VAR
+
+    environment = {
+        k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", SET_BY_ENGINE_VAR)
+    }
     result = subprocess.run(
         [sys.executable, "-c", code], env={**environment, **env}, capture_output=True,
         text=True, check=True,
@@ -230,5 +234,24 @@ def test_openmp_threads_sleep_by_default_unless_told_otherwise():
     )
     assert _fresh_python(f"import engine; {show}") == "PASSIVE True"
     assert _fresh_python(f"import engine; {show}", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE True"
+    # A spin count chosen by the user, or the opt-out: libgomp's own policy, nothing added.
+    assert _fresh_python(f"import engine; {show}", GOMP_SPINCOUNT="10000") == "None True"
+    assert _fresh_python(f"import engine; {show}", MINI_INFER_OMP_DEFAULTS="off") == "None True"
     # torch first: libgomp has read its environment already; nothing is set, and it says so.
     assert _fresh_python(f"import torch, engine; {show}") == "None False"
+
+
+def test_environment_before_import_drops_only_what_engine_set():
+    show = (
+        "import engine.openmp as o; e = o.environ_before_import(); "
+        "print(e.get('OMP_WAIT_POLICY'), e.get('KEEP'))"
+    )
+    assert _fresh_python(f"import engine; {show}", KEEP="1") == "None 1"
+    assert _fresh_python(f"import engine; {show}", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE None"
+    # A child of a process that imported engine inherits the value and the record of it.
+    child = (
+        "import os, subprocess, sys; import engine; "
+        f"print(subprocess.run([sys.executable, '-c', {show!r}], env=os.environ, "
+        "capture_output=True, text=True).stdout.strip())"
+    )
+    assert _fresh_python(child) == "None None"
