@@ -19,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -47,6 +48,8 @@ TopicName = Annotated[str, Field(pattern=TOPIC_NAME_PATTERN), AfterValidator(_no
 # Kafka's own topics: a reply prefix must never let a producer name one of them.
 KAFKA_INTERNAL_TOPICS = ("__consumer_offsets", "__transaction_state", "__cluster_metadata")
 PositiveMs = Annotated[int, Field(ge=1)]
+# While critical or high work is in the engine, a step stays under this (engine/step_cost.py).
+DEFAULT_STEP_TIME_TARGET_MS = 100.0
 
 
 class _Group(BaseModel):
@@ -291,7 +294,9 @@ class WorkerSettings(BaseSettings):
     # auto: the checkpoint's dtype when this CPU computes it natively, else float32.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: str | None = None
-    engine: EngineConfig = Field(default_factory=EngineConfig)
+    engine: EngineConfig = Field(
+        default_factory=lambda: EngineConfig(step_time_target_ms=DEFAULT_STEP_TIME_TARGET_MS)
+    )
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     batcher: BatcherSettings = Field(default_factory=BatcherSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
@@ -301,6 +306,15 @@ class WorkerSettings(BaseSettings):
     worker_id: str | None = Field(
         default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$", description="None: generated"
     )
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _size_steps_by_urgency(cls, value):
+        """The worker sizes steps by urgency unless told otherwise (the engine's default is off:
+        there, priority 0 is every request's)."""
+        if isinstance(value, dict) and "step_time_target_ms" not in value:
+            return {**value, "step_time_target_ms": DEFAULT_STEP_TIME_TARGET_MS}
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:
