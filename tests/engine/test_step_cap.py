@@ -100,7 +100,8 @@ def test_without_a_target_nothing_is_capped() -> None:
     target_ms=st.floats(min_value=2.0, max_value=200.0),
     requests=st.lists(
         st.tuples(st.integers(1, 300), st.sampled_from([CRITICAL, HIGH, NORMAL, LOW])),
-        min_size=1, max_size=12,
+        min_size=1,
+        max_size=12,
     ),  # fmt: skip
 )
 def test_every_urgent_step_stays_under_the_target(target_ms, requests) -> None:
@@ -161,3 +162,23 @@ def test_the_engine_calibrates_at_start_up_and_serves_the_same_tokens(tmp_path) 
         outputs.append(tokens)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 6
     assert model.num_observed > 0  # corrected online
+
+
+@settings(deadline=None)
+@given(
+    num_tokens=st.integers(0, 20_000),
+    max_step_tokens=st.integers(16, 4096),
+    chunk=st.integers(16, 4096),
+)
+def test_the_admission_estimate_is_a_lower_bound(num_tokens, max_step_tokens, chunk) -> None:
+    """Whatever chunks the scheduler really uses (at most `max_step_tokens` each), the predicted
+    prefill time never exceeds what the model says those steps cost: admission expires only
+    requests that truly cannot make it (by the model)."""
+    model = StepCostModel(fixed_ms=3.0, per_token_ms=0.4, per_attention_ms=0.01)
+    chunk = min(chunk, max_step_tokens)
+    steps, start = [], 0
+    while start < num_tokens:
+        n = min(chunk, num_tokens - start)
+        steps.append(model.predict_ms([(start, n)]))
+        start += n
+    assert model.prefill_ms(num_tokens, max_step_tokens) <= sum(steps) + 1e-6

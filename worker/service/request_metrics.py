@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from schemas.contract import LANE_SEPARATOR, LANE_URGENCIES
 from schemas.messages import Timing
 from worker.service.bridge import StepInfo
 from worker.service.job import Job
@@ -55,6 +56,7 @@ class EngineTotals:
 
 def on_step(t: Telemetry, step: StepInfo, totals: EngineTotals) -> None:
     """Engine gauges and counters after a step."""
+    t.step_s.record(step.duration_s)
     stats = step.stats
     if stats is None:
         return
@@ -71,6 +73,13 @@ def on_step(t: Telemetry, step: StepInfo, totals: EngineTotals) -> None:
         t.step_tokens.record(stats.num_tokens_computed - totals.num_tokens_computed)
     totals.num_preemptions = stats.num_preemptions
     totals.num_tokens_computed = stats.num_tokens_computed
+
+
+def lane_of(partition: Any) -> str:
+    """`critical` or `high` for a request read from that urgency lane, else `base`."""
+    topic = getattr(partition, "topic", "") or ""
+    lane = topic.rsplit(LANE_SEPARATOR, 1)[-1]
+    return lane if lane in LANE_URGENCIES and topic != lane else "base"
 
 
 def timing_of(job: Job, now_s: float) -> Timing:
@@ -93,8 +102,8 @@ def on_final(t: Telemetry, job: Job, finish_reason: str, timing: Timing) -> None
     t.prompt_tokens.add(job.num_prompt_tokens)
     t.generated_tokens.add(job.num_output_tokens)
     t.e2e_s.record(timing.total_ms / 1000, urgency)
-    if timing.ttft_ms is not None:
-        t.ttft_s.record(timing.ttft_ms / 1000, urgency)
+    if timing.ttft_ms is not None:  # by lane too: did the request come by its urgency lane?
+        t.ttft_s.record(timing.ttft_ms / 1000, {**urgency, "lane": lane_of(job.partition)})
     if timing.batcher_ms is not None:
         t.queue_s.record(timing.batcher_ms / 1000, {"stage": "batcher", **urgency})
     if job.engine_queue_s is not None:

@@ -44,6 +44,7 @@ _SCOPE = "mini_infer.worker"
 _TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 _TOKEN_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
 _REQUEST_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
+_STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
 _STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
@@ -172,6 +173,16 @@ class Telemetry:
             explicit_bucket_boundaries_advisory=_STEP_TOKEN_BUCKETS,
         )
         self.preemptions = meter.create_counter("mini_infer.engine.preemptions", unit="{event}")
+        # Steps sized by urgency: how long steps take (against step_time_target_ms), and the
+        # requests answered `expired` at admission because their deadline could not be met.
+        self.step_s = meter.create_histogram(
+            "mini_infer.engine.step.duration", unit="s", description="one engine step",
+            explicit_bucket_boundaries_advisory=_STEP_BUCKETS_S,
+        )  # fmt: skip
+        self.expired_at_admission = meter.create_counter(
+            "mini_infer.requests.expired_at_admission", unit="{request}",
+            description="deadline unreachable given the work ahead and the step cost model",
+        )  # fmt: skip
         # Kafka (messaging conventions): lag per partition (a hint: brokers differ), paused.
         self.consumer_lag = meter.create_gauge(
             "messaging.kafka.consumer.lag", unit="{message}",
