@@ -129,7 +129,8 @@ class KafkaSettings(_Group):
         topics = [*self.request_topics, self.control_topic, self.dlq_topic]
         if len(set(topics)) != len(topics):
             raise ValueError(
-                "request (and its urgency lanes), control and DLQ topics must all be different"
+                "request, control and DLQ topics must be three different topics, none of them "
+                "an urgency lane of the request topic"
             )
         if any(len(t) > 249 for t in topics):
             raise ValueError("a request topic's urgency lane name is over 249 characters")
