@@ -200,7 +200,8 @@ async def test_metrics_and_a_producer_trace_through_the_worker(broker, tiny_mode
 
     # The trace: client send span -> worker process span (child, and linked) -> stage spans.
     sends = [s for s in client_spans.get_finished_spans() if s.kind is SpanKind.PRODUCER]
-    assert len(sends) == 2 and all(s.name == f"send {topic}" for s in sends)
+    # Each to its urgency's topic: `high` by its lane (contract v1.2).
+    assert sorted(s.name for s in sends) == [f"send {topic}", f"send {topic}.high"]
     processes = [s for s in worker_spans.get_finished_spans() if s.kind is SpanKind.CONSUMER]
     assert len(processes) == 2
     for process in processes:

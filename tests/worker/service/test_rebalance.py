@@ -103,7 +103,9 @@ class InProcessMember(Member):
         self.name = name
         settings = worker_settings(
             model_dir, broker.bootstrap_servers, group_id, topic, worker_id=name,
-            kafka={"num_partitions": NUM_PARTITIONS, "client_id": f"worker-{name}"},
+            # One request topic, no urgency lanes: the assignments compared are its partitions.
+            kafka={"num_partitions": NUM_PARTITIONS, "client_id": f"worker-{name}",
+                   "urgency_lanes": False},
         )  # fmt: skip
         self._model_dir = model_dir
         self._engine = None
