@@ -35,6 +35,7 @@ class Request:
         "num_preemptions",
         "status",
         "finish_reason",
+        "grammar",
     )
 
     def __init__(
@@ -59,6 +60,9 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
+        # engine/structured's matcher for a request with structured output, else None. It has
+        # accepted exactly the output tokens, so a preempted request resumes with it as is.
+        self.grammar: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -264,15 +264,18 @@ class Scheduler:
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
         self.num_tokens_computed += num_new
+        needs_sample = start + num_new == req.num_tokens
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start : start + num_new],
             start_position=start,
             block_ids=self.kv.block_ids(req.request_id),
-            needs_sample=start + num_new == req.num_tokens,
+            needs_sample=needs_sample,
             params=req.params,
             seed=req.seed,
             num_output_tokens=req.num_output_tokens,
+            all_token_ids=req.all_token_ids if needs_sample and req.params.has_penalties else None,
+            grammar=req.grammar if needs_sample else None,
         )
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

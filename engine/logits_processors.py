@@ -1,0 +1,101 @@
+"""What changes the logits before temperature / top-k / top-p: penalties, logit bias and the
+structured-output token mask. Each is one batched tensor op over the rows that use it (flat
+index lists built from the requests, never a Python loop over the vocabulary), and a batch where
+no request uses any of them never gets here.
+
+Order, as vLLM: repetition penalty (HF's `RepetitionPenaltyLogitsProcessor`: over prompt and
+output tokens), then frequency / presence penalties (OpenAI's definition: over output tokens),
+then logit bias, then the grammar mask (last, so nothing can re-allow a banned token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.scheduler_output import ScheduledRequest
+
+_BITS = torch.arange(32, dtype=torch.int32)  # bit i of a 32-bit word is token 32 * word + i
+
+
+def process_logits(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
+    """logits [num_requests, vocab] (row i is requests[i]'s) -> a float32 copy with every
+    request's penalties, bias and grammar mask applied (the caller's logits stay raw)."""
+    out = logits.float().clone()
+    penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
+    if penalized:
+        _apply_penalties(out, [requests[i] for i in penalized], penalized)
+    biased = [i for i, r in enumerate(requests) if r.params.logit_bias]
+    if biased:
+        _apply_logit_bias(out, [requests[i] for i in biased], biased)
+    constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if constrained:
+        _apply_grammar_masks(out, [requests[i] for i in constrained], constrained)
+    return out
+
+
+def token_counts(
+    requests: list[ScheduledRequest], vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (output counts [rows, vocab] float32, prompt presence [rows, vocab] bool), built by
+    one scatter each over the concatenated token lists."""
+    prompt_rows, prompt_ids, output_rows, output_ids = [], [], [], []
+    for row, request in enumerate(requests):
+        tokens = request.all_token_ids
+        num_prompt = len(tokens) - request.num_output_tokens
+        prompt_ids.extend(tokens[:num_prompt])
+        prompt_rows.extend([row] * num_prompt)
+        output_ids.extend(tokens[num_prompt:])
+        output_rows.extend([row] * (len(tokens) - num_prompt))
+    counts = torch.zeros(len(requests), vocab_size)
+    counts.index_put_(
+        (torch.tensor(output_rows, dtype=torch.long), torch.tensor(output_ids, dtype=torch.long)),
+        torch.ones(len(output_ids)),
+        accumulate=True,
+    )
+    in_prompt = torch.zeros(len(requests), vocab_size, dtype=torch.bool)
+    in_prompt[
+        torch.tensor(prompt_rows, dtype=torch.long), torch.tensor(prompt_ids, dtype=torch.long)
+    ] = True
+    return counts, in_prompt
+
+
+def _apply_penalties(out: torch.Tensor, requests: list[ScheduledRequest], rows: list[int]) -> None:
+    logits = out[rows]  # [P, vocab]
+    counts, in_prompt = token_counts(requests, logits.shape[1])
+    repetition = torch.tensor([r.params.repetition_penalty for r in requests])[:, None]
+    seen = in_prompt | (counts > 0)
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    frequency = torch.tensor([r.params.frequency_penalty for r in requests])[:, None]
+    presence = torch.tensor([r.params.presence_penalty for r in requests])[:, None]
+    logits -= frequency * counts + presence * (counts > 0)
+    out[rows] = logits
+
+
+def _apply_logit_bias(out: torch.Tensor, requests: list[ScheduledRequest], rows: list[int]) -> None:
+    flat_rows, token_ids, biases = [], [], []
+    for row, request in zip(rows, requests, strict=True):
+        for token, bias in request.params.logit_bias:
+            flat_rows.append(row)
+            token_ids.append(token)
+            biases.append(bias)
+    # The engine checked every id against the vocabulary when the request was added.
+    out.index_put_(
+        (torch.tensor(flat_rows, dtype=torch.long), torch.tensor(token_ids, dtype=torch.long)),
+        torch.tensor(biases),
+        accumulate=True,
+    )
+
+
+def _apply_grammar_masks(
+    out: torch.Tensor, requests: list[ScheduledRequest], rows: list[int]
+) -> None:
+    vocab_size = out.shape[1]
+    num_words = (vocab_size + 31) // 32
+    # Each matcher fills its own row (the library's per-request work); the unpack and the fill
+    # are one op for all rows: [G, words] int32 -> [G, words, 32] bits -> [G, vocab] allowed.
+    bitmask = torch.empty(len(requests), num_words, dtype=torch.int32)
+    for row, request in enumerate(requests):
+        request.grammar.fill_bitmask(bitmask, row)
+    allowed = ((bitmask[:, :, None] >> _BITS) & 1).bool().view(len(requests), -1)[:, :vocab_size]
+    out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
