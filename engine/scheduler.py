@@ -33,21 +33,27 @@ from engine.request import Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.step_cost import StepCostModel
 
+# The first chunk of a capped step gets at least this many tokens (or all it wants), so urgent
+# work makes progress even when the model says the target cannot be met (a machine slower than
+# the target, a calibration taken under load).
+MIN_FIRST_CHUNK_TOKENS = 16
+
 
 class StepCap:
-    """The time budget of one step, spent chunk by chunk. The first chunk always gets at least
-    one token, so a step makes progress even when one decode would overshoot the target."""
+    """The time budget of one step, spent chunk by chunk. At least half the target goes to the
+    chunks even when the fixed cost alone would use it all (no target is met then; steps stay
+    short all the same)."""
 
     def __init__(self, model: StepCostModel, target_ms: float) -> None:
         self._model = model
-        self.remaining_ms = target_ms - model.step_fixed_ms()
+        self.remaining_ms = max(target_ms - model.step_fixed_ms(), target_ms / 2)
         self.num_chunks = 0
 
     def take(self, start: int, num_wanted: int) -> int:
         """How many of `num_wanted` tokens at `start` fit; spends their cost."""
         num_new = min(num_wanted, self._model.max_new_tokens(start, self.remaining_ms))
         if self.num_chunks == 0:
-            num_new = max(num_new, min(1, num_wanted))
+            num_new = max(num_new, min(MIN_FIRST_CHUNK_TOKENS, num_wanted))
         if num_new > 0:
             self.remaining_ms -= self._model.chunk_ms(start, num_new)
             self.num_chunks += 1

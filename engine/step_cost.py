@@ -162,6 +162,7 @@ def calibrate_on(engine) -> StepCostModel:
     vocab = max(2, engine.vocab_size)
     samples: list[tuple[list[Chunk], float]] = []
     serial = iter(range(1 << 30))
+    priority = engine.config.urgent_priority + 1  # not urgent: whole steps, never capped
 
     def prompt(num_tokens: int) -> list[int]:
         base = next(serial) * 7919
@@ -176,14 +177,14 @@ def calibrate_on(engine) -> StepCostModel:
         best_ms = math.inf
         for _ in range(2):
             rid = f"step-cost-{next(serial)}"
-            engine.add_request(rid, prompt(num_tokens), SamplingParams(max_tokens=2))
+            engine.add_request(rid, prompt(num_tokens), SamplingParams(max_tokens=2), priority)
             best_ms = min(best_ms, timed_step())
             engine.abort_request(rid)
         samples.append(([(0, num_tokens)], best_ms))
     num_decodes = min(CALIBRATION_NUM_DECODES, engine.config.max_num_seqs)
     rids = [f"step-cost-{next(serial)}" for _ in range(num_decodes)]
     for rid in rids:
-        engine.add_request(rid, prompt(4), SamplingParams(max_tokens=8, ignore_eos=True))
+        engine.add_request(rid, prompt(4), SamplingParams(max_tokens=8, ignore_eos=True), priority)
     engine.step()  # the prefills
     decode_ms = min(timed_step() for _ in range(2))
     samples.append(([(4, 1)] * len(rids), decode_ms))

@@ -359,7 +359,7 @@ def _run_header(args: argparse.Namespace, rate: float, slos) -> dict:
         "urgency_mix": parse_urgency_mix(args.urgency_mix),
         "deadline_ms": args.deadline_ms,
         "cancel_fraction": args.cancel_fraction,
-        "backlog": args.backlog,
+        "backlog_size": args.backlog,
         "backlog_urgency": args.backlog_urgency,
         "goodput_slos_ms": slos,
         "seed": args.seed,
