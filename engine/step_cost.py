@@ -143,26 +143,30 @@ def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
     return [m[i][3] / m[i][i] for i in range(3)]
 
 
-# The start-up probe: prefills of growing size (the n^2 attention term shows in the longest) and
-# a decode step of 16 requests, enough to separate the three terms.
+# The start-up probe: a decode step of a few requests, then prefills of growing size (the n^2
+# attention term shows in the longest), until the time budget is spent: on a slow or loaded
+# machine (or a slow prefill kernel) start-up must not wait for the long probes, and the online
+# correction takes it from there.
 CALIBRATION_PROMPT_LENS = (8, 64, 256, 512)
-CALIBRATION_NUM_DECODES = 16
+CALIBRATION_NUM_DECODES = 8
+CALIBRATION_BUDGET_S = 3.0
 
 
-def calibrate_on(engine) -> StepCostModel:
+def calibrate_on(engine, budget_s: float = CALIBRATION_BUDGET_S) -> StepCostModel:
     """Time a few real steps of `engine` (an `LLMEngine` with nothing in it) and fit the model.
 
-    Each step runs twice on fresh token ids (no prefix-cache hit) and the faster counts: the
-    first may pay for cold caches. The requests are aborted and the scheduler's counters (and
-    the engine's arrival count, which derives seeds) put back, so nothing shows afterwards. About a second for a 135M model on 2 cores."""
+    Each prefill runs twice on fresh token ids (no prefix-cache hit) and the faster counts (the
+    first may pay for cold caches), as long as `budget_s` lasts. The requests are aborted and the
+    scheduler's counters (and the engine's arrival count, which derives seeds) put back, so
+    nothing shows afterwards. About a second for a 135M model on 2 idle cores."""
     scheduler = engine.scheduler
     counters = {k: v for k, v in vars(scheduler).items() if k.startswith("num_")}
     num_arrivals = getattr(engine, "_num_arrivals", None)  # derives seeds: put back as well
     max_len = min(engine.max_model_len - 2, engine.config.max_num_batched_tokens)
     vocab = max(2, engine.vocab_size)
-    samples: list[tuple[list[Chunk], float]] = []
     serial = iter(range(1 << 30))
     priority = engine.config.urgent_priority + 1  # not urgent: whole steps, never capped
+    deadline_s = time.perf_counter() + budget_s
 
     def prompt(num_tokens: int) -> list[int]:
         base = next(serial) * 7919
@@ -173,25 +177,34 @@ def calibrate_on(engine) -> StepCostModel:
         engine.step()
         return (time.perf_counter() - started) * 1000
 
+    samples = [_decode_sample(engine, prompt, timed_step, serial, priority)]
     for num_tokens in (n for n in CALIBRATION_PROMPT_LENS if n <= max_len):
-        best_ms = math.inf
+        if time.perf_counter() > deadline_s and len(samples) >= 2:
+            break
+        times_ms = []
         for _ in range(2):
             rid = f"step-cost-{next(serial)}"
             engine.add_request(rid, prompt(num_tokens), SamplingParams(max_tokens=2), priority)
-            best_ms = min(best_ms, timed_step())
+            times_ms.append(timed_step())
             engine.abort_request(rid)
-        samples.append(([(0, num_tokens)], best_ms))
+            if time.perf_counter() > deadline_s:
+                break
+        samples.append(([(0, num_tokens)], min(times_ms)))
+    engine.step()  # lets the runner drop the aborted requests' state
+    vars(scheduler).update(counters)
+    if num_arrivals is not None:
+        engine._num_arrivals = num_arrivals
+    return fit(samples)
+
+
+def _decode_sample(engine, prompt, timed_step, serial, priority) -> tuple[list[Chunk], float]:
+    """A decode step of a few 4-token requests (the best of two)."""
     num_decodes = min(CALIBRATION_NUM_DECODES, engine.config.max_num_seqs)
     rids = [f"step-cost-{next(serial)}" for _ in range(num_decodes)]
     for rid in rids:
         engine.add_request(rid, prompt(4), SamplingParams(max_tokens=8, ignore_eos=True), priority)
     engine.step()  # the prefills
     decode_ms = min(timed_step() for _ in range(2))
-    samples.append(([(4, 1)] * len(rids), decode_ms))
     for rid in rids:
         engine.abort_request(rid)
-    engine.step()  # lets the runner drop the aborted requests' state
-    vars(scheduler).update(counters)
-    if num_arrivals is not None:
-        engine._num_arrivals = num_arrivals
-    return fit(samples) if len(samples) >= 3 else StepCostModel()
+    return [(4, 1)] * len(rids), decode_ms

@@ -83,6 +83,7 @@ class ProcessMember(Member):
             worker_id=name, num_partitions=NUM_PARTITIONS, extra_env={
                 "MINI_INFER_KAFKA__CLIENT_ID": f"worker-{name}",
                 "MINI_INFER_ENGINE__MAX_NUM_SEQS": "8",
+                "MINI_INFER_KAFKA__URGENCY_LANES": "false",  # as the in-process members
             },
         )  # fmt: skip
 
