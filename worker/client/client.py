@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import secrets
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from schemas.contract import (
     DEFAULT_REQUEST_TOPIC,
     NUM_REPLY_TOPIC_PARTITIONS,
     TOPIC_NAME_PATTERN,
+    request_topic_for,
 )
 from schemas.headers import CONTENT_TYPE, Urgency, request_headers
 from schemas.messages import (
@@ -96,6 +98,9 @@ class ClientOptions:
     """How a client reaches the workers. The defaults are the contract's (schemas.contract)."""
 
     request_topic: str = DEFAULT_REQUEST_TOPIC
+    # Send `critical` and `high` requests to their urgency lane (contract v1.2,
+    # `request_topic_for`); False: every request to `request_topic` (workers without lanes).
+    urgency_lanes: bool = True
     reply_prefix: str = DEFAULT_REPLY_TOPIC_PREFIX
     control_topic: str = DEFAULT_CONTROL_TOPIC
     client_id: str | None = None
@@ -216,12 +221,20 @@ class MiniInferClient:
         request = Request(
             id=request_id or uuid.uuid4().hex,
             reply_to=self.reply_topic,
+            # v1.2: only replies echoing this secret are taken (a producer could forge others)
+            nonce=secrets.token_urlsafe(16),
             prompt=prompt,
             messages=list(messages) if messages is not None else None,
             **fields,
         )
         check_limits(request, self.options.limits)
         return request
+
+    def topic_for(self, urgency: Urgency | str) -> str:
+        """The topic a request of `urgency` goes to: its lane, or the request topic."""
+        return request_topic_for(
+            Urgency.parse(urgency), self.request_topic, is_laned=self.options.urgency_lanes
+        )
 
     async def send(
         self,
@@ -237,13 +250,14 @@ class MiniInferClient:
         if self._producer is None:
             raise ClientError("the client is not started")
         tracer = self.options.tracer or trace.get_tracer("mini_infer.client")
+        topic = self.topic_for(urgency)
         with tracer.start_as_current_span(
-            f"send {self.request_topic}",
+            f"send {topic}",
             kind=trace.SpanKind.PRODUCER,
             attributes={
                 "messaging.system": "kafka",
                 "messaging.operation.type": "send",
-                "messaging.destination.name": self.request_topic,
+                "messaging.destination.name": topic,
                 "messaging.message.id": request.id,
             },
         ):
@@ -252,7 +266,7 @@ class MiniInferClient:
                 _PROPAGATOR.inject(carrier)
                 traceparent = carrier.get("traceparent")
             await self._producer.send_and_wait(
-                self.request_topic,
+                topic,
                 encode(request, MSGPACK),
                 key=request.id.encode(),
                 headers=request_headers(MSGPACK, urgency, traceparent),
@@ -287,7 +301,7 @@ class MiniInferClient:
         `contextlib.aclosing(client.stream(...))`, otherwise when it is garbage-collected.
         """
         request = self.build_request(prompt, messages, request_id, **sampling)
-        queue = self._router.register(request.id)
+        queue = self._router.register(request.id, request.nonce)
         assembler = ReplyAssembler()
         is_cancel_needed = False
         try:

@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -33,6 +34,7 @@ from schemas.contract import (
     DEFAULT_REPLY_TOPIC_PREFIX,
     DEFAULT_REQUEST_TOPIC,
     TOPIC_NAME_PATTERN,
+    request_topics,
 )
 from schemas.headers import Urgency
 from worker.client.security import aiokafka_security_options, check_security
@@ -48,6 +50,8 @@ TopicName = Annotated[str, Field(pattern=TOPIC_NAME_PATTERN), AfterValidator(_no
 # Kafka's own topics: a reply prefix must never let a producer name one of them.
 KAFKA_INTERNAL_TOPICS = ("__consumer_offsets", "__transaction_state", "__cluster_metadata")
 PositiveMs = Annotated[int, Field(ge=1)]
+# While critical or high work is in the engine, a step stays under this (engine/step_cost.py).
+DEFAULT_STEP_TIME_TARGET_MS = 100.0
 
 
 class _Group(BaseModel):
@@ -79,6 +83,10 @@ class KafkaSettings(_Group):
         default=None, ge=1, le=65535, description="embedded broker port"
     )
     request_topic: TopicName = DEFAULT_REQUEST_TOPIC
+    # Urgency lanes (contract v1.2): also consume <request_topic>.critical and .high, read and
+    # admitted before the base topic, paused last. False: the base topic only (producers that
+    # send by lane then need lanes off too, or their critical requests go unread).
+    urgency_lanes: bool = True
     control_topic: TopicName = DEFAULT_CONTROL_TOPIC
     dlq_topic: TopicName = DEFAULT_DLQ_TOPIC
     num_partitions: int = Field(default=4, ge=1, description="for topics the worker creates")
@@ -106,27 +114,38 @@ class KafkaSettings(_Group):
     # hop), so this bounds the added latency there; an idle worker pays one fetch per wait.
     fetch_max_wait_ms: PositiveMs = 20
     consumer_stop_timeout_s: float = Field(default=10.0, gt=0)
+    # TLS and/or SASL to the brokers (docs/OPERATIONS.md); the mechanism below for SASL_*.
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
-    sasl_username: str | None = None
-    sasl_password: SecretStr | None = None
+    sasl_username: str | None = None  # PLAIN and SCRAM-*
+    sasl_password: SecretStr | None = None  # PLAIN and SCRAM-*; from a Secret, never a ConfigMap
     # OAUTHBEARER: the token is read from this file at each connection (a projected
     # service-account token or a file a sidecar refreshes), so it rotates without a restart.
     sasl_oauth_token_file: Path | None = None
-    ssl_cafile: Path | None = None
-    ssl_certfile: Path | None = None
-    ssl_keyfile: Path | None = None
-    ssl_password: SecretStr | None = None
+    ssl_cafile: Path | None = None  # the brokers' CA (PEM); None: the system's CAs
+    ssl_certfile: Path | None = None  # a client certificate (mutual TLS)
+    ssl_keyfile: Path | None = None  # its private key
+    ssl_password: SecretStr | None = None  # of the private key, if encrypted
 
     @property
     def is_embedded(self) -> bool:
         return self.bootstrap_servers is None
 
+    @property
+    def request_topics(self) -> list[str]:
+        """The request topic's lanes, most urgent first, the base topic last."""
+        return request_topics(self.request_topic, is_laned=self.urgency_lanes)
+
     @model_validator(mode="after")
     def _check(self) -> KafkaSettings:
-        topics = [self.request_topic, self.control_topic, self.dlq_topic]
+        topics = [*self.request_topics, self.control_topic, self.dlq_topic]
         if len(set(topics)) != len(topics):
-            raise ValueError("request, control and DLQ topics must be three different topics")
+            raise ValueError(
+                "request, control and DLQ topics must be three different topics, none of them "
+                "an urgency lane of the request topic"
+            )
+        if any(len(t) > 249 for t in topics):
+            raise ValueError("a request topic's urgency lane name is over 249 characters")
         covered = [
             t for t in (*topics, *KAFKA_INTERNAL_TOPICS) if t.startswith(self.reply_topic_prefix)
         ]
@@ -209,9 +228,9 @@ class LimitSettings(_Group):
     The worker reads ahead of what its engine can run (up to `max_num_inflight` requests and
     `max_inflight_bytes` of estimated memory: record bytes plus tokenized prompts) and lets the
     batcher admit by urgency, so a `critical` request behind a backlog of `low` ones is read and
-    reaches the engine within about one step. Only past either bound are partitions paused;
-    then, as on any Kafka log, a request waits behind those before it in its partition (a
-    deployment needing hard isolation runs a request topic and worker group per urgency).
+    reaches the engine within about one step. Only past either bound are partitions paused,
+    the base topic's first and the urgency lanes' last (`num_urgent_reserve`); on the base topic,
+    as on any Kafka log, a request then waits behind those before it in its partition.
     """
 
     max_message_bytes: int = Field(
@@ -222,6 +241,10 @@ class LimitSettings(_Group):
     max_inflight_bytes: int = Field(
         default=256 << 20, ge=1 << 16, description="their estimated memory, before pausing"
     )
+    # Urgency lanes pause last: the critical lane reads this many requests past both bounds
+    # (the bytes one by as many of the largest request), the high lane half as many, the base
+    # topic none. So a full worker still reads a critical request at once.
+    num_urgent_reserve: int = Field(default=64, ge=0, description="past the bounds, for lanes")
     # Engine steps that may fail in a row before the worker gives up (exits non-zero, answering
     # nothing more). Isolating one bad request among k costs about log2(k) + 1 of them.
     max_consecutive_step_failures: int = Field(default=8, ge=1)
@@ -237,6 +260,12 @@ class PublisherSettings(_Group):
     linger_ms: int = Field(default=0, ge=0)
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
     num_final_retries: int = Field(default=3, ge=0)
+    # From publish to the broker's ack; past it a message is undeliverable (a final is
+    # dead-lettered as final_undeliverable, its offset committed). An idempotent producer
+    # retries a topic that refuses writes forever; this is what bounds it.
+    delivery_timeout_s: float = Field(default=30.0, gt=0)
+    # Unsent messages one reply topic may hold in the worker (a stuck topic's tokens pile up).
+    max_num_lane_messages: int = Field(default=10_000, ge=1)
 
 
 class ObservabilitySettings(_Group):
@@ -265,21 +294,48 @@ class WorkerSettings(BaseSettings):
         env_prefix="MINI_INFER_", env_nested_delimiter="__", extra="forbid", frozen=True
     )
 
-    model: str = Field(default="smollm2-135m", min_length=1, description="alias, HF dir or .gguf")
+    model: str = Field(
+        default="smollm2-135m", min_length=1, description="alias, HF dir, hub id org/name or .gguf"
+    )
+    revision: str | None = Field(
+        default=None, min_length=1, description="of a hub id: branch, tag or commit (None: main)"
+    )
+    # The name requests' `model` field and the health/metrics labels use; None: `model`.
+    served_model_name: str | None = Field(default=None, min_length=1, max_length=256)
     # "auto" (both): a GGUF runs in its own quantization, computing in bf16 where this CPU has
     # it natively; see engine/precision.py. float32 and "none" give the HF-exact path.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: str | None = "auto"
-    engine: EngineConfig = Field(default_factory=EngineConfig)
+    engine: EngineConfig = Field(
+        default_factory=lambda: EngineConfig(step_time_target_ms=DEFAULT_STEP_TIME_TARGET_MS)
+    )
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     batcher: BatcherSettings = Field(default_factory=BatcherSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     publisher: PublisherSettings = Field(default_factory=PublisherSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="to finish in-flight work")
+    # The whole stop (drain, commit, flush, leave the group, close) ends within this; keep it
+    # below the pod's terminationGracePeriodSeconds (45 s in deploy/k8s) minus a margin. The
+    # drain gets what the other steps leave of it.
+    stop_budget_s: float = Field(default=40.0, gt=0, description="bound on the whole shutdown")
     worker_id: str | None = Field(
         default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$", description="None: generated"
     )
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _size_steps_by_urgency(cls, value):
+        """The worker sizes steps by urgency unless told otherwise (the engine's default is off:
+        there, priority 0 is every request's)."""
+        if isinstance(value, dict) and "step_time_target_ms" not in value:
+            return {**value, "step_time_target_ms": DEFAULT_STEP_TIME_TARGET_MS}
+        return value
+
+    @property
+    def model_name(self) -> str:
+        """What this worker calls its model in replies' routing, health and metrics."""
+        return self.served_model_name or self.model
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:
@@ -293,6 +349,13 @@ class WorkerSettings(BaseSettings):
                 "scheduled"
             )
         return self
+
+
+def _bool_flag(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return lowered in ("true", "1", "yes", "on")
 
 
 # --- the same settings as `mini-infer serve` flags ------------------------------------------
@@ -326,7 +389,17 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
         "start an in-memory broker for development (never in production)",
     ),
     "--port": ("kafka.embedded_port", int, "port of the embedded broker (default: a free one)"),
-    "--model": ("model", str, "smollm2-135m, a Hugging Face checkpoint dir or a .gguf file"),
+    "--model": (
+        "model",
+        str,
+        "smollm2-135m, a Hugging Face checkpoint dir, a hub id org/name or a .gguf file",
+    ),
+    "--revision": ("revision", str, "branch, tag or commit of a hub id (default: main)"),
+    "--served-model-name": (
+        "served_model_name",
+        str,
+        "the name requests use for the model (default: --model)",
+    ),
     "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16"),
     "--attention-backend": ("engine.attention_backend", str, "auto | cpu | torch | triton"),
     "--quantization": (
@@ -352,6 +425,11 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
         "static group membership: a stable id per pod (restarts skip the rebalance)",
     ),
     "--request-topic": ("kafka.request_topic", str, "topic to consume requests from"),
+    "--urgency-lanes": (
+        "kafka.urgency_lanes",
+        _bool_flag,
+        "true | false: also consume <request-topic>.critical and .high (default true)",
+    ),
     "--partitions": ("kafka.num_partitions", int, "partitions of the topics the worker creates"),
     "--max-inflight": (
         "limits.max_num_inflight",

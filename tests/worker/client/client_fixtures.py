@@ -12,6 +12,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from schemas import Request, decode_cancel, decode_request, encode
+from schemas.contract import request_topics
 from schemas.headers import read_content_type
 from schemas.messages import FinalReply, Timing, TokenReply, Usage
 
@@ -28,6 +29,7 @@ def final_of(request: Request, attempt: str, seq: int, text: str, **fields) -> F
         id=request.id,
         attempt=attempt,
         seq=seq,
+        nonce=fields.pop("nonce", request.nonce),  # echoed, as a worker does (contract v1.2)
         finish_reason=fields.pop("finish_reason", "stop"),
         text=text,
         usage=Usage(prompt_tokens=2, completion_tokens=seq),
@@ -38,7 +40,9 @@ def final_of(request: Request, attempt: str, seq: int, text: str, **fields) -> F
 
 def tokens_of(request: Request, attempt: str, texts: list[str]) -> list[TokenReply]:
     return [
-        TokenReply(id=request.id, attempt=attempt, seq=i, text=t, token_ids=[i])
+        TokenReply(
+            id=request.id, attempt=attempt, seq=i, text=t, token_ids=[i], nonce=request.nonce
+        )
         for i, t in enumerate(texts)
     ]
 
@@ -51,14 +55,15 @@ async def topics_fixture(broker):
     admin = AIOKafkaAdminClient(bootstrap_servers=broker.bootstrap_servers)
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(n, 1, 1) for n in names.values()])
+        lanes = request_topics(names["request_topic"])  # the urgency lanes and the base topic
+        await admin.create_topics([NewTopic(n, 1, 1) for n in {*lanes, *names.values()}])
     finally:
         await admin.close()
     return names
 
 
 async def fake_worker(broker, topics, script: Script, seen: list) -> None:
-    """Answer every request on the request topic with `script(request)`."""
+    """Answer every request on the request topic (and its urgency lanes) with `script(request)`."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=broker.bootstrap_servers,
         auto_offset_reset="earliest",
@@ -67,7 +72,7 @@ async def fake_worker(broker, topics, script: Script, seen: list) -> None:
     producer = AIOKafkaProducer(bootstrap_servers=broker.bootstrap_servers)
     await consumer.start()
     await producer.start()
-    consumer.assign([TopicPartition(topics["request_topic"], 0)])
+    consumer.assign([TopicPartition(t, 0) for t in request_topics(topics["request_topic"])])
     try:
         async for record in consumer:
             request = decode_request(record.value, read_content_type(record.headers))
