@@ -13,14 +13,17 @@ from __future__ import annotations
 import torch
 
 from engine.scheduler_output import ScheduledRequest
-
-_BITS = torch.arange(32, dtype=torch.int32)  # bit i of a 32-bit word is token 32 * word + i
+from engine.structured.bitmask import apply_bitmask
 
 
 def process_logits(logits: torch.Tensor, requests: list[ScheduledRequest]) -> torch.Tensor:
-    """logits [num_requests, vocab] (row i is requests[i]'s) -> a float32 copy with every
-    request's penalties, bias and grammar mask applied (the caller's logits stay raw)."""
-    out = logits.float().clone()
+    """logits [num_requests, vocab] (row i is requests[i]'s) -> float32 logits with every
+    request's penalties, bias and grammar mask applied. Float32 logits are changed in place
+    unless a request of the batch asks for logprobs (the runner scores those on the raw
+    logits after sampling): a [32, 49k] copy is not free on a busy CPU."""
+    out = logits.float()  # a copy unless already float32
+    if out.data_ptr() == logits.data_ptr() and any(r.params.logprobs is not None for r in requests):
+        out = out.clone()
     penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
     if penalized:
         _apply_penalties(out, [requests[i] for i in penalized], penalized)
@@ -90,12 +93,11 @@ def _apply_logit_bias(out: torch.Tensor, requests: list[ScheduledRequest], rows:
 def _apply_grammar_masks(
     out: torch.Tensor, requests: list[ScheduledRequest], rows: list[int]
 ) -> None:
-    vocab_size = out.shape[1]
-    num_words = (vocab_size + 31) // 32
-    # Each matcher fills its own row (the library's per-request work); the unpack and the fill
-    # are one op for all rows: [G, words] int32 -> [G, words, 32] bits -> [G, vocab] allowed.
-    bitmask = torch.empty(len(requests), num_words, dtype=torch.int32)
-    for row, request in enumerate(requests):
+    # bitmask [num_requests, ceil(vocab / 32)] int32, bit i of word w = token 32 * w + i. Each
+    # matcher fills its own row (the library's per-request work, ~10 us); xgrammar's CPU kernel
+    # then sets the banned logits of those rows to -inf in place, 3-4x faster than unpacking
+    # the bits into a bool mask and `masked_fill` (measured at W2: 32 x 49k).
+    bitmask = torch.empty(out.shape[0], (out.shape[1] + 31) // 32, dtype=torch.int32)
+    for row, request in zip(rows, requests, strict=True):
         request.grammar.fill_bitmask(bitmask, row)
-    allowed = ((bitmask[:, :, None] >> _BITS) & 1).bool().view(len(requests), -1)[:, :vocab_size]
-    out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
+    apply_bitmask(out, bitmask, rows)
