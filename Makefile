@@ -16,7 +16,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[serve,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[serve,demo,dev]'
 	@touch $(STAMP)
 
 run: install

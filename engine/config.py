@@ -28,8 +28,9 @@ class EngineConfig:
     seed: int = 0  # seeds requests that give no seed of their own
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    # "auto": per shape, plain F.linear or oneDNN-packed weights, whichever a calibration on this
-    # machine found faster (cached under the cache dir); "plain" | "packed" force one path.
+    # "auto": per shape, plain F.linear, oneDNN-packed weights or (bf16) our GEMV, whichever a
+    # calibration on this machine found faster (cached under the cache dir); "plain" | "packed"
+    # | "gemv" force one path (falling back to the next this machine runs).
     linear_kernel: str = "auto"
     # torch.compile of the model forward: "on" | "off" | "auto" (True/False mean on/off). "auto"
     # is off: on the 2-core Zen 4 the compiled step did not beat eager (engine/compile.py).
@@ -65,9 +66,10 @@ class EngineConfig:
         if not isinstance(compile_mode, str) or compile_mode.lower() not in ("auto", "on", "off"):
             raise ValueError(f"compile must be 'auto', 'on', 'off' or a bool, got {self.compile!r}")
         object.__setattr__(self, "compile", compile_mode.lower())
-        if self.linear_kernel not in ("auto", "plain", "packed"):
+        if self.linear_kernel not in ("auto", "plain", "packed", "gemv"):
             raise ValueError(
-                f"linear_kernel must be 'auto', 'plain' or 'packed', got {self.linear_kernel!r}"
+                "linear_kernel must be 'auto', 'plain', 'packed' or 'gemv', "
+                f"got {self.linear_kernel!r}"
             )
 
         if self.kv_cache_dtype not in ("auto", "int8"):

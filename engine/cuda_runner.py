@@ -17,7 +17,6 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import (
@@ -63,7 +62,7 @@ class CudaModelRunner(ModelRunner):
         model_path: Path,
         config: EngineConfig,
         dtype: torch.dtype | str,
-        quantization: str | None = None,
+        quantization: str | None = "auto",
         *,
         device: torch.device | str = "cuda",
         use_cuda_graphs: bool = True,
@@ -91,8 +90,8 @@ class CudaModelRunner(ModelRunner):
         # Called by ModelRunner.__init__ after loading and packing: undo the CPU-only packing,
         # move the model, then allocate the pool on the device.
         for module in self.model.modules():
-            if isinstance(module, Linear) and module.is_packed:
-                module.weight = nn.Parameter(module.weight.to_dense(), requires_grad=False)
+            if isinstance(module, Linear):
+                module.unpack()
         if getattr(self.model, "tie_word_embeddings", False):
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
         self.model.to(self.device)

@@ -15,16 +15,18 @@ class LLM:
     """Load a model once, generate for many prompts with continuous batching.
 
     `model`: a Hugging Face Llama-family checkpoint directory, a `.gguf` file, or the alias
-    `smollm2-135m`. `dtype`: "auto" (the checkpoint's dtype where this CPU computes it natively,
-    else float32), "float32", "bfloat16" or "float16". Extra keyword arguments are
-    `EngineConfig` fields.
+    `smollm2-135m`. `dtype`: "auto", "float32", "bfloat16" or "float16"; `quantization`:
+    "auto" (a GGUF runs in its own quantization), None / "none", "int8", "int4", ... (both
+    resolved by engine/precision.py: the default model runs int4 with bf16 compute where the
+    CPU has bf16; `dtype="float32", quantization=None` is the HF-exact path). Extra keyword
+    arguments are `EngineConfig` fields.
     """
 
     def __init__(
         self,
         model: str | Path = "smollm2-135m",
         dtype: str = "auto",
-        quantization: str | None = None,
+        quantization: str | None = "auto",
         **engine_config,
     ) -> None:
         self.engine = LLMEngine(model, dtype=dtype, quantization=quantization, **engine_config)

@@ -48,7 +48,7 @@ class LLMEngine:
         self,
         model: str | Path,
         dtype: str | torch.dtype = "auto",
-        quantization: str | None = None,
+        quantization: str | None = "auto",
         **engine_config,
     ) -> None:
         self.config = EngineConfig.from_kwargs(**engine_config)

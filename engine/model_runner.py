@@ -43,8 +43,9 @@ from engine.layers.linear import Linear
 from engine.logprobs import StepLogprobs, add_sample_logprobs, prompt_logprobs_for_step
 from engine.models import get_model_class
 from engine.models.llama import head_dim_of
-from engine.platform import auto_dtype, cpu_info
-from engine.quant import QuantConfig, kv_int8, load_model_weights
+from engine.platform import cpu_info
+from engine.precision import resolve_dtype, resolve_precision  # noqa: F401 (re-exported)
+from engine.quant import kv_int8, load_model_weights
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -52,30 +53,6 @@ from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 log = structlog.get_logger(__name__)
 
 MAX_DEFAULT_MODEL_LEN = 8192
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}  # fmt: skip
-
-
-def resolve_dtype(dtype: torch.dtype | str, hf_config=None) -> torch.dtype:
-    """torch dtype for "auto" | "float32" | "bfloat16" | "float16" (or a torch dtype); ValueError
-    else. "auto" (needs `hf_config`) is the checkpoint's dtype where this CPU computes it
-    natively, else float32: see `engine.platform.auto_dtype`."""
-    if isinstance(dtype, str) and dtype.lower() == "auto":
-        if hf_config is None:
-            raise ValueError("dtype 'auto' needs the model's config to resolve")
-        checkpoint = getattr(hf_config, "dtype", None)
-        if isinstance(checkpoint, str):
-            checkpoint = _DTYPES.get(checkpoint.lower())
-        return auto_dtype(checkpoint)
-    resolved = _DTYPES.get(dtype.lower()) if isinstance(dtype, str) else dtype
-    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, bfloat16 or float16")
-    return resolved
-
-
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros whose memory the OS commits page by page on first write.
 
@@ -134,9 +111,8 @@ class ModelRunner:
         model_path: Path,
         config: EngineConfig,
         dtype: torch.dtype | str,
-        quantization: str | None = None,
+        quantization: str | None = "auto",
     ):
-        self.quant = QuantConfig.parse(quantization)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         _keep_freed_memory()
@@ -148,7 +124,10 @@ class ModelRunner:
             )  # fmt: skip
         self.config = config
         self.hf_config = AutoConfig.from_pretrained(model_path)
-        self.dtype = resolve_dtype(dtype, self.hf_config)
+        device = getattr(self, "device", torch.device("cpu")).type  # CudaModelRunner sets it
+        self.dtype, self.quant = resolve_precision(
+            Path(model_path), self.hf_config, dtype, quantization, device
+        )
         self.block_size = config.block_size
         model_class = get_model_class(self.hf_config)
         self.max_model_len = self._max_model_len(config, self.hf_config)
@@ -231,11 +210,10 @@ class ModelRunner:
         choices = choose_linear_kernels(
             [(m.in_features, m.out_features) for m in linears], self.dtype, requested
         )
-        counts = {"plain": 0, "packed": 0}
+        counts = {"plain": 0, "packed": 0, "gemv": 0}
         for module in linears:
-            if choices[(module.in_features, module.out_features)] == "packed":
-                module.pack()
-            counts["packed" if module.is_packed else "plain"] += 1
+            module.pack(choices[(module.in_features, module.out_features)])
+            counts[module.kernel] += 1
         return counts
 
     @staticmethod

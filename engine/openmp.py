@@ -47,6 +47,13 @@ import os
 import sys
 
 DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# The names this module put into os.environ, comma-separated: inherited by child processes
+# (the bench's spawned children import engine again and must still know which values were ours).
+SET_BY_ENGINE_VAR = "MINI_INFER_OMP_SET_BY_ENGINE"
+# MINI_INFER_OMP_DEFAULTS=off leaves libgomp's own defaults; any of POLICY_VARS already set
+# means the user chose, and nothing here is added.
+OPT_OUT_VAR = "MINI_INFER_OMP_DEFAULTS"
+POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def apply_defaults() -> bool:
@@ -54,9 +61,25 @@ def apply_defaults() -> bool:
     (then libgomp has read its environment and the setting has no effect)."""
     if "torch" in sys.modules:
         return False
-    for name, value in DEFAULTS.items():
-        os.environ.setdefault(name, value)
+    if os.environ.get(OPT_OUT_VAR, "").lower() in ("0", "off", "false"):
+        return True  # libgomp's own defaults (the OpenMP benchmark measures them this way)
+    if any(name in os.environ for name in POLICY_VARS):
+        return True  # the user chose a policy: ours would mix with it
+    added = [name for name in DEFAULTS if name not in os.environ]
+    for name in added:
+        os.environ[name] = DEFAULTS[name]
+    if added:
+        inherited = [n for n in os.environ.get(SET_BY_ENGINE_VAR, "").split(",") if n]
+        os.environ[SET_BY_ENGINE_VAR] = ",".join(dict.fromkeys([*inherited, *added]))
     return True
+
+
+def environ_before_import() -> dict[str, str]:
+    """os.environ without what `import engine` added (here or in a parent process): the
+    environment for a process that is not ours (a benchmark peer such as llama-server, whose
+    ggml threads are OpenMP threads too and would otherwise run under our policy)."""
+    ours = set(os.environ.get(SET_BY_ENGINE_VAR, "").split(",")) | {SET_BY_ENGINE_VAR}
+    return {name: value for name, value in os.environ.items() if name not in ours}
 
 
 APPLIED_AT_IMPORT = apply_defaults()

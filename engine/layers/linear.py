@@ -16,6 +16,12 @@ Zen 4 packed fp32 wins at 1 row too (147 -> 70 us for [1, 576] x [576, 3072]). A
 cannot pack on this CPU (fp16 without avx_ne_convert/avx512_fp16) stays plain: slower, never a
 crash. A packed tied lm_head holds its own copy; the embedding keeps the plain table.
 
+`pack("gemv")` instead re-lays a bf16 weight out for our own GEMV / small GEMM
+(engine/kernels/cpu/bf16_gemm.py: weights in pairs along K for `vdpbf16ps`), which reads the
+weights at the memory bandwidth for the row counts of decoding. The packed copy is the only one
+kept: the layer runs our kernel for up to 16 rows and oneDNN's `F.linear` on a transient
+unpacked copy beyond (`bf16_gemm.linear`).
+
 This is the seam for quantization: a quantized linear only has to provide the same constructor
 arguments, `forward`, `weight_loader` and `pack`, and `make_linear`/`make_merged_linear` choose
 the class.
@@ -27,11 +33,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.cpu import bf16_gemm
 from engine.platform import can_pack_onednn
 
 
 def is_packing_supported(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and can_pack_onednn(weight.dtype)
+
+
+def is_gemv_supported(weight: torch.Tensor) -> bool:
+    """Our bf16 kernel runs here: a CPU bf16 weight and an extension that built."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and bf16_gemm.load() is not None
+    )
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -59,22 +75,52 @@ class Linear(nn.Module):
             )
         param.data.copy_(loaded)
 
+    # The weight's layout: "plain" (the checkpoint's), "packed" (oneDNN's) or "gemv" (ours).
+    kernel = "plain"
+
     @property
     def is_packed(self) -> bool:
-        return self.weight.is_mkldnn
+        return self.kernel != "plain"
 
-    def pack(self) -> None:
-        """Swap the weight for its oneDNN-packed copy (call once, after loading). The plain
-        weight is freed unless something else holds it (a tied embedding table does)."""
-        if self.is_packed or not is_packing_supported(self.weight):
+    def pack(self, kernel: str = "packed") -> None:
+        """Swap the weight for its `kernel` layout ("packed": oneDNN's, "gemv": ours; call once,
+        after loading). The plain weight is freed unless something else holds it (a tied
+        embedding table does). A layout this CPU cannot run leaves the weight plain."""
+        if kernel == "plain" or self.is_packed:
             return
-        # The batch-size hint only tunes the layout; any M works with the packed weight.
-        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 32)
+        if kernel == "gemv":
+            if not is_gemv_supported(self.weight):
+                return
+            self._gemv = bf16_gemm.load().bf16_gemm
+            self._isa = bf16_gemm.isa_code()
+            packed = bf16_gemm.pack(self.weight.detach())
+        elif kernel == "packed":
+            if not is_packing_supported(self.weight):
+                return
+            # The batch-size hint only tunes the layout; any M works with the packed weight.
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 32)
+        else:
+            raise ValueError(f"unknown linear kernel {kernel!r}")
         self.weight = nn.Parameter(packed, requires_grad=False)
+        self.kernel = kernel
+
+    def unpack(self) -> None:
+        """Back to the plain layout (the CUDA runner moves plain weights to the GPU)."""
+        if self.kernel == "packed":
+            plain = self.weight.to_dense()
+        elif self.kernel == "gemv":
+            plain = bf16_gemm.unpack(self.weight, self.out_features, self.in_features)
+        else:
+            return
+        self.weight = nn.Parameter(plain, requires_grad=False)
+        self.kernel = "plain"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [num_tokens, in_features] -> [num_tokens, out_features]
-        if self.weight.is_mkldnn:
+        if self.kernel == "gemv":
+            return bf16_gemm.linear(self._gemv, self._isa, x, self.weight, self.bias,
+                                    self.out_features, self.in_features)  # fmt: skip
+        if self.kernel == "packed":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

@@ -2,8 +2,9 @@
 
 `load_model_weights` is the one entry point the model runner calls: it fills a model built
 with a `QuantConfig` from the quantized cache when a valid one exists, and otherwise from the
-checkpoint (quantizing on the fly, or taking GGUF Q4_1 blocks as they are), then writes the
-cache; finally every quantized layer is packed for its kernel.
+checkpoint (quantizing on the fly), then writes the cache. A GGUF whose blocks our layout
+holds as they are (Q4_0/Q4_1 into int4 g32) needs no cache: it is read straight from the file.
+Finally every quantized layer is packed for its kernel.
 """
 
 from __future__ import annotations
@@ -28,40 +29,63 @@ def load_model_weights(
     pack: bool = True,
 ) -> str:
     """Load `model`'s weights; returns where the quantized tensors came from: "none" (float
-    model), "cache", "gguf" or "quantized" (freshly, then cached). `pack=False` leaves the
-    quantized layers in their canonical form (tests compare those tensors)."""
-    from engine.loader import _file_lock, cache_dir, load_weights
+    model), "gguf" (the GGUF's blocks as they are), "cache", or "quantized" (freshly, from the
+    float or GGUF weights, then cached). `pack=False` leaves the quantized layers in their
+    canonical form (tests compare those tensors)."""
+    from engine.loader import gguf_source, load_weights
     from engine.quant import cache, gguf
 
     if quant is None:
         load_weights(model, model_path)
         return "none"
+    gguf_file = gguf_source(model_path)  # first: it may fetch the default model's GGUF
+    skip = frozenset(cache.quant_modules(model))
+    if gguf_file is not None and gguf.loads_as_is(gguf_file, quant):
+        # The GGUF is the quantized cache: memory-mapped, no second file, nothing to rebuild.
+        _load_from_gguf(model, model_path, gguf_file, skip)
+        origin = "gguf"
+    else:
+        origin = _load_through_cache(model, model_path, quant, cache_root, gguf_file, skip)
+    for module in cache.quant_modules(model).values():
+        if pack:
+            module.pack()
+    log.info("quant.loaded", scheme=quant.name, origin=origin)
+    return origin
+
+
+def _load_from_gguf(model: nn.Module, model_path: Path, gguf_file: Path, skip) -> None:
+    from transformers import AutoConfig
+
+    from engine.loader import load_weights
+    from engine.quant import gguf
+
+    load_weights(model, model_path, skip_modules=skip)  # embeddings, norms, biases
+    gguf.load_quantized_layers(model, gguf_file, AutoConfig.from_pretrained(model_path))
+
+
+def _load_through_cache(
+    model: nn.Module, model_path: Path, quant: QuantConfig, cache_root, gguf_file, skip
+) -> str:
+    """Quantize once (from the float checkpoint or the GGUF), keep the result in the cache."""
+    from engine.loader import _file_lock, cache_dir, load_weights
+    from engine.quant import cache
+
     root = Path(cache_root) if cache_root is not None else cache_dir() / "quantized"
     tensor_path, manifest_path = cache.cache_paths(root, model_path, quant)
-    gguf_file = gguf.q4_1_source(model_path, quant)  # first: it may fetch the GGUF
     source = cache.source_fingerprint(model_path)
-    skip = frozenset(cache.quant_modules(model))
     tensor_path.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(tensor_path.parent / f".{quant.name}.lock"):
         problem = cache.check_cache(tensor_path, manifest_path, quant, source)
         if problem is None:
             load_weights(model, model_path, skip_modules=skip)
             cache.load_quantized(model, tensor_path)
-            origin = "cache"
+            return "cache"
+        if problem != "no manifest" or tensor_path.exists():
+            log.warning("quant_cache.rebuild", path=str(tensor_path), reason=problem)
+        cache.remove_cache(tensor_path, manifest_path)
+        if gguf_file is not None:
+            _load_from_gguf(model, model_path, gguf_file, skip)
         else:
-            if problem != "no manifest" or tensor_path.exists():
-                log.warning("quant_cache.rebuild", path=str(tensor_path), reason=problem)
-            cache.remove_cache(tensor_path, manifest_path)
             load_weights(model, model_path)  # quantizes every layer from the float weights
-            if gguf_file is not None:
-                # ...then the layers the GGUF holds as Q4_1 take its blocks as they are.
-                gguf.load_q4_1(model, gguf_file)
-                origin = "gguf"
-            else:
-                origin = "quantized"
-            cache.save_quantized(model, tensor_path, manifest_path, quant, source)
-    for module in cache.quant_modules(model).values():
-        if pack:
-            module.pack()
-    log.info("quant.loaded", scheme=quant.name, origin=origin)
-    return origin
+        cache.save_quantized(model, tensor_path, manifest_path, quant, source)
+    return "quantized"

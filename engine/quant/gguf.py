@@ -1,22 +1,34 @@
-"""GGUF Q4_1 tensors straight into the int4 (group 32) layout, with no float round trip.
+"""GGUF weights, read from the file itself: no float copy on disk, no float round trip for the
+block types our int4 layout holds exactly.
 
-A Q4_1 block is 20 bytes: scale d (fp16), minimum m (fp16), 16 bytes of nibbles: byte j holds
-element j in its low nibble and element j + 16 in its high one; w = d * q + m. That is exactly
-our canonical int4 group (engine/quant/primitives.py), so the codes are copied and d, m widened
-to float32 (exact). llama.cpp stores q and k projections with their rows permuted for its rotary
-layout; the permutation moves whole rows, so it is undone on codes, scales and minimums alike
-(as transformers does on the float weights).
+Which scheme a GGUF model runs in by default (`native_scheme`): its projections' own type.
+Q4_0, Q4_1 and the other <= 4.5-bit types -> int4 (group 32); Q8_0 and the other 5-8-bit
+types -> int8; F32 / F16 / BF16 -> no quantization. The type covering most projection weights
+decides (llama.cpp's Q4_K_M mixes Q4_K with some Q6_K).
 
-Only Q4_1 blocks take this path, and only into int4 with group size 32. Every other tensor of
-the file (F32 norms, the Q8_0 embedding table of the default model) comes from the float
-checkpoint converted from the same file, which dequantizes exactly; a Q8_0 block (32 int8 codes,
-one scale) cannot become a per-output-channel int8 row without requantizing, so "int8" quantizes
-from that float copy. Types the converter cannot dequantize are refused there, by name.
+How each projection tensor lands in a quantized layer (`load_quantized_layers`):
+- Q4_1 into int4 g32, exactly: a block is 20 bytes, scale d (fp16), minimum m (fp16), 16
+  bytes of nibbles (byte j: element j low, element j + 16 high); w = d * q + m, which is our
+  canonical int4 group (engine/quant/primitives.py): codes copied, d and m widened (exact).
+- Q4_0 into int4 g32, exactly: an 18-byte block, d (fp16) and the same nibbles; w = d * (q - 8),
+  so scale d and minimum -8 d (exact in float32: an 11-bit mantissa times 4 bits).
+- Anything else gguf's own `dequantize` reads (Q8_0, Q5_*, K-quants, IQ*, floats) is
+  dequantized in memory and quantized by the layer (`weight_loader`): Q8_0's per-block scales do
+  not fit our per-output-channel int8 row, so Q8_0 -> int8 requantizes (the accuracy cost is
+  measured in loadtest/README.md). Types gguf cannot dequantize are refused by name.
+The non-projection tensors (embeddings, norms, biases) are dequantized in memory
+(`iter_float_tensors`), and so is everything when no quantization is asked for (the fp32
+oracle path).
+
+llama.cpp stores the q and k projections of "llama" models with their rows permuted for its
+rotary layout; the permutation moves whole rows, so it is undone on codes, scales and minimums
+alike (as transformers does on the float weights).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,40 +36,119 @@ import structlog
 import torch
 from torch import nn
 
-from engine.quant.config import QuantConfig
-
 log = structlog.get_logger(__name__)
 
 Q4_1_BLOCK_BYTES = 20
-Q4_1_BLOCK_SIZE = 32
+Q4_0_BLOCK_BYTES = 18
+GGUF_BLOCK_SIZE = 32
 
-# GGUF tensor name (per block) -> (our module name, shard or None)
-_BLOCK_TENSORS = {
-    "attn_q": ("self_attn.qkv_proj", "q"),
-    "attn_k": ("self_attn.qkv_proj", "k"),
-    "attn_v": ("self_attn.qkv_proj", "v"),
-    "attn_output": ("self_attn.o_proj", None),
-    "ffn_gate": ("mlp.gate_up_proj", "gate"),
-    "ffn_up": ("mlp.gate_up_proj", "up"),
-    "ffn_down": ("mlp.down_proj", None),
+# GGUF tensor (per block) -> HF checkpoint tensor (per layer), the names load_weights maps.
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
-_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
+_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_IGNORED_TENSORS = ("rope_freqs.weight",)  # llama 3 rope scaling: in the config instead
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+PERMUTED_ARCHITECTURES = ("llama",)  # llama.cpp permutes q/k rows for these only
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+# Default scheme by the projections' block type (names of gguf.GGMLQuantizationType).
+_INT4_TYPES = ("Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS",
+               "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4",
+               "NVFP4")  # fmt: skip
+_INT8_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
-def decode_q4_1(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """raw uint8 [rows, num_blocks * 20] -> (codes uint8 [rows, num_blocks * 32], scale,
-    minimum float32 [rows, num_blocks])."""
-    rows = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(rows, -1, Q4_1_BLOCK_BYTES)
-    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    nibbles = blocks[..., 4:]  # [rows, num_blocks, 16]
-    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # [rows, num_blocks, 32]
-    return (
-        torch.from_numpy(codes.reshape(rows, -1).astype(np.uint8)),
-        torch.from_numpy(scale),
-        torch.from_numpy(minimum),
-    )
+def hf_name(gguf_name: str) -> str | None:
+    """The HF checkpoint name of a GGUF tensor; None for tensors that carry nothing we load."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    if gguf_name in _IGNORED_TENSORS:
+        return None
+    match = _LAYER_NAME.match(gguf_name)
+    if match is None or match.group(2) not in _LAYER_TENSORS:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in Mini-Infer's models")
+    layer, kind, what = match.groups()
+    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{what}"
+
+
+def architecture(reader) -> str:
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else ""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
+        )
+    return arch
+
+
+def _reader(gguf_path: Path):
+    from gguf import GGUFReader
+
+    return GGUFReader(str(gguf_path))  # memory-maps the file: tensors are read when touched
+
+
+def native_scheme(gguf_path: Path) -> str | None:
+    """"int4" | "int8" | None (float): the scheme matching the projections' block type."""
+    counts: dict[str, int] = {}
+    for tensor in _reader(gguf_path).tensors:
+        match = _LAYER_NAME.match(tensor.name)
+        if match and match.group(2) in _PROJECTIONS and match.group(3) == "weight":
+            name = tensor.tensor_type.name
+            counts[name] = counts.get(name, 0) + int(tensor.n_elements)
+    if not counts:
+        return None
+    dominant = max(counts, key=counts.__getitem__)
+    if dominant in _INT4_TYPES:
+        return "int4"
+    if dominant in _INT8_TYPES:
+        return "int8"
+    if dominant in _FLOAT_TYPES:
+        return None
+    raise ValueError(f"GGUF {gguf_path.name}: projections of type {dominant}, {_SUPPORTED_TEXT}")
+
+
+_SUPPORTED_TEXT = (
+    "supported: Q4_0, Q4_1 (loaded as they are into int4), Q8_0 (-> int8), F32, F16, BF16, and "
+    "what the gguf package dequantizes (Q5_0, Q5_1, K-quants, IQ*: quantized again to int4/int8)"
+)
+
+
+def dequantize(tensor) -> torch.Tensor:
+    """float32 [rows, cols] (or [n] for 1-d tensors) of a GGUF tensor."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    try:
+        values = gguf_dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    except NotImplementedError as error:
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}: {_SUPPORTED_TEXT}"
+        ) from error
+    return torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
+
+
+def _unpermute_if_needed(t: torch.Tensor, gguf_name: str, arch: str, hf_config) -> torch.Tensor:
+    if arch not in PERMUTED_ARCHITECTURES:
+        return t
+    if ".attn_q." in gguf_name:
+        return unpermute_rows(t, hf_config.num_attention_heads)
+    if ".attn_k." in gguf_name:
+        return unpermute_rows(t, hf_config.num_key_value_heads)
+    return t
 
 
 def unpermute_rows(t: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -66,48 +157,120 @@ def unpermute_rows(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     return t.reshape(num_heads, half, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
-def gguf_file_for(model_path: Path) -> Path | None:
-    """The GGUF a converted checkpoint came from, if it is still there."""
-    from engine.loader import gguf_source
-
-    return gguf_source(Path(model_path))
-
-
-def q4_1_source(model_path: Path, quant: QuantConfig) -> Path | None:
-    """The GGUF to take Q4_1 blocks from, for int4 with group size 32; else None."""
-    if quant.scheme != "int4" or quant.group_size != Q4_1_BLOCK_SIZE:
-        return None
-    return gguf_file_for(model_path)
-
-
-def load_q4_1(model: nn.Module, gguf_path: Path) -> int:
-    """Overwrite the int4 rows of every layer that the GGUF stores as Q4_1 with its blocks, as
-    they are. Call after the float load (which filled everything). Returns tensors taken."""
-    from gguf import GGMLQuantizationType, GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
-    attention = model.get_submodule("model.layers.0.self_attn")
-    num_heads, num_kv_heads = attention.num_heads, attention.num_kv_heads
-    num_taken = 0
+def iter_float_tensors(
+    gguf_path: Path, hf_config, skip: Callable[[str], bool] = lambda name: False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF checkpoint name, float32 tensor) for every tensor of the file, dequantized one at a
+    time; tensors whose name `skip` accepts are not read at all."""
+    reader = _reader(gguf_path)
+    arch = architecture(reader)
     for tensor in reader.tensors:
-        match = _BLOCK_NAME.match(tensor.name)
-        if tensor.tensor_type != GGMLQuantizationType.Q4_1 or match is None:
+        name = hf_name(tensor.name)
+        if name is None or skip(name):
             continue
-        layer, kind = int(match.group(1)), match.group(2)
-        if kind not in _BLOCK_TENSORS:
+        values = _unpermute_if_needed(dequantize(tensor), tensor.name, arch, hf_config)
+        yield name, values
+
+
+# -- projections straight into the quantized layers -----------------------------------------
+
+
+def decode_q4_1(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """raw uint8 [rows, num_blocks * 20] -> (codes uint8 [rows, num_blocks * 32], scale,
+    minimum float32 [rows, num_blocks])."""
+    blocks = _blocks(raw, Q4_1_BLOCK_BYTES)
+    scale = _fp16_field(blocks, 0)
+    minimum = _fp16_field(blocks, 2)
+    return _nibbles(blocks[..., 4:]), torch.from_numpy(scale), torch.from_numpy(minimum)
+
+
+def decode_q4_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """raw uint8 [rows, num_blocks * 18] -> (codes, scale d, minimum -8 d): w = d * (q - 8)."""
+    blocks = _blocks(raw, Q4_0_BLOCK_BYTES)
+    scale = _fp16_field(blocks, 0)
+    return _nibbles(blocks[..., 2:]), torch.from_numpy(scale), torch.from_numpy(-8.0 * scale)
+
+
+def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
+    return np.ascontiguousarray(raw).reshape(raw.shape[0], -1, block_bytes)
+
+
+def _fp16_field(blocks: np.ndarray, offset: int) -> np.ndarray:
+    return blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(nibbles: np.ndarray) -> torch.Tensor:
+    # nibbles [rows, num_blocks, 16] -> codes uint8 [rows, num_blocks * 32]
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+    return torch.from_numpy(codes.reshape(nibbles.shape[0], -1))
+
+
+_DECODERS = {"Q4_0": decode_q4_0, "Q4_1": decode_q4_1}
+
+
+def loads_as_is(gguf_path: Path, quant) -> bool:
+    """Whether every projection of the file goes into `quant`'s layers without requantizing."""
+    if quant.scheme != "int4" or quant.group_size != GGUF_BLOCK_SIZE:
+        return False
+    types = {
+        t.tensor_type.name
+        for t in _reader(gguf_path).tensors
+        if (m := _LAYER_NAME.match(t.name)) and m.group(2) in _PROJECTIONS
+    }
+    return bool(types) and types <= set(_DECODERS)
+
+
+def load_quantized_layers(model: nn.Module, gguf_path: Path, hf_config) -> dict[str, int]:
+    """Fill every quantized layer of `model` from the GGUF: Q4_0/Q4_1 blocks into int4 g32 as
+    they are, other types dequantized and quantized by the layer. A tied lm_head is quantized
+    from the (already loaded) embedding table. Returns {"as_is": n, "requantized": n}."""
+    from engine.loader import _map_name
+    from engine.quant.cache import quant_modules
+
+    modules = quant_modules(model)
+    mapping = getattr(model, "packed_modules_mapping", {})
+    reader = _reader(gguf_path)
+    arch = architecture(reader)
+    counts = {"as_is": 0, "requantized": 0}
+    filled: set[str] = set()
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None or not name.endswith(".weight"):
             continue
-        module_name, shard = _BLOCK_TENSORS[kind]
-        module = model.get_submodule(f"model.layers.{layer}.{module_name}")
-        codes, scale, minimum = decode_q4_1(np.asarray(tensor.data))
-        if kind in ("attn_q", "attn_k"):
-            heads = num_heads if kind == "attn_q" else num_kv_heads
-            codes, scale, minimum = (unpermute_rows(t, heads) for t in (codes, scale, minimum))
-        start, size = module._rows(shard)
-        if tuple(codes.shape) != (size, module.in_features):
-            raise ValueError(
-                f"GGUF {tensor.name}: {tuple(codes.shape)} vs {(size, module.in_features)}"
+        module_name, shard = _map_name(name, mapping)
+        module_name = module_name.rpartition(".")[0]
+        module = modules.get(module_name)
+        if module is None:
+            continue
+        decoder = _DECODERS.get(tensor.tensor_type.name)
+        if decoder is not None and module.scheme == "int4" and module.quant.group_size == 32:
+            codes, scale, minimum = (
+                _unpermute_if_needed(t, tensor.name, arch, hf_config)
+                for t in decoder(np.asarray(tensor.data))
             )
-        module.load_quantized(start, codes, scale, minimum)
-        num_taken += 1
-    log.info("quant.gguf_q4_1", path=str(gguf_path), num_tensors=num_taken)
-    return num_taken
+            start, size = module._rows(shard)
+            if tuple(codes.shape) != (size, module.in_features):
+                raise ValueError(
+                    f"GGUF {tensor.name}: {tuple(codes.shape)} vs {(size, module.in_features)}"
+                )
+            module.load_quantized(start, codes, scale, minimum)
+            counts["as_is"] += 1
+        else:
+            weight = _unpermute_if_needed(dequantize(tensor), tensor.name, arch, hf_config)
+            module.weight_loader(module.weight, weight, shard)
+            counts["requantized"] += 1
+        filled.add(module_name)
+    _fill_tied_head(model, modules, filled)
+    missing = sorted(set(modules) - filled)
+    if missing:
+        raise ValueError(f"GGUF {gguf_path} lacks the weights of {missing[:8]}")
+    log.info("quant.gguf_loaded", path=str(gguf_path), **counts)
+    return counts
+
+
+def _fill_tied_head(model: nn.Module, modules: dict, filled: set[str]) -> None:
+    head = modules.get("lm_head")
+    if head is None or "lm_head" in filled or not getattr(model, "tie_word_embeddings", False):
+        return
+    head.weight_loader(head.weight, model.get_submodule("model.embed_tokens").weight, None)
+    filled.add("lm_head")

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import functools
 import random
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.loader import gguf_source
 from tests.tiny_model import make_tiny_llama
 
 
@@ -26,6 +28,11 @@ def tiny_dir(tmp_path_factory):
 
 @functools.cache
 def _hf(path):
+    gguf = gguf_source(Path(path))
+    if gguf is not None:  # a model read from a GGUF: transformers dequantizes the same file
+        return AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        ).eval()
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -100,7 +107,10 @@ def test_text_prompts_and_finish_reasons(tiny_dir):
 
 @pytest.mark.real_model
 def test_real_model_matches_hf():
-    llm = LLM("smollm2-135m", num_kv_blocks=64)
+    # The default runs int4/bf16; fp32 without quantization is the HF-exact path (the GGUF
+    # dequantized in memory, as transformers does).
+    llm = LLM("smollm2-135m", dtype="float32", quantization=None, num_kv_blocks=64)
+    assert llm.engine.runner.quant is None and llm.engine.dtype == torch.float32
     tok = llm.tokenizer
     chats = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
     prompts = [

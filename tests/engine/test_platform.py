@@ -1,8 +1,8 @@
 """CPU feature detection, dtype="auto", and the per-machine linear kernel choice.
 
 Every path is exercised on any x86-64 CPU by forcing it: fabricated CpuInfo for the dtype rule,
-`linear_kernel="plain" | "packed"` for the GEMM paths, a patched oneDNN check for a CPU without
-a packed path."""
+`linear_kernel="plain" | "packed" | "gemv"` for the GEMM paths, a patched oneDNN check for a CPU
+without a packed path."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 import engine.kernels.cpu.linear_choice as linear_choice
 import engine.platform as platform
 from engine.config import EngineConfig
+from engine.kernels.cpu import bf16_gemm
 from engine.layers.linear import Linear
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.platform import CpuInfo, auto_dtype, has_native, parse_cpuinfo
@@ -180,16 +181,23 @@ def test_resolve_dtype_rejects_auto_without_a_config_and_unknown_names():
         EngineConfig(linear_kernel="fast")
 
 
-@pytest.mark.parametrize("linear_kernel", ["plain", "packed"])
+@pytest.mark.parametrize("linear_kernel", ["plain", "packed", "gemv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_every_linear_path_matches_hf(tiny_model_dir, linear_kernel, dtype):
-    """Each forced path (falling back to plain where oneDNN cannot pack) gives HF's logits."""
+    """Each forced path (falling back to one this CPU runs: gemv -> packed -> plain) gives HF's
+    logits."""
     runner = ModelRunner(
         tiny_model_dir, EngineConfig(num_kv_blocks=8, linear_kernel=linear_kernel), dtype
     )
-    expect_packed = linear_kernel == "packed" and platform.can_pack_onednn(dtype)
+    runnable = {
+        "plain": True,
+        "packed": platform.can_pack_onednn(dtype),
+        "gemv": dtype == torch.bfloat16 and bf16_gemm.load() is not None,
+    }
+    fallbacks = {"plain": ["plain"], "packed": ["packed", "plain"], "gemv": ["gemv", "packed", "plain"]}
+    expected_path = next(path for path in fallbacks[linear_kernel] if runnable[path])
     # 2 layers x (qkv, o, gate_up, down) + lm_head
-    assert runner.linear_kernels["packed"] == (9 if expect_packed else 0)
+    assert runner.linear_kernels[expected_path] == 9
     tokens = list(range(3, 12))
     request = ScheduledRequest(
         "r", tokens, 0, [0, 1, 2], needs_sample=True, params=SamplingParams(), seed=0
@@ -207,7 +215,11 @@ def _fresh_python(code: str, **env) -> str:
     import subprocess
     import sys
 
-    environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    from engine.openmp import SET_BY_ENGINE_VAR
+
+    environment = {
+        k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", SET_BY_ENGINE_VAR)
+    }
     result = subprocess.run(
         [sys.executable, "-c", code], env={**environment, **env}, capture_output=True,
         text=True, check=True,
@@ -222,5 +234,24 @@ def test_openmp_threads_sleep_by_default_unless_told_otherwise():
     )
     assert _fresh_python(f"import engine; {show}") == "PASSIVE True"
     assert _fresh_python(f"import engine; {show}", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE True"
+    # A spin count chosen by the user, or the opt-out: libgomp's own policy, nothing added.
+    assert _fresh_python(f"import engine; {show}", GOMP_SPINCOUNT="10000") == "None True"
+    assert _fresh_python(f"import engine; {show}", MINI_INFER_OMP_DEFAULTS="off") == "None True"
     # torch first: libgomp has read its environment already; nothing is set, and it says so.
     assert _fresh_python(f"import torch, engine; {show}") == "None False"
+
+
+def test_environment_before_import_drops_only_what_engine_set():
+    show = (
+        "import engine.openmp as o; e = o.environ_before_import(); "
+        "print(e.get('OMP_WAIT_POLICY'), e.get('KEEP'))"
+    )
+    assert _fresh_python(f"import engine; {show}", KEEP="1") == "None 1"
+    assert _fresh_python(f"import engine; {show}", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE None"
+    # A child of a process that imported engine inherits the value and the record of it.
+    child = (
+        "import os, subprocess, sys; import engine; "
+        f"print(subprocess.run([sys.executable, '-c', {show!r}], env=os.environ, "
+        "capture_output=True, text=True).stdout.strip())"
+    )
+    assert _fresh_python(child) == "None None"

@@ -79,6 +79,7 @@ class Producer:
         urgency: str = "normal",
         traceparent: str | None = None,
         as_json: bool = False,
+        partition: int | None = None,
     ) -> None:
         content_type = JSON if as_json else MSGPACK
         await self.send_raw(
@@ -86,6 +87,7 @@ class Producer:
             encode(request, content_type),
             request.id.encode(),
             request_headers(content_type, urgency, traceparent),
+            partition=partition,
         )
 
     async def send_raw(
@@ -99,6 +101,15 @@ class Producer:
         await self._producer.send_and_wait(
             topic, value, key=key, headers=headers or [], partition=partition
         )
+
+
+async def wait_for(predicate, timeout_s: float = 60.0, what: str = "the condition") -> None:
+    """Poll `predicate` (every 50 ms) until it holds; TimeoutError naming `what` otherwise."""
+    deadline_s = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline_s:
+            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.05)
 
 
 def make_request(reply_to: str, prompt: str = "Hello there", **fields) -> Request:

@@ -11,7 +11,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": (
         "worker.cli.serve",
-        "run a worker (starts an embedded broker when no bootstrap servers are set)",
+        "run a worker against a Kafka cluster (--embedded-broker for development)",
     ),
     "broker": ("worker.cli.broker", "run the embedded Kafka-compatible broker alone"),
     "generate": ("worker.cli.generate", "send one request and stream the reply to stdout"),

@@ -34,6 +34,7 @@ from worker.client import (
     RequestFailedError,
     RequestTimeoutError,
 )
+from worker.client.security import add_security_arguments, security_from_args
 
 DEFAULT_BOOTSTRAP_SERVERS = "127.0.0.1:9092"
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_TIMEOUT, EXIT_UNREACHABLE = 0, 1, 2, 3, 4
@@ -74,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout-s", type=float, default=60.0, help="wait this long for the final"
     )
     parser.add_argument("--request-id", default=None, help="default: a random uuid")
+    add_security_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -87,8 +89,14 @@ async def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     bootstrap_servers = args.bootstrap_servers or _env(
         "BOOTSTRAP_SERVERS", DEFAULT_BOOTSTRAP_SERVERS
     )
+    try:
+        security = security_from_args(args)
+    except (ValueError, OSError) as exc:  # a bad combination, or an unreadable file
+        print(f"mini-infer generate: invalid Kafka security options: {exc}", file=err)
+        return EXIT_INVALID
     try:  # bad arguments and settings fail here, before any connection
         options = ClientOptions(
+            kafka=security,
             request_topic=_env("REQUEST_TOPIC", DEFAULT_REQUEST_TOPIC),
             control_topic=_env("CONTROL_TOPIC", DEFAULT_CONTROL_TOPIC),
             reply_prefix=_env("REPLY_TOPIC_PREFIX", DEFAULT_REPLY_TOPIC_PREFIX),

@@ -1,5 +1,5 @@
-"""`mini-infer serve`: run one worker until SIGTERM/SIGINT, with an embedded broker when no
-bootstrap servers are configured. Every setting is also a flag (see `--help`)."""
+"""`mini-infer serve`: run one worker until SIGTERM/SIGINT against the configured Kafka (an
+embedded broker only with `--embedded-broker`). Every setting is also a flag (see `--help`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,18 @@ from worker.service.settings import add_settings_arguments, settings_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"mini-infer {package_version()}")
     add_settings_arguments(parser)
+
+
+def package_version() -> str:
+    """The installed distribution's version; the source tree's when run uninstalled."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mini-infer")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def main(args: argparse.Namespace) -> int:

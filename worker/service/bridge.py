@@ -60,6 +60,7 @@ class EngineRequest:
 class EngineInfo:
     model_path: str
     max_model_len: int
+    stats: EngineStats | None = None  # at start (KV blocks known): gauges of an idle worker
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,9 @@ class EngineBridge:
         try:
             engine = self._engine_factory()
             info = EngineInfo(
-                model_path=str(engine.model_path), max_model_len=int(engine.max_model_len)
+                model_path=str(engine.model_path),
+                max_model_len=int(engine.max_model_len),
+                stats=engine.get_stats() if hasattr(engine, "get_stats") else None,
             )
         except BaseException as error:  # handed to the awaiting coroutine
             self._loop.call_soon_threadsafe(_set_exception, ready, error)

@@ -16,7 +16,12 @@ commits watermarks.
   handling it dead-letters that record (reason `internal`), so no message can kill the task and,
   with it, every worker that takes the partition over.
 - Every record is stamped with its partition's assignment epoch (`OffsetTracker`); a record of a
-  partition revoked meanwhile (during an await) is not ours any more and is left alone.
+  partition revoked meanwhile (during an await) is not ours any more and is left alone. A record
+  of a partition aiokafka says is ours but the tracker does not hold yet (mid-listener) is never
+  dropped: the partition is sought back to it, so it comes again (logged and counted).
+- aiokafka marks a new assignment done before it awaits `on_partitions_assigned`, so `getmany`
+  returns records of newly assigned partitions while the listener awaits: those partitions are
+  tracked before the listener's first await.
 - A record aiokafka cannot return (`RecordTooLargeError`: bigger than the fetch size) is skipped
   by aiokafka; its offset is tracked and a stub dead letter written for it, so the watermark
   never commits over it silently.
@@ -75,6 +80,7 @@ class RequestConsumer:
         self._is_polling = True
         self._admissions: set[asyncio.Task] = set()  # requests waiting for their reply topic
         self._is_paused = False
+        self._held: set[TopicPartition] = set()  # paused until the rebalance listener settles them
         self._in_flight_at_revoke: dict[TopicPartition, int] = {}
         self.last_poll_ok_s: float | None = None  # monotonic; readiness asks how recent it is
         self._consumer = AIOKafkaConsumer(
@@ -131,14 +137,17 @@ class RequestConsumer:
             self.last_poll_ok_s = time.monotonic()
             for partition, records in batches.items():
                 for record in records:
-                    self._handle(partition, record)
+                    if not self._handle(partition, record):
+                        break  # sought back: the rest of this batch comes again
             await self.commit()
 
-    def _handle(self, partition: TopicPartition, record) -> None:
+    def _handle(self, partition: TopicPartition, record) -> bool:
+        """Track and route one record; False when it was not taken (the rest of its batch
+        must not be either)."""
         received_s = time.monotonic()
         epoch = self.tracker.add(partition, record.offset)
         if epoch is None:
-            return  # its partition was revoked while this batch was handled: the next owner's
+            return self._untracked(partition, record.offset)
         with structlog.contextvars.bound_contextvars(
             request_id=None, partition=partition.partition, offset=record.offset
         ):
@@ -148,6 +157,18 @@ class RequestConsumer:
                 log.exception("request.handling_failed")
                 letter = DeadLetter(DeadLetterReason.INTERNAL, f"{type(error).__name__}: {error}")
                 self._dead_letter(partition, record, letter, epoch)
+        return True
+
+    def _untracked(self, partition: TopicPartition, offset: int) -> bool:
+        """A record the tracker does not take. Its partition revoked meanwhile: the next owner's,
+        left alone. Still assigned (a rebalance listener has not settled it yet): aiokafka's
+        position has moved past it, so seek back to it; it is fetched again, never lost."""
+        if partition not in self._consumer.assignment():
+            return False
+        log.warning("consumer.record_refetched", partition=partition.partition, offset=offset)
+        self._telemetry.records_refetched.add(1, {"messaging.destination.name": partition.topic})
+        self._consumer.seek(partition, offset)
+        return False
 
     def _route(self, partition: TopicPartition, record, received_s: float, epoch) -> None:
         decision = route(record.value, record.headers, self._policy)
@@ -222,8 +243,8 @@ class RequestConsumer:
             unpaused = self.assignment - self._consumer.paused()
             if unpaused:
                 self._consumer.pause(*unpaused)
-        elif self._consumer.paused():
-            self._consumer.resume(*self._consumer.paused())
+        elif self._consumer.paused() - self._held:
+            self._consumer.resume(*(self._consumer.paused() - self._held))
         if is_full != self._is_paused:
             self._is_paused = is_full
             log.info(
@@ -267,7 +288,24 @@ class RequestConsumer:
         committed offset still the one this worker committed (nobody else took it meanwhile),
         resumes its epoch: its jobs go on and fetching continues after the last record seen
         (not from the committed offset: those records are in flight here). The jobs of every
-        other suspended partition are dropped without a final: the new owner redoes them."""
+        other suspended partition are dropped without a final: the new owner redoes them.
+
+        Partitions new to this worker are tracked before the first await: aiokafka already
+        returns their records while this listener awaits."""
+        self.tracker.assign(assigned - self.tracker.suspended)
+        # The ones that may come back are not fetched until known (from the committed offset,
+        # or, if kept, from after the last record seen).
+        self._held = assigned & self.tracker.suspended
+        self._consumer.pause(*self._held)
+        try:
+            kept = await self._settle(assigned)
+        finally:
+            self._consumer.resume(*self._held)
+            self._held = set()
+        self._drop_moved(assigned, kept)
+
+    async def _settle(self, assigned: set[TopicPartition]) -> list[TopicPartition]:
+        """Resume the suspended partitions that came back unchanged; returns them."""
         kept = []
         for partition in sorted(assigned & self.tracker.suspended):
             if await self._committed_unchanged(partition):
@@ -275,6 +313,10 @@ class RequestConsumer:
                 if next_offset is not None:
                     self._consumer.seek(partition, next_offset)
                 kept.append(partition)
+        return kept
+
+    def _drop_moved(self, assigned: set[TopicPartition], kept: list[TopicPartition]) -> None:
+        """Drop the jobs of suspended partitions that did not come back unchanged."""
         moved = self.tracker.forget_suspended()
         num_dropped = self._pipeline.drop(self._pipeline.jobs_of(moved), "revoked")
         self.tracker.assign(assigned)

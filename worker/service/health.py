@@ -4,9 +4,9 @@
   loop itself, so a blocked loop fails the probe by timing out; and it asks the worker whether
   the engine thread is alive and not stalled (it has work but finished no step for
   `engine_stall_s`). Kubernetes restarts a pod that fails it.
-- `GET /readyz`, readiness: 200 once the model is loaded and warmed up, the worker holds
-  partitions of the request topic, and polling the broker succeeds. A worker with no partitions
-  (more replicas than partitions) is alive but not ready: it serves nothing.
+- `GET /readyz`, readiness: 200 once the model is loaded and warmed up, the consumer runs, and
+  polling the broker succeeds: started and able to work. Holding partitions is not asked (a
+  surge pod during a rollout holds none yet); that is the `partitions.assigned` metric.
 - `GET /metrics`: the worker's OpenTelemetry metrics in Prometheus text format.
 
 Each check answers JSON naming every condition, so a failing probe says why.

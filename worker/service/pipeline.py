@@ -80,7 +80,6 @@ class Pipeline:
         self._worker_id = worker_id
         self._tokens_per_message = settings.publisher.tokens_per_message
         self._num_attempts = 0
-        self._engine_totals = request_metrics.EngineTotals()
         self._jobs = JobRegistry(telemetry)  # until DONE or DROPPED
         # Cancels seen for requests not (yet) here: a cancel can overtake its request.
         self._cancelled_ids: OrderedDict[str, None] = OrderedDict()
@@ -271,7 +270,7 @@ class Pipeline:
                 log.error("pipeline.engine_dropped", num_dropped=num_dropped, error=message)
 
     def _on_step(self, step: StepInfo) -> None:
-        request_metrics.on_step(self._telemetry, step, self._engine_totals)
+        request_metrics.on_step(self._telemetry, step)
         for attempt, (queue_s, prefill_s) in step.first_token_times.items():
             job = self._jobs.get(attempt)
             if job is not None:
@@ -432,7 +431,8 @@ class Pipeline:
     def _record(
         self, job: Job, finish_reason: str, timing: Timing, error: ErrorInfo | None
     ) -> None:
-        request_metrics.on_final(self._telemetry, job, finish_reason, timing)
+        error_type = error.code if error is not None else None
+        request_metrics.on_final(self._telemetry, job, finish_reason, timing, error_type)
         job.span.set_attribute("mini_infer.completion_tokens", job.num_output_tokens)
         log.info(
             "request.finished",

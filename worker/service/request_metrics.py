@@ -7,7 +7,6 @@ pipeline reads as the life of a request and this file as what is measured about 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from schemas.messages import Timing
@@ -24,11 +23,20 @@ def kafka_wait_s(record: Any) -> float | None:
     return max(0.0, time.time() - timestamp_ms / 1000)
 
 
+def operation_of(job: Job) -> str:
+    """gen_ai.operation.name: a chat (messages, rendered with the chat template) or a plain
+    completion prompt."""
+    request = job.request
+    return "chat" if request is not None and request.messages is not None else "text_completion"
+
+
 def on_arrival(t: Telemetry, job: Job) -> None:
-    t.requests_received.add(1, {"urgency": job.urgency.value})
+    urgency = job.urgency.value
+    t.requests_received.add(1, {"urgency": urgency, "gen_ai.operation.name": operation_of(job)})
     t.inflight_requests.add(1)
     if job.kafka_wait_s is not None:
-        t.queue_s.record(job.kafka_wait_s, {"stage": "kafka", "urgency": job.urgency.value})
+        attributes = {"stage": "kafka", "urgency": urgency, **t.kafka_attributes}
+        t.queue_s.record(job.kafka_wait_s, attributes)
 
 
 def on_tokens(t: Telemetry, job: Job, num_tokens: int, now_s: float) -> None:
@@ -45,32 +53,10 @@ def on_tokens(t: Telemetry, job: Job, num_tokens: int, now_s: float) -> None:
     job.last_token_s = now_s
 
 
-@dataclass
-class EngineTotals:
-    """The engine's cumulative counters as last seen, to turn them into per-step increments."""
-
-    num_preemptions: int = 0
-    num_tokens_computed: int = 0
-
-
-def on_step(t: Telemetry, step: StepInfo, totals: EngineTotals) -> None:
+def on_step(t: Telemetry, step: StepInfo) -> None:
     """Engine gauges and counters after a step."""
-    stats = step.stats
-    if stats is None:
-        return
-    used = stats.num_blocks_total - stats.num_blocks_free
-    t.running_requests.set(stats.num_running)
-    t.waiting_requests.set(stats.num_waiting)
-    t.kv_blocks_used.set(used)
-    t.kv_blocks_total.set(stats.num_blocks_total)
-    t.kv_usage.set(used / stats.num_blocks_total if stats.num_blocks_total else 0.0)
-    t.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
-    if stats.num_preemptions > totals.num_preemptions:
-        t.preemptions.add(stats.num_preemptions - totals.num_preemptions)
-    if stats.num_tokens_computed > totals.num_tokens_computed:
-        t.step_tokens.record(stats.num_tokens_computed - totals.num_tokens_computed)
-    totals.num_preemptions = stats.num_preemptions
-    totals.num_tokens_computed = stats.num_tokens_computed
+    if step.stats is not None:
+        t.observe_engine(step.stats)
 
 
 def timing_of(job: Job, now_s: float) -> Timing:
@@ -87,14 +73,20 @@ def timing_of(job: Job, now_s: float) -> Timing:
     )
 
 
-def on_final(t: Telemetry, job: Job, finish_reason: str, timing: Timing) -> None:
+def on_final(
+    t: Telemetry, job: Job, finish_reason: str, timing: Timing, error_type: str | None = None
+) -> None:
+    """`error_type`: the final's error code when `finish_reason` is "error" (error.type)."""
     urgency = {"urgency": job.urgency.value}
-    t.requests_finished.add(1, {"finish_reason": finish_reason, **urgency})
+    gen_ai = {**urgency, "gen_ai.operation.name": operation_of(job)}
+    if error_type is not None:
+        gen_ai["error.type"] = error_type
+    t.requests_finished.add(1, {"finish_reason": finish_reason, **gen_ai})
     t.prompt_tokens.add(job.num_prompt_tokens)
     t.generated_tokens.add(job.num_output_tokens)
-    t.e2e_s.record(timing.total_ms / 1000, urgency)
+    t.e2e_s.record(timing.total_ms / 1000, gen_ai)
     if timing.ttft_ms is not None:
-        t.ttft_s.record(timing.ttft_ms / 1000, urgency)
+        t.ttft_s.record(timing.ttft_ms / 1000, gen_ai)
     if timing.batcher_ms is not None:
         t.queue_s.record(timing.batcher_ms / 1000, {"stage": "batcher", **urgency})
     if job.engine_queue_s is not None:
@@ -104,7 +96,7 @@ def on_final(t: Telemetry, job: Job, finish_reason: str, timing: Timing) -> None
     if timing.decode_ms is not None:
         t.decode_s.record(timing.decode_ms / 1000, urgency)
         if job.num_output_tokens > 1:
-            t.tpot_s.record(timing.decode_ms / 1000 / (job.num_output_tokens - 1), urgency)
+            t.tpot_s.record(timing.decode_ms / 1000 / (job.num_output_tokens - 1), gen_ai)
 
 
 def record_stages(t: Telemetry, job: Job, acked_s: float) -> None:

@@ -10,6 +10,7 @@ broker, a reply prefix that covers the request topic, ...) raise here, before an
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -34,6 +35,7 @@ from schemas.contract import (
     TOPIC_NAME_PATTERN,
 )
 from schemas.headers import Urgency
+from worker.client.security import aiokafka_security_options, check_security
 
 
 def _not_dot_or_dotdot(name: str) -> str:
@@ -65,7 +67,13 @@ class ReplyTopicSettings(_Group):
 
 class KafkaSettings(_Group):
     bootstrap_servers: str | None = Field(
-        default=None, description="host:port[,host:port]; None starts the embedded broker"
+        default=None,
+        description="host:port[,host:port]; required unless embedded_broker is set",
+    )
+    # A development convenience (`make run`, `demo`, tests): a worker with no broker configured
+    # must fail at start, not serve an in-memory broker that no producer can reach.
+    embedded_broker: bool = Field(
+        default=False, description="start an in-memory broker (development only)"
     )
     embedded_port: int | None = Field(
         default=None, ge=1, le=65535, description="embedded broker port"
@@ -99,9 +107,12 @@ class KafkaSettings(_Group):
     fetch_max_wait_ms: PositiveMs = 20
     consumer_stop_timeout_s: float = Field(default=10.0, gt=0)
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
     sasl_username: str | None = None
     sasl_password: SecretStr | None = None
+    # OAUTHBEARER: the token is read from this file at each connection (a projected
+    # service-account token or a file a sidecar refreshes), so it rotates without a restart.
+    sasl_oauth_token_file: Path | None = None
     ssl_cafile: Path | None = None
     ssl_certfile: Path | None = None
     ssl_keyfile: Path | None = None
@@ -126,22 +137,14 @@ class KafkaSettings(_Group):
                 f"reply_topic_prefix {self.reply_topic_prefix!r} covers {covered}: a request could "
                 "then name a worker topic as its reply_to"
             )
-        is_sasl = self.security_protocol.startswith("SASL")
-        if is_sasl and (
-            self.sasl_mechanism is None or not self.sasl_username or self.sasl_password is None
-        ):
-            raise ValueError(
-                f"security_protocol {self.security_protocol} needs sasl_mechanism, sasl_username and sasl_password"
-            )
-        if not is_sasl and self.sasl_mechanism is not None:
-            raise ValueError(
-                "sasl_mechanism is set but security_protocol is not SASL_PLAINTEXT or SASL_SSL"
-            )
-        has_ssl_files = any(
-            p is not None for p in (self.ssl_cafile, self.ssl_certfile, self.ssl_keyfile)
-        )
-        if has_ssl_files and not self.security_protocol.endswith("SSL"):
-            raise ValueError("ssl_* files are set but security_protocol is not SSL or SASL_SSL")
+        check_security(
+            self.security_protocol, self.sasl_mechanism, self.sasl_username,
+            self.sasl_password.get_secret_value() if self.sasl_password else None,
+            self.sasl_oauth_token_file,
+            has_ssl_files=any(
+                p is not None for p in (self.ssl_cafile, self.ssl_certfile, self.ssl_keyfile)
+            ),
+        )  # fmt: skip
         if self.is_embedded and self.security_protocol != "PLAINTEXT":
             raise ValueError(
                 "the embedded broker speaks PLAINTEXT only; set bootstrap_servers for SASL/TLS"
@@ -151,6 +154,8 @@ class KafkaSettings(_Group):
                 "enable_idempotence=True does not work against the embedded broker (stock aiokafka "
                 "cannot initialise a producer id there); leave it unset or set bootstrap_servers"
             )
+        if not self.is_embedded and self.embedded_broker:
+            raise ValueError("embedded_broker is set but so is bootstrap_servers: choose one")
         if not self.is_embedded and self.embedded_port is not None:
             raise ValueError(
                 "embedded_port is set but bootstrap_servers points at an external broker"
@@ -174,21 +179,12 @@ class KafkaSettings(_Group):
 
     def client_options(self) -> dict:
         """Connection and security options shared by every aiokafka client the worker makes."""
-        options: dict = {"security_protocol": self.security_protocol}
-        if self.sasl_mechanism is not None:
-            options["sasl_mechanism"] = self.sasl_mechanism
-            options["sasl_plain_username"] = self.sasl_username
-            options["sasl_plain_password"] = self.sasl_password.get_secret_value()
-        if self.security_protocol.endswith("SSL"):
-            from aiokafka.helpers import create_ssl_context
-
-            options["ssl_context"] = create_ssl_context(
-                cafile=self.ssl_cafile,
-                certfile=self.ssl_certfile,
-                keyfile=self.ssl_keyfile,
-                password=self.ssl_password.get_secret_value() if self.ssl_password else None,
-            )
-        return options
+        secret = lambda value: value.get_secret_value() if value is not None else None  # noqa: E731
+        return aiokafka_security_options(
+            self.security_protocol, self.sasl_mechanism, self.sasl_username,
+            secret(self.sasl_password), self.sasl_oauth_token_file,
+            self.ssl_cafile, self.ssl_certfile, self.ssl_keyfile, secret(self.ssl_password),
+        )  # fmt: skip
 
 
 class BatcherSettings(_Group):
@@ -270,9 +266,10 @@ class WorkerSettings(BaseSettings):
     )
 
     model: str = Field(default="smollm2-135m", min_length=1, description="alias, HF dir or .gguf")
-    # auto: the checkpoint's dtype when this CPU computes it natively, else float32.
+    # "auto" (both): a GGUF runs in its own quantization, computing in bf16 where this CPU has
+    # it natively; see engine/precision.py. float32 and "none" give the HF-exact path.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: str | None = None
+    quantization: str | None = "auto"
     engine: EngineConfig = Field(default_factory=EngineConfig)
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     batcher: BatcherSettings = Field(default_factory=BatcherSettings)
@@ -300,22 +297,54 @@ class WorkerSettings(BaseSettings):
 
 # --- the same settings as `mini-infer serve` flags ------------------------------------------
 
+_BYTE_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+               "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}  # fmt: skip
+
+
+def parse_byte_size(text: str) -> int:
+    """'536870912', '512MiB', '2GiB', '1.5G' (SI) -> bytes. ArgumentTypeError otherwise."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size like 512MiB or 2GiB: {text!r}")
+    number, unit = match.groups()
+    size = int(float(number) * _BYTE_UNITS[(unit or "").lower()])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"a size must be at least one byte: {text!r}")
+    return size
+
+
 # flag -> (settings path, type, help). Unset flags leave env/defaults alone.
 CLI_FLAGS: dict[str, tuple[str, type, str]] = {
     "--bootstrap-servers": (
         "kafka.bootstrap_servers",
         str,
-        "Kafka host:port list (default: embedded broker)",
+        "Kafka host:port list (required unless --embedded-broker)",
+    ),
+    "--embedded-broker": (
+        "kafka.embedded_broker",
+        bool,
+        "start an in-memory broker for development (never in production)",
     ),
     "--port": ("kafka.embedded_port", int, "port of the embedded broker (default: a free one)"),
     "--model": ("model", str, "smollm2-135m, a Hugging Face checkpoint dir or a .gguf file"),
     "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16"),
     "--attention-backend": ("engine.attention_backend", str, "auto | cpu | torch | triton"),
-    "--quantization": ("quantization", str, "int8 | int4 (group 32) | int4-g64 | int4-g128 | w8a8"),
+    "--quantization": (
+        "quantization",
+        str,
+        "auto (a GGUF's own) | none | int8 | int4 (group 32) | int4-g64 | int4-g128 | w8a8",
+    ),
     "--kv-cache-dtype": ("engine.kv_cache_dtype", str, "auto | int8"),
-    "--linear-kernel": ("engine.linear_kernel", str, "auto | plain | packed"),
+    "--linear-kernel": ("engine.linear_kernel", str, "auto | plain | packed | gemv"),
     "--compile": ("engine.compile", str, "torch.compile the forward: auto | on | off"),
     "--device": ("engine.device", str, "auto | cpu | cuda (Triton kernels, CUDA graphs)"),
+    "--max-model-len": ("engine.max_model_len", int, "longest prompt + output, in tokens"),
+    "--max-num-seqs": ("engine.max_num_seqs", int, "sequences the engine runs at once"),
+    "--kv-cache-memory": (
+        "engine.kv_cache_memory_bytes",
+        parse_byte_size,
+        "KV-cache pool size: bytes, or with a unit (512MiB, 2GiB, 1.5G)",
+    ),
     "--group-id": ("kafka.group_id", str, "consumer group of the worker pool"),
     "--group-instance-id": (
         "kafka.group_instance_id",
@@ -345,7 +374,12 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, (_, type_, help_text) in CLI_FLAGS.items():
-        parser.add_argument(flag, type=type_, default=None, help=help_text)
+        if type_ is bool:  # a switch: present sets True, absent leaves env/defaults alone
+            parser.add_argument(
+                flag, action="store_const", const=True, default=None, help=help_text
+            )
+        else:
+            parser.add_argument(flag, type=type_, default=None, help=help_text)
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:

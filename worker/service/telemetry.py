@@ -5,6 +5,8 @@ the model server, `messaging.*` for Kafka) and use `mini_infer.*` names otherwis
 three ways: Prometheus scrapes `GET /metrics` on the health port (text format, through the
 official Prometheus exporter with a registry of this worker's own), OTLP pushes them when
 `otlp_endpoint` is set, and `console` prints them. The README maps each to vLLM's metric name.
+Every measurement carries the served model (`gen_ai.request.model`); gauges are observable
+(read from the last-seen state at each collection), so an idle worker still reports them.
 
 Traces: every request attempt gets a `process <topic>` span (kind CONSUMER), a child of the
 producer's `traceparent` and linked to it as the messaging conventions ask; its stages are child
@@ -19,9 +21,12 @@ Spans get real ids even with no exporter, so propagation works everywhere.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     ConsoleMetricExporter,
@@ -39,12 +44,53 @@ from worker.service.settings import ObservabilitySettings
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _SCOPE = "mini_infer.worker"
+DEFAULT_SERVICE_NAME = "mini-infer-worker"  # OTEL_SERVICE_NAME (or its resource attribute) wins
+PROVIDER_NAME = "mini_infer"  # gen_ai.provider.name: the server itself, no upstream provider
 
 # Latency buckets in seconds, from a fast decode step to a long generation (vLLM's ranges).
 _TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 _TOKEN_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
 _REQUEST_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
+# Queue time: a request may wait in a Kafka backlog for minutes or hours (an asynchronous
+# pipeline is allowed to), so the buckets go on to 4 h instead of piling into +Inf at 80 s.
+_QUEUE_BUCKETS_S = (*_TTFT_BUCKETS_S, 160, 300, 600, 1200, 1800, 3600, 7200, 14400)
 _STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+class _Bound:
+    """An instrument whose every measurement carries the worker's constant attributes (the
+    served model, and so on) besides its own."""
+
+    def __init__(self, instrument, attributes: dict[str, str]) -> None:
+        self._instrument = instrument
+        self._attributes = attributes
+
+    def add(self, amount: float, attributes: dict | None = None) -> None:
+        self._instrument.add(amount, {**self._attributes, **(attributes or {})})
+
+    def record(self, amount: float, attributes: dict | None = None) -> None:
+        self._instrument.record(amount, {**self._attributes, **(attributes or {})})
+
+
+@dataclass
+class EngineState:
+    """The engine as last seen (at start, then after every step). Observable gauges read it at
+    each collection, so an idle worker's scrape still shows them."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_used: int = 0
+    num_blocks_total: int = 0
+    last_stats: Any = None  # engine.outputs.EngineStats: its counters are cumulative
+
+
+@dataclass
+class KafkaState:
+    """The consumer as last sampled (`kafka_sample_interval_s`): partitions and lag."""
+
+    num_assigned: int = 0
+    num_paused: int = 0
+    lags: dict[tuple[str, int], int] = field(default_factory=dict)  # (topic, partition) -> lag
 
 
 class Telemetry:
@@ -53,10 +99,13 @@ class Telemetry:
         settings: ObservabilitySettings,
         worker_id: str,
         extra_span_processors: list[SpanProcessor] | None = None,
+        *,
+        model_name: str = "unknown",
+        group_id: str | None = None,
     ) -> None:
-        resource = Resource.create(
-            {"service.name": "mini-infer-worker", "service.instance.id": worker_id}
-        )
+        resource = Resource.create({"service.instance.id": worker_id})
+        if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+            resource = resource.merge(Resource({"service.name": DEFAULT_SERVICE_NAME}))
         self.tracer_provider = TracerProvider(resource=resource)
         if settings.trace_exporter == "console":
             self.tracer_provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
@@ -85,104 +134,171 @@ class Telemetry:
             exporter = OTLPMetricExporter(endpoint=_otlp_url(settings.otlp_endpoint, "metrics"))
             readers.append(PeriodicExportingMetricReader(exporter, interval_ms))
         self.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
-        self._make_instruments(self.meter_provider.get_meter(_SCOPE))
+        # Every metric names the served model (vLLM's `model_name`), by the gen_ai convention's
+        # attribute; request metrics add the rest of the gen_ai attributes, Kafka ones the
+        # messaging attributes.
+        self.model_attributes = {"gen_ai.request.model": model_name}
+        self.request_attributes = {"gen_ai.provider.name": PROVIDER_NAME, **self.model_attributes}
+        self.kafka_attributes = {
+            "messaging.system": "kafka",
+            **({"messaging.consumer.group.name": group_id} if group_id else {}),
+            **self.model_attributes,
+        }
+        self.engine_state = EngineState()
+        self.kafka_state = KafkaState()
+        meter = self.meter_provider.get_meter(_SCOPE)
+        self._make_request_instruments(meter)
+        self._make_engine_instruments(meter)
+        self._make_kafka_instruments(meter)
 
-    def _make_instruments(self, meter) -> None:
-        # Requests. Attributes: urgency; finish_reason on finished; reason on dead letters.
-        self.requests_received = meter.create_counter(
+    def _make_request_instruments(self, meter) -> None:
+        # Attributes: urgency and gen_ai.operation.name; finish_reason (and error.type) on
+        # finished; reason on dead letters.
+        req, model = self.request_attributes, self.model_attributes
+        self.requests_received = _Bound(meter.create_counter(
             "mini_infer.requests.received", unit="{request}", description="requests consumed"
-        )
-        self.requests_finished = meter.create_counter(
+        ), req)  # fmt: skip
+        self.requests_finished = _Bound(meter.create_counter(
             "mini_infer.requests.finished", unit="{request}", description="finals sent"
-        )
-        self.dlq_messages = meter.create_counter(
+        ), req)  # fmt: skip
+        self.dlq_messages = _Bound(meter.create_counter(
             "mini_infer.dlq.messages", unit="{message}", description="dead letters written"
-        )
-        self.inflight_requests = meter.create_up_down_counter(
+        ), model)  # fmt: skip
+        self.inflight_requests = _Bound(meter.create_up_down_counter(
             "mini_infer.requests.inflight", unit="{request}", description="consumed, unanswered"
-        )
-        # Tokens.
-        self.prompt_tokens = meter.create_counter(
+        ), model)  # fmt: skip
+        self.prompt_tokens = _Bound(meter.create_counter(
             "mini_infer.tokens.prompt", unit="{token}", description="prompt tokens of finals"
-        )
-        self.generated_tokens = meter.create_counter(
+        ), model)  # fmt: skip
+        self.generated_tokens = _Bound(meter.create_counter(
             "mini_infer.tokens.generated", unit="{token}", description="tokens generated"
-        )
+        ), model)  # fmt: skip
         # Latency (seconds, as the gen_ai conventions ask).
-        self.ttft_s = meter.create_histogram(
+        self.ttft_s = _Bound(meter.create_histogram(
             "gen_ai.server.time_to_first_token", unit="s",
             description="from consumption to the first generated token",
             explicit_bucket_boundaries_advisory=_TTFT_BUCKETS_S,
-        )  # fmt: skip
-        self.tpot_s = meter.create_histogram(
+        ), req)  # fmt: skip
+        self.tpot_s = _Bound(meter.create_histogram(
             "gen_ai.server.time_per_output_token", unit="s",
             description="decode time per output token after the first, per request",
             explicit_bucket_boundaries_advisory=_TOKEN_BUCKETS_S,
-        )  # fmt: skip
-        self.itl_s = meter.create_histogram(
-            "mini_infer.inter_token_latency", unit="s",
-            description="gap between consecutive output tokens",
-            explicit_bucket_boundaries_advisory=_TOKEN_BUCKETS_S,
-        )  # fmt: skip
-        self.e2e_s = meter.create_histogram(
+        ), req)  # fmt: skip
+        self.e2e_s = _Bound(meter.create_histogram(
             "gen_ai.server.request.duration", unit="s",
             description="from consumption to the final",
             explicit_bucket_boundaries_advisory=_REQUEST_BUCKETS_S,
-        )  # fmt: skip
+        ), req)  # fmt: skip
+        self.itl_s = _Bound(meter.create_histogram(
+            "mini_infer.inter_token_latency", unit="s",
+            description="gap between consecutive output tokens",
+            explicit_bucket_boundaries_advisory=_TOKEN_BUCKETS_S,
+        ), model)  # fmt: skip
         # stage = kafka (producer timestamp -> consumed), batcher, engine (added -> scheduled).
-        self.queue_s = meter.create_histogram(
-            "mini_infer.request.queue_time",
-            unit="s",
-            description="time queued, by stage",
+        self.queue_s = _Bound(meter.create_histogram(
+            "mini_infer.request.queue_time", unit="s", description="time queued, by stage",
+            explicit_bucket_boundaries_advisory=_QUEUE_BUCKETS_S,
+        ), model)  # fmt: skip
+        self.prefill_s = _Bound(meter.create_histogram(
+            "mini_infer.request.prefill_time", unit="s", description="the first token's step",
             explicit_bucket_boundaries_advisory=_TTFT_BUCKETS_S,
-        )
-        self.prefill_s = meter.create_histogram(
-            "mini_infer.request.prefill_time",
-            unit="s",
-            description="the first token's step",
-            explicit_bucket_boundaries_advisory=_TTFT_BUCKETS_S,
-        )
-        self.decode_s = meter.create_histogram(
-            "mini_infer.request.decode_time",
-            unit="s",
-            description="first token to the last",
+        ), model)  # fmt: skip
+        self.decode_s = _Bound(meter.create_histogram(
+            "mini_infer.request.decode_time", unit="s", description="first token to the last",
             explicit_bucket_boundaries_advisory=_REQUEST_BUCKETS_S,
-        )
-        # Engine state, sampled after every step.
-        self.running_requests = meter.create_gauge(
-            "mini_infer.engine.requests.running", unit="{request}"
-        )
-        self.waiting_requests = meter.create_gauge(
-            "mini_infer.engine.requests.waiting", unit="{request}"
-        )
-        self.kv_blocks_used = meter.create_gauge("mini_infer.kv_cache.blocks.used", unit="{block}")
-        self.kv_blocks_total = meter.create_gauge(
-            "mini_infer.kv_cache.blocks.total", unit="{block}"
-        )
-        self.kv_usage = meter.create_gauge(
-            "mini_infer.kv_cache.usage", unit="1", description="blocks used / total"
-        )
-        self.prefix_hit_rate = meter.create_gauge(
-            "mini_infer.prefix_cache.hit_rate", unit="1", description="since start"
-        )
-        self.step_tokens = meter.create_histogram(
-            "mini_infer.engine.step.tokens",
-            unit="{token}",
+        ), model)  # fmt: skip
+        self.inflight_requests.add(0)  # present from the first scrape (rate() needs a start)
+
+    def _make_engine_instruments(self, meter) -> None:
+        model, state = self.model_attributes, self.engine_state
+
+        def gauge(name: str, unit: str, read, description: str = "") -> None:
+            def observe(_options: CallbackOptions) -> list[Observation]:
+                return [Observation(read(), model)]
+
+            meter.create_observable_gauge(name, [observe], unit=unit, description=description)
+
+        gauge("mini_infer.engine.requests.running", "{request}", lambda: state.num_running)
+        gauge("mini_infer.engine.requests.waiting", "{request}", lambda: state.num_waiting)
+        gauge("mini_infer.kv_cache.blocks.used", "{block}", lambda: state.num_blocks_used)
+        gauge("mini_infer.kv_cache.blocks.total", "{block}", lambda: state.num_blocks_total)
+        gauge(
+            "mini_infer.kv_cache.usage", "1",
+            lambda: state.num_blocks_used / state.num_blocks_total if state.num_blocks_total else 0.0,
+            "blocks used / total",
+        )  # fmt: skip
+        # Prefix cache as vLLM counts it: prompt tokens looked up, and of those found; the hit
+        # rate over any window is rate(hits) / rate(queries).
+        self.prefix_cache_queries = _Bound(meter.create_counter(
+            "mini_infer.prefix_cache.queries", unit="{token}",
+            description="prompt tokens looked up in the prefix cache",
+        ), model)  # fmt: skip
+        self.prefix_cache_hits = _Bound(meter.create_counter(
+            "mini_infer.prefix_cache.hits", unit="{token}",
+            description="prompt tokens found in the prefix cache",
+        ), model)  # fmt: skip
+        self.step_tokens = _Bound(meter.create_histogram(
+            "mini_infer.engine.step.tokens", unit="{token}",
             description="tokens computed per step",
             explicit_bucket_boundaries_advisory=_STEP_TOKEN_BUCKETS,
+        ), model)  # fmt: skip
+        self.preemptions = _Bound(
+            meter.create_counter("mini_infer.engine.preemptions", unit="{event}"), model
         )
-        self.preemptions = meter.create_counter("mini_infer.engine.preemptions", unit="{event}")
-        # Kafka (messaging conventions): lag per partition (a hint: brokers differ), paused.
-        self.consumer_lag = meter.create_gauge(
-            "messaging.kafka.consumer.lag", unit="{message}",
+        for counter in (self.prefix_cache_queries, self.prefix_cache_hits, self.preemptions):
+            counter.add(0)
+
+    def _make_kafka_instruments(self, meter) -> None:
+        kafka, state = self.kafka_attributes, self.kafka_state
+
+        def lags(_options: CallbackOptions) -> list[Observation]:
+            return [
+                Observation(lag, {
+                    **kafka, "messaging.destination.name": topic,
+                    "messaging.destination.partition.id": str(partition),
+                })  # fmt: skip
+                for (topic, partition), lag in list(state.lags.items())
+            ]
+
+        meter.create_observable_gauge(
+            "messaging.kafka.consumer.lag", [lags], unit="{message}",
             description="high watermark minus the next offset to consume (a hint)",
         )  # fmt: skip
-        self.paused_partitions = meter.create_gauge(
-            "mini_infer.consumer.partitions.paused", unit="{partition}"
+        meter.create_observable_gauge(
+            "mini_infer.consumer.partitions.paused",
+            [lambda _options: [Observation(state.num_paused, kafka)]],
+            unit="{partition}",
         )
-        self.assigned_partitions = meter.create_gauge(
-            "mini_infer.consumer.partitions.assigned", unit="{partition}"
+        meter.create_observable_gauge(
+            "mini_infer.consumer.partitions.assigned",
+            [lambda _options: [Observation(state.num_assigned, kafka)]],
+            unit="{partition}",
+            description="partitions of the request topic this worker holds",
         )
+        self.records_refetched = meter.create_counter(
+            "mini_infer.consumer.records.refetched", unit="{record}",
+            description="records of an assigned partition not yet tracked: sought back, not lost",
+        )  # fmt: skip
+
+    def observe_engine(self, stats) -> None:
+        """The engine's `EngineStats` after a step (or at start, the baseline: what warm-up did
+        is not counted as traffic)."""
+        state, previous = self.engine_state, self.engine_state.last_stats
+        state.last_stats = stats
+        state.num_running, state.num_waiting = stats.num_running, stats.num_waiting
+        state.num_blocks_used = stats.num_blocks_total - stats.num_blocks_free
+        state.num_blocks_total = stats.num_blocks_total
+        if previous is None:
+            return
+        for counter, now, before in (
+            (self.preemptions, stats.num_preemptions, previous.num_preemptions),
+            (self.prefix_cache_queries, stats.num_prefix_queries, previous.num_prefix_queries),
+            (self.prefix_cache_hits, stats.num_prefix_hits, previous.num_prefix_hits),
+        ):
+            if now > before:
+                counter.add(now - before)
+        if stats.num_tokens_computed > previous.num_tokens_computed:
+            self.step_tokens.record(stats.num_tokens_computed - previous.num_tokens_computed)
 
     def start_request_span(
         self, topic: str, request_id: str, traceparent: str | None, attributes: dict

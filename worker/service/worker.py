@@ -13,8 +13,8 @@ Shutdown, in the order that loses nothing (at-least-once):
 7. close: cancel listener, consumer (leaves the group, so the rebalance starts at once),
    engine thread, producer, admin, telemetry.
 
-`mini-infer serve` runs one worker until SIGTERM/SIGINT, with an embedded broker when no
-bootstrap servers are configured.
+`mini-infer serve` runs one worker until SIGTERM/SIGINT against the configured Kafka; it starts an
+embedded broker only when asked to (`--embedded-broker`, for development).
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ log = structlog.get_logger(__name__)
 
 DRAIN_POLL_S = 0.05
 TOPIC_CHECK_INTERVAL_S = 15.0
+NO_BROKER_MESSAGE = (
+    "no Kafka configured: set MINI_INFER_KAFKA__BOOTSTRAP_SERVERS (or --bootstrap-servers); "
+    "for development only, --embedded-broker (MINI_INFER_KAFKA__EMBEDDED_BROKER=true) starts an "
+    "in-memory broker"
+)
 
 
 def make_worker_id() -> str:
@@ -69,6 +74,12 @@ def default_engine_factory(settings: WorkerSettings):
         )
 
     return build
+
+
+def served_model_name(settings: WorkerSettings) -> str:
+    """The name metrics carry for the model: `served_model_name` where settings have one, else
+    the configured model (an alias, a directory or a .gguf file)."""
+    return getattr(settings, "served_model_name", None) or settings.model
 
 
 def served_model_names(configured: str, model_path: str) -> frozenset[str]:
@@ -92,7 +103,10 @@ class Worker:
         if self.bootstrap_servers is None:
             raise ValueError("a Worker needs bootstrap servers (serve() starts an embedded broker)")
         self.worker_id = settings.worker_id or make_worker_id()
-        self.telemetry = telemetry or Telemetry(settings.observability, self.worker_id)
+        self.telemetry = telemetry or Telemetry(
+            settings.observability, self.worker_id,
+            model_name=served_model_name(settings), group_id=settings.kafka.group_id,
+        )  # fmt: skip
         self._engine_factory = engine_factory or default_engine_factory(settings)
         obs = settings.observability
         registry = self.telemetry.prometheus_registry if obs.prometheus else None
@@ -127,6 +141,8 @@ class Worker:
         started_s = time.monotonic()
         self.bridge = EngineBridge(self._engine_factory, s.limits.max_consecutive_step_failures)
         info = await self.bridge.start()
+        if info.stats is not None:
+            self.telemetry.observe_engine(info.stats)  # KV blocks known before any request
         log_.info(
             "worker.engine_loaded",
             model=info.model_path,
@@ -201,30 +217,32 @@ class Worker:
         return {"engine_thread": self.bridge is not None and self.bridge.is_alive(stall_s)}
 
     def readiness(self) -> dict[str, bool]:
-        """Model loaded and warmed up (asked only then), partitions held, broker polled."""
+        """Started and able to work: the model loaded and warmed up (asked only then), the engine
+        thread alive, the consumer running, and the broker answering its polls. Holding
+        partitions is not a condition: with as many replicas as partitions a surge pod holds
+        none until the old pod leaves, and a rollout that waited for it would never finish
+        (`mini_infer.consumer.partitions.assigned` shows who holds what)."""
         consumer = self.consumer
         last_poll_s = consumer.last_poll_ok_s if consumer is not None else None
         stale_s = self.settings.observability.broker_stale_s
         return {
             "engine_thread": self.bridge is not None and self.bridge.is_alive(float("inf")),
-            "partitions_assigned": consumer is not None and bool(consumer.assignment),
+            "consumer_running": self._is_task_running("consumer"),
             "broker_reachable": last_poll_s is not None
             and time.monotonic() - last_poll_s < stale_s,
         }
 
+    def _is_task_running(self, prefix: str) -> bool:
+        return any(t.get_name().startswith(prefix + "-") and not t.done() for t in self._tasks)
+
     async def _sample_kafka(self) -> None:
-        t = self.telemetry
+        state = self.telemetry.kafka_state
         while True:
             consumer = self.consumer
             if consumer is not None:
-                for partition, lag in consumer.lags().items():
-                    attributes = {
-                        "messaging.destination.name": partition.topic,
-                        "messaging.destination.partition.id": str(partition.partition),
-                    }
-                    t.consumer_lag.set(lag, attributes)
-                t.paused_partitions.set(consumer.num_paused)
-                t.assigned_partitions.set(len(consumer.assignment))
+                state.lags = {(p.topic, p.partition): lag for p, lag in consumer.lags().items()}
+                state.num_paused = consumer.num_paused
+                state.num_assigned = len(consumer.assignment)
             await asyncio.sleep(self.settings.observability.kafka_sample_interval_s)
 
     def _own_topics(self) -> dict[str, int]:
@@ -352,6 +370,8 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event | None = None) -> 
     try:
         async with contextlib.AsyncExitStack() as stack:
             bootstrap_servers = settings.kafka.bootstrap_servers
+            if bootstrap_servers is None and not settings.kafka.embedded_broker:
+                raise ValueError(NO_BROKER_MESSAGE)
             if bootstrap_servers is None:
                 broker = EmbeddedBroker(port=settings.kafka.embedded_port)
                 bootstrap_servers = (await stack.enter_async_context(broker)).bootstrap_servers

@@ -1,8 +1,10 @@
-"""Plain or oneDNN-packed weights for each linear layer, decided on the running machine.
+"""Plain, oneDNN-packed or our GEMV's weights for each linear layer, decided on the running machine.
 
-Two GEMM paths exist on CPU: `F.linear` on the checkpoint layout (MKL for fp32; for bf16/fp16
-torch repacks the weight inside every call) and oneDNN's `_linear_pointwise` on a weight packed
-once into its blocked layout. Which is faster depends on the CPU, the dtype, the shape and the
+Three GEMM paths exist on CPU: `F.linear` on the checkpoint layout (MKL for fp32; for bf16/fp16
+torch repacks the weight inside every call), oneDNN's `_linear_pointwise` on a weight packed
+once into its blocked layout, and, for bf16, our own GEMV / small GEMM on weights packed in
+pairs along K (engine/kernels/cpu/bf16_gemm.py; a layer runs it up to 16 rows and oneDNN on a
+transient unpacked copy beyond, which is what the calibration times for it). Which is faster depends on the CPU, the dtype, the shape and the
 number of rows, and a rule measured on one CPU family was wrong on the other:
 
     fp32, [M, 576] x [576, 3072]      plain F.linear   packed oneDNN
@@ -10,11 +12,14 @@ number of rows, and a rule measured on one CPU family was wrong on the other:
     AMD EPYC Zen 4, M = 1             147 us           70 us          -> packed wins 2.1x
     AMD EPYC Zen 4, M = 32            850 us           569 us         -> packed wins 1.5x
 
-So the choice is measured at load on the model's real shapes with 1 and 32 rows (the single
-stream people feel, and a busy batch), alternating the two paths over several rounds and
-comparing the fastest sample of each (on a machine shared with other processes, the minimum is
-the estimate least disturbed by preemption: medians of one calibration under load were off by
-10x); a shape goes packed when the product of its two time ratios (packed / plain) is below 1.
+So the choice is measured at load on the model's real shapes with 1, 4, 16 and 64 rows (the
+single stream people feel up to a busy batch; each is a rows bucket), alternating the paths
+over several rounds and comparing the fastest sample of each (on a machine shared with other
+processes, the minimum is the estimate least disturbed by preemption: medians of one
+calibration under load were off by 10x); a shape takes the path whose product of times over
+the buckets is smallest (for two paths: packed when the product of its time ratios packed /
+plain is below 1). Only one layout of a weight stays resident, so the choice is per shape; the
+times of every bucket are kept in the cache file for the record.
 Results are cached as JSON under the cache dir, keyed by CPU model + flags + torch version (the
 fingerprint) and thread count, so calibration is paid once per machine (a few seconds for
 SmolLM2's five shapes per dtype on the Zen 4 VM) and a restarted worker starts at once.
@@ -24,14 +29,17 @@ medians) the calibrated choice (lm_head, gate/up and down packed; q/k/v and o pl
 the tok/s of all-plain (the rule measured on the Xeon) for 1 stream and 1.67x for 16. bf16 took
 packed for every shape (2-2.5x per GEMM at 1 row).
 
-`EngineConfig.linear_kernel` forces a path ("plain" | "packed"), so both stay tested on any CPU.
-A dtype oneDNN cannot pack here (fp16 without avx_ne_convert/avx512_fp16) gets plain with one
-log line, whatever is asked: never a crash for want of an instruction.
+`EngineConfig.linear_kernel` forces a path ("plain" | "packed" | "gemv"), so each stays tested
+on any CPU. A path this machine cannot run (oneDNN cannot pack fp16 without
+avx_ne_convert/avx512_fp16; our GEMV is bf16 only and needs a C++ compiler) falls back, with one
+log line, to the next that it can ("gemv" -> "packed" -> "plain"): never a crash for want of an
+instruction.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import time
@@ -42,12 +50,13 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.cpu import bf16_gemm
 from engine.platform import can_pack_onednn, cpu_info
 
 log = structlog.get_logger(__name__)
 
-LINEAR_KERNELS = ("auto", "plain", "packed")
-CALIBRATION_ROWS = (1, 32)
+LINEAR_KERNELS = ("auto", "plain", "packed", "gemv")
+CALIBRATION_ROWS = (1, 4, 16, 64)
 _ROUNDS = 15
 
 
@@ -62,26 +71,46 @@ def calibration_file() -> Path:
 
 
 def _key(dtype: torch.dtype, in_features: int, out_features: int) -> str:
+    # The candidate paths are part of the key: a result that never saw a path is not reused.
     name = str(dtype).removeprefix("torch.")
-    return f"{name}:{in_features}x{out_features}:threads{torch.get_num_threads()}"
+    paths = "+".join(available_paths(dtype))
+    return f"{name}:{in_features}x{out_features}:threads{torch.get_num_threads()}:{paths}"
+
+
+def available_paths(dtype: torch.dtype) -> tuple[str, ...]:
+    """The paths this machine runs for `dtype`, slowest fallback first."""
+    paths = ["plain"]
+    if can_pack_onednn(dtype):
+        paths.append("packed")
+    if dtype == torch.bfloat16 and bf16_gemm.load() is not None:
+        paths.append("gemv")
+    return tuple(paths)
 
 
 def choose_linear_kernels(
     shapes: Iterable[tuple[int, int]], dtype: torch.dtype, requested: str = "auto"
 ) -> dict[tuple[int, int], str]:
-    """{(in_features, out_features): "plain" | "packed"} for each distinct shape."""
+    """{(in_features, out_features): "plain" | "packed" | "gemv"} for each distinct shape."""
     if requested not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {requested!r}")
     distinct = sorted(set(shapes))
-    if not can_pack_onednn(dtype):
-        if requested == "packed" or dtype != torch.float32:
+    paths = available_paths(dtype)
+    if requested != "auto":
+        chosen = next(p for p in reversed(LINEAR_KERNELS[1 : LINEAR_KERNELS.index(requested) + 1])
+                      if p in paths)  # fmt: skip
+        if chosen != requested:
+            log.warning(
+                "linear.kernel_unavailable", requested=requested, using=chosen,
+                dtype=str(dtype), cpu=cpu_info().model_name,
+            )  # fmt: skip
+        return dict.fromkeys(distinct, chosen)
+    if paths == ("plain",):
+        if dtype != torch.float32:
             log.warning(
                 "linear.packing_unavailable", dtype=str(dtype), cpu=cpu_info().model_name,
                 detail="oneDNN has no packed path for this dtype on this CPU; using F.linear",
             )  # fmt: skip
         return dict.fromkeys(distinct, "plain")
-    if requested != "auto":
-        return dict.fromkeys(distinct, requested)
     path = calibration_file()
     cached = _read(path)
     choices, measured = {}, {}
@@ -97,30 +126,42 @@ def choose_linear_kernels(
 
 
 def calibrate_shape(in_features: int, out_features: int, dtype: torch.dtype) -> dict:
-    """Fastest microseconds per call of each path at each of CALIBRATION_ROWS, and the choice."""
+    """Fastest microseconds per call of each path at each of CALIBRATION_ROWS, and the choice
+    (the path with the smallest product of times over the rows buckets)."""
     weight = torch.randn(out_features, in_features).div_(in_features**0.5).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, max(CALIBRATION_ROWS))
+    paths = available_paths(dtype)
+    weights = {"plain": weight}
+    if "packed" in paths:
+        weights["packed"] = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+    if "gemv" in paths:
+        weights["gemv"] = bf16_gemm.pack(weight)
+    gemv = bf16_gemm.load().bf16_gemm if "gemv" in paths else None
+    isa = bf16_gemm.isa_code() if gemv is not None else None
     result: dict = {}
-    ratio_product = 1.0
+    log_product = dict.fromkeys(paths, 0.0)
     for rows in CALIBRATION_ROWS:
         x = torch.randn(rows, in_features).to(dtype)
         calls = {
-            "plain": lambda x=x: F.linear(x, weight),
+            "plain": lambda x=x: F.linear(x, weights["plain"]),
             "packed": lambda x=x: torch.ops.mkldnn._linear_pointwise(
-                x, packed, None, "none", [], ""
+                x, weights["packed"], None, "none", [], ""
+            ),
+            "gemv": lambda x=x: bf16_gemm.linear(
+                gemv, isa, x, weights["gemv"], None, out_features, in_features
             ),
         }
+        calls = {name: calls[name] for name in paths}
         times = {name: [] for name in calls}
         for call in calls.values():
             call()  # warm-up: first-call allocation and oneDNN primitive creation
         for _ in range(_ROUNDS):  # alternate, so drift on a shared machine hits both alike
             for name, call in calls.items():
                 times[name].append(_time_us(call))
-        plain_us, packed_us = (min(times[n]) for n in ("plain", "packed"))
-        result[f"plain_us_m{rows}"] = round(plain_us, 1)
-        result[f"packed_us_m{rows}"] = round(packed_us, 1)
-        ratio_product *= packed_us / plain_us
-    result["choice"] = "packed" if ratio_product < 1.0 else "plain"
+        for name in paths:
+            fastest = min(times[name])
+            result[f"{name}_us_m{rows}"] = round(fastest, 1)
+            log_product[name] += math.log(max(fastest, 1e-3))
+    result["choice"] = min(paths, key=lambda name: log_product[name])
     return result
 
 

@@ -1,90 +1,194 @@
-"""GGUF Q4_1 blocks become int4 (group 32) codes, scales and minimums exactly: what the
-`gguf` package writes is what we load, with no float round trip."""
+"""GGUF weights load from the file itself: Q4_0 and Q4_1 blocks become int4 (group 32) codes,
+scales and minimums exactly (checked against the `gguf` package's own dequantization of what
+its writer wrote); Q8_0 and K-quants are dequantized and quantized again by the layer; floats
+load exactly (the fp32 path stays HF-exact); unsupported types get an error naming what is."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-from gguf.quants import dequantize, quantize
-from transformers import AutoConfig
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.layers.attention import TorchPagedAttention
+from engine.model_runner import ModelRunner
 from engine.models import get_model_class
+from engine.platform import has_native
+from engine.precision import resolve_precision
+from engine.quant import load_model_weights
 from engine.quant.config import QuantConfig
-from engine.quant.gguf import decode_q4_1, load_q4_1, unpermute_rows
-from engine.quant.primitives import dequantize_int4
+from engine.quant.gguf import (
+    decode_q4_0,
+    decode_q4_1,
+    loads_as_is,
+    native_scheme,
+    unpermute_rows,
+)
+from engine.quant.primitives import (
+    dequantize_int4,
+    quantize_int4_groupwise,
+    quantize_int8_per_channel,
+)
+from tests.tiny_gguf import llama_cpp_permute, make_gguf_model, write_gguf
 from tests.tiny_model import make_tiny_llama
 
-Q4_1 = GGMLQuantizationType.Q4_1
+DECODERS = {"Q4_0": decode_q4_0, "Q4_1": decode_q4_1}
 
 
-def _write_gguf(path, tensors: dict[str, np.ndarray]):
-    writer = GGUFWriter(str(path), "llama")
-    for name, values in tensors.items():
-        writer.add_tensor(name, quantize(values, Q4_1), raw_dtype=Q4_1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("gguf-llama"), seed=5)
 
 
-def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's rotary permutation of q/k rows."""
-    return (
-        w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
+def _gguf_dequantized(path, name) -> torch.Tensor:
+    tensor = next(t for t in GGUFReader(str(path)).tensors if t.name == name)
+    values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    return torch.from_numpy(np.array(values, dtype=np.float32))
 
 
-def test_q4_1_tensor_loads_into_int4_exactly(tmp_path):
-    rng = np.random.default_rng(0)
-    values = rng.standard_normal((24, 96)).astype(np.float32)
-    _write_gguf(tmp_path / "t.gguf", {"blk.0.ffn_down.weight": values})
-    tensor = GGUFReader(str(tmp_path / "t.gguf")).tensors[0]
-    assert tensor.tensor_type == Q4_1
-    codes, scale, minimum = decode_q4_1(np.asarray(tensor.data))
-    assert codes.shape == (24, 96) and scale.shape == (24, 3) and minimum.shape == (24, 3)
-    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
-    expected = torch.from_numpy(dequantize(np.asarray(tensor.data), Q4_1).reshape(24, 96))
+@settings(max_examples=25, deadline=None)
+@given(
+    type_name=st.sampled_from(sorted(DECODERS)),
+    rows=st.integers(1, 6),
+    num_blocks=st.integers(1, 4),
+    magnitude=st.sampled_from([1e-4, 1.0, 300.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_q4_blocks_decode_exactly(tmp_path_factory, type_name, rows, num_blocks, magnitude, seed):
+    values = np.random.default_rng(seed).standard_normal((rows, 32 * num_blocks)) * magnitude
+    path = tmp_path_factory.mktemp("q4") / "t.gguf"
+    write_gguf(path, {"blk.0.ffn_down.weight": (values.astype(np.float32), type_name)})
+    tensor = GGUFReader(str(path)).tensors[0]
+    assert tensor.tensor_type.name == type_name
+    codes, scale, minimum = DECODERS[type_name](np.asarray(tensor.data))
+    assert codes.shape == (rows, 32 * num_blocks) and codes.dtype == torch.uint8
+    assert scale.shape == minimum.shape == (rows, num_blocks) and int(codes.max()) <= 15
+    expected = _gguf_dequantized(path, "blk.0.ffn_down.weight").reshape(rows, -1)
     assert torch.equal(dequantize_int4(codes, scale, minimum), expected)
-    # The fp16 scales and minimums survive bit for bit.
-    blocks = np.asarray(tensor.data).reshape(24, 3, 20)
-    assert np.array_equal(scale.numpy(), blocks[..., 0:2].copy().view(np.float16)[..., 0])
-    assert np.array_equal(minimum.numpy(), blocks[..., 2:4].copy().view(np.float16)[..., 0])
 
 
 @pytest.mark.parametrize("num_heads", [1, 2, 4])
 def test_unpermute_inverts_llama_cpp_permutation(num_heads):
     w = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
-    permuted = torch.from_numpy(_llama_cpp_permute(w, num_heads))
+    permuted = torch.from_numpy(llama_cpp_permute(w, num_heads))
     assert torch.equal(unpermute_rows(permuted, num_heads), torch.from_numpy(w))
 
 
-def test_model_layers_take_q4_1_blocks(tmp_path):
-    """q (permuted in the file), k and down_proj of layer 0 come from the GGUF as they are."""
-    path = make_tiny_llama(tmp_path / "m", seed=5)
+def _build_model(path, quant):
     hf_config = AutoConfig.from_pretrained(path)
-    quant = QuantConfig("int4", 32)
-    model = get_model_class(hf_config)(hf_config, torch.float32, 64, TorchPagedAttention(), quant)
-    rng = np.random.default_rng(1)
-    q = rng.standard_normal((64, 64)).astype(np.float32)  # 4 heads x 16
-    k = rng.standard_normal((32, 64)).astype(np.float32)  # 2 kv heads x 16
-    down = rng.standard_normal((64, 128)).astype(np.float32)
-    _write_gguf(tmp_path / "m.gguf", {
-        "blk.0.attn_q.weight": _llama_cpp_permute(q, 4),
-        "blk.0.attn_k.weight": _llama_cpp_permute(k, 2),
-        "blk.0.ffn_down.weight": down,
-    })  # fmt: skip
-    assert load_q4_1(model, tmp_path / "m.gguf") == 3
-    layer = model.model.layers[0]
-    weight = layer.self_attn.qkv_proj.dequantized_weight()
+    model_class = get_model_class(hf_config)
+    return model_class(hf_config, torch.float32, 64, TorchPagedAttention(), quant)
 
-    def q4_1(values):
-        return torch.from_numpy(dequantize(quantize(values, Q4_1), Q4_1).reshape(values.shape))
 
-    assert torch.equal(weight[:64], q4_1(q))
-    assert torch.equal(weight[64:96], q4_1(k))
-    assert torch.equal(layer.mlp.down_proj.dequantized_weight(), q4_1(down))
+@pytest.mark.parametrize(
+    ("projection_type", "scheme", "as_is"),
+    [("Q4_0", "int4", True), ("Q4_1", "int4", True), ("Q8_0", "int8", False)],
+)
+def test_gguf_model_runs_in_its_own_quantization(
+    tiny_dir, tmp_path, projection_type, scheme, as_is
+):
+    """"auto" picks the GGUF's scheme; int4 layers hold its blocks bit for bit (q/k rows
+    unpermuted); Q8_0 rows are the per-channel int8 quantization of gguf's dequantization."""
+    model_dir = make_gguf_model(tiny_dir, tmp_path / "m", projection_type)
+    gguf_path = model_dir / "model.gguf"
+    assert native_scheme(gguf_path) == scheme
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    dtype, quant = resolve_precision(model_dir, hf_config, "auto", "auto")
+    assert quant.scheme == scheme and loads_as_is(gguf_path, quant) is as_is
+    assert dtype == (torch.bfloat16 if has_native(torch.bfloat16) else torch.float32)
+    model = _build_model(model_dir, quant)
+    origin = load_model_weights(model, model_dir, quant, cache_root=tmp_path / "qc", pack=False)
+    assert origin == ("gguf" if as_is else "quantized")
+    layer = model.model.layers[1]
+    q = unpermute_rows(_gguf_dequantized(gguf_path, "blk.1.attn_q.weight"), 4)
+    k = unpermute_rows(_gguf_dequantized(gguf_path, "blk.1.attn_k.weight"), 2)
+    down = _gguf_dequantized(gguf_path, "blk.1.ffn_down.weight")
+    if as_is:
+        qkv = layer.self_attn.qkv_proj.dequantized_weight()
+        assert torch.equal(qkv[:64], q) and torch.equal(qkv[64:96], k)
+        assert torch.equal(layer.mlp.down_proj.dequantized_weight(), down)
+    else:
+        codes, scale = quantize_int8_per_channel(down)
+        assert torch.equal(layer.mlp.down_proj.weight.data, codes)
+        assert torch.equal(layer.mlp.down_proj.scale, scale)
+    embedding = _gguf_dequantized(gguf_path, "token_embd.weight")
+    assert torch.equal(model.model.embed_tokens.weight.data, embedding)
+    # Then it runs: a packed runner from the same directory, with the resolved defaults.
+    runner = ModelRunner(model_dir, EngineConfig(num_kv_blocks=8), "auto", "auto")
+    assert runner.quant.scheme == scheme and runner.dtype == dtype
+
+
+def test_fp32_from_a_float_gguf_matches_hf(tiny_dir, tmp_path):
+    """dtype float32 + no quantization: the GGUF's weights as they are, HF-exact greedy."""
+    model_dir = make_gguf_model(tiny_dir, tmp_path / "m", "F32")
+    assert native_scheme(model_dir / "model.gguf") is None
+    llm = LLM(model_dir, dtype="float32", quantization=None, num_kv_blocks=32)
+    assert llm.engine.runner.quant is None and llm.engine.dtype == torch.float32
+    prompt = llm.tokenizer.encode("The quick brown fox")
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )[0, len(prompt):].tolist()  # fmt: skip
+    assert out.token_ids == expected[: len(out.token_ids)] and len(out.token_ids) > 0
+
+
+def test_explicit_options_override_the_gguf(tiny_dir, tmp_path):
+    model_dir = make_gguf_model(tiny_dir, tmp_path / "m", "Q4_1")
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    assert resolve_precision(model_dir, hf_config, "float32", None) == (torch.float32, None)
+    assert resolve_precision(model_dir, hf_config, "auto", "none")[1] is None
+    dtype, quant = resolve_precision(model_dir, hf_config, "auto", "int8")
+    assert quant.scheme == "int8"
+    assert resolve_precision(model_dir, hf_config, "auto", "auto", device="cuda")[1] is None
+    # int4 with another group size cannot take the blocks as they are: quantized again.
+    assert not loads_as_is(model_dir / "model.gguf", QuantConfig("int4", 64))
+
+
+def _q4_k_blocks(rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
+    """Random but valid Q4_K blocks (144 bytes: fp16 d, fp16 dmin, 12 scale bytes, 128 nibble
+    bytes): gguf can read K-quants but not write them."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, blocks_per_row, 144), dtype=np.uint8)
+    raw[..., 0:2] = np.full((rows, blocks_per_row, 1), 0.01, np.float16).view(np.uint8)
+    raw[..., 2:4] = np.full((rows, blocks_per_row, 1), 0.002, np.float16).view(np.uint8)
+    return raw.reshape(rows, blocks_per_row * 144)
+
+
+def test_k_quants_are_quantized_again(tmp_path):
+    path = write_gguf(
+        tmp_path / "k.gguf", {"blk.0.ffn_down.weight": (_q4_k_blocks(16, 1, 0), "Q4_K")}
+    )
+    assert native_scheme(path) == "int4" and not loads_as_is(path, QuantConfig("int4"))
+    from engine.quant.gguf import dequantize as ours
+
+    tensor = GGUFReader(str(path)).tensors[0]
+    values = ours(tensor)
+    assert values.shape == (16, 256)
+    assert torch.equal(values, _gguf_dequantized(path, "blk.0.ffn_down.weight"))
+    codes, scale, minimum = quantize_int4_groupwise(values)
+    assert torch.allclose(dequantize_int4(codes, scale, minimum), values, atol=float(scale.max()))
+
+
+def test_unsupported_types_get_a_clear_error(tmp_path):
+    raw = np.zeros((2, 292), dtype=np.uint8)  # two Q8_K rows of 256: gguf cannot dequantize
+    path = write_gguf(tmp_path / "q8k.gguf", {"blk.0.ffn_down.weight": (raw, "Q8_K")})
+    with pytest.raises(ValueError, match="projections of type Q8_K.*supported: Q4_0, Q4_1"):
+        native_scheme(path)
+    from engine.quant.gguf import dequantize as ours
+
+    with pytest.raises(ValueError, match="type Q8_K.*supported"):
+        ours(GGUFReader(str(path)).tensors[0])
+    other = write_gguf(tmp_path / "x.gguf", {"blk.0.ffn_down.weight": (raw, "Q8_K")}, "gpt2")
+    from engine.quant.gguf import architecture
+
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
+        architecture(GGUFReader(str(other)))

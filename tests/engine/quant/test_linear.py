@@ -199,7 +199,7 @@ def _dequantized_hf(path, quant: QuantConfig):
 @pytest.mark.parametrize("spec", ["int8", "int4", "int4-g64"])
 def test_quantized_engine_greedy_equals_hf_on_dequantized_weights(tiny_dir, spec):
     quant = QuantConfig.parse(spec)
-    llm = LLM(tiny_dir, quantization=spec, num_kv_blocks=64)
+    llm = LLM(tiny_dir, dtype="float32", quantization=spec, num_kv_blocks=64)
     hf = _dequantized_hf(tiny_dir, quant)
     prompts = [[5, 9, 30, 41, 7], list(range(3, 40)), [11]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
@@ -216,7 +216,7 @@ def test_w8a8_engine_runs_both_kernels_close_to_fp32(tiny_dir):
     """w8a8 also quantizes activations, so there is no exact oracle: its logits must stay
     close to the float model's, at 1 row (weight-only kernel) and at >= 16 rows (_int_mm)."""
     float_llm = LLM(tiny_dir, num_kv_blocks=64)
-    w8a8 = LLM(tiny_dir, quantization="w8a8", num_kv_blocks=64)
+    w8a8 = LLM(tiny_dir, dtype="float32", quantization="w8a8", num_kv_blocks=64)
     params = SamplingParams(max_tokens=4, temperature=0.0)
     prompts = [[3 + i, 20 + i, 7] for i in range(W8A8_INT_MM_MIN_ROWS + 2)]
     a = float_llm.generate(prompts, params)

@@ -182,3 +182,81 @@ def test_bad_reply_prefix_setting_is_an_invalid_request(capsys, monkeypatch) -> 
     monkeypatch.setenv("MINI_INFER_KAFKA__REPLY_TOPIC_PREFIX", "no/slashes.")
     code, _, err = run_cli(capsys, "Hi")
     assert code == 2 and "reply_prefix" in err
+
+
+def test_sasl_options_reach_the_client_from_flags_and_env(capsys, monkeypatch, tmp_path) -> None:
+    """The worker's MINI_INFER_KAFKA__* security settings are the defaults; flags override."""
+    monkeypatch.setenv("MINI_INFER_KAFKA__SECURITY_PROTOCOL", "SASL_PLAINTEXT")
+    monkeypatch.setenv("MINI_INFER_KAFKA__SASL_MECHANISM", "SCRAM-SHA-512")
+    monkeypatch.setenv("MINI_INFER_KAFKA__SASL_USERNAME", "from-env")
+    password = tmp_path / "password"
+    password.write_text("s3cret\n")
+    FakeClient.script = [Delta("ok", final=final("ok"))]
+    code, _, err = run_cli(capsys, "Hi", "--sasl-password-file", str(password))
+    assert code == 0, err
+    kafka = FakeClient.instances[0].options.kafka
+    assert kafka["security_protocol"] == "SASL_PLAINTEXT"
+    assert kafka["sasl_mechanism"] == "SCRAM-SHA-512"
+    assert kafka["sasl_plain_username"] == "from-env" and kafka["sasl_plain_password"] == "s3cret"
+
+
+async def test_oauthbearer_reads_its_token_file_at_each_connection(tmp_path) -> None:
+    token = tmp_path / "token"
+    token.write_text("first\n")
+    argv = ["--security-protocol", "SASL_SSL", "--sasl-mechanism", "OAUTHBEARER",
+            "--sasl-oauth-token-file", str(token)]  # fmt: skip
+    args = generate_cli_args("Hi", *argv)
+    from worker.client.security import security_from_args
+
+    provider = security_from_args(args, env={})["sasl_oauth_token_provider"]
+    assert await provider.token() == "first"
+    token.write_text("rotated")
+    assert await provider.token() == "rotated"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--security-protocol", "SASL_SSL"], "needs sasl_mechanism"),
+        (["--security-protocol", "SASL_SSL", "--sasl-mechanism", "OAUTHBEARER"], "token_file"),
+        (["--security-protocol", "SASL_SSL", "--sasl-mechanism", "PLAIN"], "sasl_username"),
+        (["--sasl-mechanism", "PLAIN"], "not SASL"),
+        (["--ssl-cafile", "/ca.pem"], "not SSL"),
+        (["--sasl-password-file", "/no/such/file"], "No such file"),
+    ],
+)
+def test_bad_security_options_fail_before_connecting(capsys, argv, message: str) -> None:
+    code, out, err = run_cli(capsys, "Hi", *argv)
+    assert code == 2 and out == "" and "invalid Kafka security options" in err and message in err
+    assert not FakeClient.instances
+
+
+def generate_cli_args(*argv: str):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    generate_cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_loadtest_takes_the_same_security_flags(tmp_path, monkeypatch) -> None:
+    import argparse
+
+    from loadtest import loadgen
+    from loadtest.loadgen_service import kafka_settings
+
+    for name in list(os.environ):
+        if name.startswith("MINI_INFER_"):
+            monkeypatch.delenv(name)
+    token = tmp_path / "token"
+    token.write_text("t")
+    parser = argparse.ArgumentParser()
+    loadgen.add_arguments(parser)
+    args = parser.parse_args([
+        "--bootstrap-servers", "kafka:9093", "--security-protocol", "SASL_SSL",
+        "--sasl-mechanism", "OAUTHBEARER", "--sasl-oauth-token-file", str(token),
+        "--ssl-cafile", str(tmp_path / "ca.pem"),
+    ])  # fmt: skip
+    kafka = kafka_settings(args, args.bootstrap_servers)
+    assert kafka.security_protocol == "SASL_SSL" and kafka.sasl_mechanism == "OAUTHBEARER"
+    assert kafka.sasl_oauth_token_file == token and kafka.ssl_cafile == tmp_path / "ca.pem"

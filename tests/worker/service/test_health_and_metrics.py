@@ -54,32 +54,47 @@ async def wait_for_status(worker: Worker, path: str, status: int, timeout_s: flo
         await asyncio.sleep(0.1)
 
 
-async def test_readiness_follows_assignment_and_the_ready_file(
+async def test_ready_means_started_and_able_to_work_not_holding_partitions(
     broker, tiny_model_dir, tmp_path
 ) -> None:
+    """One partition, two workers: the one without a partition is ready all the same (a surge
+    pod in a rollout with replicas = partitions), and stopping makes a worker unready."""
     topic, group_id = fresh_topics()
+    await create_topic(broker.bootstrap_servers, topic, 1)
     ready_file = tmp_path / "ready.json"
-    settings = worker_settings(
-        tiny_model_dir, broker.bootstrap_servers, group_id, topic,
-        observability={"health_port": 0, "ready_file": ready_file},
-    )  # fmt: skip
-    worker = Worker(settings)
-    await worker.start()
+    workers = [
+        Worker(worker_settings(
+            tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id=name,
+            observability={"health_port": 0, "ready_file": ready_file if name == "a" else None},
+        ))  # fmt: skip
+        for name in ("a", "b")
+    ]
+    for worker in workers:
+        await worker.start()
     try:
-        # Joining the group takes seconds: until then the worker is alive but serves nothing.
-        if not worker.consumer.assignment:
-            code, body = await get(worker, "/readyz")
-            assert code == 503 and '"partitions_assigned": false' in body
-        assert (await get(worker, "/healthz"))[0] == 200
-        await worker.wait_assigned()
-        body = await wait_for_status(worker, "/readyz", 200)
-        assert '"broker_reachable": true' in body and ready_file.exists()
-        assert (await get(worker, "/nope"))[0] == 404
-        worker.health.set_ready(False)  # stopping: no longer ready, still alive
-        assert (await get(worker, "/readyz"))[0] == 503
-        assert (await get(worker, "/healthz"))[0] == 200
+        deadline_s = time.monotonic() + 60
+        while True:
+            holders = [w for w in workers if w.consumer.assignment]
+            idle = [w for w in workers if not w.consumer.assignment]
+            if len(holders) == 1:
+                code, body = await get(idle[0], "/readyz")
+                if code == 200:
+                    break
+            assert time.monotonic() < deadline_s, f"no worker ready without a partition: {body}"
+            await asyncio.sleep(0.1)
+        assert '"consumer_running": true' in body and '"broker_reachable": true' in body
+        assert "partitions_assigned" not in body
+        assert not idle[0].consumer.assignment  # still none: ready without one
+        first = workers[0]
+        await wait_for_status(first, "/readyz", 200)
+        assert ready_file.exists() and (await get(first, "/healthz"))[0] == 200
+        assert (await get(first, "/nope"))[0] == 404
+        first.health.set_ready(False)  # stopping: no longer ready, still alive
+        assert (await get(first, "/readyz"))[0] == 503
+        assert (await get(first, "/healthz"))[0] == 200
     finally:
-        await worker.stop(grace_s=1)
+        for worker in workers:
+            await worker.stop(grace_s=1)
     assert not ready_file.exists()
 
 
@@ -141,7 +156,10 @@ async def test_metrics_and_a_producer_trace_through_the_worker(broker, tiny_mode
         observability={"health_port": 0, "kafka_sample_interval_s": 0.2},
     )  # fmt: skip
     worker_spans = InMemorySpanExporter()
-    telemetry = Telemetry(settings.observability, "w-metrics", [SimpleSpanProcessor(worker_spans)])
+    telemetry = Telemetry(
+        settings.observability, "w-metrics", [SimpleSpanProcessor(worker_spans)],
+        model_name="tiny", group_id=group_id,
+    )  # fmt: skip
     worker = Worker(settings, telemetry=telemetry)
     await worker.start()
     # The producer's own tracer: the client SDK starts a `send` span and injects traceparent.
@@ -157,7 +175,10 @@ async def test_metrics_and_a_producer_trace_through_the_worker(broker, tiny_mode
         async with MiniInferClient(broker.bootstrap_servers, options) as client:
             results = await asyncio.gather(
                 client.generate(prompt="Hello there", max_tokens=6, temperature=0.0),
-                client.generate(prompt="Kafka", max_tokens=5, temperature=0.0, urgency="high"),
+                client.generate(
+                    messages=[{"role": "user", "content": "Kafka"}], max_tokens=5,
+                    temperature=0.0, urgency="high",
+                ),  # fmt: skip
             )
         assert [r.finish_reason for r in results] == ["length", "length"]
         timing = results[0].timing
@@ -190,13 +211,25 @@ async def test_metrics_and_a_producer_trace_through_the_worker(broker, tiny_mode
     for gauge in (
         "mini_infer_engine_requests_running", "mini_infer_engine_requests_waiting",
         "mini_infer_kv_cache_blocks_used", "mini_infer_kv_cache_blocks_total",
-        "mini_infer_kv_cache_usage", "mini_infer_prefix_cache_hit_rate",
+        "mini_infer_kv_cache_usage", "mini_infer_prefix_cache_queries_total",
+        "mini_infer_prefix_cache_hits_total",
         "mini_infer_consumer_partitions_paused", "mini_infer_consumer_partitions_assigned",
         "mini_infer_tokens_prompt_total", "mini_infer_tokens_generated_total",
         "mini_infer_engine_step_tokens", "messaging_kafka_consumer_lag",
     ):  # fmt: skip
         assert samples(gauge), gauge
     assert any('messaging_destination_partition_id="0"' in s for s in samples("messaging_kafka_consumer_lag"))
+    lag = samples("messaging_kafka_consumer_lag")
+    assert all(f'messaging_consumer_group_name="{group_id}"' in s for s in lag)
+    # Every sample names the model; the gen_ai ones their operation and provider too.
+    metric_samples = [line for line in lines if line and not line.startswith(("#", "target_info"))]
+    assert metric_samples and all('gen_ai_request_model="tiny"' in s for s in metric_samples)
+    for s in finished + samples("gen_ai_server_request_duration_seconds_count"):
+        assert 'gen_ai_provider_name="mini_infer"' in s
+    operations = {s.split('gen_ai_operation_name="')[1].split('"')[0] for s in finished}
+    assert operations == {"chat", "text_completion"}
+    queries = samples("mini_infer_prefix_cache_queries_total")
+    assert float(queries[0].rsplit(" ", 1)[1]) > 0  # two prompts were looked up
 
     # The trace: client send span -> worker process span (child, and linked) -> stage spans.
     sends = [s for s in client_spans.get_finished_spans() if s.kind is SpanKind.PRODUCER]
@@ -212,3 +245,60 @@ async def test_metrics_and_a_producer_trace_through_the_worker(broker, tiny_mode
             if s.parent is not None and s.parent.span_id == process.context.span_id
         }  # fmt: skip
         assert {"batcher wait", "engine queue", "prefill", "decode", "publish"} <= stages
+
+
+async def test_an_idle_worker_scrape_shows_its_gauges_with_the_model_label(
+    broker, tiny_model_dir, monkeypatch
+) -> None:
+    """No request ever: the engine, KV-cache and partition gauges and the prefix-cache counters
+    are there all the same (observable gauges, counters started at 0), with the model label,
+    the consumer group, and the service name from OTEL_SERVICE_NAME."""
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "inference-east")
+    topic, group_id = fresh_topics()
+    await create_topic(broker.bootstrap_servers, topic, 2)
+    settings = worker_settings(
+        tiny_model_dir, broker.bootstrap_servers, group_id, topic,
+        observability={"health_port": 0, "kafka_sample_interval_s": 0.1},
+    )  # fmt: skip
+    worker = Worker(settings)
+    await worker.start()
+    try:
+        await worker.wait_assigned()
+        deadline_s = time.monotonic() + 30
+        while True:  # the Kafka sampler's first look after the assignment
+            code, text = await get(worker, "/metrics")
+            if 'mini_infer_consumer_partitions_assigned{' in text and "} 2.0" in text:
+                break
+            assert time.monotonic() < deadline_s, text
+            await asyncio.sleep(0.1)
+    finally:
+        await worker.stop(grace_s=1)
+    assert code == 200
+    values: dict[str, list[tuple[str, float]]] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            name, _, labels = series.partition("{")
+            values.setdefault(name, []).append((labels, float(value)))
+    model = f'gen_ai_request_model="{tiny_model_dir}"'
+
+    def only(name: str) -> tuple[str, float]:
+        (sample,) = values[name]
+        assert model in sample[0], sample
+        return sample
+
+    assert only("mini_infer_kv_cache_blocks_total")[1] > 0  # known before any step
+    assert only("mini_infer_kv_cache_blocks_used")[1] == 0
+    assert only("mini_infer_kv_cache_usage")[1] == 0
+    assert only("mini_infer_engine_requests_running")[1] == 0
+    assert only("mini_infer_engine_requests_waiting")[1] == 0
+    assert only("mini_infer_requests_inflight")[1] == 0
+    assert only("mini_infer_prefix_cache_queries_total")[1] == 0  # warm-up is not traffic
+    assert only("mini_infer_prefix_cache_hits_total")[1] == 0
+    assert only("mini_infer_engine_preemptions_total")[1] == 0
+    assigned = only("mini_infer_consumer_partitions_assigned")
+    assert assigned[1] == 2 and f'messaging_consumer_group_name="{group_id}"' in assigned[0]
+    assert only("mini_infer_consumer_partitions_paused")[1] == 0
+    # (No lag series yet: an empty partition has no position to measure it from.)
+    (target,) = values["target_info"]
+    assert 'service_name="inference-east"' in target[0]

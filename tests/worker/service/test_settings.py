@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from schemas.headers import Urgency
 from worker.cli.serve import add_arguments
-from worker.service.settings import WorkerSettings, settings_from_args
+from worker.service.settings import WorkerSettings, parse_byte_size, settings_from_args
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -51,6 +53,22 @@ def test_secrets_are_not_printed(monkeypatch) -> None:
     assert s.kafka.client_options()["sasl_plain_password"] == "hunter2"
 
 
+def test_oauthbearer_takes_its_token_from_a_file(tmp_path) -> None:
+    token = tmp_path / "token"
+    s = WorkerSettings(
+        kafka={
+            "bootstrap_servers": "k:9093",
+            "security_protocol": "SASL_PLAINTEXT",
+            "sasl_mechanism": "OAUTHBEARER",
+            "sasl_oauth_token_file": token,
+        }
+    )
+    options = s.kafka.client_options()
+    assert options["sasl_mechanism"] == "OAUTHBEARER"
+    assert options["sasl_oauth_token_provider"].path == token
+    assert "sasl_plain_username" not in options
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -64,6 +82,12 @@ def test_secrets_are_not_printed(monkeypatch) -> None:
         ({"kafka": {"dlq_topic": "mini-infer.requests"}}, "three different"),
         ({"kafka": {"request_timeout_ms": 5000}}, "request_timeout_ms"),
         ({"kafka": {"bootstrap_servers": "k:1", "embedded_port": 9092}}, "embedded_port"),
+        ({"kafka": {"bootstrap_servers": "k:1", "embedded_broker": True}}, "choose one"),
+        (
+            {"kafka": {"bootstrap_servers": "k:1", "security_protocol": "SASL_SSL",
+                       "sasl_mechanism": "OAUTHBEARER"}},
+            "sasl_oauth_token_file",
+        ),
         ({"engine": {"block_size": 0}}, "block_size"),
         ({"limits": {"max_num_inflight": 0}}, "max_num_inflight"),
         ({"kafka": {"request_topic": "bad/name"}}, "request_topic"),
@@ -82,3 +106,38 @@ def test_secrets_are_not_printed(monkeypatch) -> None:
 def test_invalid_combinations_fail_with_a_clear_message(overrides, message) -> None:
     with pytest.raises(ValidationError, match=message):
         WorkerSettings(**overrides)
+
+
+def test_engine_size_flags_and_the_embedded_broker_switch(monkeypatch) -> None:
+    for name in ("MINI_INFER_KAFKA__BOOTSTRAP_SERVERS", "MINI_INFER_KAFKA__EMBEDDED_BROKER"):
+        monkeypatch.delenv(name, raising=False)
+    s = settings_from_args(
+        parse("--max-model-len", "2048", "--max-num-seqs", "16", "--kv-cache-memory", "1.5GiB")
+    )
+    assert s.engine.max_model_len == 2048 and s.engine.max_num_seqs == 16
+    assert s.engine.kv_cache_memory_bytes == 3 << 29
+    assert not s.kafka.embedded_broker  # absent switch: env/default
+    assert settings_from_args(parse("--embedded-broker")).kafka.embedded_broker
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("536870912", 512 << 20), ("512MiB", 512 << 20), ("512mi", 512 << 20), ("2G", 2 * 10**9),
+     ("64 KiB", 64 << 10), ("1b", 1)],
+)  # fmt: skip
+def test_byte_sizes(text: str, size: int) -> None:
+    assert parse_byte_size(text) == size
+
+
+@given(st.text(max_size=12))
+def test_any_size_text_parses_or_fails_as_an_argument_error(text: str) -> None:
+    try:
+        assert parse_byte_size(text) >= 1
+    except argparse.ArgumentTypeError as error:
+        assert repr(text) in str(error)
+
+
+def test_serve_version_flag(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse("--version")
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("mini-infer ")

@@ -1,0 +1,380 @@
+// bf16 GEMV / small GEMM (decode: 1..16 activation rows; any row count works) for unquantized
+// bf16 linears, lm_head included: y = x W^T (+ b), fp32 accumulation, bf16 output.
+//
+// Weight layout (packed once at load by bf16_gemm.py): output channels in blocks of 16, input
+// positions in pairs, and for each pair the 16 channels' two weights side by side:
+//   packed bf16 [num_blocks, K2/2, 16, 2]: packed[b, p, j, i] = W[16b + j, 2p + i]
+// (K2 = in_features rounded up to even; padded inputs and channels are zero). One 64-byte
+// entry [16, 2] is one AVX-512 vector: lane j holds channel j's pair, which is what
+// `vdpbf16ps` multiplies by a broadcast pair of activations (32 MACs per instruction). A
+// thread's blocks are contiguous, so its weight stream is read in order, exactly once per call.
+//
+// Instruction sets, all compiled into one library (function-level target attributes) and chosen
+// per call by the `isa` argument (numbered as quant_gemm.cpp's), so each is forced and tested on
+// any CPU that can run it:
+//   avx512bf16: vdpbf16ps on bf16 activation pairs;
+//   avx512:     bf16 -> fp32 by shifts (even element: << 16, odd: & 0xffff0000) + FMA;
+//   avx2:       the same on two 8-lane halves of a block;
+//   portable:   scalar.
+// Products of bf16 values are exact in fp32 and every sum is fp32 (torch's bf16 F.linear also
+// accumulates in fp32); the output is rounded to nearest even once, after the bias is added.
+//
+// Threads: one OpenMP parallel region per call; each thread takes a contiguous, equal share of
+// the output blocks (a static split: no scheduling, and each core streams its own part). A
+// weight under ~32 KiB per thread runs on fewer threads.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // output channels per block (one AVX-512 vector of fp32)
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+
+struct Problem {
+  int64_t rows, num_pairs, out_features;
+  const uint32_t* xpairs;  // bf16 activations [rows, num_pairs], one uint32 per pair
+  const float* xf;         // the same widened to fp32 [rows, 2 * num_pairs] (FMA paths)
+  const uint16_t* w;       // packed [num_blocks, num_pairs, 16, 2]
+  const float* bias;       // fp32 [num_blocks * 16] (zero padded), or nullptr
+  at::BFloat16* y;         // [rows, out_features]
+};
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
+// y[row, col0 + j] = v[j] for j < lanes, rounded to nearest even.
+inline void store_lanes(const Problem& p, int64_t row, int64_t col0, int64_t lanes,
+                        const float* v) {
+  for (int64_t j = 0; j < lanes; ++j)
+    p.y[row * p.out_features + col0 + j] = static_cast<at::BFloat16>(v[j]);
+}
+
+inline const float* bias_of(const Problem& p, int64_t b) {
+  return p.bias == nullptr ? nullptr : p.bias + b * kBlock;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Portable scalar path.
+
+void block_portable(const Problem& p, int64_t b, int64_t row0, int64_t n) {
+  const uint16_t* wb = p.w + b * p.num_pairs * 2 * kBlock;
+  const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
+  const float* bias = bias_of(p, b);
+  for (int64_t r = row0; r < row0 + n; ++r) {
+    const float* x = p.xf + r * 2 * p.num_pairs;
+    float acc[kBlock] = {};
+    for (int64_t e = 0; e < p.num_pairs; ++e) {
+      const uint16_t* we = wb + e * 2 * kBlock;
+      for (int64_t j = 0; j < kBlock; ++j)
+        acc[j] += bf16_to_float(we[2 * j]) * x[2 * e] + bf16_to_float(we[2 * j + 1]) * x[2 * e + 1];
+    }
+    if (bias != nullptr)
+      for (int64_t j = 0; j < kBlock; ++j) acc[j] += bias[j];
+    store_lanes(p, r, b * kBlock, lanes, acc);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512: R rows (R <= 16) over one block, U independent accumulators per row along the pairs
+// so the dot-product / FMA latency does not serialise a row (R * U <= 16 registers).
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define AVX512BF16_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+template <int R>
+constexpr int unroll() { return R >= 8 ? 1 : (R >= 4 ? 2 : 4); }
+
+// Sum the U accumulators of each row, add the bias, round to bf16 and store (masked lanes).
+template <int R, int U>
+AVX512_TARGET __attribute__((always_inline)) inline void finish_avx512(const Problem& p, int64_t b, int64_t row0,
+                                        __m512 (&acc)[R][U]) {
+  const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
+  const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
+  const float* bias = bias_of(p, b);
+  const __m512 bias_v = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias);
+  for (int r = 0; r < R; ++r) {
+    __m512 a = acc[r][0];
+    for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[r][u]);
+    a = _mm512_add_ps(a, bias_v);
+    // Round to nearest even: add 0x7fff plus the lowest kept bit, keep the high half.
+    const __m512i bits = _mm512_castps_si512(a);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    _mm256_mask_storeu_epi16(p.y + (row0 + r) * p.out_features + b * kBlock, mask,
+                             _mm512_cvtepi32_epi16(rounded));
+  }
+}
+
+template <int R>
+AVX512BF16_TARGET void block_avx512bf16(const Problem& p, int64_t b, int64_t row0) {
+  constexpr int U = unroll<R>();
+  const uint16_t* wb = p.w + b * p.num_pairs * 2 * kBlock;
+  const uint32_t* x = p.xpairs + row0 * p.num_pairs;
+  __m512 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  const int64_t main_pairs = p.num_pairs - p.num_pairs % U;
+  for (int64_t e = 0; e < main_pairs; e += U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(wb + (e + u) * 2 * kBlock);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+        acc[r][u] = _mm512_dpbf16_ps(
+            acc[r][u], w, (__m512bh)_mm512_set1_epi32(x[r * p.num_pairs + e + u]));
+    }
+  }
+  for (int64_t e = main_pairs; e < p.num_pairs; ++e) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512(wb + e * 2 * kBlock);
+    for (int r = 0; r < R; ++r)
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w,
+                                   (__m512bh)_mm512_set1_epi32(x[r * p.num_pairs + e]));
+  }
+  finish_avx512<R, U>(p, b, row0, acc);
+}
+
+// acc[r][u] += W's pair e (as fp32: even element << 16, odd & 0xffff0000) * x[r, 2e..2e+1].
+template <int R, int U>
+AVX512_TARGET __attribute__((always_inline)) inline void fma_pair_avx512(const uint16_t* wb, const float* x, int64_t x_stride,
+                                          int64_t e, int u, __m512 (&acc)[R][U]) {
+  const __m512i w = _mm512_loadu_si512(wb + e * 2 * kBlock);
+  const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  const __m512 odd = _mm512_castsi512_ps(
+      _mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    acc[r][u] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[r * x_stride + 2 * e]), acc[r][u]);
+    acc[r][u] = _mm512_fmadd_ps(odd, _mm512_set1_ps(x[r * x_stride + 2 * e + 1]), acc[r][u]);
+  }
+}
+
+template <int R>
+AVX512_TARGET void block_avx512(const Problem& p, int64_t b, int64_t row0) {
+  constexpr int U = unroll<R>();
+  const uint16_t* wb = p.w + b * p.num_pairs * 2 * kBlock;
+  const int64_t x_stride = 2 * p.num_pairs;
+  const float* x = p.xf + row0 * x_stride;
+  __m512 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  const int64_t main_pairs = p.num_pairs - p.num_pairs % U;
+  for (int64_t e = 0; e < main_pairs; e += U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) fma_pair_avx512<R, U>(wb, x, x_stride, e + u, u, acc);
+  }
+  for (int64_t e = main_pairs; e < p.num_pairs; ++e) fma_pair_avx512<R, U>(wb, x, x_stride, e, 0, acc);
+  finish_avx512<R, U>(p, b, row0, acc);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2: a block is two 8-lane halves (channels 0-7 and 8-15), both computed in one pass; at most
+// 4 rows at a time (8 accumulators + 4 weight vectors + broadcasts in 16 ymm registers).
+
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
+
+template <int R>
+AVX2_TARGET void block_avx2(const Problem& p, int64_t b, int64_t row0) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const uint16_t* wb = p.w + b * p.num_pairs * 2 * kBlock;
+  const int64_t x_stride = 2 * p.num_pairs;
+  const float* x = p.xf + row0 * x_stride;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < p.num_pairs; ++e) {
+    const __m256i* we = reinterpret_cast<const __m256i*>(wb + e * 2 * kBlock);
+    __m256 even[2], odd[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i w = _mm256_loadu_si256(we + h);
+      even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+      odd[h] = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 x0 = _mm256_set1_ps(x[r * x_stride + 2 * e]);
+      const __m256 x1 = _mm256_set1_ps(x[r * x_stride + 2 * e + 1]);
+      for (int h = 0; h < 2; ++h)
+        acc[r][h] = _mm256_fmadd_ps(odd[h], x1, _mm256_fmadd_ps(even[h], x0, acc[r][h]));
+    }
+  }
+  const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
+  const float* bias = bias_of(p, b);
+  alignas(32) float tmp[kBlock];
+  for (int r = 0; r < R; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 a = acc[r][h];
+      if (bias != nullptr) a = _mm256_add_ps(a, _mm256_loadu_ps(bias + 8 * h));
+      _mm256_store_ps(tmp + 8 * h, a);
+    }
+    store_lanes(p, row0 + r, b * kBlock, lanes, tmp);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row tiling: each block's weights are read from memory once; every tile of rows after the
+// first finds them in L1/L2 (a block is K2 * 32 bytes: 64 KiB at K = 2048).
+
+#define DISPATCH_ROWS_16(n, CALL)                                                       \
+  switch (n) {                                                                          \
+    case 1: CALL(1); break;   case 2: CALL(2); break;   case 3: CALL(3); break;         \
+    case 4: CALL(4); break;   case 5: CALL(5); break;   case 6: CALL(6); break;         \
+    case 7: CALL(7); break;   case 8: CALL(8); break;   case 9: CALL(9); break;         \
+    case 10: CALL(10); break; case 11: CALL(11); break; case 12: CALL(12); break;       \
+    case 13: CALL(13); break; case 14: CALL(14); break; case 15: CALL(15); break;       \
+    default: CALL(16); break;                                                           \
+  }
+
+void run_blocks(const Problem& p, int64_t isa, int64_t b0, int64_t b1) {
+  const int64_t max_tile = isa >= kAvx512 ? 16 : (isa == kAvx2 ? 4 : 1);
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t r0 = 0; r0 < p.rows; r0 += max_tile) {
+      const int64_t n = std::min(max_tile, p.rows - r0);
+      if (isa == kAvx512Bf16) {
+#define CALL(R) block_avx512bf16<R>(p, b, r0)
+        DISPATCH_ROWS_16(n, CALL)
+#undef CALL
+      } else if (isa == kAvx512) {
+#define CALL(R) block_avx512<R>(p, b, r0)
+        DISPATCH_ROWS_16(n, CALL)
+#undef CALL
+      } else if (isa == kAvx2) {
+        switch (n) {
+          case 1: block_avx2<1>(p, b, r0); break;
+          case 2: block_avx2<2>(p, b, r0); break;
+          case 3: block_avx2<3>(p, b, r0); break;
+          default: block_avx2<4>(p, b, r0); break;
+        }
+      } else {
+        block_portable(p, b, r0, n);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry point.
+
+void check_isa(int64_t isa) {
+  TORCH_CHECK(isa >= kPortable && isa <= kAvx512Bf16, "bf16_gemm: unknown isa ", isa);
+  if (isa == kAvx512Bf16) {
+    TORCH_CHECK(__builtin_cpu_supports("avx512bf16"),
+                "bf16_gemm: this CPU cannot run the avx512bf16 path");
+  }
+  if (isa >= kAvx512) {
+    TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"),
+                "bf16_gemm: this CPU cannot run the avx512 paths");
+  } else if (isa == kAvx2) {
+    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+                "bf16_gemm: this CPU cannot run the avx2 path");
+  }
+}
+
+// The activations as uint32 pairs (an odd in_features gets a zero appended) and, for the FMA
+// paths, widened to fp32: plain loops, since at one row an ATen cast would cost more.
+struct Activations {
+  at::Tensor contiguous;
+  std::vector<uint16_t> padded;  // [rows, 2 * num_pairs] when in_features is odd
+  std::vector<float> widened;    // [rows, 2 * num_pairs]
+  const uint32_t* pairs = nullptr;
+  const float* f32 = nullptr;
+};
+
+Activations activations(const at::Tensor& x, int64_t num_pairs, bool widen) {
+  Activations a;
+  a.contiguous = x.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), k2 = 2 * num_pairs;
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(a.contiguous.data_ptr());
+  if (k != k2) {
+    a.padded.assign(rows * k2, 0);
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(&a.padded[r * k2], bits + r * k, k * 2);
+    bits = a.padded.data();
+  }
+  a.pairs = reinterpret_cast<const uint32_t*>(bits);
+  if (widen) {
+    a.widened.resize(rows * k2);
+    for (int64_t i = 0; i < rows * k2; ++i) a.widened[i] = bf16_to_float(bits[i]);
+    a.f32 = a.widened.data();
+  }
+  return a;
+}
+
+at::Tensor output(const at::Tensor& x, int64_t out_features, const c10::optional<at::Tensor>& out) {
+  if (!out.has_value()) return at::empty({x.size(0), out_features}, x.options());
+  const at::Tensor& y = *out;
+  TORCH_CHECK(y.scalar_type() == at::kBFloat16 && y.is_contiguous() &&
+                  y.sizes() == at::IntArrayRef({x.size(0), out_features}),
+              "bf16_gemm: out must be contiguous bfloat16 [", x.size(0), ", ", out_features, "]");
+  return y;
+}
+
+// Threads for a weight of `bytes`: at least ~32 KiB each, at most torch's intra-op count.
+int num_threads_for(int64_t bytes, int64_t num_blocks) {
+  const int64_t by_size = std::max<int64_t>(1, bytes / (32 << 10));
+  return static_cast<int>(std::min<int64_t>({by_size, num_blocks, at::get_num_threads()}));
+}
+
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
+                     const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t isa,
+                     const c10::optional<at::Tensor>& out) {
+  check_isa(isa);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "bf16_gemm: x must be bfloat16 [rows, in_features], got ", x.scalar_type(), " ",
+              x.sizes());
+  TORCH_CHECK(out_features > 0, "bf16_gemm: out_features must be positive");
+  const int64_t rows = x.size(0), in_features = x.size(1);
+  const int64_t num_pairs = (in_features + 1) / 2;
+  const int64_t num_blocks = (out_features + kBlock - 1) / kBlock;
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.sizes() == at::IntArrayRef({num_blocks, num_pairs, kBlock, 2}),
+              "bf16_gemm: packed weight must be contiguous bfloat16 [", num_blocks, ", ",
+              num_pairs, ", 16, 2] for in_features ", in_features, ", got ", packed.sizes());
+  std::vector<float> bias_f32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features,
+                "bf16_gemm: bias must be [", out_features, "], got ", bias->sizes());
+    const at::Tensor b = bias->to(at::kFloat).contiguous();
+    bias_f32.assign(num_blocks * kBlock, 0.f);
+    std::memcpy(bias_f32.data(), b.data_ptr<float>(), out_features * sizeof(float));
+  }
+  at::Tensor y = output(x, out_features, out);
+  if (rows == 0) return y;
+  const Activations a = activations(x, num_pairs, isa != kAvx512Bf16);
+  const Problem p{rows, num_pairs, out_features, a.pairs, a.f32,
+                  reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+                  bias_f32.empty() ? nullptr : bias_f32.data(),
+                  y.data_ptr<at::BFloat16>()};
+  const int num_threads = num_threads_for(packed.numel() * 2, num_blocks);
+  if (num_threads == 1) {
+    run_blocks(p, isa, 0, num_blocks);
+    return y;
+  }
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    run_blocks(p, isa, num_blocks * t / n, num_blocks * (t + 1) / n);
+  }
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bf16_gemm", &bf16_gemm, "y = x @ W^T (+ b), W bf16 packed in pairs along K",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"),
+        py::arg("isa"), py::arg("out") = py::none());
+}

@@ -1,0 +1,103 @@
+"""The C++ bf16 GEMV / small GEMM (bf16_gemm.cpp): build once per machine, pack, call.
+
+Why a kernel: at the row counts of decoding a linear is a read of its weights, and oneDNN's
+packed bf16 GEMM read SmolLM2's at ~16 GB/s of the ~32-43 GB/s two Zen 4 cores stream. This
+kernel reads each weight byte once, in order, with `vdpbf16ps` (32 MACs per instruction on
+bf16 pairs) where the CPU has AVX-512 BF16; measured against oneDNN and a plain read of the same
+bytes by `python -m loadtest.bench_bf16_gemv` (figures in loadtest/README.md).
+
+Layout (`pack`, once at load): [num_blocks, K2/2, 16, 2] bf16, output channels in blocks of 16
+and each channel's inputs in pairs (see the .cpp). It replaces the checkpoint layout: a layer
+keeps one copy (a tied lm_head keeps the embedding table plus this, as with oneDNN's layout).
+
+Paths "avx512bf16", "avx512", "avx2" and "portable" (numbered as quant_gemm's) are all compiled
+into one library and chosen per call, so each is forced and tested on any CPU that runs it
+(tests/engine/kernels/test_bf16_gemm.py); `quant_gemm.best_isa()` picks the widest.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from engine.kernels.cpu import extension, quant_gemm
+
+SOURCE = Path(__file__).with_name("bf16_gemm.cpp")
+BLOCK = 16  # output channels per block of the packed layout
+# Our kernel up to this many rows (decode batches); beyond, oneDNN's F.linear on a transient
+# unpacked copy: prefill chunks are compute-bound (the copy is small beside the GEMM), and
+# this way a prefill rounds exactly as Hugging Face's bf16 model does.
+GEMV_MAX_ROWS = 16
+ISAS = quant_gemm.ISAS
+can_run = quant_gemm.can_run
+best_isa = quant_gemm.best_isa
+isa_code = quant_gemm.isa_code  # the same numbering in both libraries
+
+
+def extension_name() -> str:
+    return f"mini_infer_bf16_gemm_{extension.source_digest(SOURCE)}"
+
+
+def build(build_root: Path | None = None) -> ModuleType | None:
+    """Compile (or reuse) and import the extension; None, with a warning, if that fails."""
+    return extension.build(
+        extension_name(), SOURCE, [], build_root, event="bf16_gemm", fallback="oneDNN"
+    )
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The extension for this machine, built at most once per process (and once per machine)."""
+    return build()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] (any float dtype) -> bf16 [ceil(out/16), ceil(in/2), 16, 2], zero
+    padded: packed[b, p, j, i] = weight[16b + j, 2p + i]."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [out_features, in_features], got {tuple(weight.shape)}")
+    out_features, in_features = weight.shape
+    w = weight.detach().to(torch.bfloat16)
+    w = torch.nn.functional.pad(w, (0, in_features % 2, 0, -out_features % BLOCK))
+    num_blocks, num_pairs = w.shape[0] // BLOCK, w.shape[1] // 2
+    return w.reshape(num_blocks, BLOCK, num_pairs, 2).transpose(1, 2).contiguous()
+
+
+def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The inverse of `pack`: bf16 [out_features, in_features]."""
+    num_blocks, num_pairs = packed.shape[:2]
+    w = packed.transpose(1, 2).reshape(num_blocks * BLOCK, num_pairs * 2)
+    return w[:out_features, :in_features].contiguous()
+
+
+def gemm(
+    ext: ModuleType,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    isa: str | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x bf16 [rows, in] -> bf16 [rows, out_features] (into `out` if given); `isa` forces a path
+    (default: the widest this CPU runs)."""
+    return ext.bf16_gemm(x, packed, bias, out_features, isa_code(isa), out)
+
+
+def linear(
+    call,
+    isa: int,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    in_features: int,
+) -> torch.Tensor:
+    """A linear layer on a packed weight: x bf16 [rows, in] -> [rows, out_features]. `call` is
+    the extension's `bf16_gemm` and `isa` its code, looked up once by the caller."""
+    if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+        return call(x, packed, bias, out_features, isa, None)
+    return torch.nn.functional.linear(x, unpack(packed, out_features, in_features), bias)

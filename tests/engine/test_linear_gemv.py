@@ -1,0 +1,132 @@
+"""The bf16 linear layer on our GEMV (engine/layers/linear.py `pack("gemv")`): results, the one
+resident copy, the oneDNN path beyond 16 rows, fallbacks, and the calibrated choice.
+
+The kernel itself is checked path by path in tests/engine/kernels/test_bf16_gemm.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import engine.kernels.cpu.linear_choice as linear_choice
+from engine.config import EngineConfig
+from engine.kernels.cpu import bf16_gemm
+from engine.layers.linear import Linear, MergedLinear
+from engine.model_runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(
+    bf16_gemm.load() is None, reason="the C++ kernel did not build here (no compiler)"
+)
+
+
+def _layer(in_features: int, out_features: int, bias: bool, seed: int = 0) -> Linear:
+    generator = torch.Generator().manual_seed(seed)
+    layer = Linear(in_features, out_features, bias=bias, dtype=torch.bfloat16)
+    layer.weight.data.copy_(torch.randn(out_features, in_features, generator=generator))
+    if bias:
+        layer.bias.data.copy_(torch.randn(out_features, generator=generator))
+    return layer
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    in_features=st.integers(1, 200),
+    out_features=st.integers(1, 70),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_gemv_layer_matches_the_plain_layer(rows, in_features, out_features, bias, seed):
+    """Up to 16 rows within bf16 rounding of torch (our kernel); beyond, bit-identical to the
+    plain layer (oneDNN on a transient unpacked copy, as Hugging Face computes it)."""
+    layer = _layer(in_features, out_features, bias, seed)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed + 1))
+    x = x.to(torch.bfloat16)
+    expected = layer(x)
+    layer.pack("gemv")
+    assert layer.kernel == "gemv" and layer.is_packed
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    if rows > bf16_gemm.GEMV_MAX_ROWS:
+        assert torch.equal(got, expected)
+    else:
+        magnitude = x.float().abs() @ layer_weight(layer).float().abs().t()
+        if bias:
+            magnitude += layer.bias.float().abs()
+        bound = 1e-5 * magnitude + 2.0**-7 * expected.float().abs() + 1e-6
+        assert ((got.float() - expected.float()).abs() <= bound).all()
+
+
+def layer_weight(layer: Linear) -> torch.Tensor:
+    return bf16_gemm.unpack(layer.weight, layer.out_features, layer.in_features)
+
+
+def test_pack_keeps_one_copy_and_unpack_restores_it():
+    layer = _layer(70, 50, bias=True)
+    plain = layer.weight.detach().clone()
+    layer.pack("gemv")
+    # The only weight tensor is the packed one (padded to 16 channels and an even width).
+    assert [name for name, _ in layer.named_parameters()] == ["weight", "bias"]
+    assert layer.weight.shape == (4, 35, 16, 2)
+    layer.pack("packed")  # already packed: nothing changes
+    assert layer.kernel == "gemv"
+    layer.unpack()
+    assert layer.kernel == "plain" and torch.equal(layer.weight, plain)
+
+
+def test_merged_layer_splits_the_gemv_output():
+    layer = MergedLinear(32, {"gate": 24, "up": 24}, bias=False, dtype=torch.bfloat16)
+    layer.weight.data.copy_(torch.randn(48, 32))
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    expected = [t.clone() for t in layer.split(layer(x))]
+    layer.pack("gemv")
+    for got, want in zip(layer.split(layer(x)), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_is_bf16_only_and_leaves_other_weights_plain(dtype):
+    layer = Linear(32, 16, bias=False, dtype=dtype)
+    layer.weight.data.copy_(torch.randn(16, 32))
+    layer.pack("gemv")
+    assert layer.kernel == "plain" and layer.weight.shape == (16, 32)
+    with pytest.raises(ValueError, match="unknown linear kernel"):
+        layer.pack("fast")
+
+
+def test_forcing_gemv_falls_back_where_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(linear_choice, "calibrate_shape", pytest.fail)
+    shapes = [(64, 96)]
+    assert linear_choice.choose_linear_kernels(shapes, torch.bfloat16, "gemv") == {
+        (64, 96): "gemv"}  # fmt: skip
+    expected = "packed" if linear_choice.can_pack_onednn(torch.float32) else "plain"
+    assert linear_choice.choose_linear_kernels(shapes, torch.float32, "gemv") == {
+        (64, 96): expected}  # fmt: skip
+    monkeypatch.setattr(linear_choice, "can_pack_onednn", lambda dtype: False)
+    assert linear_choice.choose_linear_kernels(shapes, torch.float32, "gemv") == {
+        (64, 96): "plain"}  # fmt: skip
+
+
+def test_real_calibration_times_every_bf16_path_at_every_bucket():
+    result = linear_choice.calibrate_shape(64, 128, torch.bfloat16)
+    paths = linear_choice.available_paths(torch.bfloat16)
+    assert "gemv" in paths
+    assert result["choice"] in paths
+    for rows in linear_choice.CALIBRATION_ROWS:
+        for path in paths:
+            assert result[f"{path}_us_m{rows}"] > 0
+
+
+def test_tied_lm_head_packs_its_own_copy_and_the_embedding_stays(tiny_model_dir):
+    runner = ModelRunner(tiny_model_dir, EngineConfig(num_kv_blocks=8, linear_kernel="gemv"),
+                         torch.bfloat16)  # fmt: skip
+    model = runner.model
+    assert runner.linear_kernels == {"plain": 0, "packed": 0, "gemv": 9}
+    assert model.tie_word_embeddings  # the tiny model ties them, as SmolLM2 does
+    table, head = model.model.embed_tokens.weight, model.lm_head
+    assert table.shape == (head.out_features, head.in_features)  # still the plain table
+    assert head.weight.data_ptr() != table.data_ptr()
+    assert torch.equal(layer_weight(head), table)

@@ -1,0 +1,88 @@
+"""The llama.cpp peer against a stand-in `llama-server` (a small HTTP server in Python): the
+environment it is started with, and both request modes, with the server's own timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FAKE_SERVER = r"""
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+with open(os.environ["FAKE_ENV_OUT"], "w") as f:
+    json.dump({"env": dict(os.environ), "args": args}, f)
+TIMINGS = {"predicted_ms": 100.0, "predicted_n": 8, "predicted_per_second": 80.0}
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = body["n_predict"]
+        self.send_response(200); self.end_headers()
+        if not body["stream"]:
+            answer = {"content": "x" * n, "tokens_predicted": n, "timings": TIMINGS}
+            self.wfile.write(json.dumps(answer).encode())
+            return
+        for i in range(n):
+            event = {"content": "x", "tokens": [i], "stop": False}
+            self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        last = {"content": "", "stop": True, "timings": TIMINGS}
+        self.wfile.write(b"data: " + json.dumps(last).encode() + b"\n\n")
+
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+@pytest.fixture
+def fake_server(tmp_path: Path) -> Path:
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
+    return binary
+
+
+def _run_peer(binary: Path, tmp_path: Path, stream: bool, env: dict[str, str]) -> tuple[dict, dict]:
+    """The peer in a fresh interpreter that imports engine first, as the bench's children do."""
+    out = tmp_path / "env.json"
+    code = (
+        "import json, sys, engine; from pathlib import Path; "
+        "from loadtest.llamacpp_peer import run_llamacpp; "
+        f"r = run_llamacpp(Path({str(binary)!r}), Path('m.gguf'), [[1, 2], [3]], [5, 7], {stream}); "
+        "print(json.dumps(r))"
+    )
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MINI_INFER_OMP"))}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env={**base, **env, "FAKE_ENV_OUT": str(out)},
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(result.stdout.strip().splitlines()[-1]), json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_peer_runs_without_the_engines_openmp_policy(fake_server, tmp_path, stream):
+    result, seen = _run_peer(fake_server, tmp_path, stream, {})
+    assert "OMP_WAIT_POLICY" not in seen["env"]  # engine set it in the client, not for the peer
+    assert not any(k.startswith("MINI_INFER_OMP") for k in seen["env"])
+    assert seen["args"][seen["args"].index("-t") + 1] == "2"
+    assert seen["args"][seen["args"].index("-tb") + 1] == "2"
+    assert result["output_tokens"] == 12 and result["stream"] is stream
+    assert result["server_tok_s"] == {"median": 80.0, "sum": 160.0}
+
+
+def test_peer_keeps_a_policy_the_user_set(fake_server, tmp_path):
+    _, seen = _run_peer(fake_server, tmp_path, False, {"OMP_WAIT_POLICY": "ACTIVE"})
+    assert seen["env"]["OMP_WAIT_POLICY"] == "ACTIVE"
