@@ -77,7 +77,9 @@ async def env(broker, tiny_model_dir):
         # A pause per step makes "still running" a fact, not a race: a 1000-token request takes
         # at least 10 s, so a cancel or a 1 s deadline always finds it mid-stream.
         worker = Worker(
-            settings, engine_factory=slow_engine_factory(tiny_model_dir, STEP_S), telemetry=telemetry
+            settings,
+            engine_factory=slow_engine_factory(tiny_model_dir, STEP_S),
+            telemetry=telemetry,
         )
         await worker.start()
         try:
@@ -300,3 +302,23 @@ async def test_logprobs_ride_on_token_replies(env, replies) -> None:
     assert all(e.top_logprobs[0].token_id == e.token_id for e in entries)
     await replies.final_of(plain.id)
     assert all(t.logprobs is None for t in replies.tokens(plain.id))
+
+
+async def test_structured_output_through_the_worker(env, replies) -> None:
+    """Contract v1.2: `response_format` reaches the engine (a choice the random model would never
+    write on its own) and a schema that does not compile is an `invalid_request` final."""
+    choice = make_request(
+        replies.topic, id="with-choice", max_tokens=8, temperature=0.0,
+        response_format={"type": "choice", "choice": ["yes", "no"]},
+    )  # fmt: skip
+    broken = make_request(
+        replies.topic, id="with-bad-schema", max_tokens=8,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+    )  # fmt: skip
+    for r in (choice, broken):
+        await env.producer.send(env.topic, r)
+    final = await replies.final_of(choice.id)
+    assert final.finish_reason == "stop" and final.text in ("yes", "no")
+    refused = await replies.final_of(broken.id)
+    assert refused.finish_reason == "error" and refused.error.code == ErrorCode.INVALID_REQUEST
+    assert "json_schema" in refused.error.message
