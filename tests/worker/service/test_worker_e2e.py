@@ -77,9 +77,7 @@ async def env(broker, tiny_model_dir):
         # A pause per step makes "still running" a fact, not a race: a 1000-token request takes
         # at least 10 s, so a cancel or a 1 s deadline always finds it mid-stream.
         worker = Worker(
-            settings,
-            engine_factory=slow_engine_factory(tiny_model_dir, STEP_S),
-            telemetry=telemetry,
+            settings, engine_factory=slow_engine_factory(tiny_model_dir, STEP_S), telemetry=telemetry
         )
         await worker.start()
         try:
