@@ -32,6 +32,10 @@ class EngineConfig:
     # calibration on this machine found faster (cached under the cache dir); "plain" | "packed"
     # | "gemv" force one path (falling back to the next this machine runs).
     linear_kernel: str = "auto"
+    # The CPU step's elementwise chains (add + RMSNorm, RoPE, SiLU * up): "auto" | "on" use the
+    # fused C++ ops (engine/kernels/cpu/fused_ops.py; the torch chain where they cannot be
+    # built), "off" the torch chain. Same bits either way; eager only (compiled: Inductor's).
+    fused_ops: str = "auto"
     # torch.compile of the model forward: "on" | "off" | "auto" (True/False mean on/off). "auto"
     # is off: on the 2-core Zen 4 the compiled step did not beat eager (engine/compile.py).
     compile: str | bool = "auto"
@@ -72,6 +76,8 @@ class EngineConfig:
                 f"got {self.linear_kernel!r}"
             )
 
+        if self.fused_ops not in ("auto", "on", "off"):
+            raise ValueError(f"fused_ops must be 'auto', 'on' or 'off', got {self.fused_ops!r}")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 SCHEMA_VERSION = 1
 # Additions within v1 that old readers ignore: 1 = `logprobs` (request and token replies) and
-# the latency split of `timing`; 2 = penalties, `min_p`, `logit_bias`, `top_logprobs`, `stop`
-# as one string, `response_format` (structured output).
+# the latency split of `timing`; 2 = the reply `nonce`, penalties, `min_p`, `logit_bias`,
+# `top_logprobs`, `stop` as one string, `response_format` (structured output).
 SCHEMA_MINOR_VERSION = 2
 
 # --- Topics ------------------------------------------------------------------------------------
@@ -30,6 +30,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 DEFAULT_MAX_PROMPT_CHARS = 32_000
 MAX_TOKENS_LIMIT = 1 << 20  # the largest max_tokens a request may ask for
 MAX_ID_CHARS = 256
+# v1.2: a request's reply nonce (the SDK sends 22 URL-safe characters: 128 random bits).
+MAX_NONCE_CHARS = 128
 MAX_TEMPERATURE = 100.0
 MAX_SEED = 2**63 - 1
 # deadline_ms is absolute Unix epoch ms: year 9999 is far enough, and it fits every clock we use.

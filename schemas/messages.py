@@ -32,6 +32,7 @@ from schemas.contract import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_MODEL_NAME_CHARS,
+    MAX_NONCE_CHARS,
     MAX_REGEX_CHARS,
     MAX_REPETITION_PENALTY,
     MAX_ROLE_CHARS,
@@ -57,6 +58,7 @@ def _not_dot_or_dotdot(name: str) -> str:
 RequestId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 TopicName = Annotated[str, Field(pattern=TOPIC_NAME_PATTERN), AfterValidator(_not_dot_or_dotdot)]
 NonNegativeMs = Annotated[float, Field(ge=0)]
+Nonce = Annotated[str, Field(min_length=1, max_length=MAX_NONCE_CHARS)]
 
 
 class WireModel(BaseModel):
@@ -185,6 +187,9 @@ class Request(WireModel):
     )
     model: str | None = Field(default=None, min_length=1, max_length=MAX_MODEL_NAME_CHARS)
     schema_version: int = Field(default=SCHEMA_VERSION, ge=1, le=MAX_TOKEN_ID)
+    # v1.2: a secret the worker echoes in every reply; a client that sent one drops replies
+    # without it (anyone who can produce requests could otherwise forge another's replies).
+    nonce: Nonce | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -257,6 +262,7 @@ class _Reply(WireModel):
     id: RequestId
     attempt: str = Field(min_length=1)
     seq: int = Field(ge=0)
+    nonce: Nonce | None = None  # v1.2: the request's nonce, echoed
 
 
 class TopLogprob(WireModel):

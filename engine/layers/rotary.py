@@ -103,7 +103,22 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) 
         from engine.kernels.triton.pointwise import rotary_
 
         return rotary_(x, cos, signed_sin)
+    return apply_rotary_cpu_(x, cos, signed_sin)
+
+
+def apply_rotary_cpu_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary_ in torch on the CPU (the fused C++ op's reference: `fused_rotary_`)."""
     rotated = x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
     if torch.compiler.is_compiling():  # dynamo has no out= into a strided view; Inductor fuses
         return x.copy_(x * cos + rotated)  # the copy into the same single loop anyway
     return torch.add(x * cos, rotated, out=x)
+
+
+def fused_rotary_(kernels):
+    """apply_rotary_ as one C++ call (engine/kernels/cpu/fused_ops.cpp: the same roundings)."""
+
+    def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        kernels.rotary_(x, cos, signed_sin)
+        return x
+
+    return rotary_

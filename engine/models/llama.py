@@ -18,7 +18,12 @@ from torch import nn
 from engine.layers.attention import AttentionMetadata, TorchPagedAttention
 from engine.layers.linear import make_linear, make_merged_linear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, apply_rotary_
+from engine.layers.rotary import (
+    RotaryEmbedding,
+    apply_rotary_,
+    apply_rotary_cpu_,
+    fused_rotary_,
+)
 
 
 def head_dim_of(hf_config) -> int:
@@ -52,13 +57,19 @@ class LlamaAttention(nn.Module):
         self.backend = backend
         # This layer's view of the runner's pool: [num_kv_blocks, block_size, 2, kv, head_dim].
         self.kv_cache: torch.Tensor | None = None
+        self.rotary_ = apply_rotary_  # by device per call, until use_cpu resolves it
+
+    def use_cpu(self, kernels, lanes: tuple[int, int]) -> bool:
+        """RoPE on the CPU, resolved once: the fused C++ op if `kernels`, else torch's."""
+        self.rotary_ = fused_rotary_(kernels) if kernels is not None else apply_rotary_cpu_
+        return kernels is not None
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         heads = qkv.view(num_tokens, -1, self.head_dim)
         # q and k are rotated together and in place, leaving k next to v for the cache write.
-        apply_rotary_(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        self.rotary_(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)
         q = heads[:, : self.num_heads]
         kv = heads[:, self.num_heads :].view(num_tokens, 2, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, kv, self.kv_cache, meta)
@@ -79,22 +90,47 @@ class LlamaMLP(nn.Module):
         self.down_proj = make_linear(
             size, hf_config.hidden_size, bias, dtype, _layer_quant(quant, "down_proj")
         )
+        self.intermediate_size = size
+        self.act = self._act_by_device  # silu(gate) * up from [num_tokens, 2 * intermediate]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # 2 x [num_tokens, intermediate]
-        if x.is_cuda:  # one Triton kernel instead of silu, mul and their round trips
+    def use_cpu(self, kernels, lanes: tuple[int, int]) -> bool:
+        """SiLU * up on the CPU, resolved once: the fused C++ op if `kernels` (following torch's
+        exp width, lanes[1]), else torch's two calls."""
+        if kernels is None:
+            self.act = self._act_torch
+            return False
+
+        def fused(gate_up: torch.Tensor) -> torch.Tensor:
+            out = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
+            kernels.silu_mul(gate_up, out, lanes[1])
+            return out
+
+        self.act = fused
+        return True
+
+    def _act_torch(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(gate_up)  # 2 x [num_tokens, intermediate]
+        return F.silu(gate) * up
+
+    def _act_by_device(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.is_cuda:  # one Triton kernel instead of silu, mul and their round trips
             from engine.kernels.triton.pointwise import silu_and_mul
 
-            return self.down_proj(silu_and_mul(gate, up))
-        return self.down_proj(F.silu(gate) * up)
+            return silu_and_mul(*self.gate_up_proj.split(gate_up))
+        return self._act_torch(gate_up)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class = LlamaAttention  # a family's own attention layer (engine/models/qwen3.py)
+
     def __init__(
         self, hf_config, qkv_bias: bool, o_bias: bool, backend, dtype: torch.dtype, quant=None
     ):
         super().__init__()
-        self.self_attn = LlamaAttention(hf_config, qkv_bias, o_bias, backend, dtype, quant)
+        self.self_attn = self.attention_class(hf_config, qkv_bias, o_bias, backend, dtype, quant)
         self.mlp = LlamaMLP(hf_config, dtype, quant)
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
@@ -112,6 +148,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class = LlamaDecoderLayer
+
     def __init__(self, hf_config, qkv_bias, o_bias, backend, max_position: int, dtype, quant=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(
@@ -122,7 +160,7 @@ class LlamaModel(nn.Module):
             _weight=torch.empty(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype),
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, qkv_bias, o_bias, backend, dtype, quant)
+            self.layer_class(hf_config, qkv_bias, o_bias, backend, dtype, quant)
             for _ in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
@@ -139,6 +177,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class = LlamaModel
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -157,7 +196,9 @@ class LlamaForCausalLM(nn.Module):
     ):
         super().__init__()
         qkv_bias, o_bias = self.attention_biases(hf_config)
-        self.model = LlamaModel(hf_config, qkv_bias, o_bias, backend, max_position, dtype, quant)
+        self.model = self.model_class(
+            hf_config, qkv_bias, o_bias, backend, max_position, dtype, quant
+        )
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         head_quant = quant.lm_head_config() if quant is not None else None
         self.lm_head = make_linear(

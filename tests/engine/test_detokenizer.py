@@ -16,9 +16,10 @@ def _tok():
     return make_tokenizer()
 
 
-def _run(text_ids, stop=(), prompt_ids=(1, 2, 3)):
+def _run(text_ids, stop=(), prompt_ids=(1, 2, 3), use_stream=True):
     tok = _tok()
-    detok = IncrementalDetokenizer(tok, list(prompt_ids), SamplingParams(stop=stop))
+    params = SamplingParams(stop=stop)
+    detok = IncrementalDetokenizer(tok, list(prompt_ids), params, use_stream=use_stream)
     deltas = []
     for i, t in enumerate(text_ids):
         detok.add_token(t, is_last=i == len(text_ids) - 1)
@@ -72,3 +73,22 @@ def test_special_tokens_are_not_text():
     ids = tok.encode("abc") + [tok.eos_token_id]
     _, deltas = _run(ids)
     assert "".join(deltas) == "abc"
+
+
+def test_the_stream_is_used_for_a_fast_tokenizer():
+    assert IncrementalDetokenizer(_tok(), [1], SamplingParams())._stream is not None
+    assert IncrementalDetokenizer(_tok(), [1], SamplingParams(), use_stream=False)._stream is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts, st.sampled_from([(), ("é漢",), ("\n\n",), ("a",)]), st.integers(0, 2))
+def test_decode_stream_gives_the_window_decodes_deltas(text, stop, num_cut):
+    """DecodeStream (one Rust call per token) against the window decode (the reference): the
+    same deltas token by token, stop strings included, also when the last character is cut
+    (its U+FFFD at the end, as the reference gives)."""
+    ids = _tok().encode(text)
+    ids = ids[: max(1, len(ids) - num_cut)] if num_cut and len(ids) > 1 else ids
+    stream, stream_deltas = _run(ids, stop=stop)
+    window, window_deltas = _run(ids, stop=stop, use_stream=False)
+    assert stream_deltas == window_deltas
+    assert (stream.text, stream.stopped_on) == (window.text, window.stopped_on)

@@ -1,0 +1,329 @@
+// Fused eager ops for the CPU decode step: residual add + RMSNorm, RoPE on q/k in place, and
+// SiLU(gate) * up. Each replaces a chain of 2-9 torch calls (each a Python call, a dispatch and
+// a fresh tensor) with one call, and each gives the same bits as that chain:
+//
+// - RMSNorm rounds as Hugging Face does (normalise in fp32, round to the model dtype, then
+//   multiply by the weight), and sums the squares in the order of torch's own reduction
+//   (ATen's cascade_sum: 4 interleaved vector accumulators of its sum kernel's width, merged
+//   by level, then the lanes in order; `lanes` is that width), so bf16 outputs stay
+//   bit-identical to `x.float().pow(2).mean(-1)`. The file is built with -ffp-contract=off: a fused
+//   multiply-add would round once where torch rounds twice.
+// - RoPE rounds after x * cos, after roll(x) * signed_sin and after their sum, as torch does.
+// - SiLU uses torch's exp: SLEEF's expf (exported by libtorch_cpu) on the elements torch's
+//   vectorised loop covers (whole pairs of vectors from the start of each row, or of each
+//   thread's chunk where torch splits a large tensor), std::exp on the rest.
+//
+// Parallel: one at::parallel_for over rows per call, with a grain large enough that a decode
+// step of a few rows runs inline (no OpenMP region, no thread wake-up).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__)
+extern "C" __m512 Sleef_expf16_u10(__m512);
+#endif
+#if defined(__AVX2__)
+extern "C" __m256 Sleef_expf8_u10(__m256);
+#endif
+
+namespace {
+
+constexpr int64_t kGrainElements = 32768;  // ATen's GRAIN_SIZE: below it torch runs serially
+
+template <typename scalar_t>
+inline float to_float(scalar_t v) { return static_cast<float>(v); }
+
+template <typename scalar_t>
+inline scalar_t from_float(float v) { return static_cast<scalar_t>(v); }  // c10: round to nearest even
+
+int64_t ceil_log2(int64_t x) {  // c10::utils::CeilLog2
+  if (x <= 2) return 1;
+  int64_t bits = 0;
+  for (uint64_t v = static_cast<uint64_t>(x) - 1; v != 0; v >>= 1) ++bits;
+  return bits;
+}
+
+// ATen's row_sum(multi_row_sum) over `num_vecs` vectors of L lanes: vector v is values[v*L..].
+// Returns the 4 ILP accumulators merged into acc0 (L lanes).
+template <int L>
+void row_sum(const float* values, int64_t num_vecs, float* out) {
+  constexpr int kIlp = 4, kLevels = 4;
+  const int64_t size = num_vecs / kIlp;
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(size) / kLevels);
+  const int64_t level_step = int64_t{1} << level_power;
+  const int64_t level_mask = level_step - 1;
+  float acc[kLevels][kIlp][L] = {};
+  auto add_row = [&](int64_t i) {
+    for (int k = 0; k < kIlp; ++k)
+      for (int l = 0; l < L; ++l) acc[0][k][l] += values[(i * kIlp + k) * L + l];
+  };
+  int64_t i = 0;
+  while (i + level_step <= size) {
+    for (int64_t j = 0; j < level_step; ++j, ++i) add_row(i);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < kIlp; ++k)
+        for (int l = 0; l < L; ++l) {
+          acc[j][k][l] += acc[j - 1][k][l];
+          acc[j - 1][k][l] = 0.0f;
+        }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < size; ++i) add_row(i);
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < kIlp; ++k)
+      for (int l = 0; l < L; ++l) acc[0][k][l] += acc[j][k][l];
+  for (int64_t v = size * kIlp; v < num_vecs; ++v)
+    for (int l = 0; l < L; ++l) acc[0][0][l] += values[v * L + l];
+  for (int k = 1; k < kIlp; ++k)
+    for (int l = 0; l < L; ++l) acc[0][0][l] += acc[0][k][l];
+  for (int l = 0; l < L; ++l) out[l] = acc[0][0][l];
+}
+
+// torch.sum over a contiguous row of n floats, in torch's order (vectorized_inner_sum with L
+// lanes; scalar_inner_sum when the row is shorter than one vector).
+template <int L>
+float torch_row_sum(const float* values, int64_t n) {
+  if (n < L) {
+    float sum;
+    row_sum<1>(values, n, &sum);
+    return 0.0f + sum;
+  }
+  const int64_t num_vecs = n / L;
+  float lanes[L];
+  row_sum<L>(values, num_vecs, lanes);
+  float total = 0.0f;
+  for (int64_t k = num_vecs * L; k < n; ++k) total += values[k];
+  for (int l = 0; l < L; ++l) total += lanes[l];
+  return total;
+}
+
+template <typename scalar_t, int L>
+void rms_norm_rows(const scalar_t* x, scalar_t* residual, const scalar_t* weight, scalar_t* out,
+                   int64_t rows, int64_t n, int64_t x_stride, int64_t out_stride, float eps) {
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> value(n), square(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = x + r * x_stride;
+      scalar_t* rr = residual != nullptr ? residual + r * n : nullptr;
+      for (int64_t i = 0; i < n; ++i) {
+        scalar_t v = xr[i];
+        if (rr != nullptr) {  // x + residual, rounded to the model dtype, is the new residual
+          v = from_float<scalar_t>(to_float(v) + to_float(rr[i]));
+          rr[i] = v;
+        }
+        value[i] = to_float(v);
+        square[i] = value[i] * value[i];
+      }
+      const float variance = torch_row_sum<L>(square.data(), n) / static_cast<float>(n);
+      const float inv = 1.0f / std::sqrt(variance + eps);
+      scalar_t* o = out + r * out_stride;
+      for (int64_t i = 0; i < n; ++i) {
+        const scalar_t normed = from_float<scalar_t>(value[i] * inv);
+        o[i] = from_float<scalar_t>(to_float(weight[i]) * to_float(normed));
+      }
+    }
+  });
+}
+
+void check_row_major(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, hidden], unit stride");
+}
+
+template <int L>
+void rms_norm_dispatch(const torch::Tensor& x, const torch::Tensor* residual,
+                       const torch::Tensor& weight, torch::Tensor& out, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "fused_rms_norm", [&] {
+    rms_norm_rows<scalar_t, L>(
+        x.data_ptr<scalar_t>(), residual ? residual->data_ptr<scalar_t>() : nullptr,
+        weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, n, x.stride(0),
+        out.stride(0), static_cast<float>(eps));
+  });
+}
+
+void rms_norm_impl(const torch::Tensor& x, const torch::Tensor* residual,
+                   const torch::Tensor& weight, torch::Tensor& out, double eps, int64_t lanes) {
+  check_row_major(x, "x");
+  check_row_major(out, "out");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be [hidden]");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && x.scalar_type() == out.scalar_type(),
+              "x, weight and out must share a dtype");
+  if (residual != nullptr)
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
+                    residual->scalar_type() == x.scalar_type(),
+                "residual must be contiguous and shaped like x");
+  if (lanes == 16) {
+    rms_norm_dispatch<16>(x, residual, weight, out, eps);
+  } else {
+    TORCH_CHECK(lanes == 8, "lanes must be 8 or 16");
+    rms_norm_dispatch<8>(x, residual, weight, out, eps);
+  }
+}
+
+// out = RMSNorm(x) (x untouched).
+void rms_norm(torch::Tensor x, torch::Tensor weight, torch::Tensor out, double eps,
+              int64_t lanes) {
+  rms_norm_impl(x, nullptr, weight, out, eps, lanes);
+}
+
+// residual <- x + residual; x <- RMSNorm(residual): the pre-norm block's "add the branch
+// output, then normalise", in place on both ([rows, hidden], x may have a row stride).
+void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps,
+                   int64_t lanes) {
+  rms_norm_impl(x, &residual, weight, x, eps, lanes);
+}
+
+template <typename scalar_t>
+void rotary_rows(scalar_t* x, const scalar_t* cos, const scalar_t* sin, int64_t num_tokens,
+                 int64_t num_heads, int64_t head_dim, int64_t token_stride, int64_t head_stride) {
+  const int64_t half = head_dim / 2;
+  const int64_t grain =
+      std::max<int64_t>(1, kGrainElements / std::max<int64_t>(num_heads * head_dim, 1));
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(head_dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const scalar_t* c = cos + t * head_dim;
+      const scalar_t* s = sin + t * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        scalar_t* xh = x + t * token_stride + h * head_stride;
+        for (int64_t i = 0; i < head_dim; ++i) row[i] = to_float(xh[i]);
+        for (int64_t i = 0; i < head_dim; ++i) {
+          // roll(x, half)[i] = x[(i + half) % head_dim]; sin's first half is negated already
+          const scalar_t a = from_float<scalar_t>(row[i] * to_float(c[i]));
+          const scalar_t b = from_float<scalar_t>(row[(i + half) % head_dim] * to_float(s[i]));
+          xh[i] = from_float<scalar_t>(to_float(a) + to_float(b));
+        }
+      }
+    }
+  });
+}
+
+// x [num_tokens, num_heads, head_dim] (unit stride in head_dim) rotated in place; cos and
+// signed sin [num_tokens, head_dim] or [num_tokens, 1, head_dim] (engine/layers/rotary.py's
+// tables, rows gathered).
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [tokens, heads, head_dim]");
+  TORCH_CHECK(x.size(2) % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+                  cos.numel() == x.size(0) * x.size(2) && cos.size(-1) == x.size(2),
+              "cos/sin must be contiguous [tokens, (1,) head_dim]");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "x, cos and sin must share a dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_rotary", [&] {
+    rotary_rows<scalar_t>(x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(),
+                          sin.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2),
+                          x.stride(0), x.stride(1));
+  });
+}
+
+// exp over n floats as torch's silu computes it: `vec_count` leading elements in SLEEF
+// vectors of `lanes` (16: AVX-512, 8: AVX2), the rest with std::exp. lanes 0: all std::exp.
+void torch_exp(float* v, int64_t n, int64_t vec_count, int64_t lanes) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (lanes == 16)
+    for (; i + 16 <= vec_count; i += 16)
+      _mm512_storeu_ps(v + i, Sleef_expf16_u10(_mm512_loadu_ps(v + i)));
+#endif
+#if defined(__AVX2__)
+  if (lanes == 8)
+    for (; i + 8 <= vec_count; i += 8)
+      _mm256_storeu_ps(v + i, Sleef_expf8_u10(_mm256_loadu_ps(v + i)));
+#endif
+  for (; i < n; ++i) v[i] = std::exp(v[i]);
+}
+
+// The span of flat elements each thread of torch's elementwise loop gets (TensorIterator's
+// for_each: serial below GRAIN_SIZE, else at::parallel_for's equal chunks): its vectorised
+// loop restarts at every chunk start, so a chunk boundary inside a row moves where SLEEF stops.
+int64_t torch_chunk(int64_t numel) {
+  const int64_t num_threads = at::get_num_threads();
+  if (numel < kGrainElements || num_threads == 1) return std::max<int64_t>(numel, 1);
+  const int64_t used = std::min<int64_t>(num_threads, (numel + kGrainElements - 1) / kGrainElements);
+  return (numel + used - 1) / used;
+}
+
+template <typename scalar_t>
+void silu_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t n,
+                   int64_t in_stride, int64_t lanes) {
+  // torch's vectorized_loop takes 2 Vectorized<scalar_t> per iteration; a Vectorized of a
+  // 2-byte type holds twice the float lanes.
+  const int64_t step = 2 * lanes * (sizeof(scalar_t) == 2 ? 2 : 1);
+  const int64_t chunk = torch_chunk(rows * n);
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> gate(n), denom(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* g = gate_up + r * in_stride;
+      const scalar_t* u = g + n;
+      for (int64_t i = 0; i < n; ++i) {
+        gate[i] = to_float(g[i]);
+        denom[i] = -gate[i];
+      }
+      for (int64_t start = r * n, end = start + n; start < end;) {  // torch's loop segments
+        const int64_t stop = std::min(end, (start / chunk + 1) * chunk);
+        const int64_t len = stop - start;
+        torch_exp(denom.data() + (start - r * n), len, lanes == 0 ? 0 : len / step * step, lanes);
+        start = stop;
+      }
+      scalar_t* o = out + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const scalar_t silu = from_float<scalar_t>(gate[i] / (1.0f + denom[i]));
+        o[i] = from_float<scalar_t>(to_float(silu) * to_float(u[i]));
+      }
+    }
+  });
+}
+
+// gate_up [rows, 2 * n] (gate | up, unit stride) -> out [rows, n] = silu(gate) * up.
+void silu_mul(torch::Tensor gate_up, torch::Tensor out, int64_t lanes) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [rows, 2 * n], unit stride");
+  const int64_t n = gate_up.size(1) / 2;
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == gate_up.size(0) &&
+                  out.size(1) == n && out.scalar_type() == gate_up.scalar_type(),
+              "out must be contiguous [rows, n] in gate_up's dtype");
+  TORCH_CHECK(lanes == 0 || lanes == 8 || lanes == 16, "lanes must be 0, 8 or 16");
+#if !defined(__AVX512F__)
+  TORCH_CHECK(lanes != 16, "built without AVX-512: cannot follow torch's 16-lane exp");
+#endif
+#if !defined(__AVX2__)
+  TORCH_CHECK(lanes != 8, "built without AVX2: cannot follow torch's 8-lane exp");
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(),
+                                  "fused_silu_mul", [&] {
+    silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            gate_up.size(0), n, gate_up.stride(0), lanes);
+  });
+}
+
+int64_t exp_lanes_built() {
+#if defined(__AVX512F__)
+  return 16;
+#elif defined(__AVX2__)
+  return 8;
+#else
+  return 0;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "out = RMSNorm(x), HF's rounding, torch's summation order");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place");
+  m.def("rotary_", &rotary_, "RoPE on [tokens, heads, head_dim] in place (rolled signed sin)");
+  m.def("silu_mul", &silu_mul, "out = silu(gate) * up from [rows, 2n], torch's exp");
+  m.def("exp_lanes_built", &exp_lanes_built, "widest SLEEF exp this build can call (0, 8, 16)");
+}

@@ -1,0 +1,129 @@
+"""The fused C++ ops (engine/kernels/cpu/fused_ops.cpp) give the same bits as the torch chains
+they replace, over shapes and dtypes (hypothesis), and the engine's tokens do not change when
+they are switched on or off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.kernels.cpu import fused_ops
+from engine.layers.rotary import apply_rotary_cpu_
+
+kernels = fused_ops.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="fused ops unavailable (no compiler)")
+LANES = fused_ops.lanes() or (8, 0)
+REDUCED = [torch.bfloat16, torch.float16]
+
+
+def norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """engine/layers/norm.py's formula for bf16/fp16 (HF's rounding)."""
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def _randn(shape, dtype, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 70), hidden=st.integers(1, 3000), dtype=st.sampled_from(REDUCED),
+    scale=st.sampled_from([1e-3, 1.0, 30.0]), seed=st.integers(0, 2**16),
+    eps=st.sampled_from([1e-5, 1e-6]),
+)  # fmt: skip
+def test_add_rms_norm_is_bit_identical_to_the_torch_formula(rows, hidden, dtype, scale, seed, eps):
+    x, residual = (
+        _randn((rows, hidden), dtype, scale, seed),
+        _randn((rows, hidden), dtype, 1, ~seed),
+    )
+    weight = _randn((hidden,), dtype, 1, seed + 1)
+    out = torch.empty_like(x)
+    kernels.rms_norm(x, weight, out, eps, LANES[0])
+    assert torch.equal(out, norm_reference(x, weight, eps))
+    expected_sum = x + residual
+    kernels.add_rms_norm_(x, residual, weight, eps, LANES[0])
+    assert torch.equal(residual, expected_sum)
+    assert torch.equal(x, norm_reference(expected_sum, weight, eps))
+
+
+def test_rms_norm_reads_a_strided_x_and_rejects_bad_shapes():
+    wide = _randn((4, 128), torch.bfloat16, 1, 0)
+    x, weight = wide[:, :64], _randn((64,), torch.bfloat16, 1, 1)
+    out = torch.empty(4, 64, dtype=torch.bfloat16)
+    kernels.rms_norm(x, weight, out, 1e-5, LANES[0])
+    assert torch.equal(out, norm_reference(x, weight, 1e-5))
+    with pytest.raises(RuntimeError, match="weight"):
+        kernels.rms_norm(x, weight[:32], out, 1e-5, LANES[0])
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernels.rms_norm(x.float(), weight, out, 1e-5, LANES[0])
+    with pytest.raises(RuntimeError, match="residual"):
+        kernels.add_rms_norm_(x, x, weight, 1e-5, LANES[0])  # a strided residual
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 40), n=st.integers(1, 2000),
+    dtype=st.sampled_from([torch.float32, *REDUCED]), seed=st.integers(0, 2**16),
+    scale=st.sampled_from([0.1, 4.0, 40.0]),
+)  # fmt: skip
+def test_silu_mul_is_bit_identical_to_torch(rows, n, dtype, seed, scale):
+    gate_up = _randn((rows, 2 * n), dtype, scale, seed)
+    out = torch.empty(rows, n, dtype=dtype)
+    kernels.silu_mul(gate_up, out, LANES[1])
+    assert torch.equal(out, F.silu(gate_up[:, :n]) * gate_up[:, n:])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.integers(1, 40), heads=st.integers(1, 12), extra=st.integers(0, 6),
+    half=st.integers(1, 80), dtype=st.sampled_from([torch.float32, *REDUCED]),
+    seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_rotary_is_bit_identical_to_torch_and_touches_only_its_heads(
+    tokens, heads, extra, half, dtype, seed
+):
+    head_dim = 2 * half
+    qkv = _randn((tokens, heads + extra, head_dim), dtype, 2, seed)
+    cos = _randn((tokens, 1, head_dim), dtype, 1, seed + 1)
+    sin = _randn((tokens, 1, head_dim), dtype, 1, seed + 2)
+    expected = qkv.clone()
+    apply_rotary_cpu_(expected[:, :heads], cos, sin)
+    kernels.rotary_(qkv[:, :heads], cos, sin)
+    assert torch.equal(qkv, expected)
+
+
+def test_rotary_rejects_mismatched_tables():
+    x = torch.zeros(3, 2, 8)
+    with pytest.raises(RuntimeError, match="cos/sin"):
+        kernels.rotary_(x, torch.zeros(2, 8), torch.zeros(2, 8))
+    with pytest.raises(RuntimeError, match="even"):
+        kernels.rotary_(torch.zeros(3, 2, 7), torch.zeros(3, 7), torch.zeros(3, 7))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_tokens_are_the_same_with_fused_ops_on_and_off(tiny_model_dir, dtype):
+    from engine import LLMEngine, SamplingParams
+
+    def generate(mode: str):
+        eng = LLMEngine(tiny_model_dir, dtype=dtype, fused_ops=mode, num_kv_blocks=64)
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate([[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23]]):
+            eng.add_request(str(i), prompt, params)
+        tokens: dict[str, list[int]] = {}
+        while eng.has_unfinished_requests():
+            for delta in eng.step():
+                tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+        return eng.runner.pointwise_ops, tokens
+
+    fused_counts, fused_tokens = generate("on")
+    torch_counts, torch_tokens = generate("off")
+    assert fused_counts["fused"] > 0 and torch_counts["fused"] == 0
+    if dtype == "float32":  # the norm stays torch's fused F.rms_norm in fp32
+        assert fused_counts["torch"] > 0
+    assert fused_tokens == torch_tokens
