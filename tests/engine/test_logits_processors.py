@@ -165,10 +165,11 @@ class FixedGrammar:
 @given(
     vocab=st.integers(1, 130),  # sizes that are not multiples of 32 too (bitmask.py)
     data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
 )
-def test_grammar_mask_keeps_exactly_the_allowed_tokens(vocab, data):
+def test_grammar_mask_keeps_exactly_the_allowed_tokens(vocab, data, dtype):
     allowed = data.draw(st.sets(st.integers(0, vocab - 1), min_size=1))
-    logits = torch.randn(2, vocab)
+    logits = torch.randn(2, vocab).to(dtype)
     requests = [
         scheduled(SamplingParams(), [1], [], grammar=FixedGrammar(allowed)),
         scheduled(SamplingParams(), [1], [], i=1),  # unconstrained row of the same batch
@@ -194,3 +195,31 @@ def test_nothing_is_processed_when_no_request_asks(monkeypatch):
     ]
     Sampler()(logits, requests)
     assert requests[0].all_token_ids is None  # no history handed over either
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    vocab=st.integers(2, 100),
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_greedy_under_a_grammar_is_the_argmax_of_the_allowed_tokens(vocab, data, dtype):
+    """Greedy rows whose raw pick the grammar allows skip the mask; the pick must be the same
+    as the masked argmax either way (reference: argmax over the allowed tokens, first on ties)."""
+    logits = data.draw(
+        st.lists(
+            st.lists(st.integers(-3, 3), min_size=vocab, max_size=vocab), min_size=1, max_size=4
+        )
+    )  # small integers: ties are common
+    rows = torch.tensor(logits, dtype=torch.float32).to(dtype)
+    allowed = [data.draw(st.sets(st.integers(0, vocab - 1), min_size=1)) for _ in logits]
+    requests = [
+        scheduled(SamplingParams(temperature=0.0), [1], [], grammar=FixedGrammar(a), i=i)
+        for i, a in enumerate(allowed)
+    ]
+    expected = []
+    for row, a in zip(rows.float(), allowed, strict=True):
+        masked = torch.full_like(row, float("-inf"))
+        masked[sorted(a)] = row[sorted(a)]
+        expected.append(int(masked.max(dim=-1).indices))
+    assert Sampler()(rows.clone(), requests) == expected
