@@ -576,6 +576,8 @@ def test_the_lock_pins_every_dependency_and_everyone_installs_with_it() -> None:
     assert missing == set(), "run `make lock` after adding a dependency"
     (torch_pin,) = [d for d in project["optional-dependencies"]["serve"] if _name(d) == "torch"]
     assert lock["torch"] == torch_pin.removeprefix("torch==")  # no +cpu: the CUDA image uses it too
+    # Nothing in the lock is a CUDA runtime wheel (which only a CUDA build of torch pulls in).
+    assert not [name for name in lock if name.startswith("nvidia-")]
     makefile = (ROOT / "Makefile").read_text()
     assert "-c $(CONSTRAINTS) -e '.[serve,demo,dev]'" in makefile
     assert "CONSTRAINTS := constraints.txt" in makefile

@@ -134,3 +134,26 @@ def test_promtool_accepts_the_rules() -> None:
         ["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_readme_metrics_table_names_exported_metrics() -> None:
+    """Each name in the table's first column is exported; `_waiting` after a full name means
+    that name with its last segment(s) replaced."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| Mini-Infer (Prometheus name)") :].split("\n\n")[0]
+
+    def is_exported(name: str) -> bool:
+        return name in SERIES or f"{name}_bucket" in SERIES
+
+    num_checked = 0
+    for row in table.splitlines()[2:]:
+        names = re.findall(r"`(\w+)`", row.split("|")[1])
+        for name in names:
+            if name.startswith("_"):
+                parts = names[0].split("_")
+                candidates = ["_".join(parts[:-n]) + name for n in range(1, len(parts))]
+                assert any(map(is_exported, candidates)), f"README names {names[0]} ... {name}"
+            else:
+                assert is_exported(name), f"README names {name}"
+            num_checked += 1
+    assert num_checked >= 20

@@ -105,3 +105,14 @@ def test_phi3_long_rope_matches_hf(tmp_path):
     _check(llm, path, _prompts(3, vocab, seed=5, lengths=(3, 20, 40)), max_tokens=12)
     for prompt in _prompts(3, vocab, seed=6, lengths=(70, 90, 100)):  # one at a time
         _check(llm, path, [prompt], max_tokens=8)
+
+
+def test_llama3_rope_scaling_matches_hf(tmp_path):
+    """Llama 3.x's "llama3" rope scaling, computed by HF's own rope functions."""
+    rope = {
+        "rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+    }  # fmt: skip
+    path = make_tiny_family(tmp_path / "llama3", "llama", seed=4, rope_parameters=rope)
+    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16)
+    _check(llm, path, _prompts(4, llm.engine.vocab_size, seed=8, lengths=(5, 40, 70)))

@@ -54,6 +54,10 @@ MAX_REMEMBERED_CANCELS = 100_000
 BYTES_PER_PROMPT_TOKEN = 40
 
 
+def _prompt_memory_bound(request) -> int:
+    return BYTES_PER_PROMPT_TOKEN * request.num_prompt_chars
+
+
 def max_prompt_memory(max_prompt_chars: int) -> int:
     """The most a tokenized prompt can cost: at most about one token per character."""
     return BYTES_PER_PROMPT_TOKEN * max_prompt_chars
@@ -129,6 +133,9 @@ class Pipeline:
         if request.id in self._cancelled_ids:
             self._finish(job, "cancelled")
             return
+        # Until tokenized, the prompt's memory is counted at the bound the consumer assumes
+        # (a token per character), so that polls meanwhile see it: the byte budget holds.
+        self._jobs.add_memory(job, _prompt_memory_bound(request))
         job.rendering = self._renderer.submit(request)
         job.rendering.add_done_callback(lambda rendering: self._on_rendered(job, rendering))
 
@@ -149,7 +156,8 @@ class Pipeline:
         else:
             job.prompt_token_ids = rendered.token_ids
             job.num_prompt_tokens = len(rendered.token_ids)
-            self._jobs.add_memory(job, BYTES_PER_PROMPT_TOKEN * job.num_prompt_tokens)
+            prompt_bytes = BYTES_PER_PROMPT_TOKEN * job.num_prompt_tokens
+            self._jobs.add_memory(job, prompt_bytes - _prompt_memory_bound(job.request))
             self.batcher.submit(job, job.urgency, job.deadline_ms, job.num_prompt_tokens)
             self._arm_deadline(job)
 

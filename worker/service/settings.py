@@ -106,17 +106,18 @@ class KafkaSettings(_Group):
     # hop), so this bounds the added latency there; an idle worker pays one fetch per wait.
     fetch_max_wait_ms: PositiveMs = 20
     consumer_stop_timeout_s: float = Field(default=10.0, gt=0)
+    # TLS and/or SASL to the brokers (docs/OPERATIONS.md); the mechanism below for SASL_*.
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
-    sasl_username: str | None = None
-    sasl_password: SecretStr | None = None
+    sasl_username: str | None = None  # PLAIN and SCRAM-*
+    sasl_password: SecretStr | None = None  # PLAIN and SCRAM-*; from a Secret, never a ConfigMap
     # OAUTHBEARER: the token is read from this file at each connection (a projected
     # service-account token or a file a sidecar refreshes), so it rotates without a restart.
     sasl_oauth_token_file: Path | None = None
-    ssl_cafile: Path | None = None
-    ssl_certfile: Path | None = None
-    ssl_keyfile: Path | None = None
-    ssl_password: SecretStr | None = None
+    ssl_cafile: Path | None = None  # the brokers' CA (PEM); None: the system's CAs
+    ssl_certfile: Path | None = None  # a client certificate (mutual TLS)
+    ssl_keyfile: Path | None = None  # its private key
+    ssl_password: SecretStr | None = None  # of the private key, if encrypted
 
     @property
     def is_embedded(self) -> bool:
@@ -237,9 +238,9 @@ class PublisherSettings(_Group):
     linger_ms: int = Field(default=0, ge=0)
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
     num_final_retries: int = Field(default=3, ge=0)
-    # From publish to the broker's ack; past it a message is undeliverable (a final: dead-
-    # lettered as final_undeliverable, its offset committed). An idempotent producer retries a
-    # topic that refuses writes forever; this is what bounds it.
+    # From publish to the broker's ack; past it a message is undeliverable (a final is
+    # dead-lettered as final_undeliverable, its offset committed). An idempotent producer
+    # retries a topic that refuses writes forever; this is what bounds it.
     delivery_timeout_s: float = Field(default=30.0, gt=0)
     # Unsent messages one reply topic may hold in the worker (a stuck topic's tokens pile up).
     max_num_lane_messages: int = Field(default=10_000, ge=1)

@@ -83,12 +83,6 @@ def default_engine_factory(settings: WorkerSettings):
     return build
 
 
-def served_model_name(settings: WorkerSettings) -> str:
-    """The name metrics carry for the model: `served_model_name` where settings have one, else
-    the configured model (an alias, a directory or a .gguf file)."""
-    return settings.model_name
-
-
 def served_model_names(
     configured: str, model_path: str, served_name: str | None = None
 ) -> frozenset[str]:
@@ -117,7 +111,7 @@ class Worker:
         self.worker_id = settings.worker_id or make_worker_id()
         self.telemetry = telemetry or Telemetry(
             settings.observability, self.worker_id,
-            model_name=served_model_name(settings), group_id=settings.kafka.group_id,
+            model_name=settings.model_name, group_id=settings.kafka.group_id,
         )  # fmt: skip
         self._engine_factory = engine_factory or default_engine_factory(settings)
         obs = settings.observability
