@@ -14,12 +14,14 @@ from engine.sampling_params import SamplingParams
 class LLM:
     """Load a model once, generate for many prompts with continuous batching.
 
-    `model`: a Hugging Face Llama-family checkpoint directory, a `.gguf` file, or the alias
-    `smollm2-135m`. `dtype`: "auto", "float32", "bfloat16" or "float16"; `quantization`:
-    "auto" (a GGUF runs in its own quantization), None / "none", "int8", "int4", ... (both
-    resolved by engine/precision.py: the default model runs int4 with bf16 compute where the
-    CPU has bf16; `dtype="float32", quantization=None` is the HF-exact path). Extra keyword
-    arguments are `EngineConfig` fields.
+    `model`: a Hugging Face checkpoint directory, a hub id ("Qwen/Qwen3-0.6B", at `revision`:
+    a branch, tag or commit; fetched into the hub cache), a `.gguf` file, or the alias
+    `smollm2-135m` (README.md, "Models", lists the architectures). `dtype`: "auto",
+    "float32", "bfloat16" or "float16"; `quantization`: "auto" (a GGUF runs in its own
+    quantization), None / "none", "int8", "int4", ... (both resolved by engine/precision.py:
+    the default model runs int4 with bf16 compute where the CPU has bf16; `dtype="float32",
+    quantization=None` is the HF-exact path). Extra keyword arguments are `EngineConfig`
+    fields.
     """
 
     def __init__(
@@ -27,9 +29,12 @@ class LLM:
         model: str | Path = "smollm2-135m",
         dtype: str = "auto",
         quantization: str | None = "auto",
+        revision: str | None = None,
         **engine_config,
     ) -> None:
-        self.engine = LLMEngine(model, dtype=dtype, quantization=quantization, **engine_config)
+        self.engine = LLMEngine(
+            model, dtype=dtype, quantization=quantization, revision=revision, **engine_config
+        )
         self._num_calls = 0
 
     @property

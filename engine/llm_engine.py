@@ -49,12 +49,13 @@ class LLMEngine:
         model: str | Path,
         dtype: str | torch.dtype = "auto",
         quantization: str | None = "auto",
+        revision: str | None = None,
         **engine_config,
     ) -> None:
         self.config = EngineConfig.from_kwargs(**engine_config)
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-        self.model_path = resolve_model(model)
+        self.model_path = resolve_model(model, revision=revision)
         self.tokenizer = load_tokenizer(self.model_path)
         # The runner resolves dtype ("auto": from the checkpoint's config and this CPU).
         self.runner = _make_runner(self.model_path, self.config, dtype, quantization)

@@ -27,6 +27,7 @@ from platformdirs import user_cache_dir
 from safetensors import safe_open
 from torch import nn
 
+from engine.model_source import download_hub_model, is_hub_id
 from engine.models import resolve_architecture
 
 log = structlog.get_logger(__name__)
@@ -44,12 +45,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MINI_INFER_CACHE_DIR") or user_cache_dir("mini-infer"))
 
 
-def resolve_model(model: str | Path, progress: bool = True) -> Path:
+def resolve_model(model: str | Path, progress: bool = True, revision: str | None = None) -> Path:
     """A local HF checkpoint directory for the alias "smollm2-135m", a .gguf file (its config
-    and tokenizer written once into the cache; the weights stay in the GGUF) or a checkpoint
-    directory. ValueError for anything else."""
+    and tokenizer written once into the cache; the weights stay in the GGUF), a checkpoint
+    directory or a hub id "org/name" at `revision` (through the hub cache,
+    engine/model_source.py). ValueError for anything else."""
     if isinstance(model, str) and model.strip().lower() == DEFAULT_MODEL_ALIAS:
         return fetch_default_model(progress=progress)
+    if is_hub_id(model):
+        return download_hub_model(model, revision, progress)
+    if revision is not None:
+        raise ValueError(f"revision {revision!r} applies to hub ids only, not to {str(model)!r}")
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
@@ -61,7 +67,7 @@ def resolve_model(model: str | Path, progress: bool = True) -> Path:
     what = "has no config.json" if path.is_dir() else "does not exist"
     raise ValueError(
         f"model {str(model)!r} {what}: expected a Hugging Face checkpoint directory (with "
-        f"config.json), a .gguf file, or the alias {DEFAULT_MODEL_ALIAS!r}"
+        f"config.json), a .gguf file, a hub id (org/name), or the alias {DEFAULT_MODEL_ALIAS!r}"
     )
 
 
@@ -197,9 +203,11 @@ def load_weights(model: nn.Module, path: Path, skip_modules: frozenset[str] = fr
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(f"{key}: checkpoint {tuple(tensor.shape)} vs {tuple(param.shape)}")
             param.data.copy_(tensor)
-        else:
-            loader(param, tensor, shard)
-        loaded.add((name, shard))
+            loaded.add((name, shard))
+            continue
+        for part_shard, part in _fused_parts(owners[name], key, tensor, shard):
+            loader(param, part, part_shard)
+            loaded.add((name, part_shard))
     if _needs_tied_head(model, params, skipped, loaded):
         # A quantized lm_head keeps its own codes, made from the tied embedding table.
         head = model.get_submodule("lm_head")
@@ -217,6 +225,23 @@ def _needs_tied_head(model: nn.Module, params: dict, skipped: set, loaded: set) 
         and "lm_head.weight" not in skipped
         and ("lm_head.weight", None) not in loaded
     )
+
+
+def _fused_parts(
+    module: nn.Module, key: str, tensor: torch.Tensor, shard: str | None
+) -> list[tuple[str | None, torch.Tensor]]:
+    """(shard, tensor) pieces to load: the tensor as it is, or, when the checkpoint stores a
+    fused projection whole (Phi-3's qkv_proj and gate_up_proj), its rows split shard by shard
+    in the layer's order, which is the checkpoint's too (q, k, v; gate, up)."""
+    sizes = getattr(module, "shard_sizes", None)
+    if shard is not None or not sizes:
+        return [(shard, tensor)]
+    if tensor.shape[0] != sum(sizes.values()):
+        raise ValueError(
+            f"{key}: checkpoint has {tensor.shape[0]} rows, the fused {list(sizes)} "
+            f"projection {sum(sizes.values())}"
+        )
+    return list(zip(sizes, tensor.split(list(sizes.values())), strict=True))
 
 
 def _shards_of(module: nn.Module) -> list[str | None]:
@@ -270,6 +295,7 @@ def _convert_cached_gguf(gguf_path: Path, progress: bool) -> Path:
     key = f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()
     short_hash = hashlib.sha256(key).hexdigest()[:12]
     target = cache_dir() / "converted" / f"{gguf_path.stem}-{short_hash}"
+
     def build(work: Path, out: Path) -> None:
         convert_gguf(gguf_path, out, progress=progress)
         (out / GGUF_SOURCE_RECORD).write_text(json.dumps({"path": str(gguf_path)}))

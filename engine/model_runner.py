@@ -54,6 +54,8 @@ from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 log = structlog.get_logger(__name__)
 
 MAX_DEFAULT_MODEL_LEN = 8192
+
+
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros whose memory the OS commits page by page on first write.
 
@@ -131,7 +133,7 @@ class ModelRunner:
         )
         self.block_size = config.block_size
         model_class = get_model_class(self.hf_config)
-        self.max_model_len = self._max_model_len(config, self.hf_config)
+        self.max_model_len = self._max_model_len(config, self.hf_config, model_class)
         backend = self.attention = get_attention_backend(config.attention_backend)
         if config.kv_cache_dtype == "int8" and backend.name != "triton":
             # The Triton backend quantizes on store and reads int8 itself; the C++ one has an
@@ -143,6 +145,9 @@ class ModelRunner:
         # Quantized layers are packed by load_model_weights; the plain ones here, per shape.
         load_model_weights(self.model, Path(model_path), self.quant)
         self.is_compiled = self._should_compile(config.compile)
+        if self.is_compiled and not getattr(self.model, "supports_compile", True):
+            log.warning("model_runner.compile_unsupported", model=type(self.model).__name__)
+            self.is_compiled = False
         # Compiled: Inductor's freezing lays the weights out itself, from plain ones.
         linear_kernel = "plain" if self.is_compiled else config.linear_kernel
         self.linear_kernels = self._pack_linears(linear_kernel)
@@ -222,7 +227,7 @@ class ModelRunner:
         return counts
 
     @staticmethod
-    def _max_model_len(config: EngineConfig, hf_config) -> int:
+    def _max_model_len(config: EngineConfig, hf_config, model_class: type = object) -> int:
         max_positions = hf_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_positions:
             raise ValueError(
@@ -233,7 +238,8 @@ class ModelRunner:
         window = getattr(hf_config, "sliding_window", None)
         layer_types = getattr(hf_config, "layer_types", None) or []
         uses_window = window is not None and (not layer_types or "sliding_attention" in layer_types)
-        if uses_window and max_model_len > window:
+        implements_window = getattr(model_class, "supports_sliding_window", False)
+        if uses_window and max_model_len > window and not implements_window:
             # Within the window, sliding-window attention is full attention: cap instead of
             # implementing the window.
             log.warning("model_runner.max_model_len_capped", sliding_window=window)

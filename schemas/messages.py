@@ -19,6 +19,7 @@ from schemas.contract import (
     MAX_ID_CHARS,
     MAX_LOGPROBS,
     MAX_MODEL_NAME_CHARS,
+    MAX_NONCE_CHARS,
     MAX_ROLE_CHARS,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
@@ -33,7 +34,6 @@ FinishReason = Literal["stop", "length", "cancelled", "expired", "error"]
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
 
-
 def _not_dot_or_dotdot(name: str) -> str:
     if name in (".", ".."):
         raise ValueError("a topic cannot be named '.' or '..'")
@@ -43,6 +43,7 @@ def _not_dot_or_dotdot(name: str) -> str:
 RequestId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 TopicName = Annotated[str, Field(pattern=TOPIC_NAME_PATTERN), AfterValidator(_not_dot_or_dotdot)]
 NonNegativeMs = Annotated[float, Field(ge=0)]
+Nonce = Annotated[str, Field(min_length=1, max_length=MAX_NONCE_CHARS)]
 
 
 class WireModel(BaseModel):
@@ -81,6 +82,9 @@ class Request(WireModel):
     )
     model: str | None = Field(default=None, min_length=1, max_length=MAX_MODEL_NAME_CHARS)
     schema_version: int = Field(default=SCHEMA_VERSION, ge=1, le=MAX_TOKEN_ID)
+    # v1.2: a secret the worker echoes in every reply; a client that sent one drops replies
+    # without it (anyone who can produce requests could otherwise forge another's replies).
+    nonce: Nonce | None = None
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> Request:
@@ -128,6 +132,7 @@ class _Reply(WireModel):
     id: RequestId
     attempt: str = Field(min_length=1)
     seq: int = Field(ge=0)
+    nonce: Nonce | None = None  # v1.2: the request's nonce, echoed
 
 
 class TopLogprob(WireModel):

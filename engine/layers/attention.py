@@ -67,32 +67,66 @@ def decode_mask(context_lens: torch.Tensor, max_context: int, dtype: torch.dtype
     ]
 
 
+def softcapped_attention(
+    q: torch.Tensor,  # [batch, num_heads, num_queries, head_dim]
+    k: torch.Tensor,  # [batch, num_kv_heads, num_keys, head_dim]
+    v: torch.Tensor,  # [batch, num_kv_heads, num_keys, head_dim]
+    mask: torch.Tensor | None,  # additive, broadcast to [batch, heads, queries, keys]
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # [batch, num_heads, num_queries, head_dim]
+    """Attention whose scores are squashed to (-softcap, softcap) by softcap * tanh(s /
+    softcap) before the mask (Gemma 2), which SDPA cannot do: HF's eager arithmetic, step for
+    step (the softmax in float32). No mask: causal, for a chunk with no cached prefix."""
+    if k.shape[1] != q.shape[1]:  # GQA: query head h reads KV head h // group, as HF's repeat_kv
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool).tril_()
+        mask = torch.zeros(causal.shape, dtype=scores.dtype).masked_fill_(~causal, float("-inf"))
+    probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def _attend(q, k, v, mask, scale: float | None, softcap: float | None) -> torch.Tensor:
+    if softcap is not None:
+        return softcapped_attention(q, k, v, mask, scale or q.shape[-1] ** -0.5, softcap)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )  # fmt: skip
+
+
 def decode_sdpa(
     grouped_q: torch.Tensor,  # [rows, num_kv_heads, group, head_dim]
     context: torch.Tensor,  # [rows, max_ctx, 2, num_kv_heads, head_dim] gathered K/V
     mask: torch.Tensor,  # [rows, 1, 1, max_ctx] additive
+    scale: float | None = None,  # None: 1 / sqrt(head_dim)
+    softcap: float | None = None,  # of the scores (softcapped_attention)
 ) -> torch.Tensor:  # [rows, num_kv_heads, group, head_dim]
     """Decode rows against their gathered context; K and V are strided views SDPA reads in
     place. Shared by the reference backends (bf16/fp32 pool, int8 pool)."""
     keys = context[:, :, 0].transpose(1, 2)  # [rows, kv, max_ctx, hd]
     values = context[:, :, 1].transpose(1, 2)
-    return F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=mask)
+    return _attend(grouped_q, keys, values, mask, scale, softcap)
 
 
 def prefill_sdpa(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv: torch.Tensor,  # [num_ctx, 2, num_kv_heads, head_dim]: the cached prefix, then the chunk
     mask: torch.Tensor | None,  # [num_tokens, num_ctx] additive; None: plain causal
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """One prefill chunk against its context (GQA without repeating K/V)."""
-    out = F.scaled_dot_product_attention(
+    out = _attend(
         q.transpose(0, 1).unsqueeze(0),  # [1, num_heads, num_tokens, head_dim]
         kv[:, 0].transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, num_ctx, head_dim]
         kv[:, 1].transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        is_causal=mask is None,
-        enable_gqa=True,
-    )
+        mask, scale, softcap,
+    )  # fmt: skip
     return out[0].transpose(0, 1)
 
 
@@ -108,8 +142,14 @@ class TorchPagedAttention:
     name = "torch"
     needs_decode_mask = True
 
-    def __init__(self, max_gather_bytes: int = 32 << 20):
+    def __init__(
+        self,
+        max_gather_bytes: int = 32 << 20,
+        scale: float | None = None,  # of q.k; None: 1 / sqrt(head_dim)
+        softcap: float | None = None,  # of the scores (Gemma 2); None: none
+    ):
         self.max_gather_bytes = max_gather_bytes
+        self.scale, self.softcap = scale, softcap
         self._buffer: torch.Tensor | None = None
 
     def forward(
@@ -163,14 +203,14 @@ class TorchPagedAttention:
         for start in range(0, num_decodes, rows_per_chunk):
             rows = slice(start, start + rows_per_chunk)
             context = self._gather(kv_cache, table[rows])  # [rows, max_ctx, 2, kv, hd]
-            outs.append(decode_sdpa(grouped_q[rows], context, mask[rows]))
+            outs.append(decode_sdpa(grouped_q[rows], context, mask[rows], self.scale, self.softcap))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(num_decodes, num_heads, head_dim)
 
     def _prefill(self, q, kv, kv_cache, chunk: PrefillChunk) -> torch.Tensor:
         if chunk.block_ids is not None:
             kv = self._gather(kv_cache, chunk.block_ids)[: chunk.start_position + chunk.num_tokens]
-        return prefill_sdpa(q, kv, chunk.mask)
+        return prefill_sdpa(q, kv, chunk.mask, self.scale, self.softcap)
 
 
 def get_attention_backend(name: str) -> TorchPagedAttention:

@@ -13,6 +13,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("engine.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("engine.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("engine.models.qwen3", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("engine.models.phi3", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("engine.models.gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("engine.models.gemma", "GemmaForCausalLM"),
 }
 
 # Checkpoints without `architectures` fall back on `model_type`.
@@ -20,6 +24,10 @@ _MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 

@@ -124,11 +124,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class = LlamaAttention  # a family's own attention layer (engine/models/qwen3.py)
+
     def __init__(
         self, hf_config, qkv_bias: bool, o_bias: bool, backend, dtype: torch.dtype, quant=None
     ):
         super().__init__()
-        self.self_attn = LlamaAttention(hf_config, qkv_bias, o_bias, backend, dtype, quant)
+        self.self_attn = self.attention_class(hf_config, qkv_bias, o_bias, backend, dtype, quant)
         self.mlp = LlamaMLP(hf_config, dtype, quant)
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
@@ -146,6 +148,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class = LlamaDecoderLayer
+
     def __init__(self, hf_config, qkv_bias, o_bias, backend, max_position: int, dtype, quant=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(
@@ -156,7 +160,7 @@ class LlamaModel(nn.Module):
             _weight=torch.empty(hf_config.vocab_size, hf_config.hidden_size, dtype=dtype),
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, qkv_bias, o_bias, backend, dtype, quant)
+            self.layer_class(hf_config, qkv_bias, o_bias, backend, dtype, quant)
             for _ in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
@@ -173,6 +177,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class = LlamaModel
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -191,7 +196,9 @@ class LlamaForCausalLM(nn.Module):
     ):
         super().__init__()
         qkv_bias, o_bias = self.attention_biases(hf_config)
-        self.model = LlamaModel(hf_config, qkv_bias, o_bias, backend, max_position, dtype, quant)
+        self.model = self.model_class(
+            hf_config, qkv_bias, o_bias, backend, max_position, dtype, quant
+        )
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         head_quant = quant.lm_head_config() if quant is not None else None
         self.lm_head = make_linear(

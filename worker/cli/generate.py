@@ -4,6 +4,9 @@ The answer goes to stdout and nothing else does; the finish reason, usage and an
 stderr, so `mini-infer generate "..." > answer.txt` captures just the text. This path imports
 the client SDK only (no torch), so it starts in well under a second.
 
+Kafka security (SASL incl. OAUTHBEARER, TLS) comes from the worker's MINI_INFER_KAFKA__* variables
+or the same options as flags (worker/client/security.py).
+
 Exit codes: 0 done (stop or length), 1 the worker reported an error or the request was
 cancelled/expired, 2 invalid arguments, 3 no final reply in time, 4 Kafka unreachable.
 """

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import secrets
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -216,6 +217,8 @@ class MiniInferClient:
         request = Request(
             id=request_id or uuid.uuid4().hex,
             reply_to=self.reply_topic,
+            # v1.2: only replies echoing this secret are taken (a producer could forge others)
+            nonce=secrets.token_urlsafe(16),
             prompt=prompt,
             messages=list(messages) if messages is not None else None,
             **fields,
@@ -287,7 +290,7 @@ class MiniInferClient:
         `contextlib.aclosing(client.stream(...))`, otherwise when it is garbage-collected.
         """
         request = self.build_request(prompt, messages, request_id, **sampling)
-        queue = self._router.register(request.id)
+        queue = self._router.register(request.id, request.nonce)
         assembler = ReplyAssembler()
         is_cancel_needed = False
         try:

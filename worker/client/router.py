@@ -2,11 +2,17 @@
 
 One reader serves every concurrent stream of a client. If it dies, every waiting stream is told
 at once (instead of each hanging until its timeout), and so is every later one.
+
+A request registered with a nonce (contract v1.2) takes only replies that carry that nonce:
+anyone allowed to produce requests can name this client's reply topic and request id, and
+without the nonce could make a worker publish a final of their choosing into this stream.
+Replies without it are dropped, logged and counted (`num_forged`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 
 import structlog
 from aiokafka import AIOKafkaConsumer
@@ -23,9 +29,11 @@ Item = TokenReply | FinalReply | BaseException  # a BaseException ends the strea
 class ReplyRouter:
     def __init__(self) -> None:
         self._queues: dict[str, asyncio.Queue[Item]] = {}
+        self._nonces: dict[str, str | None] = {}
         self.failure: BaseException | None = None
+        self.num_forged = 0  # replies dropped for a missing or wrong nonce
 
-    def register(self, request_id: str) -> asyncio.Queue[Item]:
+    def register(self, request_id: str, nonce: str | None = None) -> asyncio.Queue[Item]:
         """Call before sending the request: its first reply may arrive before the send returns."""
         if self.failure is not None:
             raise self.failure
@@ -33,10 +41,12 @@ class ReplyRouter:
             raise ValueError(f"request id {request_id!r} is already in flight on this client")
         queue: asyncio.Queue[Item] = asyncio.Queue()
         self._queues[request_id] = queue
+        self._nonces[request_id] = nonce
         return queue
 
     def unregister(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._nonces.pop(request_id, None)
 
     def fail_all(self, error: BaseException) -> None:
         self.failure = error
@@ -50,8 +60,14 @@ class ReplyRouter:
             log.warning("client.reply_undecodable", reason=exc.reason, error=exc.message)
             return
         queue = self._queues.get(reply.id)
-        if queue is not None:  # else: a late reply (a second final) of a finished request
-            queue.put_nowait(reply)
+        if queue is None:  # a late reply (a second final) of a finished request
+            return
+        expected = self._nonces.get(reply.id)
+        if expected is not None and not _same(reply.nonce or "", expected):
+            self.num_forged += 1
+            log.warning("client.reply_without_nonce", request_id=reply.id, attempt=reply.attempt)
+            return
+        queue.put_nowait(reply)
 
     async def run(self, consumer: AIOKafkaConsumer, failure_type: type[Exception]) -> None:
         """Read until cancelled. A read error ends every stream with `failure_type`."""
@@ -66,3 +82,10 @@ class ReplyRouter:
         except Exception as exc:
             log.error("client.reader_failed", error=repr(exc))
             self.fail_all(failure_type(f"the reply reader stopped: {exc!r}"))
+
+
+def _same(carried: str, expected: str) -> bool:
+    """Constant-time equality (a forger learns nothing from how fast a guess is dropped)."""
+    return hmac.compare_digest(
+        carried.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass")
+    )

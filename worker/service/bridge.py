@@ -22,14 +22,19 @@ everyone, committed for good. Instead the bridge bisects:
   streamed tokens starts over (`Restarted`: the pipeline opens a new attempt for it, as on a
   redelivery, so the client's seq/attempt rule applies). Pinning one culprit among k takes about
   log2(k) + 1 failed steps.
-- after `max_consecutive_step_failures` failed steps in a row the fault is not one request's: the
-  thread gives up, live requests are `Dropped` (no final: their offsets stay uncommitted and are
-  redelivered), and `crashed` fails the worker, which exits non-zero.
+- after `max_consecutive_step_failures` failed steps in a row, plus the log2(k) a bisection of k
+  suspects needs (a culprit that is the oldest of 128 fails 8 steps in a row while it is pinned:
+  a limit without that room exited the worker for one bad request), the fault is not one
+  request's: the thread gives up, live requests are `Dropped` (no final: their offsets stay
+  uncommitted and are redelivered), and `crashed` fails the worker, which exits non-zero. A
+  pinned culprit's `Failed` waits until the fault is seen not to recur (a step succeeds, or the
+  engine falls idle), so a persistent fault drops the pinned request with the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import threading
 import time
@@ -249,6 +254,8 @@ class EngineBridge:
                 self._step(engine, state)
                 self._progress_s = time.monotonic()
             self._admit_next(engine, state)
+            if state.pinned and not engine.has_unfinished_requests() and not state.is_isolating:
+                self._confirm_pinned(state)  # nothing else ran into the fault
 
     def _handle_commands(self, engine, first, state: _ThreadState) -> bool:
         command = first
@@ -296,6 +303,7 @@ class EngineBridge:
             self._on_step_failed(engine, state, error)
             return
         state.num_consecutive_failures = 0
+        self._confirm_pinned(state)
         duration_s = time.monotonic() - started_s
         first_token_times = {}
         for delta in deltas:
@@ -316,7 +324,10 @@ class EngineBridge:
             "engine.step_failed", num_requests=len(state.live), error=message,
             num_consecutive=state.num_consecutive_failures,
         )  # fmt: skip
-        if state.num_consecutive_failures >= self._max_consecutive_step_failures:
+        if not state.is_isolating and not state.pinned:  # a bisection starts: room to finish it
+            depth = math.ceil(math.log2(max(1, len(state.live))))
+            state.failure_limit = self._max_consecutive_step_failures + depth
+        if state.num_consecutive_failures >= state.failure_limit:
             raise StepFailuresExceeded(
                 f"{state.num_consecutive_failures} engine steps failed in a row; last: {message}"
             ) from error
@@ -325,12 +336,18 @@ class EngineBridge:
             engine.abort_request(request.request_id)
         state.live.clear()
         state.probe_ids.clear()
-        if len(suspects) == 1:  # pinned: this request alone broke the step
-            self._post(Failed([suspects[0].request_id], message))
+        if len(suspects) == 1:  # pinned: this request alone broke the step (once confirmed)
+            state.pinned.append((suspects[0].request_id, message))
             return
         half = len(suspects) // 2
         state.suspect_groups.extendleft([suspects[half:], suspects[:half]])
         self._post(Restarted([r.request_id for r in suspects]))
+
+    def _confirm_pinned(self, state: _ThreadState) -> None:
+        """The fault did not recur: each pinned request was the culprit."""
+        for request_id, message in state.pinned:
+            self._post(Failed([request_id], message))
+        state.pinned.clear()
 
     def _admit_next(self, engine, state: _ThreadState) -> None:
         """Between steps: start the next suspect group once the current one is done, or, when
@@ -357,6 +374,8 @@ class _ThreadState:
         self.suspect_groups: deque[list[EngineRequest]] = deque()  # to run alone, in turn
         self.held: deque[EngineRequest] = deque()  # arrived while suspects were being cleared
         self.num_consecutive_failures = 0
+        self.failure_limit = 0  # set when a bisection starts
+        self.pinned: list[tuple[str, str]] = []  # (request id, error): culprits to confirm
 
     @property
     def is_isolating(self) -> bool:
@@ -372,7 +391,7 @@ class _ThreadState:
         self.held = deque(r for r in self.held if r.request_id != request_id)
 
     def all_ids(self) -> set[str]:
-        ids = set(self.live) | {r.request_id for r in self.held}
+        ids = set(self.live) | {r.request_id for r in self.held} | {i for i, _ in self.pinned}
         return ids | {r.request_id for g in self.suspect_groups for r in g}
 
 

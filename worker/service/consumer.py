@@ -155,9 +155,25 @@ class RequestConsumer:
                 self._route(partition, record, received_s, epoch)
             except Exception as error:  # a bug: park this record, keep the partition moving
                 log.exception("request.handling_failed")
-                letter = DeadLetter(DeadLetterReason.INTERNAL, f"{type(error).__name__}: {error}")
-                self._dead_letter(partition, record, letter, epoch)
+                self._dead_letter_bug(partition, record, f"{type(error).__name__}: {error}", epoch)
         return True
+
+    def _dead_letter_bug(self, partition, record, message: str, epoch) -> None:
+        """Dead-letter a record whose handling hit a bug; never raises. The letter can fail on
+        what made the handling fail (a header or message the strict encoding refuses): then a
+        stub goes (no original key, value or headers; an ASCII message). If even that raises,
+        the offset stays unfinished: redelivered after a restart, never committed over."""
+        letter = DeadLetter(DeadLetterReason.INTERNAL, message)
+        try:
+            self._dead_letter(partition, record, letter, epoch)
+            return
+        except Exception:
+            log.exception("request.dead_letter_failed", fallback="stub")
+        stub = DeadLetter(DeadLetterReason.INTERNAL, ascii(message)[:500])
+        try:
+            self._dead_letter(partition, _SkippedRecord(record.offset), stub, epoch)
+        except Exception:
+            log.exception("request.dead_letter_failed", fallback=None)
 
     def _untracked(self, partition: TopicPartition, offset: int) -> bool:
         """A record the tracker does not take. Its partition revoked meanwhile: the next owner's,
@@ -205,8 +221,7 @@ class RequestConsumer:
             except Exception as error:  # a bug: park this record, keep the partition moving
                 log.exception("request.handling_failed")
                 if self.tracker.is_current(partition, epoch):
-                    letter = DeadLetter(DeadLetterReason.INTERNAL, f"{type(error).__name__}")
-                    self._dead_letter(partition, record, letter, epoch)
+                    self._dead_letter_bug(partition, record, type(error).__name__, epoch)
 
     def _admit(self, partition, record, decision, received_s: float, epoch) -> None:
         if not self.tracker.is_current(partition, epoch):

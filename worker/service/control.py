@@ -2,8 +2,15 @@
 
 A cancel must reach whichever worker holds the request, so this consumer is outside the request
 group: it assigns itself every partition of the control topic, with no group and no commits.
-It reads from the earliest offset: starting "at the end" is unreliable on the embedded broker
-(docs/KAFKA.md), and old cancels are harmless. The topic's partitions are looked up again every
+It starts each partition `max_num_replayed` records before its end (or at its start, if that is
+later), not at the earliest offset: re-reading the whole topic at every start grows with the
+topic's life, while a cancel matters only for a request not yet finished, and those are recent
+(a cancel that overtakes its request is remembered; one for a request still in the backlog is
+within the last records unless the backlog is that deep). Not at the very end either: cancels
+sent just before this worker started must reach the requests it is about to take over. (Some
+brokers report the end low after batched produces: that replays a few more, never fewer.)
+A bug in handling one cancel is logged, never raised: it would stop every later cancel.
+The topic's partitions are looked up again every
 `PARTITION_REFRESH_S`, so partitions added later (or metadata that was not ready at start-up)
 are picked up. A cancel for an id not (yet) here is remembered
 by the pipeline, so a cancel that overtakes its request still wins.
@@ -28,6 +35,7 @@ log = structlog.get_logger(__name__)
 
 POLL_TIMEOUT_MS = 200
 PARTITION_REFRESH_S = 10.0
+MAX_NUM_REPLAYED = 10_000  # cancels per partition read again at start
 
 
 class CancelListener:
@@ -66,9 +74,17 @@ class CancelListener:
         self._consumer.assign(sorted(partitions | current))
         for tp, offset in positions.items():  # assign() forgets positions: keep ours
             self._consumer.seek(tp, offset)
-        await self._consumer.seek_to_beginning(*new)
+        await self._seek_to_recent(new)
         if current:
             log.info("control.partitions_added", partitions=sorted(p.partition for p in new))
+
+    async def _seek_to_recent(self, partitions: set[TopicPartition]) -> None:
+        """Start `partitions` `MAX_NUM_REPLAYED` records before their end (at most)."""
+        partitions = sorted(partitions)
+        begin = await self._consumer.beginning_offsets(partitions)
+        end = await self._consumer.end_offsets(partitions)
+        for tp in partitions:
+            self._consumer.seek(tp, max(begin[tp], end[tp] - MAX_NUM_REPLAYED))
 
     async def run(self) -> None:
         refreshed_s = time.monotonic()
@@ -90,6 +106,12 @@ class CancelListener:
                     self._handle(record)
 
     def _handle(self, record) -> None:
+        try:
+            self._cancel(record)
+        except Exception:  # a bug with one cancel must not stop every later one
+            log.exception("control.handling_failed", offset=record.offset)
+
+    def _cancel(self, record) -> None:
         try:
             cancel = decode_cancel(record.value, read_content_type(record.headers), self._limits)
         except UndecodableError as error:

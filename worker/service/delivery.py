@@ -2,8 +2,9 @@
 
 Both finish a request's offset only once the broker has them, so both are sent again when a
 try fails, and both tell their caller how it ended through a future: done with None once
-acknowledged, or with the last error after `num_retries` more tries. One helper, so the two
-paths cannot drift apart.
+acknowledged, or with the last error after `num_retries` more tries. A message that ran out of
+its delivery deadline (or found its topic's lane full) is not tried again: its topic is stuck,
+and the deadline is the whole budget. One helper, so the two paths cannot drift apart.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable
 
 import structlog
 
-from worker.service.publisher import Outgoing, Publisher
+from worker.service.publisher import FINAL_ERRORS, Outgoing, Publisher
 
 log = structlog.get_logger(__name__)
 
@@ -40,7 +41,7 @@ def deliver(
             return
         if error is None:
             outcome.set_result(None)
-        elif num_tries < num_retries:
+        elif num_tries < num_retries and not isinstance(error, FINAL_ERRORS):
             num_tries += 1
             log.warning("delivery.retry", what=what, num_tries=num_tries, error=repr(error))
             send()

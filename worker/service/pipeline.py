@@ -54,6 +54,10 @@ MAX_REMEMBERED_CANCELS = 100_000
 BYTES_PER_PROMPT_TOKEN = 40
 
 
+def _prompt_memory_bound(request) -> int:
+    return BYTES_PER_PROMPT_TOKEN * request.num_prompt_chars
+
+
 def max_prompt_memory(max_prompt_chars: int) -> int:
     """The most a tokenized prompt can cost: at most about one token per character."""
     return BYTES_PER_PROMPT_TOKEN * max_prompt_chars
@@ -129,7 +133,22 @@ class Pipeline:
         if request.id in self._cancelled_ids:
             self._finish(job, "cancelled")
             return
-        rendered = self._renderer.render(request)
+        # Until tokenized, the prompt's memory is counted at the bound the consumer assumes
+        # (a token per character), so that polls meanwhile see it: the byte budget holds.
+        self._jobs.add_memory(job, _prompt_memory_bound(request))
+        job.rendering = self._renderer.submit(request)
+        job.rendering.add_done_callback(lambda rendering: self._on_rendered(job, rendering))
+
+    def _on_rendered(self, job: Job, rendering: asyncio.Future) -> None:
+        """Admission, continued once the prompt is tokenized (on the tokenizer thread)."""
+        if rendering.cancelled() or job.state is not JobState.PENDING:
+            return  # cancelled, dropped or shut down while it was tokenized
+        try:
+            self._admit_rendered(job, rendering.result())
+        except Exception as error:
+            self.fail(job, error)
+
+    def _admit_rendered(self, job: Job, rendered) -> None:
         if rendered.error is not None:
             self._finish(job, "error", rendered.error)
         elif self._seconds_to_deadline(job) <= 0:
@@ -137,7 +156,8 @@ class Pipeline:
         else:
             job.prompt_token_ids = rendered.token_ids
             job.num_prompt_tokens = len(rendered.token_ids)
-            self._jobs.add_memory(job, BYTES_PER_PROMPT_TOKEN * job.num_prompt_tokens)
+            prompt_bytes = BYTES_PER_PROMPT_TOKEN * job.num_prompt_tokens
+            self._jobs.add_memory(job, prompt_bytes - _prompt_memory_bound(job.request))
             self.batcher.submit(job, job.urgency, job.deadline_ms, job.num_prompt_tokens)
             self._arm_deadline(job)
 
@@ -173,7 +193,10 @@ class Pipeline:
             offset=offset, urgency=urgency, request=request, span=span,
             params=decision.params if request is not None else None,
             reply_headers=reply_headers(traceparent_of(span)),
-            stream=ReplyStream(request_id, attempt, self._tokens_per_message, is_streaming),
+            stream=ReplyStream(
+                request_id, attempt, self._tokens_per_message, is_streaming,
+                request.nonce if request is not None else decision.nonce,
+            ),
             received_s=received_s, record=record, epoch=epoch,
             kafka_wait_s=request_metrics.kafka_wait_s(record),
         )  # fmt: skip
@@ -320,7 +343,11 @@ class Pipeline:
                 self._num_attempts += 1
                 attempt = f"{self._worker_id}:{self._num_attempts}"
                 job.stream = ReplyStream(
-                    job.request_id, attempt, self._tokens_per_message, job.stream.is_streaming
+                    job.request_id,
+                    attempt,
+                    self._tokens_per_message,
+                    job.stream.is_streaming,
+                    job.stream.nonce,
                 )
                 job.span.set_attribute("mini_infer.restarted_as", attempt)
             job.num_output_tokens = 0
@@ -349,6 +376,10 @@ class Pipeline:
             if job.is_active:
                 message = f"internal error while handling the request ({type(error).__name__})"
                 self._finish(job, "error", ErrorInfo(code=ErrorCode.INTERNAL, message=message))
+            elif job.state is JobState.FINISHING and job.final_outcome is None:
+                # Failed while its final was being made: no final is on its way, and none can
+                # be trusted now; dead-lettered below, so its offset still moves on.
+                raise RuntimeError("no final on its way")
         except Exception as second:
             log.exception("request.final_failed", request_id=safe_for_log(job.request_id))
             job.cancel_deadline()
@@ -426,6 +457,7 @@ class Pipeline:
         for message in job.stream.finish(finish_reason, usage, timing, error):
             outcome = self._replies.send(job, message)
         outcome.add_done_callback(lambda _: self._on_final_done(job, outcome.exception()))
+        job.final_outcome = outcome
         self._record(job, finish_reason, timing, error)
 
     def _record(

@@ -7,19 +7,27 @@ wire. `acks="all"` and, on real Kafka, idempotence: a retried batch is neither l
 A caller that must know the broker has the message (a final, before its offset is committed)
 passes `on_done`, called with None or the delivery error.
 
-One topic must not hold up the others: aiokafka's `send` waits (up to `request_timeout_ms`) for
-the metadata of a topic it does not know yet, and a missing or unreachable reply topic would
-then stall every request's replies behind it. So a message whose topic has no metadata yet goes
-to a lane of its own (one task per such topic, in order within the topic), and the main loop
-moves on. A callback that raises is logged and never kills the loop.
+One topic must not hold up the others. aiokafka's `send` waits (up to `request_timeout_ms`) for
+the metadata of a topic it does not know yet, and for room when a partition's batch is full; an
+idempotent producer retries a retriable error (`NOT_ENOUGH_REPLICAS` on a topic whose replicas
+are short) forever, so a refused topic's batches never drain. So every topic has a lane of its
+own (a deque and one task while it holds messages, in order within the topic), bounded at
+`max_num_lane_messages` (a message beyond it fails at once with `LaneFull`), and every message
+has a delivery deadline (`delivery_timeout_s` from `publish`): past it, it fails with
+`DeliveryTimeout` wherever it is (in its lane, or in aiokafka waiting for an ack that may never
+come; a late ack is then ignored). Both errors are final: `deliver` does not retry them, so a
+final to a refused topic is dead-lettered (`final_undeliverable`) within the deadline and its
+partition's commits move on, while the other topics' lanes go on. A callback that raises is
+logged and never kills a lane.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 from aiokafka import AIOKafkaProducer
@@ -40,23 +48,36 @@ class Outgoing:
     value: bytes
     headers: list[tuple[str, bytes]]
     on_done: Callable[[BaseException | None], None] | None = None
+    is_done: bool = field(default=False, compare=False)
+    deadline: asyncio.TimerHandle | None = field(default=None, compare=False, repr=False)
+
+
+class DeliveryTimeout(TimeoutError):
+    """Not acknowledged within `delivery_timeout_s`: undeliverable, not to be retried."""
+
+
+class LaneFull(BufferError):
+    """Its topic already holds `max_num_lane_messages` unsent messages (the topic is stuck)."""
+
+
+FINAL_ERRORS = (DeliveryTimeout, LaneFull)
 
 
 class Publisher:
     def __init__(self, settings: WorkerSettings, bootstrap_servers: str) -> None:
         self._settings = settings
         self._bootstrap_servers = bootstrap_servers
-        self._queue: asyncio.Queue[Outgoing] = asyncio.Queue()
+        self._delivery_timeout_s = settings.publisher.delivery_timeout_s
+        self._max_num_lane_messages = settings.publisher.max_num_lane_messages
         self._producer: AIOKafkaProducer | None = None
-        self._task: asyncio.Task | None = None
         self._num_unacked = 0
         self._all_acked = asyncio.Event()
         self._all_acked.set()
-        self._lanes: dict[str, deque[Outgoing]] = {}  # topics waiting for metadata
+        self._lanes: dict[str, deque[Outgoing]] = {}  # per topic: messages not yet sent
         self._lane_tasks: set[asyncio.Task] = set()
         self.is_idempotent = False
-        # Set when the publishing loop (or a lane) died: every later final would wait forever,
-        # so the worker treats it as fatal.
+        # Set when a lane died: its later finals would wait forever, so the worker treats it as
+        # fatal.
         self.failed = asyncio.Event()
 
     def _make_producer(self, enable_idempotence: bool) -> AIOKafkaProducer:
@@ -89,14 +110,32 @@ class Publisher:
             await self._producer.stop()
             self._producer = self._make_producer(False)
             await self._producer.start()
-        self._task = asyncio.create_task(self._run(), name="publisher")
-        self._task.add_done_callback(self._on_task_done)
         log.info("producer.started", is_idempotent=self.is_idempotent)
 
     def publish(self, message: Outgoing) -> None:
+        """Queue `message` on its topic's lane; `on_done` is called exactly once."""
         self._num_unacked += 1
         self._all_acked.clear()
-        self._queue.put_nowait(message)
+        lane = self._lanes.get(message.topic)
+        if lane is None:
+            lane = self._lanes[message.topic] = deque()
+            task = asyncio.create_task(self._drain_lane(message.topic, lane), name="publisher")
+            self._lane_tasks.add(task)
+            task.add_done_callback(self._lane_tasks.discard)
+            task.add_done_callback(self._on_task_done)
+        elif len(lane) >= self._max_num_lane_messages:
+            error = LaneFull(f"{len(lane)} messages to {message.topic} not sent yet")
+            asyncio.get_running_loop().call_soon(self._done, message, error)
+            return
+        message.deadline = asyncio.get_running_loop().call_later(
+            self._delivery_timeout_s, self._expire, message
+        )
+        lane.append(message)
+
+    @property
+    def num_queued(self) -> int:
+        """Messages in lanes, not yet handed to aiokafka."""
+        return sum(len(lane) for lane in self._lanes.values())
 
     async def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until everything published so far is acknowledged (or failed); False when
@@ -109,47 +148,41 @@ class Publisher:
         return True
 
     async def stop(self, timeout_s: float = 10.0) -> None:
+        """Flush, fail what is left, close the producer: all within `timeout_s`. aiokafka's
+        own stop flushes too, and waits forever on a batch a broker keeps refusing: bounded."""
+        deadline_s = time.monotonic() + timeout_s
         await self.flush(timeout_s)
-        tasks = [t for t in (self._task, *self._lane_tasks) if t is not None]
+        tasks = list(self._lane_tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._producer is not None:
-            await self._producer.stop()
-
-    async def _run(self) -> None:
-        while True:
-            message = await self._queue.get()
-            lane = self._lanes.get(message.topic)
-            if lane is not None:  # behind earlier messages to a topic still without metadata
-                lane.append(message)
-            elif self._has_metadata(message.topic):
-                await self._send(message)
-            else:
-                self._lanes[message.topic] = deque([message])
-                task = asyncio.create_task(self._drain_lane(message.topic))
-                self._lane_tasks.add(task)
-                task.add_done_callback(self._lane_tasks.discard)
-                task.add_done_callback(self._on_task_done)
+            try:
+                await asyncio.wait_for(
+                    self._producer.stop(), max(0.1, deadline_s - time.monotonic())
+                )
+            except TimeoutError:
+                log.warning("producer.stop_timeout", num_unacked=self._num_unacked)
 
     def _on_task_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.error("producer.task_died", task=task.get_name(), error=repr(task.exception()))
             self.failed.set()
 
-    def _has_metadata(self, topic: str) -> bool:
-        return self._producer.client.cluster.partitions_for_topic(topic) is not None
-
-    async def _drain_lane(self, topic: str) -> None:
-        lane = self._lanes[topic]
+    async def _drain_lane(self, topic: str, lane: deque[Outgoing]) -> None:
         try:
             while lane:
-                await self._send(lane[0])
+                if not lane[0].is_done:  # expired while it waited: skipped
+                    await self._send(lane[0])
                 lane.popleft()
         finally:
             del self._lanes[topic]
             for message in lane:  # cancelled (stop): fail what never went out
                 self._done(message, asyncio.CancelledError())
+
+    def _expire(self, message: Outgoing) -> None:
+        error = DeliveryTimeout(f"not acknowledged within {self._delivery_timeout_s} s")
+        self._done(message, error)
 
     async def _send(self, message: Outgoing) -> None:
         try:
@@ -162,6 +195,11 @@ class Publisher:
         delivery.add_done_callback(lambda fut, m=message: self._done(m, _error_of(fut)))
 
     def _done(self, message: Outgoing, error: BaseException | None) -> None:
+        if message.is_done:  # expired, then acknowledged (or failed) late: already told
+            return
+        message.is_done = True
+        if message.deadline is not None:
+            message.deadline.cancel()
         if error is not None:
             log.warning("producer.delivery_failed", topic=message.topic, error=repr(error))
         try:

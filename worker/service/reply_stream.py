@@ -14,9 +14,15 @@ from schemas.messages import ErrorInfo, FinalReply, Timing, TokenLogprob, TokenR
 
 class ReplyStream:
     def __init__(
-        self, request_id: str, attempt: str, tokens_per_message: int, is_streaming: bool
+        self,
+        request_id: str,
+        attempt: str,
+        tokens_per_message: int,
+        is_streaming: bool,
+        nonce: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.nonce = nonce  # the request's, echoed in every reply (contract v1.2)
         self.attempt = attempt
         self.tokens_per_message = tokens_per_message
         self.is_streaming = is_streaming
@@ -70,6 +76,7 @@ class ReplyStream:
             id=self.request_id,
             attempt=self.attempt,
             seq=self._next_seq,
+            nonce=self.nonce,
             finish_reason=finish_reason,
             text=self.text,
             usage=usage,
@@ -86,6 +93,7 @@ class ReplyStream:
             id=self.request_id,
             attempt=self.attempt,
             seq=self._next_seq,
+            nonce=self.nonce,
             text="".join(self._buffered_text),
             token_ids=self._buffered_token_ids,
             logprobs=self._buffered_logprobs,

@@ -30,7 +30,6 @@ from schemas.messages import ErrorCode, Request
 log = structlog.get_logger(__name__)
 
 
-
 @dataclass(frozen=True)
 class DeadLetter:
     reason: str  # a `DeadLetterReason` value
@@ -45,6 +44,7 @@ class Rejected:
     message: str
     urgency: Urgency = Urgency.NORMAL
     traceparent: str | None = None
+    nonce: str | None = None
 
 
 @dataclass(frozen=True)
@@ -97,18 +97,24 @@ def _route(
     except InvalidRequestError as error:
         if not error.reply_to.startswith(policy.reply_topic_prefix):
             return _outside_prefix(error.reply_to, policy)
-        return Rejected(error.request_id, error.reply_to, error.code, error.message)
+        return Rejected(
+            error.request_id, error.reply_to, error.code, error.message, nonce=error.nonce
+        )
     if not request.reply_to.startswith(policy.reply_topic_prefix):
         return _outside_prefix(request.reply_to, policy)
     if request.model is not None and request.model not in policy.served_models:
         return Rejected(
             request.id, request.reply_to, ErrorCode.MODEL_NOT_SERVED,
             f"model {request.model!r} is not served here; this worker serves {sorted(policy.served_models)}",
+            nonce=request.nonce,
         )  # fmt: skip
     try:
         params = _sampling_params(request)
     except ValueError as error:
-        return Rejected(request.id, request.reply_to, ErrorCode.INVALID_REQUEST, str(error))
+        return Rejected(
+            request.id, request.reply_to, ErrorCode.INVALID_REQUEST, str(error),
+            nonce=request.nonce,
+        )  # fmt: skip
     return Accepted(request, params, read_urgency(headers), read_traceparent(headers))
 
 

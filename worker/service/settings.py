@@ -106,17 +106,18 @@ class KafkaSettings(_Group):
     # hop), so this bounds the added latency there; an idle worker pays one fetch per wait.
     fetch_max_wait_ms: PositiveMs = 20
     consumer_stop_timeout_s: float = Field(default=10.0, gt=0)
+    # TLS and/or SASL to the brokers (docs/OPERATIONS.md); the mechanism below for SASL_*.
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
-    sasl_username: str | None = None
-    sasl_password: SecretStr | None = None
+    sasl_username: str | None = None  # PLAIN and SCRAM-*
+    sasl_password: SecretStr | None = None  # PLAIN and SCRAM-*; from a Secret, never a ConfigMap
     # OAUTHBEARER: the token is read from this file at each connection (a projected
     # service-account token or a file a sidecar refreshes), so it rotates without a restart.
     sasl_oauth_token_file: Path | None = None
-    ssl_cafile: Path | None = None
-    ssl_certfile: Path | None = None
-    ssl_keyfile: Path | None = None
-    ssl_password: SecretStr | None = None
+    ssl_cafile: Path | None = None  # the brokers' CA (PEM); None: the system's CAs
+    ssl_certfile: Path | None = None  # a client certificate (mutual TLS)
+    ssl_keyfile: Path | None = None  # its private key
+    ssl_password: SecretStr | None = None  # of the private key, if encrypted
 
     @property
     def is_embedded(self) -> bool:
@@ -237,6 +238,12 @@ class PublisherSettings(_Group):
     linger_ms: int = Field(default=0, ge=0)
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
     num_final_retries: int = Field(default=3, ge=0)
+    # From publish to the broker's ack; past it a message is undeliverable (a final is
+    # dead-lettered as final_undeliverable, its offset committed). An idempotent producer
+    # retries a topic that refuses writes forever; this is what bounds it.
+    delivery_timeout_s: float = Field(default=30.0, gt=0)
+    # Unsent messages one reply topic may hold in the worker (a stuck topic's tokens pile up).
+    max_num_lane_messages: int = Field(default=10_000, ge=1)
 
 
 class ObservabilitySettings(_Group):
@@ -265,7 +272,14 @@ class WorkerSettings(BaseSettings):
         env_prefix="MINI_INFER_", env_nested_delimiter="__", extra="forbid", frozen=True
     )
 
-    model: str = Field(default="smollm2-135m", min_length=1, description="alias, HF dir or .gguf")
+    model: str = Field(
+        default="smollm2-135m", min_length=1, description="alias, HF dir, hub id org/name or .gguf"
+    )
+    revision: str | None = Field(
+        default=None, min_length=1, description="of a hub id: branch, tag or commit (None: main)"
+    )
+    # The name requests' `model` field and the health/metrics labels use; None: `model`.
+    served_model_name: str | None = Field(default=None, min_length=1, max_length=256)
     # "auto" (both): a GGUF runs in its own quantization, computing in bf16 where this CPU has
     # it natively; see engine/precision.py. float32 and "none" give the HF-exact path.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -277,9 +291,18 @@ class WorkerSettings(BaseSettings):
     publisher: PublisherSettings = Field(default_factory=PublisherSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="to finish in-flight work")
+    # The whole stop (drain, commit, flush, leave the group, close) ends within this; keep it
+    # below the pod's terminationGracePeriodSeconds (45 s in deploy/k8s) minus a margin. The
+    # drain gets what the other steps leave of it.
+    stop_budget_s: float = Field(default=40.0, gt=0, description="bound on the whole shutdown")
     worker_id: str | None = Field(
         default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$", description="None: generated"
     )
+
+    @property
+    def model_name(self) -> str:
+        """What this worker calls its model in replies' routing, health and metrics."""
+        return self.served_model_name or self.model
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:
@@ -326,7 +349,17 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
         "start an in-memory broker for development (never in production)",
     ),
     "--port": ("kafka.embedded_port", int, "port of the embedded broker (default: a free one)"),
-    "--model": ("model", str, "smollm2-135m, a Hugging Face checkpoint dir or a .gguf file"),
+    "--model": (
+        "model",
+        str,
+        "smollm2-135m, a Hugging Face checkpoint dir, a hub id org/name or a .gguf file",
+    ),
+    "--revision": ("revision", str, "branch, tag or commit of a hub id (default: main)"),
+    "--served-model-name": (
+        "served_model_name",
+        str,
+        "the name requests use for the model (default: --model)",
+    ),
     "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16"),
     "--attention-backend": ("engine.attention_backend", str, "auto | cpu | torch | triton"),
     "--quantization": (

@@ -275,10 +275,10 @@ class Telemetry:
             unit="{partition}",
             description="partitions of the request topic this worker holds",
         )
-        self.records_refetched = meter.create_counter(
+        self.records_refetched = _Bound(meter.create_counter(
             "mini_infer.consumer.records.refetched", unit="{record}",
             description="records of an assigned partition not yet tracked: sought back, not lost",
-        )  # fmt: skip
+        ), kafka)  # fmt: skip
 
     def observe_engine(self, stats) -> None:
         """The engine's `EngineStats` after a step (or at start, the baseline: what warm-up did

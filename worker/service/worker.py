@@ -3,15 +3,18 @@
 Start-up, in dependency order: topics, producer, engine (its thread; the model loads), prompt
 tokenizer, pipeline, cancel listener, request consumer (joins the group), ready.
 
-Shutdown, in the order that loses nothing (at-least-once):
+Shutdown, in the order that loses nothing (at-least-once), all of it within `stop_budget_s`
+(below the pod's grace period: a stop that overruns it is a SIGKILL that commits nothing):
 1. stop polling: no new messages are taken;
 2. stop admitting: requests still in the batcher are dropped (never started: cheap to redo);
-3. drain: requests in the engine may finish within `shutdown_grace_s`;
+3. drain: requests in the engine may finish within `shutdown_grace_s`, and within what the
+   budget leaves after the reserve for the steps below;
 4. abort what is left, without a final: its offset stays uncommitted, so it is redelivered;
-5. flush the producer: every final is acknowledged (or failed);
-6. commit the watermarks, which now cover everything acknowledged;
-7. close: cancel listener, consumer (leaves the group, so the rebalance starts at once),
-   engine thread, producer, admin, telemetry.
+5. commit the watermarks: what is acknowledged already is safe before anything slow happens;
+6. flush the producer, bounded (a topic that refuses writes must not hold the stop), and
+   commit again what the flush acknowledged;
+7. close, each part bounded by what is left: cancel listener, consumer (leaves the group, so
+   the rebalance starts at once), engine thread, producer, admin, telemetry.
 
 `mini-infer serve` runs one worker until SIGTERM/SIGINT against the configured Kafka; it starts an
 embedded broker only when asked to (`--embedded-broker`, for development).
@@ -53,6 +56,9 @@ log = structlog.get_logger(__name__)
 
 DRAIN_POLL_S = 0.05
 TOPIC_CHECK_INTERVAL_S = 15.0
+# Of the stop budget, kept for the steps after the drain: commit, flush, commit, close.
+STOP_RESERVE_FRACTION = 0.5
+MIN_CLOSE_S = 0.5  # each closer gets at least this, even when the budget is spent
 NO_BROKER_MESSAGE = (
     "no Kafka configured: set MINI_INFER_KAFKA__BOOTSTRAP_SERVERS (or --bootstrap-servers); "
     "for development only, --embedded-broker (MINI_INFER_KAFKA__EMBEDDED_BROKER=true) starts an "
@@ -70,20 +76,20 @@ def default_engine_factory(settings: WorkerSettings):
 
         config = dataclasses.asdict(settings.engine)
         return LLMEngine(
-            settings.model, dtype=settings.dtype, quantization=settings.quantization, **config
-        )
+            settings.model, dtype=settings.dtype, quantization=settings.quantization,
+            revision=settings.revision, **config,
+        )  # fmt: skip
 
     return build
 
 
-def served_model_name(settings: WorkerSettings) -> str:
-    """The name metrics carry for the model: `served_model_name` where settings have one, else
-    the configured model (an alias, a directory or a .gguf file)."""
-    return getattr(settings, "served_model_name", None) or settings.model
-
-
-def served_model_names(configured: str, model_path: str) -> frozenset[str]:
-    """Names a request's `model` may use for what this worker serves."""
+def served_model_names(
+    configured: str, model_path: str, served_name: str | None = None
+) -> frozenset[str]:
+    """Names a request's `model` may use for what this worker serves: the served name alone
+    when one is set (the deployment chose it), else the configured model and its path."""
+    if served_name is not None:
+        return frozenset({served_name})
     path = model_path.rstrip("/")
     base = os.path.basename(path)
     return frozenset({configured, path, base, base.removesuffix(".gguf")})
@@ -105,7 +111,7 @@ class Worker:
         self.worker_id = settings.worker_id or make_worker_id()
         self.telemetry = telemetry or Telemetry(
             settings.observability, self.worker_id,
-            model_name=served_model_name(settings), group_id=settings.kafka.group_id,
+            model_name=settings.model_name, group_id=settings.kafka.group_id,
         )  # fmt: skip
         self._engine_factory = engine_factory or default_engine_factory(settings)
         obs = settings.observability
@@ -117,6 +123,7 @@ class Worker:
         self.pipeline: Pipeline | None = None
         self.consumer: RequestConsumer | None = None
         self.cancels: CancelListener | None = None
+        self.renderer: PromptRenderer | None = None
         self.tracker = OffsetTracker()
         self._tasks: list[asyncio.Task] = []
         self.failed = asyncio.Event()  # a background task died: the worker cannot go on
@@ -155,7 +162,7 @@ class Worker:
         replies = ReplyWriter(
             self.publisher, s.limits.max_message_bytes, s.publisher.num_final_retries
         )
-        renderer = PromptRenderer(tokenizer)
+        renderer = self.renderer = PromptRenderer(tokenizer)
         dead_letters = DeadLetterWriter(
             self.publisher, self.tracker, self.telemetry, kafka.dlq_topic,
             s.publisher.num_final_retries, s.limits.max_message_bytes, self._fail,
@@ -164,9 +171,8 @@ class Worker:
             s, self.worker_id, self.bridge, replies, dead_letters, self.tracker, self.telemetry,
             renderer,
         )  # fmt: skip
-        policy = RoutingPolicy(
-            limits, kafka.reply_topic_prefix, served_model_names(s.model, info.model_path)
-        )
+        names = served_model_names(s.model, info.model_path, s.served_model_name)
+        policy = RoutingPolicy(limits, kafka.reply_topic_prefix, names)
         self.cancels = CancelListener(kafka, self.bootstrap_servers, self.pipeline, limits)
         await self.cancels.start()
         self.consumer = RequestConsumer(
@@ -190,7 +196,7 @@ class Worker:
         self._spawn(self._sample_kafka(), "kafka-gauges")
         self._spawn(self._watch_publisher(), "publisher-watch")
         self.health.set_ready(
-            True, worker_id=self.worker_id, model=s.model, group_id=kafka.group_id
+            True, worker_id=self.worker_id, model=s.model_name, group_id=kafka.group_id
         )
 
     def _fail(self, error: BaseException) -> None:
@@ -295,6 +301,8 @@ class Worker:
     async def stop(self, grace_s: float | None = None) -> None:
         """The ordered shutdown described in the module docstring."""
         grace_s = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        budget_s = self.settings.stop_budget_s
+        deadline_s = time.monotonic() + budget_s
         self.health.set_ready(False)
         if self.consumer is not None:
             self.consumer.stop_polling()
@@ -302,16 +310,29 @@ class Worker:
         num_lost = 0
         if self.pipeline is not None:
             num_lost += self.pipeline.drop(self.pipeline.batcher.drain(), "shutdown")
-            deadline_s = time.monotonic() + grace_s
-            while self.pipeline.num_running and time.monotonic() < deadline_s:
+            drain_until_s = min(
+                time.monotonic() + grace_s, deadline_s - budget_s * STOP_RESERVE_FRACTION
+            )
+            while self.pipeline.num_running and time.monotonic() < drain_until_s:
                 await asyncio.sleep(DRAIN_POLL_S)
             num_lost += self.pipeline.drop(self.pipeline.active_jobs(), "shutdown")
-        if self.publisher is not None:
-            await self.publisher.flush(timeout_s=self.settings.kafka.request_timeout_ms / 1000)
-        if self.consumer is not None:
-            await self.consumer.commit()
+        await self._commit_within(deadline_s)  # what is acknowledged already, first
+        if self.publisher is not None:  # then a bounded flush, and what it acknowledged
+            left_s = deadline_s - time.monotonic()
+            await self.publisher.flush(timeout_s=max(0.0, left_s / 3))
+            await self._commit_within(deadline_s)
         log.info("worker.drained", worker_id=self.worker_id, num_redelivered=num_lost)
-        await self._close()
+        await self._close(deadline_s)
+
+    async def _commit_within(self, deadline_s: float) -> None:
+        if self.consumer is None:
+            return
+        try:
+            await asyncio.wait_for(
+                self.consumer.commit(), max(MIN_CLOSE_S, deadline_s - time.monotonic())
+            )
+        except TimeoutError:
+            log.warning("worker.commit_timeout")
 
     async def abort(self) -> None:
         """Die like a crashed pod: nothing drained, nothing committed (tests of redelivery)."""
@@ -329,7 +350,9 @@ class Worker:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await asyncio.wait_for(asyncio.shield(task), 5.0)
 
-    async def _close(self) -> None:
+    async def _close(self, deadline_s: float | None = None) -> None:
+        """Close every part; with `deadline_s`, each is given what is left (at least
+        `MIN_CLOSE_S`) and abandoned past it, so that the process can still exit."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -344,13 +367,21 @@ class Worker:
         ):
             if closer is None:
                 continue
+            left_s = None if deadline_s is None else deadline_s - time.monotonic()
             try:
-                await closer()
+                await asyncio.wait_for(
+                    closer(), None if left_s is None else max(MIN_CLOSE_S, left_s)
+                )
+            except TimeoutError:
+                log.warning("worker.close_timeout", part=getattr(closer, "__qualname__", ""))
             except Exception:  # keep closing the rest
                 log.exception(
                     "worker.close_failed", part=getattr(closer, "__qualname__", str(closer))
                 )
+        if self.renderer is not None:
+            self.renderer.close()
         self.cancels = self.consumer = self.bridge = self.publisher = self.topics = None
+        self.renderer = None
         self.telemetry.shutdown()
         log.info("worker.stopped", worker_id=self.worker_id)
 

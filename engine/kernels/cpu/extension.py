@@ -43,17 +43,23 @@ def build(
 ) -> ModuleType | None:
     """Compile (or reuse) `source` as the extension `name` and import it; None, with a warning
     logged as `{event}.no_compiler` / `{event}.build_failed`, if that is impossible."""
-    if compiler() is None:
-        log.warning(
-            f"{event}.no_compiler", fallback=fallback,
-            detail="no C++ compiler (set CXX or install g++)",
-        )  # fmt: skip
-        return None
     if build_root is None:
         from engine.loader import cache_dir  # the loader pulls in safetensors etc.: import late
 
         build_root = cache_dir() / "torch_extensions"
     directory = Path(build_root) / name
+    if compiler() is None:
+        # A container image builds its kernels at image build time (`prebuild`) and ships no
+        # compiler: the library built from this very source is imported as it is.
+        module = _import_prebuilt(name, source, directory)
+        if module is not None:
+            log.info(f"{event}.prebuilt", path=str(directory))
+            return module
+        log.warning(
+            f"{event}.no_compiler", fallback=fallback, lost=name,
+            detail="no C++ compiler (set CXX or install g++) and no prebuilt library",
+        )  # fmt: skip
+        return None
     directory.mkdir(parents=True, exist_ok=True)
     remove_stale_lock(directory)
     from torch.utils import cpp_extension
@@ -70,6 +76,23 @@ def build(
     except Exception as error:  # a compiler that fails is the same as none: fall back
         log.warning(f"{event}.build_failed", fallback=fallback, error=str(error)[-2000:])
         return None
+
+
+def _import_prebuilt(name: str, source: Path, directory: Path) -> ModuleType | None:
+    """The library a build left in `directory`, if it was built from `source` as it is now."""
+    library, staged = directory / f"{name}.so", directory / Path(source).name
+    if not library.is_file() or not staged.is_file():
+        return None
+    if staged.read_bytes() != Path(source).read_bytes():
+        return None
+    import importlib.util
+
+    import torch  # noqa: F401  (the library links against torch's, which must be loaded first)
+
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _staged(source: Path, directory: Path) -> Path:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGUFReader
 from gguf.quants import dequantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -93,7 +93,7 @@ def _build_model(path, quant):
 def test_gguf_model_runs_in_its_own_quantization(
     tiny_dir, tmp_path, projection_type, scheme, as_is
 ):
-    """"auto" picks the GGUF's scheme; int4 layers hold its blocks bit for bit (q/k rows
+    """The "auto" default picks the GGUF's scheme; int4 layers hold its blocks bit for bit (q/k rows
     unpermuted); Q8_0 rows are the per-channel int8 quantization of gguf's dequantization."""
     model_dir = make_gguf_model(tiny_dir, tmp_path / "m", projection_type)
     gguf_path = model_dir / "model.gguf"

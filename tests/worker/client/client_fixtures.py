@@ -28,6 +28,7 @@ def final_of(request: Request, attempt: str, seq: int, text: str, **fields) -> F
         id=request.id,
         attempt=attempt,
         seq=seq,
+        nonce=fields.pop("nonce", request.nonce),  # echoed, as a worker does (contract v1.2)
         finish_reason=fields.pop("finish_reason", "stop"),
         text=text,
         usage=Usage(prompt_tokens=2, completion_tokens=seq),
@@ -38,7 +39,9 @@ def final_of(request: Request, attempt: str, seq: int, text: str, **fields) -> F
 
 def tokens_of(request: Request, attempt: str, texts: list[str]) -> list[TokenReply]:
     return [
-        TokenReply(id=request.id, attempt=attempt, seq=i, text=t, token_ids=[i])
+        TokenReply(
+            id=request.id, attempt=attempt, seq=i, text=t, token_ids=[i], nonce=request.nonce
+        )
         for i, t in enumerate(texts)
     ]
 

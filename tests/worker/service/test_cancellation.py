@@ -16,6 +16,7 @@ from tests.worker.kafka_helpers import (
     create_topic,
     fresh_topics,
     make_request,
+    wait_for,
     worker_settings,
 )
 from tests.worker.service.test_redelivery import wait_for_split
@@ -75,7 +76,7 @@ async def test_cancels_and_deadlines_reach_requests_everywhere_on_every_worker(
                 await producer.send(topic, request)
             # Both workers hold some: one decoding, one waiting in the engine, the rest held.
             where = {"decoding", "engine queue", "batcher"}
-            await wait_until(lambda: all(placed(w) == where for w in workers))
+            await wait_for(lambda: all(placed(w) == where for w in workers))
             for request in requests:
                 await client.cancel(request.id)
             for request in requests:
@@ -84,9 +85,9 @@ async def test_cancels_and_deadlines_reach_requests_everywhere_on_every_worker(
                 assert (await replies.final_of(request.id)).finish_reason == "expired"
             answered_by = {replies.finals(r.id)[0].attempt.split(":")[0] for r in requests}
             assert answered_by == {"c0", "c1"}
-            await wait_until(lambda: all(w.pipeline.num_unacked == 0 for w in workers))
+            await wait_for(lambda: all(w.pipeline.num_unacked == 0 for w in workers))
             for engine in engines:  # idle now: every block is back in the pool
-                await wait_until(lambda e=engine: not e.has_unfinished_requests())
+                await wait_for(lambda e=engine: not e.has_unfinished_requests())
                 stats = engine.get_stats()
                 assert stats.num_blocks_free == stats.num_blocks_total
         finally:
@@ -106,8 +107,3 @@ def placed(worker: Worker) -> set[str]:
     return where
 
 
-async def wait_until(predicate, timeout_s: float = 60.0) -> None:
-    deadline_s = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline_s, "timed out"
-        await asyncio.sleep(0.02)

@@ -27,16 +27,21 @@ from worker.service.worker import Worker
 
 pytestmark = pytest.mark.kafka
 
+MAX_TOKENS = 64
 
-async def test_sigkill_of_one_of_two_workers_loses_nothing(broker, tiny_model_dir, tmp_path) -> None:
+
+async def test_sigkill_of_one_of_two_workers_loses_nothing(
+    broker, tiny_model_dir, tmp_path
+) -> None:
     """Guards against work lost (or committed unanswered) when a worker dies without any
     chance to clean up."""
     topic, group_id = fresh_topics()
     await create_topic(broker.bootstrap_servers, topic, 2)
     ready_file, log_path = tmp_path / "ready.json", tmp_path / "victim.log"
     victim = start_serve(
-        broker.bootstrap_servers, tiny_model_dir, group_id, topic, ready_file, log_path, "victim"
-    )
+        broker.bootstrap_servers, tiny_model_dir, group_id, topic, ready_file, log_path, "victim",
+        extra_env={"MINI_INFER_TEST_GATE": "4"}, module="tests.worker.service.gated_serve",
+    )  # fmt: skip
     survivor = Worker(
         worker_settings(
             tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id="survivor",
@@ -61,15 +66,17 @@ async def test_sigkill_of_one_of_two_workers_loses_nothing(broker, tiny_model_di
                     request_headers(MSGPACK), partition=partition,
                 )  # fmt: skip
 
-            long = {"max_tokens": 400, "ignore_eos": True}
+            # Long enough never to finish in the gated victim; short for the survivor to redo.
+            long = {"max_tokens": MAX_TOKENS, "ignore_eos": True}
             orphans = [make_request(replies.topic, f"victim {i}", **long) for i in range(3)]
             others = [make_request(replies.topic, f"survivor {i}", **long) for i in range(3)]
             for request in orphans:
                 await send(request, victim_partition)
             for request in others:
                 await send(request, survivor_partition)
-            # A short probe behind the long ones: once the victim answers it, the long ones are
-            # certainly running there (they were admitted first and need far longer).
+            # A short probe behind the long ones. The victim's engine is gated: it steps only
+            # once all four are added, and never again after the first (the probe) finishes,
+            # so once the probe is answered the long ones are running there and cannot finish.
             probe = make_request(replies.topic, "probe", max_tokens=2)
             await send(probe, victim_partition)
             assert (await replies.final_of(probe.id)).attempt.startswith("victim:")
@@ -86,7 +93,9 @@ async def test_sigkill_of_one_of_two_workers_loses_nothing(broker, tiny_model_di
                   "runs every orphaned request")  # fmt: skip
             for request in orphans + others:
                 final = await replies.final_of(request.id, timeout_s=90)
-                assert final.finish_reason == "length" and final.usage.completion_tokens == 400
+                assert (
+                    final.finish_reason == "length" and final.usage.completion_tokens == MAX_TOKENS
+                )
                 assert final.attempt.startswith("survivor:")
                 stream = stream_of(replies, request.id, final.attempt)
                 assert [m.seq for m in stream] == list(range(len(stream)))
@@ -109,5 +118,3 @@ async def wait_for_split_with_process(worker: Worker, timeout_s: float = 60.0) -
     while len(worker.consumer.assignment) != 1:
         assert time.monotonic() < deadline_s, worker.consumer.assignment
         await asyncio.sleep(0.05)
-
-

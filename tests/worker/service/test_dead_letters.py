@@ -190,3 +190,29 @@ async def test_an_unwritable_dlq_fails_the_worker_loudly(broker, tiny_model_dir)
         broker.bootstrap_servers, group_id, topic, 1, lambda c: False, timeout_s=0
     )
     assert committed[0] in (None, 0)
+
+
+async def test_a_dead_letter_that_cannot_be_encoded_falls_back_to_a_stub_and_never_raises() -> None:
+    """Guards against the dead letter written in `_handle`'s except branch raising itself (the
+    strict header encoding refuses a lone surrogate in the error message) and killing the
+    consumer task, and with it the worker."""
+    tracker, publisher, unwritable = OffsetTracker(), FakePublisher(), []
+    tracker.assign([TP])
+    writer = make_writer(publisher, tracker, unwritable)
+    consumer = SimpleNamespace(tracker=tracker, _consumer=SimpleNamespace(assignment=lambda: {TP}))
+    consumer._dead_letter = lambda p, r, letter, epoch: writer.write(
+        p, r, letter.reason, letter.message, epoch=epoch
+    )
+    consumer._dead_letter_bug = lambda *args: RequestConsumer._dead_letter_bug(consumer, *args)
+
+    def buggy_route(*args) -> None:
+        raise RuntimeError("bad \udcff text")
+
+    consumer._route = buggy_route
+    assert RequestConsumer._handle(consumer, TP, record(7, b"payload")) is True
+    assert tracker.unfinished(TP) == [7]
+    await settle()
+    (stub,) = publisher.sent
+    assert get_text_header(stub.headers, ERROR_REASON) == DeadLetterReason.INTERNAL
+    assert get_text_header(stub.headers, SOURCE_OFFSET) == "7" and stub.value == b""
+    assert tracker.unfinished(TP) == []

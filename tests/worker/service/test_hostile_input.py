@@ -173,6 +173,8 @@ def test_hostile_requests_are_dead_lettered_answered_or_queued(
         num_finals = len(admission.replies.finals)
         if isinstance(decision, Accepted):
             job = admission.pipeline.accept(decision, partition, record, time.monotonic(), epoch)
+            if job.rendering is not None:  # tokenized off the loop; admission goes on after
+                await asyncio.wait([job.rendering])
         else:
             job = admission.pipeline.reject(decision, partition, record, time.monotonic(), epoch)
         if job.state is JobState.PENDING:

@@ -19,6 +19,7 @@ from schemas.headers import request_headers
 from schemas.messages import ErrorCode
 from tests.worker.kafka_helpers import (
     create_topic,
+    dlq_records,
     fresh_topics,
     make_request,
     serving,
@@ -98,6 +99,14 @@ async def test_a_bug_at_any_stage_fails_only_its_own_request(
             raise UnicodeError("bad delta")
         return add(self, text, token_ids, *rest)
 
+    finish = ReplyStream.finish
+
+    def finish_or_raise(self, *args, **kwargs):
+        if self.request_id == "poison-final":  # while its final is made: the job is FINISHING
+            raise ValueError("bad final")
+        return finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(ReplyStream, "finish", finish_or_raise)
     monkeypatch.setattr(PromptRenderer, "render", render_or_raise)
     monkeypatch.setattr(pipeline_module, "EngineRequest", engine_request_or_raise)
     monkeypatch.setattr(ReplyStream, "add", add_or_raise)
@@ -113,15 +122,21 @@ async def test_a_bug_at_any_stage_fails_only_its_own_request(
             make_request(replies.topic, "poison in a delta", id="poison-delta"),
         ]
         neighbours = [make_request(replies.topic, f"neighbour {i}", id=f"n{i}") for i in range(4)]
+        # No final can be made for this one: it is dead-lettered (fail() on a FINISHING job
+        # used to do nothing, and its offset held the partition's commits for good).
+        no_final = make_request(replies.topic, "poison in its final", id="poison-final")
         # `low`: a 50 ms window, so the poisons and their neighbours share release batches.
-        for request in [neighbours[0], *poisons[:2], neighbours[1], poisons[2], *neighbours[2:]]:
+        order = [neighbours[0], *poisons[:2], neighbours[1], poisons[2], no_final, *neighbours[2:]]
+        for request in order:
             await producer.send(topic, request, urgency="low")
         for request in poisons:
             final = await replies.final_of(request.id)
             assert final.finish_reason == "error" and final.error.code == ErrorCode.INTERNAL
         for request in neighbours:
             assert (await replies.final_of(request.id)).finish_reason == "length"
-        num_records = len(poisons) + len(neighbours)
+        (dead,) = await dlq_records(broker.bootstrap_servers, settings.kafka.dlq_topic, 1)
+        assert dead.key == b"poison-final" and not replies.finals(no_final.id)
+        num_records = len(order)
         committed = await wait_for_commit(
             broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == num_records
         )

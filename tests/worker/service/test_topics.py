@@ -101,9 +101,7 @@ class FakeProducer:
         self.release = asyncio.Event()
         self.sent: list[tuple[str, bytes]] = []
         self.client = SimpleNamespace(
-            cluster=SimpleNamespace(
-                partitions_for_topic=lambda t: None if t in self.slow else {0}
-            )
+            cluster=SimpleNamespace(partitions_for_topic=lambda t: None if t in self.slow else {0})
         )
 
     async def send(self, topic, value, key=None, headers=None):
@@ -122,7 +120,6 @@ async def test_one_topic_without_metadata_does_not_hold_up_the_others() -> None:
     publisher = Publisher(WorkerSettings(), "127.0.0.1:1")
     producer = FakeProducer(slow={"missing"})
     publisher._producer = producer
-    publisher._task = asyncio.create_task(publisher._run())
     acked: list[bytes] = []
 
     def on_done(error, value):
@@ -139,9 +136,10 @@ async def test_one_topic_without_metadata_does_not_hold_up_the_others() -> None:
         producer.release.set()
         assert await publisher.flush(5)
         assert [v for t, v in producer.sent if t == "missing"] == [b"m1", b"m2"]  # in order
-        assert not publisher._task.done()
+        assert not publisher.failed.is_set()
     finally:
-        publisher._task.cancel()
+        for task in publisher._lane_tasks:
+            task.cancel()
 
 
 async def _until(predicate) -> None:
@@ -204,8 +202,6 @@ async def test_a_dead_publisher_loop_is_reported() -> None:
     """Guards against an unsupervised publisher task dying silently, after which every final
     would wait forever: its death is reported (the worker then fails)."""
     publisher = Publisher(WorkerSettings(), "127.0.0.1:1")
-    publisher._producer = SimpleNamespace(client=None)  # _has_metadata will raise: a bug
-    publisher._task = asyncio.create_task(publisher._run())
-    publisher._task.add_done_callback(publisher._on_task_done)
+    publisher._producer = SimpleNamespace()  # no `send`: the lane task raises, a bug
     publisher.publish(Outgoing("t", None, b"v", []))
     await asyncio.wait_for(publisher.failed.wait(), 5)

@@ -29,6 +29,7 @@ from tests.worker.kafka_helpers import (
     make_request,
     slow_engine_factory,
     stream_of,
+    wait_for,
     wait_for_commit,
     worker_settings,
 )
@@ -91,13 +92,6 @@ async def env(broker, tiny_model_dir):
 async def replies(env):
     async with ReplyReader(env.bootstrap_servers) as reader:
         yield reader
-
-
-async def wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
-    deadline_s = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline_s, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def check_stream(messages: list[TokenReply | FinalReply]) -> FinalReply:
@@ -244,7 +238,7 @@ async def test_cancel_and_deadlines(env, replies) -> None:
         # A cancel that overtakes its request still wins: the worker remembers it.
         await client.cancel("cancel-first")
         await wait_for(
-            lambda: env.worker.pipeline.is_cancelled("cancel-first"), "the cancel to arrive"
+            lambda: env.worker.pipeline.is_cancelled("cancel-first"), 30, "the cancel to arrive"
         )
         await env.producer.send(env.topic, make_request(replies.topic, id="cancel-first"))
         finals = {

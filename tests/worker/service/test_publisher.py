@@ -1,0 +1,112 @@
+"""The publisher's lanes: a topic that never acknowledges holds only its own messages, each of
+which fails with `DeliveryTimeout` at its deadline (a late ack is ignored), and a stuck topic
+holds at most `max_num_lane_messages` of them (more fail at once with `LaneFull`). Neither error
+is retried by `deliver`.
+
+No broker: a fake producer whose sends to the stuck topic are never acknowledged (as an
+idempotent producer retrying NOT_ENOUGH_REPLICAS forever), and whose sends block once that
+topic's batch is "full" (as aiokafka's `send` waits for room). The end-to-end version, through
+the fault-injecting proxy, is in test_stuck_reply_topic.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker.service.delivery import deliver
+from worker.service.publisher import DeliveryTimeout, LaneFull, Outgoing, Publisher
+from worker.service.settings import WorkerSettings
+
+
+class StuckProducer:
+    """Sends to `stuck` are taken (their futures never complete) until `batch_size` are
+    pending, then `send` itself blocks, as aiokafka's does on a full batch."""
+
+    def __init__(self, stuck: str, batch_size: int = 2) -> None:
+        self.stuck, self.batch_size = stuck, batch_size
+        self.pending: list[asyncio.Future] = []
+        self.sent: list[tuple[str, bytes]] = []
+        self.never = asyncio.Event()
+
+    async def send(self, topic, value, key=None, headers=None):
+        future = asyncio.get_running_loop().create_future()
+        if topic == self.stuck:
+            if len(self.pending) >= self.batch_size:
+                await self.never.wait()
+            self.pending.append(future)
+        else:
+            future.set_result(None)
+        self.sent.append((topic, value))
+        return future
+
+
+def make_publisher(producer, delivery_timeout_s: float = 0.2, max_lane: int = 1000) -> Publisher:
+    settings = WorkerSettings(
+        publisher={"delivery_timeout_s": delivery_timeout_s, "max_num_lane_messages": max_lane}
+    )
+    publisher = Publisher(settings, "127.0.0.1:1")
+    publisher._producer = producer
+    return publisher
+
+
+async def test_a_stuck_topic_fails_at_its_deadline_and_the_others_are_acknowledged() -> None:
+    producer = StuckProducer("stuck")
+    publisher = make_publisher(producer)
+    outcomes: dict[bytes, BaseException | None] = {}
+    try:
+        for i in range(6):  # more than fit in the stuck "batch": the stuck lane's send blocks
+            for topic in ("stuck", "ok"):
+                value = f"{topic}{i}".encode()
+                publisher.publish(
+                    Outgoing(topic, None, value, [], lambda e, v=value: outcomes.__setitem__(v, e))
+                )
+        assert await publisher.flush(5)  # bounded by the deadline, not by the stuck topic
+        assert all(outcomes[f"ok{i}".encode()] is None for i in range(6))
+        assert all(isinstance(outcomes[f"stuck{i}".encode()], DeliveryTimeout) for i in range(6))
+        producer.pending[0].set_result(None)  # a late ack: already failed, not told twice
+        await asyncio.sleep(0)
+        assert len(outcomes) == 12 and publisher._num_unacked == 0
+        assert not publisher.failed.is_set()
+    finally:
+        for task in publisher._lane_tasks:
+            task.cancel()
+
+
+@settings(max_examples=20, deadline=None)
+@given(max_lane=st.integers(1, 5), num_messages=st.integers(1, 12))
+def test_a_stuck_lane_holds_at_most_its_bound(max_lane: int, num_messages: int) -> None:
+    async def run() -> None:
+        producer = StuckProducer("stuck", batch_size=0)  # every send to it blocks
+        publisher = make_publisher(producer, delivery_timeout_s=30, max_lane=max_lane)
+        errors: list[BaseException | None] = []
+        try:
+            for i in range(num_messages):
+                publisher.publish(Outgoing("stuck", None, b"%d" % i, [], errors.append))
+            await asyncio.sleep(0.01)
+            assert publisher.num_queued == min(num_messages, max_lane)
+            assert len(errors) == max(0, num_messages - max_lane)
+            assert all(isinstance(e, LaneFull) for e in errors)
+        finally:
+            for task in publisher._lane_tasks:
+                task.cancel()
+            await asyncio.gather(*publisher._lane_tasks, return_exceptions=True)
+
+    asyncio.run(run())
+
+
+async def test_deliver_does_not_retry_past_the_deadline() -> None:
+    producer = StuckProducer("stuck")
+    publisher = make_publisher(producer, delivery_timeout_s=0.05)
+    try:
+        outcome = deliver(publisher, lambda: Outgoing("stuck", None, b"f", []), 3, "final")
+        await asyncio.wait_for(asyncio.shield(outcome), 2)
+    except DeliveryTimeout:
+        pass
+    finally:
+        for task in publisher._lane_tasks:
+            task.cancel()
+    assert isinstance(outcome.exception(), DeliveryTimeout)
+    assert len(producer.sent) == 1  # tried once: the deadline was the whole budget
