@@ -9,8 +9,11 @@ from __future__ import annotations
 
 SCHEMA_VERSION = 1
 # Additions within v1 that old readers ignore: 1 = `logprobs` (request and token replies) and
-# the latency split of `timing`.
-SCHEMA_MINOR_VERSION = 1
+# the latency split of `timing`; 2 = the reply `nonce`, penalties, `min_p`, `logit_bias`,
+# `top_logprobs`, `stop` as one string, `response_format` (structured output).
+SCHEMA_MINOR_VERSION = 2
+# v1.2 additions of urgency lanes (request_topic_for): only topic names, no field, so readers of
+# any minor version agree on them.
 
 # --- Topics ------------------------------------------------------------------------------------
 DEFAULT_REQUEST_TOPIC = "mini-infer.requests"
@@ -21,6 +24,31 @@ DEFAULT_REPLY_TOPIC_PREFIX = "mini-infer.replies."
 # Kafka's own rule for topic names; the embedded broker does not enforce it, so we do.
 TOPIC_NAME_PATTERN = r"^[a-zA-Z0-9._-]{1,249}$"
 NUM_REPLY_TOPIC_PARTITIONS = 1  # one client reads it; one partition keeps its replies in order
+# Urgency lanes (v1.2): `critical` and `high` requests go to topics of their own next to the
+# request topic, so that a backlog of bulk work in Kafka never stands in front of them (a
+# partition is an ordered log). `normal` and `low` share the base topic: they are the bulk, and
+# a worker orders them among what it has read by the `urgency` header. Lanes in urgency order.
+LANE_URGENCIES = ("critical", "high")
+LANE_SEPARATOR = "."
+
+
+def request_topic_for(
+    urgency: str = "normal", base: str = DEFAULT_REQUEST_TOPIC, *, is_laned: bool = True
+) -> str:
+    """The topic a request of `urgency` goes to: `<base>.critical`, `<base>.high`, or `base`
+    for `normal` and `low` (and for every urgency when `is_laned` is False)."""
+    value = str(urgency).strip().lower()  # an Urgency is a StrEnum; unknown ones are `normal`
+    if is_laned and value in LANE_URGENCIES:
+        return f"{base}{LANE_SEPARATOR}{value}"
+    return base
+
+
+def request_topics(base: str = DEFAULT_REQUEST_TOPIC, *, is_laned: bool = True) -> list[str]:
+    """Every topic a worker of `base` consumes, most urgent lane first, the base topic last."""
+    lanes = [request_topic_for(u, base) for u in LANE_URGENCIES] if is_laned else []
+    return [*lanes, base]
+
+
 # CreateTopics answers this code for a topic that is already there: success for our purposes.
 KAFKA_TOPIC_ALREADY_EXISTS = 36
 
@@ -43,6 +71,14 @@ MAX_CHAT_MESSAGES = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20  # top-k alternatives per position (the engine has the same default bound)
 MAX_TOKEN_ID = 2**31 - 1
+# v1.2 sampling fields, OpenAI's ranges (the engine checks the same bounds).
+MAX_ABS_PENALTY = 2.0  # presence_penalty, frequency_penalty
+MAX_REPETITION_PENALTY = 10.0
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_REGEX_CHARS = 4096
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
 
 
 class DeadLetterReason:

@@ -37,6 +37,7 @@ from schemas.contract import (
     DEFAULT_REQUEST_TOPIC,
     NUM_REPLY_TOPIC_PARTITIONS,
     TOPIC_NAME_PATTERN,
+    request_topic_for,
 )
 from schemas.headers import CONTENT_TYPE, Urgency, request_headers
 from schemas.messages import (
@@ -45,6 +46,7 @@ from schemas.messages import (
     FinalReply,
     Request,
     Timing,
+    TokenLogprob,
     TokenReply,
     Usage,
 )
@@ -90,6 +92,11 @@ class GenerateResult:
     usage: Usage
     timing: Timing
     attempt: str
+    # When the request asked for logprobs: one entry per generated token (of the winning
+    # attempt), with its top alternatives; None otherwise, or when some token's were not seen
+    # (the final filled in text that no token reply carried).
+    logprobs: list[TokenLogprob] | None = None
+    token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,9 @@ class ClientOptions:
     """How a client reaches the workers. The defaults are the contract's (schemas.contract)."""
 
     request_topic: str = DEFAULT_REQUEST_TOPIC
+    # Send `critical` and `high` requests to their urgency lane (contract v1.2,
+    # `request_topic_for`); False: every request to `request_topic` (workers without lanes).
+    urgency_lanes: bool = True
     reply_prefix: str = DEFAULT_REPLY_TOPIC_PREFIX
     control_topic: str = DEFAULT_CONTROL_TOPIC
     client_id: str | None = None
@@ -226,6 +236,12 @@ class MiniInferClient:
         check_limits(request, self.options.limits)
         return request
 
+    def topic_for(self, urgency: Urgency | str) -> str:
+        """The topic a request of `urgency` goes to: its lane, or the request topic."""
+        return request_topic_for(
+            Urgency.parse(urgency), self.request_topic, is_laned=self.options.urgency_lanes
+        )
+
     async def send(
         self,
         request: Request,
@@ -240,13 +256,14 @@ class MiniInferClient:
         if self._producer is None:
             raise ClientError("the client is not started")
         tracer = self.options.tracer or trace.get_tracer("mini_infer.client")
+        topic = self.topic_for(urgency)
         with tracer.start_as_current_span(
-            f"send {self.request_topic}",
+            f"send {topic}",
             kind=trace.SpanKind.PRODUCER,
             attributes={
                 "messaging.system": "kafka",
                 "messaging.operation.type": "send",
-                "messaging.destination.name": self.request_topic,
+                "messaging.destination.name": topic,
                 "messaging.message.id": request.id,
             },
         ):
@@ -255,7 +272,7 @@ class MiniInferClient:
                 _PROPAGATOR.inject(carrier)
                 traceparent = carrier.get("traceparent")
             await self._producer.send_and_wait(
-                self.request_topic,
+                topic,
                 encode(request, MSGPACK),
                 key=request.id.encode(),
                 headers=request_headers(MSGPACK, urgency, traceparent),
@@ -330,15 +347,23 @@ class MiniInferClient:
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerateResult:
         """The whole completion at once. Asks for `stream=False` unless told otherwise, so the
         worker need send only the final."""
-        kwargs.setdefault("stream", False)
+        wants_logprobs = kwargs.get("top_logprobs") is not None or kwargs.get("logprobs") not in (
+            None, False,
+        )  # fmt: skip
+        # Logprobs travel on token replies only: a request that wants them streams.
+        kwargs.setdefault("stream", wants_logprobs)
         final = None
+        collected = _Collected()
         async for delta in self.stream(prompt, **kwargs):
             final = delta.final or final
+            collected.add(delta)
         if final is None:  # unreachable: stream() ends with a final or raises
             raise ClientError("the reply stream ended without a final")
         return GenerateResult(
-            final.text, final.finish_reason, final.usage, final.timing, final.attempt
-        )
+            final.text, final.finish_reason, final.usage, final.timing, final.attempt,
+            logprobs=collected.logprobs if wants_logprobs else None,
+            token_ids=collected.token_ids,
+        )  # fmt: skip
 
     async def _cancel_quietly(self, request_id: str) -> None:
         try:
@@ -350,6 +375,30 @@ class MiniInferClient:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+class _Collected:
+    """Token ids and logprobs of a stream of deltas, following restarts; None once a delta
+    brought text without them (the final filling a gap)."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] | None = []
+        self.logprobs: list[TokenLogprob] | None = []
+
+    def add(self, delta: Delta) -> None:
+        if delta.is_restart:
+            self.token_ids = list(delta.token_ids)
+            self.logprobs = None if delta.logprobs is None else list(delta.logprobs)
+            return
+        if delta.text and not delta.token_ids:
+            self.token_ids = self.logprobs = None  # text whose tokens this client never saw
+        if self.token_ids is not None:
+            self.token_ids.extend(delta.token_ids)
+        if self.logprobs is not None and delta.token_ids:
+            if delta.logprobs is None:
+                self.logprobs = None
+            else:
+                self.logprobs.extend(delta.logprobs)
 
 
 def _raise_if_error(final: FinalReply) -> None:

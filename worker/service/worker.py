@@ -254,7 +254,7 @@ class Worker:
     def _own_topics(self) -> dict[str, int]:
         kafka = self.settings.kafka
         return dict.fromkeys(
-            (kafka.request_topic, kafka.control_topic, kafka.dlq_topic), kafka.num_partitions
+            (*kafka.request_topics, kafka.control_topic, kafka.dlq_topic), kafka.num_partitions
         )
 
     async def _watch_topics(self) -> None:
