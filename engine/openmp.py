@@ -1,44 +1,19 @@
 """OpenMP wait policy: the engine's threads sleep, not spin, while they wait for each other.
 
-torch's CPU kernels run on GNU OpenMP (libgomp, shipped in the torch wheel). At the end of every
-parallel region a libgomp thread spins (up to GOMP_SPINCOUNT, 300k iterations by default) before
-it sleeps, so that the next region starts without a wake-up. That is right on a machine the
-process has to itself, and badly wrong when it does not: a decode step is hundreds of short
-parallel regions, and each one whose partner thread has been preempted (by the worker's event
-loop, the broker, another process) waits until the spinner's time slice ends.
+Why PASSIVE: a decode step is hundreds of short parallel regions, and on a machine the process
+does not have to itself (the worker's event loop, the broker, other jobs) a libgomp thread that
+spins at the end of one (its default: up to 300k iterations, then sleep) holds the core its
+partner needs; measured on the shared 2-core Zen 4 VM, PASSIVE ran one stream 4-40x faster than
+libgomp's default and spin counts of 10k-100k (every table: loadtest/README.md, "OpenMP wait
+policy"). On an idle machine the default measured faster at one stream (issue 17: 64-78 against
+52-54 tok/s, W1 int4): a dedicated machine sets GOMP_SPINCOUNT or OMP_WAIT_POLICY itself (either
+one set means nothing is added here) or MINI_INFER_OMP_DEFAULTS=off for libgomp's defaults.
 
-Measured on the AMD EPYC Zen 4 VM (2 cores, shared with other jobs: load average 6-9), SmolLM2
-bf16, greedy, 16 new tokens, each policy in a fresh process, 2 alternating rounds, medians
-(tok/s; the absolute numbers are low because the machine was oversubscribed, the ratios are
-the finding):
-
-                          1 stream   8 streams
-    default (spin)        0.8        10.6
-    GOMP_SPINCOUNT=10000  4.3        25.5
-    OMP_WAIT_POLICY=PASSIVE 11.6     46.9     (4.4x-14x the default)
-    ... plus a busy-loop process on one core:
-    default               1.0         4.4
-    GOMP_SPINCOUNT=10000  2.1        14.7
-    PASSIVE               6.7        32.3
-
-Re-measured with loadtest/bench_omp_policy.py (SmolLM2 bf16, 64 new tokens, W1 = 1 request,
-W2 = 32; each policy in a fresh process, 3 alternating rounds, medians; the same shared VM,
-load average 3-5 during the run; raw JSON in loadtest/results/omp-wait-policy-bf16.json):
-
-                  W1 tok/s   W2 tok/s
-    PASSIVE       15.7       239.0
-    ACTIVE         1.2        26.4     PASSIVE / ACTIVE: 13.1x (W1), 9.1x (W2)
-
-Round by round, W1 PASSIVE / ACTIVE was 23.9 / 34.9, 8.3 / 1.1, 15.7 / 1.2: in the first round,
-the machine at its quietest, ACTIVE ran one stream 1.46x faster, and lost by 7-13x as soon as
-other jobs took the cores; W2 lost 9x even then (29.9 against 278.8). A dedicated machine may
-prefer ACTIVE for one stream (set OMP_WAIT_POLICY=ACTIVE: the environment wins); on a shared
-one, or beside the worker's event loop and the broker, spinning is the wrong bet.
-
-So PASSIVE is the default here. It must be in the environment before libgomp starts, i.e.
-before torch is first imported: `import engine` sets it (unless the variable is already set,
-so OMP_WAIT_POLICY=ACTIVE in the environment wins for a dedicated machine), and the model runner
-logs a warning when torch was imported first and the default could not apply.
+It must be in the environment before libgomp starts, i.e. before torch is first imported:
+`import engine` sets it, and the model runner logs a warning when torch was imported first and
+the default could not apply. What it set is recorded in the environment (for child processes
+too), so a process that is not ours, such as the llama.cpp benchmark peer, starts without it
+(`environ_before_import`).
 """
 
 from __future__ import annotations

@@ -156,7 +156,8 @@ def _child(impl: str, spec: dict, q) -> None:
         lengths = list(workload.max_tokens)
         try:  # one workload that fails (a peer's server refusing 64 slots) keeps the others
             if impl == "engine":
-                options = {"compile": spec["compile"], "quantization": spec["quantization"]}
+                options = {"compile": spec["compile"], "quantization": spec["quantization"],
+                           "fused_ops": spec.get("fused_ops", "auto")}  # fmt: skip
                 results[name] = run_engine(spec["model"], spec["dtype"], prompts, lengths,
                                            **options)  # fmt: skip
             elif impl == "hf":
@@ -219,6 +220,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization", default=None, help="engine weights: int8 | int4 | w8a8 (use bf16)"
     )
+    parser.add_argument(
+        "--fused-ops", default="auto", help="engine CPU elementwise ops: auto|on|off"
+    )
     parser.add_argument("--llama-server", default=None, help=f"llama-server binary ({ENV_VAR})")
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF for llama.cpp")
     parser.add_argument("--profile", action="store_true", help="profile decode steps instead")
@@ -241,7 +245,8 @@ def run(args) -> int:
 
         names = tuple(w for w in args.workloads.split(",") if w in ("W1", "W2"))
         return profile(args.model, args.dtypes.split(",")[0], args.quantization,
-                       names or ("W1", "W2"), args.compile, args.out)  # fmt: skip
+                       names or ("W1", "W2"), args.compile, args.out,
+                       fused_ops=args.fused_ops)  # fmt: skip
     model_path = str(resolve_model(args.model))
     peers = [p for p in args.compare.split(",") if p]
     unknown = set(peers) - {"hf", *LLAMACPP_PEERS}
@@ -261,7 +266,7 @@ def run(args) -> int:
     for dtype in args.dtypes.split(","):
         spec = {"model": args.model, "model_path": model_path, "dtype": dtype,
                 "max_tokens": args.max_tokens, "workloads": names, "compile": args.compile,
-                "quantization": args.quantization,
+                "quantization": args.quantization, "fused_ops": args.fused_ops,
                 "llama_server": str(server), "gguf": str(gguf)}  # fmt: skip
         # llama.cpp runs its own quantised GGUF: one run per round whatever the dtype list.
         first_dtype = dtype == args.dtypes.split(",")[0]

@@ -75,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         for policy, busy in settings:
             key = policy + (" +busy" if busy else "")
             print(f"[omp] round {round_index + 1}: {key} ...", file=sys.stderr, flush=True)
-            runs.setdefault(key, []).append(_run(policy, {**spec, "busy_thread": busy}))
+            result = _run(policy, {**spec, "busy_thread": busy})
+            runs.setdefault(key, []).append(result)
+            print(f"[omp] {key}: " + " ".join(f"{w}={result[w]['tokens_per_s']}" for w in names)
+                  + f" (load average {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)  # fmt: skip
     medians = {
         key: {w: statistics.median(r[w]["tokens_per_s"] for r in results) for w in names}
         for key, results in runs.items()

@@ -178,6 +178,7 @@ def profile(
     workloads: tuple[str, ...] = ("W1", "W2"),
     compile_mode: str = "auto",
     out=None,
+    fused_ops: str = "auto",
 ) -> int:
     import os
 
@@ -189,7 +190,7 @@ def profile(
     from loadtest.workloads import workloads as all_workloads
 
     eng = LLMEngine(model, dtype=dtype, quantization=quantization, compile=compile_mode,
-                    max_num_seqs=64)  # fmt: skip
+                    max_num_seqs=64, fused_ops=fused_ops)  # fmt: skip
     totals: dict[str, float] = defaultdict(float)
     _instrument(eng, totals)
     _label_kernels(eng, totals)
@@ -199,10 +200,11 @@ def profile(
         num_requests = all_workloads()[name].num_requests
         results[name] = profile_workload(eng, totals, prompts, num_requests, NUM_STEPS.get(name, 8))
     doc = {"model": model, "dtype": dtype, "quantization": quantization, "compile": compile_mode,
+           "fused_ops": fused_ops, "pointwise_ops": eng.runner.pointwise_ops,
            "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
            "results": results}  # fmt: skip
-    print(f"\nper decode step, ms ({dtype}, quantization {quantization}, wall clock; "
-          f"load average {os.getloadavg()[0]:.1f})")  # fmt: skip
+    print(f"\nper decode step, ms ({dtype}, quantization {quantization}, fused ops {fused_ops}, "
+          f"wall clock; load average {os.getloadavg()[0]:.1f})")  # fmt: skip
     print(f"{'part':28} " + " ".join(f"{w:>9}" for w in results))
     rows = [("step (mean)", "step_ms"), ("  forward", "forward_ms"), ("operators", "ops_per_step")]
     for label, key in rows:
