@@ -14,10 +14,9 @@ TORCH_INDEX_URL ?=
 
 install: $(STAMP)
 	@$(BIN)/mini-infer fetch-model >/dev/null
-	@# The C++ paged-attention kernel is built once per machine (cached under the cache dir), here
-	@# rather than inside the first request or test; without a compiler the engine falls back.
-	@$(BIN)/python -c "from engine.kernels.cpu.paged_attention import load; load()"
-	@$(BIN)/python -c "from engine.kernels.cpu.quant_gemm import load; load()"
+	@# The C++ kernels are built once per machine (cached under the cache dir), here rather than
+	@# inside the first request or test; without a compiler the engine falls back (and says so).
+	@$(BIN)/python -m engine.kernels.cpu.prebuild --this-machine
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
