@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import functools
 import random
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.loader import gguf_source
+from tests.hf_reference import hf_model
 from tests.tiny_model import make_tiny_llama
 
 
@@ -28,12 +26,7 @@ def tiny_dir(tmp_path_factory):
 
 @functools.cache
 def _hf(path):
-    gguf = gguf_source(Path(path))
-    if gguf is not None:  # a model read from a GGUF: transformers dequantizes the same file
-        return AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        ).eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf_model(path)
 
 
 def hf_greedy(path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

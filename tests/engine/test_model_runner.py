@@ -27,6 +27,7 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from tests.hf_reference import hf_model
 from tests.tiny_model import make_tiny_llama
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -102,13 +103,13 @@ class Harness:
 
     def __init__(self, path, block_size=4, num_kv_blocks=96, dtype=torch.float32, seed=0, **cfg):
         config = EngineConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, **cfg)
-        self.runner = ModelRunner(path, config, dtype)
+        self.runner = ModelRunner(path, config, dtype, quantization=None)
         self.block_size = block_size
         self.free = list(range(num_kv_blocks))
         random.Random(seed).shuffle(self.free)
         key = str(path)
         if key not in self._hf_cache:
-            self._hf_cache[key] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            self._hf_cache[key] = hf_model(path)
         self.hf = self._hf_cache[key].eval()
 
     def blocks_for(self, block_ids: list[int], num_tokens: int) -> list[int]:
@@ -455,9 +456,9 @@ def test_real_model_bf16_prefill_is_bit_identical_to_hf():
     tokens = tokenizer.encode(
         tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     )
-    runner = ModelRunner(path, EngineConfig(num_kv_blocks=8), torch.bfloat16)
+    runner = ModelRunner(path, EngineConfig(num_kv_blocks=8), torch.bfloat16, quantization=None)
     logits = runner.compute_logits(SchedulerOutput([req("r", tokens, 0, list(range(8)))]))["r"]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf = hf_model(path, torch.bfloat16)
     with torch.inference_mode():
         expected = hf(torch.tensor([tokens])).logits[0, -1].float()
     assert torch.equal(logits, expected)
