@@ -21,6 +21,12 @@ DEFAULT_REPLY_TOPIC_PREFIX = "mini-infer.replies."
 # Kafka's own rule for topic names; the embedded broker does not enforce it, so we do.
 TOPIC_NAME_PATTERN = r"^[a-zA-Z0-9._-]{1,249}$"
 NUM_REPLY_TOPIC_PARTITIONS = 1  # one client reads it; one partition keeps its replies in order
+# v1.2: the SDK's default reply topic, shared by every client and created by the workers (or by
+# ops) like their other topics. A client reads one partition of it (`reply_partition`, chosen by
+# a hash of its instance id) and takes its replies by key (the request id) and nonce.
+DEFAULT_SHARED_REPLY_TOPIC = "mini-infer.replies.shared"
+NUM_SHARED_REPLY_TOPIC_PARTITIONS = 16
+MAX_REPLY_PARTITION = 2**31 - 1  # Kafka's partition ids are int32
 # CreateTopics answers this code for a topic that is already there: success for our purposes.
 KAFKA_TOPIC_ALREADY_EXISTS = 36
 

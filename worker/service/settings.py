@@ -32,6 +32,8 @@ from schemas.contract import (
     DEFAULT_MAX_PROMPT_CHARS,
     DEFAULT_REPLY_TOPIC_PREFIX,
     DEFAULT_REQUEST_TOPIC,
+    DEFAULT_SHARED_REPLY_TOPIC,
+    NUM_SHARED_REPLY_TOPIC_PARTITIONS,
     TOPIC_NAME_PATTERN,
 )
 from schemas.headers import Urgency
@@ -93,6 +95,12 @@ class KafkaSettings(_Group):
     )
     client_id: str = "mini-infer-worker"
     reply_topics: ReplyTopicSettings = Field(default_factory=ReplyTopicSettings)
+    # v1.2: the SDK's default reply topic, created with the worker's own topics so that no
+    # client creates one; under reply_topic_prefix. None: ops provision it (or nobody uses it).
+    shared_reply_topic: TopicName | None = DEFAULT_SHARED_REPLY_TOPIC
+    num_shared_reply_partitions: int = Field(
+        default=NUM_SHARED_REPLY_TOPIC_PARTITIONS, ge=1, description="of the shared reply topic"
+    )
     # None: on for an external Kafka, off for the embedded broker (whose InitProducerId answer
     # stock aiokafka cannot read, see docs/KAFKA.md).
     enable_idempotence: bool | None = None
@@ -133,6 +141,12 @@ class KafkaSettings(_Group):
         ]
         if self.reply_topic_prefix.startswith("_") or self.reply_topic_prefix in (".", ".."):
             covered.append(self.reply_topic_prefix)
+        shared = self.shared_reply_topic
+        if shared is not None and not shared.startswith(self.reply_topic_prefix):
+            raise ValueError(
+                f"shared_reply_topic {shared!r} is not under reply_topic_prefix "
+                f"{self.reply_topic_prefix!r}: no worker would write to it"
+            )
         if covered:
             raise ValueError(
                 f"reply_topic_prefix {self.reply_topic_prefix!r} covers {covered}: a request could "

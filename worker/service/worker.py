@@ -253,9 +253,12 @@ class Worker:
 
     def _own_topics(self) -> dict[str, int]:
         kafka = self.settings.kafka
-        return dict.fromkeys(
+        topics = dict.fromkeys(
             (kafka.request_topic, kafka.control_topic, kafka.dlq_topic), kafka.num_partitions
         )
+        if kafka.shared_reply_topic is not None:
+            topics[kafka.shared_reply_topic] = kafka.num_shared_reply_partitions
+        return topics
 
     async def _watch_topics(self) -> None:
         """Every `TOPIC_CHECK_INTERVAL_S`: recreate the worker's topics if the broker lost them.

@@ -30,25 +30,40 @@ from worker.service.worker import Worker
 
 
 class FakeAdmin:
-    """CreateTopics answers from a script: an exception to raise, or success."""
+    """CreateTopics answers from a script: an exception to raise, or success. Metadata knows
+    `existing` ({name: num_partitions}) and what was created."""
 
-    def __init__(self, script=()) -> None:
+    def __init__(self, script=(), existing=None) -> None:
         self.script = list(script)
         self.calls: list[str] = []
+        self.existing: dict[str, int] = dict(existing or {})
+        self.num_metadata_requests = 0
 
     async def create_topics(self, new_topics):
         self.calls.append(new_topics[0].name)
         if self.script:
             raise self.script.pop(0)
-        return SimpleNamespace(topic_errors=[(t.name, 0, "") for t in new_topics])
+        errors = [(t.name, 36 if t.name in self.existing else 0, "") for t in new_topics]
+        self.existing.update({t.name: t.num_partitions for t in new_topics})
+        return SimpleNamespace(topic_errors=errors)
+
+    async def _send_request(self, request):  # the Metadata request of worker.topics
+        assert request._allow_auto_topic_creation is False  # asking must not create it
+        self.num_metadata_requests += 1
+        topics = [
+            {"topic": n, "error_code": 0 if n in self.existing else 3,
+             "partitions": [{}] * self.existing.get(n, 0)}
+            for n in request._topics
+        ]  # fmt: skip
+        return SimpleNamespace(to_object=lambda: {"topics": topics})
 
 
-def make_admin(script=(), **reply_topics) -> tuple[TopicAdmin, FakeAdmin]:
+def make_admin(script=(), existing=None, **reply_topics) -> tuple[TopicAdmin, FakeAdmin]:
     kafka = KafkaSettings(
         bootstrap_servers="127.0.0.1:1", reply_topics={"retry_backoff_s": 0.001, **reply_topics}
     )
     admin = TopicAdmin("127.0.0.1:1", kafka)
-    fake = FakeAdmin(script)
+    fake = FakeAdmin(script, existing)
     admin._admin = fake
     return admin, fake
 
@@ -85,6 +100,36 @@ async def test_reply_topic_creation_is_bounded() -> None:
     assert fake.calls == [f"mini-infer.replies.{n}" for n in "abc"]
 
 
+async def test_an_existing_reply_topic_costs_no_budget_and_is_never_refused() -> None:
+    """Guards against charging the creation budget for topics that exist (created by a client,
+    ops or another worker since the last metadata refresh), and against `create=false`
+    refusing such a topic."""
+    existing = {f"mini-infer.replies.{n}": 1 for n in "abc"}
+    admin, fake = make_admin(existing=existing, max_created=1, max_creation_burst=1)
+    for name in existing:
+        await admin.ensure_reply_topic(name)
+    assert fake.calls == [] and all(admin.is_known(n) for n in existing)
+    await admin.ensure_reply_topic("mini-infer.replies.new")  # the one creation it may make
+    assert fake.calls == ["mini-infer.replies.new"]
+    admin, fake = make_admin(existing=existing, create=False)
+    await admin.ensure_reply_topic("mini-infer.replies.a")
+    with pytest.raises(TopicCreationRefused, match="pre-provisioned"):
+        await admin.ensure_reply_topic("mini-infer.replies.missing")
+    assert fake.calls == []
+
+
+async def test_a_reply_partition_must_exist() -> None:
+    """Guards against publishing to a partition the topic lacks (aiokafka asserts on it):
+    such a request is refused, and a valid one is admitted after one metadata lookup."""
+    admin, fake = make_admin(existing={"mini-infer.replies.shared": 4}, create=False)
+    await admin.ensure_reply_topic("mini-infer.replies.shared", 3)
+    assert admin.is_known("mini-infer.replies.shared", 3)
+    assert not admin.is_known("mini-infer.replies.shared", 4)
+    with pytest.raises(TopicCreationRefused, match="4 partitions"):
+        await admin.ensure_reply_topic("mini-infer.replies.shared", 4)
+    assert fake.calls == []
+
+
 def test_token_bucket_refills_at_its_rate() -> None:
     now = [0.0]
     bucket = TokenBucket(2.0, 2, clock=lambda: now[0])
@@ -104,7 +149,7 @@ class FakeProducer:
             cluster=SimpleNamespace(partitions_for_topic=lambda t: None if t in self.slow else {0})
         )
 
-    async def send(self, topic, value, key=None, headers=None):
+    async def send(self, topic, value, key=None, headers=None, partition=None):
         if topic in self.slow:
             await self.release.wait()
         self.sent.append((topic, value))
