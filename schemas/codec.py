@@ -201,7 +201,10 @@ def decode_request(
         request = Request.model_validate(obj, strict=True)
     except ValidationError as exc:
         raise InvalidRequestError(
-            routing.id, routing.reply_to, describe_validation_error(exc), nonce=_nonce_of(obj),
+            routing.id,
+            routing.reply_to,
+            describe_validation_error(exc),
+            nonce=_nonce_of(obj),
             reply_partition=routing.reply_partition,
         ) from None
     check_limits(request, limits)
@@ -221,7 +224,11 @@ def check_limits(request: Request, limits: Limits = DEFAULT_LIMITS) -> None:
         problem = f"{len(request.messages)} messages, the limit is {limits.max_messages}"
     if problem is not None:
         raise InvalidRequestError(
-            request.id, request.reply_to, problem, ErrorCode.LIMIT_EXCEEDED, request.nonce,
+            request.id,
+            request.reply_to,
+            problem,
+            ErrorCode.LIMIT_EXCEEDED,
+            request.nonce,
             request.reply_partition,
         )
 

@@ -51,7 +51,9 @@ def test_build_request_validates_locally() -> None:
 def test_clients_share_the_reply_topic_unless_they_opt_into_their_own() -> None:
     assert MiniInferClient("x:1").reply_topic == DEFAULT_SHARED_REPLY_TOPIC
     private = ClientOptions(private_reply_topic=True)
-    assert MiniInferClient("x:1", private).reply_topic != MiniInferClient("x:1", private).reply_topic
+    assert (
+        MiniInferClient("x:1", private).reply_topic != MiniInferClient("x:1", private).reply_topic
+    )
 
 
 async def test_router_routes_by_id_and_survives_garbage() -> None:
