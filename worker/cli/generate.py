@@ -27,6 +27,7 @@ from schemas.contract import (
     DEFAULT_CONTROL_TOPIC,
     DEFAULT_REPLY_TOPIC_PREFIX,
     DEFAULT_REQUEST_TOPIC,
+    DEFAULT_SHARED_REPLY_TOPIC,
 )
 from schemas.headers import Urgency
 from schemas.messages import FinalReply
@@ -103,6 +104,7 @@ async def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             request_topic=_env("REQUEST_TOPIC", DEFAULT_REQUEST_TOPIC),
             control_topic=_env("CONTROL_TOPIC", DEFAULT_CONTROL_TOPIC),
             reply_prefix=_env("REPLY_TOPIC_PREFIX", DEFAULT_REPLY_TOPIC_PREFIX),
+            reply_topic=_env("SHARED_REPLY_TOPIC", DEFAULT_SHARED_REPLY_TOPIC),
         )
         client = MiniInferClient(bootstrap_servers, options)
         client.build_request(**request_fields(args))
