@@ -34,14 +34,13 @@ def kafka_settings(args: argparse.Namespace, bootstrap_servers: str):
 
 
 def make_client(kafka):
-    from schemas.contract import DEFAULT_SHARED_REPLY_TOPIC
     from worker.client import ClientOptions, MiniInferClient
 
     options = ClientOptions(
         request_topic=kafka.request_topic,
         control_topic=kafka.control_topic,
         reply_prefix=kafka.reply_topic_prefix,
-        reply_topic=kafka.shared_reply_topic or DEFAULT_SHARED_REPLY_TOPIC,
+        reply_topic=kafka.shared_reply_topic_name,
         # Off unless MINI_INFER_KAFKA__ENABLE_IDEMPOTENCE says so: the SDK's default, and the
         # embedded broker cannot do it. A duplicated request is only generated twice.
         enable_idempotence=bool(kafka.enable_idempotence),

@@ -24,7 +24,8 @@ NUM_REPLY_TOPIC_PARTITIONS = 1  # one client reads it; one partition keeps its r
 # v1.2: the SDK's default reply topic, shared by every client and created by the workers (or by
 # ops) like their other topics. A client reads one partition of it (`reply_partition`, chosen by
 # a hash of its instance id) and takes its replies by key (the request id) and nonce.
-DEFAULT_SHARED_REPLY_TOPIC = "mini-infer.replies.shared"
+SHARED_REPLY_TOPIC_SUFFIX = "shared"  # after the reply prefix
+DEFAULT_SHARED_REPLY_TOPIC = DEFAULT_REPLY_TOPIC_PREFIX + SHARED_REPLY_TOPIC_SUFFIX
 NUM_SHARED_REPLY_TOPIC_PARTITIONS = 16
 MAX_REPLY_PARTITION = 2**31 - 1  # Kafka's partition ids are int32
 # CreateTopics answers this code for a topic that is already there: success for our purposes.

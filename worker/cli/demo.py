@@ -110,7 +110,6 @@ async def ask(client, answer: Answer, display: Display, max_tokens: int) -> None
 
 
 async def run_demo(settings: WorkerSettings, max_tokens: int) -> int:
-    from schemas.contract import DEFAULT_SHARED_REPLY_TOPIC
     from worker.client import ClientOptions, MiniInferClient
 
     started_s = time.monotonic()
@@ -132,7 +131,7 @@ async def run_demo(settings: WorkerSettings, max_tokens: int) -> int:
             options = ClientOptions(
                 request_topic=kafka.request_topic,
                 reply_prefix=kafka.reply_topic_prefix,
-                reply_topic=kafka.shared_reply_topic or DEFAULT_SHARED_REPLY_TOPIC,
+                reply_topic=kafka.shared_reply_topic_name,
                 control_topic=kafka.control_topic,
             )
             async with MiniInferClient(broker.bootstrap_servers, options) as client:

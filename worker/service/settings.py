@@ -32,8 +32,8 @@ from schemas.contract import (
     DEFAULT_MAX_PROMPT_CHARS,
     DEFAULT_REPLY_TOPIC_PREFIX,
     DEFAULT_REQUEST_TOPIC,
-    DEFAULT_SHARED_REPLY_TOPIC,
     NUM_SHARED_REPLY_TOPIC_PARTITIONS,
+    SHARED_REPLY_TOPIC_SUFFIX,
     TOPIC_NAME_PATTERN,
 )
 from schemas.headers import Urgency
@@ -96,10 +96,14 @@ class KafkaSettings(_Group):
     client_id: str = "mini-infer-worker"
     reply_topics: ReplyTopicSettings = Field(default_factory=ReplyTopicSettings)
     # v1.2: the SDK's default reply topic, created with the worker's own topics so that no
-    # client creates one; under reply_topic_prefix. None: ops provision it (or nobody uses it).
-    shared_reply_topic: TopicName | None = DEFAULT_SHARED_REPLY_TOPIC
+    # client creates one. Under reply_topic_prefix; None: `<reply_topic_prefix>shared`.
+    shared_reply_topic: TopicName | None = Field(
+        default=None, description="default: <reply_topic_prefix>shared"
+    )
     num_shared_reply_partitions: int = Field(
-        default=NUM_SHARED_REPLY_TOPIC_PARTITIONS, ge=1, description="of the shared reply topic"
+        default=NUM_SHARED_REPLY_TOPIC_PARTITIONS,
+        ge=0,
+        description="of the shared reply topic; 0: not created (ops provision it)",
     )
     # None: on for an external Kafka, off for the embedded broker (whose InitProducerId answer
     # stock aiokafka cannot read, see docs/KAFKA.md).
@@ -128,6 +132,10 @@ class KafkaSettings(_Group):
     ssl_password: SecretStr | None = None  # of the private key, if encrypted
 
     @property
+    def shared_reply_topic_name(self) -> str:
+        return self.shared_reply_topic or f"{self.reply_topic_prefix}{SHARED_REPLY_TOPIC_SUFFIX}"
+
+    @property
     def is_embedded(self) -> bool:
         return self.bootstrap_servers is None
 
@@ -141,16 +149,15 @@ class KafkaSettings(_Group):
         ]
         if self.reply_topic_prefix.startswith("_") or self.reply_topic_prefix in (".", ".."):
             covered.append(self.reply_topic_prefix)
-        shared = self.shared_reply_topic
-        if shared is not None and not shared.startswith(self.reply_topic_prefix):
-            raise ValueError(
-                f"shared_reply_topic {shared!r} is not under reply_topic_prefix "
-                f"{self.reply_topic_prefix!r}: no worker would write to it"
-            )
         if covered:
             raise ValueError(
                 f"reply_topic_prefix {self.reply_topic_prefix!r} covers {covered}: a request could "
                 "then name a worker topic as its reply_to"
+            )
+        if not self.shared_reply_topic_name.startswith(self.reply_topic_prefix):
+            raise ValueError(
+                f"shared_reply_topic {self.shared_reply_topic!r} is not under reply_topic_prefix "
+                f"{self.reply_topic_prefix!r}: no worker would write to it"
             )
         check_security(
             self.security_protocol, self.sasl_mechanism, self.sasl_username,

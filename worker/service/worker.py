@@ -256,8 +256,8 @@ class Worker:
         topics = dict.fromkeys(
             (kafka.request_topic, kafka.control_topic, kafka.dlq_topic), kafka.num_partitions
         )
-        if kafka.shared_reply_topic is not None:
-            topics[kafka.shared_reply_topic] = kafka.num_shared_reply_partitions
+        if kafka.num_shared_reply_partitions > 0:
+            topics[kafka.shared_reply_topic_name] = kafka.num_shared_reply_partitions
         return topics
 
     async def _watch_topics(self) -> None:
