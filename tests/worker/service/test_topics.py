@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import msgpack
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import RequestTimedOutError, TopicAuthorizationFailedError
 
+from schemas.codec import decode_reply
 from schemas.contract import DeadLetterReason
 from schemas.headers import ERROR_REASON, get_text_header
 from tests.conftest import unique_name
@@ -250,3 +253,63 @@ async def test_a_dead_publisher_loop_is_reported() -> None:
     publisher._producer = SimpleNamespace()  # no `send`: the lane task raises, a bug
     publisher.publish(Outgoing("t", None, b"v", []))
     await asyncio.wait_for(publisher.failed.wait(), 5)
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(120)
+async def test_the_worker_creates_the_shared_reply_topic_and_answers_on_the_named_partition(
+    broker, tiny_model_dir
+) -> None:
+    """Guards against replies (an error final included) landing where the client does not read
+    on a shared reply topic (contract v1.2), against a partition the topic lacks reaching the
+    producer (aiokafka asserts), and against `create=false` refusing a topic that exists."""
+    topic, group_id = fresh_topics()
+    await create_topic(broker.bootstrap_servers, topic, 1)
+    shared = PREFIX + unique_name("shared")
+    settings = worker_settings(
+        tiny_model_dir, broker.bootstrap_servers, group_id, topic,
+        kafka={"shared_reply_topic": shared, "num_shared_reply_partitions": 4,
+               "reply_topics": {"create": False}},
+    )  # fmt: skip
+    worker = Worker(settings)
+    await worker.start()
+    try:
+        await worker.wait_assigned()
+        async with Producer(broker.bootstrap_servers) as producer:
+            await producer.send(topic, make_request(shared, id="good", reply_partition=2))
+            invalid = {"id": "invalid", "reply_to": shared, "reply_partition": 2, "max_tokens": 0}
+            await producer.send_raw(topic, msgpack.packb(invalid), b"invalid")
+            await producer.send(topic, make_request(shared, id="nowhere", reply_partition=4))
+        (dead,) = await dlq_records(broker.bootstrap_servers, settings.kafka.dlq_topic, 1)
+        assert dead.key == b"nowhere"
+        assert get_text_header(dead.headers, ERROR_REASON) == (
+            DeadLetterReason.REPLY_TOPIC_UNAVAILABLE
+        )
+        records = await read_all_partitions(
+            broker.bootstrap_servers, shared, 4, {b"good", b"invalid"}
+        )
+        assert {(r.partition, r.key) for r in records} == {(2, b"good"), (2, b"invalid")}
+        await wait_for_commit(broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == 3)
+    finally:
+        await worker.stop(grace_s=5)
+
+
+async def read_all_partitions(bootstrap_servers, topic, num_partitions, finals_of) -> list:
+    """Every record of `topic` until each id of `finals_of` has its final."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap_servers, group_id=None, auto_offset_reset="earliest"
+    )
+    await consumer.start()
+    consumer.assign([TopicPartition(topic, p) for p in range(num_partitions)])
+    records, finished = [], set()
+    try:
+        while finished != finals_of:
+            batches = await asyncio.wait_for(consumer.getmany(timeout_ms=200), 30)
+            for batch in batches.values():
+                for record in batch:
+                    records.append(record)
+                    if decode_reply(record.value).type == "final":
+                        finished.add(record.key)
+    finally:
+        await asyncio.wait_for(consumer.stop(), 10)
+    return records
