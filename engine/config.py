@@ -44,6 +44,13 @@ class EngineConfig:
     device: str = "auto"
     cuda_graphs: bool = True  # only on CUDA: capture the decode step for bucketed batch sizes
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" (engine/quant/kv_int8.py)
+    # Steps sized by urgency (engine/scheduler.py): while a request with priority <=
+    # `urgent_priority` is in the engine, a step's tokens are capped to stay under this many ms
+    # by a step cost model calibrated at start-up. None or 0: the token budget only. Off by default
+    # in the engine (whose default priority, 0, would make all work urgent); the worker, where
+    # priority is the request's urgency (critical 0, high 1), sets 100 ms.
+    step_time_target_ms: float | None = None
+    urgent_priority: int = 1
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -76,15 +83,23 @@ class EngineConfig:
                 f"got {self.linear_kernel!r}"
             )
 
+        if self.step_time_target_ms == 0:  # 0 means off too (an env variable cannot say None)
+            object.__setattr__(self, "step_time_target_ms", None)
+        if self.step_time_target_ms is not None and not self.step_time_target_ms > 0:
+            raise ValueError(f"step_time_target_ms must be > 0, got {self.step_time_target_ms}")
         if self.fused_ops not in ("auto", "on", "off"):
             raise ValueError(f"fused_ops must be 'auto', 'on' or 'off', got {self.fused_ops!r}")
         if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {sorted(known)}")
+            raise TypeError(
+                f"unknown engine option(s): {', '.join(unknown)}; known: {sorted(known)}"
+            )
         return cls(**kwargs)

@@ -7,6 +7,7 @@ queues. Nothing here knows about asyncio or Kafka.
 from __future__ import annotations
 
 import gc
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats
 from engine.request import Request
 from engine.sampling_params import SamplingParams, derive_seed
 from engine.scheduler import Scheduler
+from engine.step_cost import calibrate_on
 
 log = structlog.get_logger(__name__)
 
@@ -72,6 +74,9 @@ class LLMEngine:
         # hold this engine: collected now, a dropped engine frees its weights and KV pool at
         # once instead of at some later cyclic GC (found as a doubled peak RSS in the bench).
         gc.collect()
+        if self.config.step_time_target_ms is not None:  # steps sized by urgency need costs
+            self.scheduler.cost_model = calibrate_on(self)
+            log.info("engine.step_cost_calibrated", model=repr(self.scheduler.cost_model))
         log.info(
             "engine_ready",
             model=str(self.model_path),
@@ -178,7 +183,11 @@ class LLMEngine:
             if out.finished_request_ids:
                 self.runner.execute(out)  # lets the runner drop per-request state
             return []
+        started_s = time.perf_counter()
         sampled = self.runner.execute(out)
+        if self.scheduler.cost_model is not None:  # the online correction of the step cost
+            chunks = [(s.start_position, len(s.token_ids)) for s in out.scheduled]
+            self.scheduler.cost_model.observe(chunks, (time.perf_counter() - started_s) * 1000)
         step_logprobs = self.runner.take_logprobs()
         for request_id, produced in step_logprobs.items():
             accumulator = self._prompt_logprobs.get(request_id)

@@ -12,16 +12,56 @@ happens in two cases:
 2. a waiting request is more urgent than some running request and cannot be admitted for
    lack of blocks or of a running slot: the least urgent running request makes room
    (vLLM v1 admits waiting work only when it fits, so urgent work waits behind bulk work).
+
+Steps sized by urgency: while any request at least as urgent as `config.urgent_priority` is in
+the engine and `config.step_time_target_ms` is set, a step also has a time budget. The step
+cost model (engine/step_cost.py: tokens and context lengths, calibrated at start-up, corrected
+after every step) turns it into tokens per chunk, so a long prefill is split into chunks that
+fit and a critical request's first token is never more than about one target away. Urgent
+waiting work is then admitted before less urgent running work takes the rest of the step.
+With only normal and low work the token budget alone applies, as before.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.step_cost import StepCostModel
+
+# The first (most urgent) chunk of a capped step gets at least this share of the token budget
+# (or all it wants), so urgent work makes progress even when the model says the target cannot
+# be met (a machine slower than the target, a calibration taken under load). Measured with
+# SmolLM2 on the loaded 2-core machine: a floor of 16 tokens split a critical 80-token prompt
+# over 5 steps whose fixed cost dominated (critical TTFT p50 30.5 s against the low requests'
+# 18.2 s); the cap is there to shorten the steps of the work around urgent work, not its own.
+MIN_FIRST_CHUNK_SHARE = 4  # max_num_batched_tokens // this
+
+
+class StepCap:
+    """The time budget of one step, spent chunk by chunk. At least half the target goes to the
+    chunks even when the fixed cost alone would use it all (no target is met then; steps stay
+    short all the same)."""
+
+    def __init__(self, model: StepCostModel, target_ms: float, min_first_chunk: int = 1) -> None:
+        self._model = model
+        self.remaining_ms = max(target_ms - model.step_fixed_ms(), target_ms / 2)
+        self.min_first_chunk = min_first_chunk
+        self.num_chunks = 0
+
+    def take(self, start: int, num_wanted: int) -> int:
+        """How many of `num_wanted` tokens at `start` fit; spends their cost."""
+        num_new = min(num_wanted, self._model.max_new_tokens(start, self.remaining_ms))
+        if self.num_chunks == 0:
+            num_new = max(num_new, min(self.min_first_chunk, num_wanted))
+        if num_new > 0:
+            self.remaining_ms -= self._model.chunk_ms(start, num_new)
+            self.num_chunks += 1
+        return num_new
 
 
 class Scheduler:
@@ -30,8 +70,15 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
-        self._waiting: list[tuple[tuple[int, int], str]] = []  # heap of (sort_key, id); lazy deletion
+        self._waiting: list[
+            tuple[tuple[int, int], str]
+        ] = []  # heap of (sort_key, id); lazy deletion
         self._finished_ids: list[str] = []
+        # Set when steps are sized by urgency; the engine replaces it with a calibrated one.
+        self.cost_model: StepCostModel | None = (
+            StepCostModel() if config.step_time_target_ms is not None else None
+        )
+        self._num_urgent = 0  # requests in the engine with priority <= config.urgent_priority
         # Counters for EngineStats.
         self.num_preemptions = 0
         self.num_prefix_queries = 0  # prompt tokens looked up at first admission
@@ -44,6 +91,7 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in the engine")
         self.requests[req.request_id] = req
+        self._num_urgent += self._is_urgent(req)
         req.status = RequestStatus.WAITING
         heapq.heappush(self._waiting, (req.sort_key, req.request_id))
 
@@ -59,6 +107,7 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self._num_urgent -= self._is_urgent(req)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         # A waiting entry stays in the heap and is skipped when popped.
@@ -67,6 +116,21 @@ class Scheduler:
         self.kv.forget(req)
         self._finished_ids.append(request_id)
         return req
+
+    def _is_urgent(self, req: Request) -> bool:
+        return req.priority <= self.config.urgent_priority
+
+    @property
+    def has_urgent(self) -> bool:
+        return self._num_urgent > 0
+
+    def step_cap(self) -> StepCap | None:
+        """This step's time budget: only while urgent work is in the engine."""
+        target_ms = self.config.step_time_target_ms
+        if target_ms is None or self.cost_model is None or not self.has_urgent:
+            return None
+        min_first_chunk = max(1, self.config.max_num_batched_tokens // MIN_FIRST_CHUNK_SHARE)
+        return StepCap(self.cost_model, target_ms, min_first_chunk)
 
     def _peek_waiting(self) -> Request | None:
         while self._waiting:
@@ -91,15 +155,46 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
         self._make_room_for_urgent(out)
-        budget = self.config.max_num_batched_tokens
-        preempted_now = False
-
+        cap = self.step_cap()
         # 1. Running requests, most urgent first. Victims come from the unscheduled tail.
         queue = sorted(self.running, key=lambda r: r.sort_key)
+        budget = self.config.max_num_batched_tokens
+        if cap is None:
+            budget, preempted_now = self._schedule_running(queue, budget, None, out)
+            # 2. Waiting requests, unless this step already had to preempt (admitting now would
+            # thrash).
+            if not preempted_now:
+                self._schedule_waiting(budget, None, out)
+            return out
+        # Sized by urgency: running work at least as urgent as the head of the queue, then the
+        # waiting work, then the rest of the running work, in what is left of the time budget.
+        head = self._peek_waiting()
+        head_priority = head.priority if head is not None else math.inf
+        budget, preempted_now = self._schedule_running(queue, budget, cap, out, head_priority)
+        if not preempted_now:
+            budget = self._schedule_waiting(budget, cap, out)
+        self._schedule_running(queue, budget, cap, out)
+        return out
+
+    def _schedule_running(
+        self,
+        queue: list[Request],
+        budget: int,
+        cap: StepCap | None,
+        out: SchedulerOutput,
+        max_priority: float = math.inf,
+    ) -> tuple[int, bool]:
+        """Schedule the head of `queue` (sorted, consumed in place) while its priority is at
+        most `max_priority`. Returns (token budget left, whether it preempted)."""
+        preempted_now = False
         scheduled_running: list[tuple[Request, int]] = []
-        while queue and budget > 0:
+        while queue and budget > 0 and queue[0].priority <= max_priority:
             req = queue.pop(0)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if cap is not None:
+                num_new = cap.take(req.num_computed_tokens, num_new)
+                if num_new == 0:
+                    continue  # no time left in this step: it runs in the next one
             while not self.kv.allocate_slots(req, num_new):
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
@@ -112,25 +207,29 @@ class Scheduler:
                 budget -= num_new
         for req, num_new in scheduled_running:
             out.scheduled.append(self._scheduled(req, num_new))
+        return budget, preempted_now
 
-        # 2. Waiting requests, unless this step already had to preempt (admitting now would thrash).
-        while not preempted_now and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, budget: int, cap: StepCap | None, out: SchedulerOutput) -> int:
+        """Admit waiting requests in order while they fit. Returns the token budget left."""
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._peek_waiting()
             if req is None:
                 break
             computed = self.kv.get_computed_blocks(req)
             num_cached = len(computed) * self.config.block_size
-            num_new = req.num_tokens - num_cached
-            if num_new > budget and not self.config.enable_chunked_prefill:
+            num_needed = req.num_tokens - num_cached
+            num_new = min(num_needed, budget)
+            if cap is not None:
+                num_new = cap.take(num_cached, num_new)
+            if num_new == 0 or (num_new < num_needed and not self.config.enable_chunked_prefill):
                 break
-            num_new = min(num_new, budget)
             if not self.kv.allocate_slots(req, num_new, computed):
                 break
             heapq.heappop(self._waiting)
             self._admit(req, num_cached)
             out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
-        return out
+        return budget
 
     def _admit(self, req: Request, num_cached: int) -> None:
         if req.num_cached_tokens is None:  # first admission: count the prompt lookup

@@ -8,6 +8,11 @@ reply topic. With no `--bootstrap-servers` it starts an embedded broker and one
     mini-infer loadtest --num-prompts 16 --request-rate 2 --output-len 32
     mini-infer loadtest --sweep 1,2,4,8 --goodput ttft:500 tpot:100 --plot-dir plots/
     mini-infer loadtest --bootstrap-servers kafka:9092 --max-concurrency 8 --out r.json
+    mini-infer loadtest --backlog 2000 --num-prompts 3 --urgency-mix critical:1 --request-rate 1
+
+Requests go to their urgency lane (`request_topic_for`, contract v1.2) unless the workers run
+without lanes (MINI_INFER_KAFKA__URGENCY_LANES=false). `--backlog N` is the backlog scenario
+(`loadtest.loadgen_backlog`): N low requests produced first, then the measured ones.
 
 Arrivals are open-loop as in vLLM (the first request at 0, then gamma-distributed gaps of mean
 `1 / --request-rate` and shape `--burstiness`; 1 = Poisson), optionally capped by
@@ -32,8 +37,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from loadtest.loadgen_backlog import backlog_args, format_backlog, run_backlog, summarize_backlog
 from loadtest.loadgen_service import READY_TIMEOUT_S, embedded_service, kafka_settings, make_client
 from loadtest.loadgen_stats import (
+    URGENCIES,
     RequestResult,
     arrival_gaps_s,
     arrival_offsets_s,
@@ -236,6 +243,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cancel-fraction", type=float, default=0.0, help="cancel this share halfway"
     )
     load.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    backlog = parser.add_argument_group("backlog scenario (loadtest/loadgen_backlog.py)")
+    backlog.add_argument("--backlog", type=int, default=0,
+                         help="produce this many requests first, a standing backlog")  # fmt: skip
+    backlog.add_argument("--backlog-urgency", default="low", choices=URGENCIES)
+    backlog.add_argument("--backlog-lead-s", type=float, default=3.0,
+                         help="after the backlog is sent, before the measured requests")  # fmt: skip
+    backlog.add_argument("--backlog-wait", action="store_true",
+                         help="wait for the whole backlog (default: censor it at the end)")  # fmt: skip
     report = parser.add_argument_group("report")
     report.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                         help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")  # fmt: skip
@@ -253,6 +268,8 @@ def _check(args: argparse.Namespace) -> tuple[dict[str, float] | None, list[floa
         raise ValueError("--max-concurrency must be >= 1")
     if not 0 <= args.cancel_fraction <= 1:
         raise ValueError("--cancel-fraction must be in [0, 1]")
+    if args.backlog < 0 or args.backlog_lead_s < 0:
+        raise ValueError("--backlog and --backlog-lead-s must be >= 0")
     if args.deadline_ms is not None and args.deadline_ms < 0:
         raise ValueError("--deadline-ms must be >= 0")
     percentiles = [float(p) for p in args.percentiles.split(",")]
@@ -282,18 +299,50 @@ async def run_command(args: argparse.Namespace, bootstrap_servers: str) -> dict:
                 rate, args.burstiness, args.max_concurrency, args.deadline_ms,
                 args.timeout_s, args.seed, not args.no_progress,
             )  # fmt: skip
-            results, duration_s = await run_load(client, build_workload(args), options)
+            if args.backlog:
+                results, duration_s, backlog_doc = await _run_with_backlog(
+                    client, args, options, slos, percentiles
+                )
+            else:
+                results, duration_s = await run_load(client, build_workload(args), options)
+                backlog_doc = None
             doc = summarize_run(results, duration_s, slos, percentiles)
+            if backlog_doc is not None:
+                doc["backlog"] = backlog_doc
             doc.update(_run_header(args, rate, slos))
             doc.update(_samples(results))
             runs.append(doc)
             samples.append(results)
             print(format_table(doc), file=sys.stderr, flush=True)
+            if backlog_doc is not None:
+                print(format_backlog(backlog_doc), file=sys.stderr, flush=True)
     if args.plot_dir is not None:
         from loadtest.loadgen_plots import write_plots
 
         write_plots(args.plot_dir, runs, samples)
     return runs[0] if len(runs) == 1 else {"sweep": runs}
+
+
+async def _run_with_backlog(client, args, options: RunOptions, slos, percentiles):
+    """The backlog scenario: returns the measured results, the duration, the backlog summary
+    (and its plot, with --plot-dir)."""
+    backlog_specs = build_workload(backlog_args(args))
+    gaps = arrival_gaps_s(args.num_prompts, options.request_rate, options.burstiness, args.seed)
+    run = await run_backlog(
+        client, backlog_specs, build_workload(args), options, arrival_offsets_s(gaps),
+        args.backlog_lead_s, args.backlog_wait,
+    )  # fmt: skip
+    measured = summarize_run(run.measured, run.duration_s, slos, percentiles)
+    backlog_doc = summarize_backlog(run, measured.get("median_ttft_ms"))
+    backlog_doc["backlog_ttfts"] = run.censored_ttft_s
+    backlog_doc["backlog_sent_s"] = run.backlog_sent_s
+    backlog_doc["measured_sent_s"] = run.measured_sent_s
+    if args.plot_dir is not None:
+        from loadtest.loadgen_plots import plot_backlog
+
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        plot_backlog(args.plot_dir / "backlog_ttft.png", run, backlog_doc)
+    return run.measured, run.duration_s, backlog_doc
 
 
 def _run_header(args: argparse.Namespace, rate: float, slos) -> dict:
@@ -310,6 +359,8 @@ def _run_header(args: argparse.Namespace, rate: float, slos) -> dict:
         "urgency_mix": parse_urgency_mix(args.urgency_mix),
         "deadline_ms": args.deadline_ms,
         "cancel_fraction": args.cancel_fraction,
+        "backlog_size": args.backlog,
+        "backlog_urgency": args.backlog_urgency,
         "goodput_slos_ms": slos,
         "seed": args.seed,
     }

@@ -38,6 +38,7 @@ def make_client(kafka):
 
     options = ClientOptions(
         request_topic=kafka.request_topic,
+        urgency_lanes=kafka.urgency_lanes,  # send by lane exactly when the workers read lanes
         control_topic=kafka.control_topic,
         reply_prefix=kafka.reply_topic_prefix,
         reply_topic=kafka.shared_reply_topic_name,

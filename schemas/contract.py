@@ -11,6 +11,8 @@ SCHEMA_VERSION = 1
 # Additions within v1 that old readers ignore: 1 = `logprobs` (request and token replies) and
 # the latency split of `timing`.
 SCHEMA_MINOR_VERSION = 1
+# v1.2 additions of urgency lanes (request_topic_for): only topic names, no field, so readers of
+# any minor version agree on them.
 
 # --- Topics ------------------------------------------------------------------------------------
 DEFAULT_REQUEST_TOPIC = "mini-infer.requests"
@@ -28,6 +30,31 @@ SHARED_REPLY_TOPIC_SUFFIX = "shared"  # after the reply prefix
 DEFAULT_SHARED_REPLY_TOPIC = DEFAULT_REPLY_TOPIC_PREFIX + SHARED_REPLY_TOPIC_SUFFIX
 NUM_SHARED_REPLY_TOPIC_PARTITIONS = 16
 MAX_REPLY_PARTITION = 2**31 - 1  # Kafka's partition ids are int32
+# Urgency lanes (v1.2): `critical` and `high` requests go to topics of their own next to the
+# request topic, so that a backlog of bulk work in Kafka never stands in front of them (a
+# partition is an ordered log). `normal` and `low` share the base topic: they are the bulk, and
+# a worker orders them among what it has read by the `urgency` header. Lanes in urgency order.
+LANE_URGENCIES = ("critical", "high")
+LANE_SEPARATOR = "."
+
+
+def request_topic_for(
+    urgency: str = "normal", base: str = DEFAULT_REQUEST_TOPIC, *, is_laned: bool = True
+) -> str:
+    """The topic a request of `urgency` goes to: `<base>.critical`, `<base>.high`, or `base`
+    for `normal` and `low` (and for every urgency when `is_laned` is False)."""
+    value = str(urgency).strip().lower()  # an Urgency is a StrEnum; unknown ones are `normal`
+    if is_laned and value in LANE_URGENCIES:
+        return f"{base}{LANE_SEPARATOR}{value}"
+    return base
+
+
+def request_topics(base: str = DEFAULT_REQUEST_TOPIC, *, is_laned: bool = True) -> list[str]:
+    """Every topic a worker of `base` consumes, most urgent lane first, the base topic last."""
+    lanes = [request_topic_for(u, base) for u in LANE_URGENCIES] if is_laned else []
+    return [*lanes, base]
+
+
 # CreateTopics answers this code for a topic that is already there: success for our purposes.
 KAFKA_TOPIC_ALREADY_EXISTS = 36
 

@@ -107,3 +107,48 @@ def test_bad_input_fails_before_anything_starts(argv: list[str], capsys) -> None
 
     assert main(parse(argv)) == 2  # no broker or worker was started: it returns at once
     assert "mini-infer loadtest:" in capsys.readouterr().err
+
+
+async def test_backlog_scenario_run(broker, tiny_model_dir, tmp_path) -> None:
+    """`--backlog`: the backlog goes first (low, on the base topic), the measured critical
+    requests after it by their lane; with --backlog-wait every backlog TTFT is exact."""
+    topic, group_id = fresh_topics()
+    await create_topic(broker.bootstrap_servers, topic, 1)
+    worker = Worker(worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic))
+    await worker.start()
+    try:
+        await worker.wait_assigned()
+        args = parse([
+            "--bootstrap-servers", broker.bootstrap_servers, "--request-topic", topic,
+            "--control-topic", topic + ".control", "--num-prompts", "2", "--backlog", "6",
+            "--backlog-lead-s", "0.2", "--backlog-wait", "--urgency-mix", "critical:1",
+            "--input-len", "6", "--output-len", str(OUTPUT_LEN), "--timeout-s", "60",
+            "--plot-dir", str(tmp_path), "--no-progress",
+        ])  # fmt: skip
+        doc = await run_command(args, broker.bootstrap_servers)
+    finally:
+        await worker.stop(grace_s=5)
+    assert doc["completed"] == 2 and set(doc["per_urgency"]) == {"critical"}
+    backlog = doc["backlog"]
+    assert (backlog["num_backlog"], backlog["num_backlog_first_token"]) == (6, 6)
+    assert not backlog["backlog_ttft_is_lower_bound"] and backlog["backlog_median_ttft_ms"] > 0
+    assert len(backlog["backlog_sent_s"]) == 6 and len(backlog["measured_sent_s"]) == 2
+    assert max(backlog["backlog_sent_s"]) <= min(backlog["measured_sent_s"])
+    assert (tmp_path / "backlog_ttft.png").stat().st_size > 0
+
+
+def test_a_censored_backlog_reports_a_lower_bound() -> None:
+    from loadtest.loadgen_backlog import CENSORED, BacklogRun, summarize_backlog
+    from loadtest.loadgen_stats import RequestResult
+
+    answered = RequestResult(urgency="low", chunk_times_s=[1.0])
+    unanswered = [RequestResult(urgency="low", error=CENSORED) for _ in range(2)]
+    run = BacklogRun(
+        measured=[], backlog=[answered, *unanswered], measured_sent_s=[],
+        backlog_sent_s=[0.0, 0.0, 1.0], censored_ttft_s=[1.0, 5.0, 4.0], stop_s=5.0,
+        duration_s=5.0,
+    )  # fmt: skip
+    summary = summarize_backlog(run, measured_p50_ttft_ms=400.0)
+    assert summary["backlog_ttft_is_lower_bound"] and summary["num_backlog_first_token"] == 1
+    assert summary["backlog_median_ttft_ms"] == 4000.0
+    assert summary["measured_over_backlog_ttft_p50"] == pytest.approx(0.1)

@@ -103,6 +103,8 @@ async def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         options = ClientOptions(
             kafka=security,
             request_topic=_env("REQUEST_TOPIC", DEFAULT_REQUEST_TOPIC),
+            # By lane (contract v1.2) unless the workers run without: the same variable.
+            urgency_lanes=_env("URGENCY_LANES", "true").lower() not in ("false", "0", "off"),
             control_topic=_env("CONTROL_TOPIC", DEFAULT_CONTROL_TOPIC),
             reply_prefix=reply_prefix,
             # the worker's default, `<reply_topic_prefix>shared` (contract v1.2)

@@ -46,6 +46,7 @@ from schemas.contract import (
     DEFAULT_SHARED_REPLY_TOPIC,
     NUM_REPLY_TOPIC_PARTITIONS,
     TOPIC_NAME_PATTERN,
+    request_topic_for,
 )
 from schemas.headers import CONTENT_TYPE, Urgency, request_headers
 from schemas.messages import (
@@ -106,6 +107,9 @@ class ClientOptions:
     """How a client reaches the workers. The defaults are the contract's (schemas.contract)."""
 
     request_topic: str = DEFAULT_REQUEST_TOPIC
+    # Send `critical` and `high` requests to their urgency lane (contract v1.2,
+    # `request_topic_for`); False: every request to `request_topic` (workers without lanes).
+    urgency_lanes: bool = True
     reply_prefix: str = DEFAULT_REPLY_TOPIC_PREFIX
     # v1.2: the shared reply topic this client reads one partition of; None of these creates it.
     reply_topic: str = DEFAULT_SHARED_REPLY_TOPIC
@@ -291,6 +295,12 @@ class MiniInferClient:
         check_limits(request, self.options.limits)
         return request
 
+    def topic_for(self, urgency: Urgency | str) -> str:
+        """The topic a request of `urgency` goes to: its lane, or the request topic."""
+        return request_topic_for(
+            Urgency.parse(urgency), self.request_topic, is_laned=self.options.urgency_lanes
+        )
+
     async def send(
         self,
         request: Request,
@@ -305,13 +315,14 @@ class MiniInferClient:
         if self._producer is None:
             raise ClientError("the client is not started")
         tracer = self.options.tracer or trace.get_tracer("mini_infer.client")
+        topic = self.topic_for(urgency)
         with tracer.start_as_current_span(
-            f"send {self.request_topic}",
+            f"send {topic}",
             kind=trace.SpanKind.PRODUCER,
             attributes={
                 "messaging.system": "kafka",
                 "messaging.operation.type": "send",
-                "messaging.destination.name": self.request_topic,
+                "messaging.destination.name": topic,
                 "messaging.message.id": request.id,
             },
         ):
@@ -320,7 +331,7 @@ class MiniInferClient:
                 _PROPAGATOR.inject(carrier)
                 traceparent = carrier.get("traceparent")
             await self._producer.send_and_wait(
-                self.request_topic,
+                topic,
                 encode(request, MSGPACK),
                 key=request.id.encode(),
                 headers=request_headers(MSGPACK, urgency, traceparent),

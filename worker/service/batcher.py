@@ -130,6 +130,10 @@ class Batcher:
         self._num_arrivals += 1
         self._wakeup.set()
 
+    def tokens_at_least_as_urgent_as(self, priority: int) -> int:
+        """Prompt tokens held here of requests with priority value <= `priority`."""
+        return sum(p.num_tokens for p in self._pending if p.urgency.priority <= priority)
+
     def wake(self) -> None:
         """The engine started work (its queue shrank): maybe there is budget again."""
         self._wakeup.set()

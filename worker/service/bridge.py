@@ -155,6 +155,10 @@ class EngineBridge:
         self._has_work = False
         self._progress_s = time.monotonic()  # the last finished step, or when work arrived
         self._added_s: dict[str, float] = {}  # engine thread only: added, no token yet
+        # The engine's step cost model (engine/step_cost.py) when it sizes steps by urgency:
+        # admission reads it to tell a deadline that cannot be met. Its floats are written by
+        # the engine thread; a read sees a recent enough value.
+        self.step_cost = None
 
     @property
     def queued_tokens(self) -> int:
@@ -226,6 +230,7 @@ class EngineBridge:
                 max_model_len=int(engine.max_model_len),
                 stats=engine.get_stats() if hasattr(engine, "get_stats") else None,
             )
+            self.step_cost = getattr(getattr(engine, "scheduler", None), "cost_model", None)
         except BaseException as error:  # handed to the awaiting coroutine
             self._loop.call_soon_threadsafe(_set_exception, ready, error)
             return

@@ -7,6 +7,11 @@ commits watermarks.
   the assigned partitions are paused, so the worker never buffers without bound, and resumed as
   soon as there is room. Below the bounds it reads ahead of the engine, so that the batcher can
   admit by urgency (see `LimitSettings`).
+- Urgency lanes (contract v1.2): the worker consumes `<request topic>.critical`, `.high` and
+  the base topic. A poll's records are handled most urgent lane first, and the lanes pause in
+  reverse: the base topic at the bounds, the high lane `num_urgent_reserve / 2` requests later,
+  the critical lane `num_urgent_reserve` later. So a backlog of bulk work, paused in Kafka,
+  never stands in front of a critical request.
 - On revocation, finished work is committed first (after letting in-flight finals land). The
   rebalance is eager (every partition revoked, most given back): the revoked partitions are
   suspended, and only those that did not come back have their unfinished jobs dropped (the next
@@ -77,6 +82,9 @@ class RequestConsumer:
         self._max_inflight_bytes = settings.limits.max_inflight_bytes
         limits = settings.limits
         self._max_job_bytes = limits.max_message_bytes + max_prompt_memory(limits.max_prompt_chars)
+        # topic -> its lane's rank (0: the most urgent lane; the base topic is last).
+        self._lane_ranks = {t: r for r, t in enumerate(kafka.request_topics)}
+        self._num_extra = lane_reserves(len(self._lane_ranks), limits.num_urgent_reserve)
         self._is_polling = True
         self._admissions: set[asyncio.Task] = set()  # requests waiting for their reply topic
         self._is_paused = False
@@ -110,7 +118,7 @@ class RequestConsumer:
 
     async def start(self) -> None:
         await self._consumer.start()
-        self._consumer.subscribe([self._settings.kafka.request_topic], listener=_Rebalance(self))
+        self._consumer.subscribe(list(self._lane_ranks), listener=_Rebalance(self))
 
     def stop_polling(self) -> None:
         self._is_polling = False
@@ -118,11 +126,7 @@ class RequestConsumer:
     async def run(self) -> None:
         while self._is_polling:
             self._apply_backpressure()
-            room = self._max_num_inflight - self.tracker.num_unfinished
-            # One poll may overshoot the byte budget by at most one message: take no more
-            # records than could each be as large as the largest request and still fit.
-            bytes_room = self._max_inflight_bytes - self._pipeline.inflight_bytes
-            room = min(room, bytes_room // self._max_job_bytes)
+            room = self._room()
             try:
                 batches = await self._consumer.getmany(
                     timeout_ms=self._settings.kafka.fetch_max_wait_ms, max_records=max(1, room)
@@ -135,8 +139,9 @@ class RequestConsumer:
                 await asyncio.sleep(1.0)
                 continue
             self.last_poll_ok_s = time.monotonic()
-            for partition, records in batches.items():
-                for record in records:
+            # Most urgent lane first: a critical request is admitted before the bulk read with it.
+            for partition in sorted(batches, key=self._lane_rank):
+                for record in batches[partition]:
                     if not self._handle(partition, record):
                         break  # sought back: the rest of this batch comes again
             await self.commit()
@@ -251,17 +256,50 @@ class RequestConsumer:
         message = f"record at offset {offset} is larger than the fetch size; not read"
         self._dead_letter(partition, record, DeadLetter(DeadLetterReason.TOO_LARGE, message), epoch)
 
-    def _apply_backpressure(self) -> None:
-        is_full = (
-            self.tracker.num_unfinished >= self._max_num_inflight
-            or self._pipeline.inflight_bytes >= self._max_inflight_bytes
+    def _lane_rank(self, partition: TopicPartition) -> int:
+        return self._lane_ranks.get(partition.topic, len(self._lane_ranks))
+
+    def _bounds_of(self, rank: int) -> tuple[int, int]:
+        """(requests, bytes) the lane of `rank` may hold in flight before it pauses."""
+        extra = self._num_extra[min(rank, len(self._num_extra) - 1)]
+        return (
+            self._max_num_inflight + extra,
+            self._max_inflight_bytes + extra * self._max_job_bytes,
         )
-        if is_full:
-            unpaused = self.assignment - self._consumer.paused()
-            if unpaused:
-                self._consumer.pause(*unpaused)
-        elif self._consumer.paused() - self._held:
-            self._consumer.resume(*(self._consumer.paused() - self._held))
+
+    def _is_full(self, rank: int) -> bool:
+        max_num, max_bytes = self._bounds_of(rank)
+        return self.tracker.num_unfinished >= max_num or self._pipeline.inflight_bytes >= max_bytes
+
+    def _room_of(self, rank: int) -> int:
+        """How many more records the lane of `rank` may take. One poll may overshoot the byte
+        budget by at most one message: no more records than could each be as large as the
+        largest request and still fit."""
+        max_num, max_bytes = self._bounds_of(rank)
+        room = max_num - self.tracker.num_unfinished
+        return min(room, (max_bytes - self._pipeline.inflight_bytes) // self._max_job_bytes)
+
+    def _room(self) -> int:
+        """Records the next poll may return: the room of the least urgent lane still open (a
+        poll cannot say which partitions its records come from)."""
+        open_ranks = [self._lane_rank(p) for p in self.assignment - self._consumer.paused()]
+        return max(1, self._room_of(max(open_ranks, default=len(self._lane_ranks) - 1)))
+
+    def _apply_backpressure(self) -> None:
+        """Pause each lane at its bound (the base topic first), resume it below."""
+        paused = self._consumer.paused()
+        to_pause, to_resume = [], []
+        for partition in self.assignment:
+            is_lane_full = self._is_full(self._lane_rank(partition))
+            if is_lane_full and partition not in paused:
+                to_pause.append(partition)
+            elif not is_lane_full and partition in paused and partition not in self._held:
+                to_resume.append(partition)
+        if to_pause:
+            self._consumer.pause(*to_pause)
+        if to_resume:
+            self._consumer.resume(*to_resume)
+        is_full = self._is_full(len(self._lane_ranks) - 1)
         if is_full != self._is_paused:
             self._is_paused = is_full
             log.info(
@@ -381,6 +419,14 @@ class RequestConsumer:
             )
         except TimeoutError:
             log.warning("consumer.stop_timeout")
+
+
+def lane_reserves(num_lanes: int, num_reserve: int) -> list[int]:
+    """Per lane rank (0 = most urgent): how many requests it may read past the bounds. The most
+    urgent lane gets the whole reserve, the base topic (last) none, those between a share."""
+    if num_lanes <= 1:
+        return [0] * num_lanes
+    return [num_reserve * (num_lanes - 1 - r) // (num_lanes - 1) for r in range(num_lanes)]
 
 
 class _Rebalance(ConsumerRebalanceListener):

@@ -83,6 +83,7 @@ class Pipeline:
         self._renderer = renderer
         self._worker_id = worker_id
         self._tokens_per_message = settings.publisher.tokens_per_message
+        self._max_step_tokens = settings.engine.max_num_batched_tokens
         self._num_attempts = 0
         self._jobs = JobRegistry(telemetry)  # until DONE or DROPPED
         # Cancels seen for requests not (yet) here: a cancel can overtake its request.
@@ -153,6 +154,9 @@ class Pipeline:
             self._finish(job, "error", rendered.error)
         elif self._seconds_to_deadline(job) <= 0:
             self._finish(job, "expired")  # never reaches the engine
+        elif self._is_deadline_unreachable(job, len(rendered.token_ids)):
+            self._telemetry.expired_at_admission.add(1, {"urgency": job.urgency.value})
+            self._finish(job, "expired")  # answered now, before it costs compute or KV blocks
         else:
             job.prompt_token_ids = rendered.token_ids
             job.num_prompt_tokens = len(rendered.token_ids)
@@ -228,6 +232,30 @@ class Pipeline:
     def _seconds_to_deadline(self, job: Job) -> float:
         deadline_ms = job.deadline_ms
         return float("inf") if deadline_ms is None else deadline_ms / 1000 - time.time()
+
+    def predicted_first_token_s(self, urgency_priority: int, num_prompt_tokens: int) -> float:
+        """A lower bound on the time to this request's first token: prefilling its prompt and
+        every prompt at least as urgent that is ahead of it (held by the batcher or queued in
+        the engine), at the step cost model's speed. 0 without a model."""
+        model = self._bridge.step_cost
+        if model is None:
+            return 0.0
+        ahead = self._bridge.queued_tokens_at_least_as_urgent_as(urgency_priority)
+        ahead += self.batcher.tokens_at_least_as_urgent_as(urgency_priority)
+        return model.prefill_ms(ahead + num_prompt_tokens, self._max_step_tokens) / 1000
+
+    def _is_deadline_unreachable(self, job: Job, num_prompt_tokens: int) -> bool:
+        if job.deadline_ms is None:
+            return False
+        predicted_s = self.predicted_first_token_s(job.urgency.priority, num_prompt_tokens)
+        is_unreachable = predicted_s > self._seconds_to_deadline(job)
+        if is_unreachable:
+            log.info(
+                "request.deadline_unreachable", request_id=safe_for_log(job.request_id),
+                predicted_first_token_ms=round(predicted_s * 1000, 1),
+                ms_to_deadline=round(self._seconds_to_deadline(job) * 1000, 1),
+            )  # fmt: skip
+        return is_unreachable
 
     def _release_followers(self, leader: Job, is_answered: bool) -> None:
         """The leader ended. Answered (its final acknowledged, or set aside): the duplicates'

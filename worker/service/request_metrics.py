@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from schemas.contract import LANE_SEPARATOR, LANE_URGENCIES
 from schemas.messages import Timing
 from worker.service.bridge import StepInfo
 from worker.service.job import Job
@@ -55,8 +56,16 @@ def on_tokens(t: Telemetry, job: Job, num_tokens: int, now_s: float) -> None:
 
 def on_step(t: Telemetry, step: StepInfo) -> None:
     """Engine gauges and counters after a step."""
+    t.step_s.record(step.duration_s)
     if step.stats is not None:
         t.observe_engine(step.stats)
+
+
+def lane_of(partition: Any) -> str:
+    """`critical` or `high` for a request read from that urgency lane, else `base`."""
+    topic = getattr(partition, "topic", "") or ""
+    lane = topic.rsplit(LANE_SEPARATOR, 1)[-1]
+    return lane if lane in LANE_URGENCIES and topic != lane else "base"
 
 
 def timing_of(job: Job, now_s: float) -> Timing:
@@ -85,8 +94,8 @@ def on_final(
     t.prompt_tokens.add(job.num_prompt_tokens)
     t.generated_tokens.add(job.num_output_tokens)
     t.e2e_s.record(timing.total_ms / 1000, gen_ai)
-    if timing.ttft_ms is not None:
-        t.ttft_s.record(timing.ttft_ms / 1000, gen_ai)
+    if timing.ttft_ms is not None:  # by lane too: did the request come by its urgency lane?
+        t.ttft_s.record(timing.ttft_ms / 1000, {**gen_ai, "lane": lane_of(job.partition)})
     if timing.batcher_ms is not None:
         t.queue_s.record(timing.batcher_ms / 1000, {"stage": "batcher", **urgency})
     if job.engine_queue_s is not None:

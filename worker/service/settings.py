@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -35,6 +36,7 @@ from schemas.contract import (
     NUM_SHARED_REPLY_TOPIC_PARTITIONS,
     SHARED_REPLY_TOPIC_SUFFIX,
     TOPIC_NAME_PATTERN,
+    request_topics,
 )
 from schemas.headers import Urgency
 from worker.client.security import aiokafka_security_options, check_security
@@ -50,6 +52,8 @@ TopicName = Annotated[str, Field(pattern=TOPIC_NAME_PATTERN), AfterValidator(_no
 # Kafka's own topics: a reply prefix must never let a producer name one of them.
 KAFKA_INTERNAL_TOPICS = ("__consumer_offsets", "__transaction_state", "__cluster_metadata")
 PositiveMs = Annotated[int, Field(ge=1)]
+# While critical or high work is in the engine, a step stays under this (engine/step_cost.py).
+DEFAULT_STEP_TIME_TARGET_MS = 100.0
 
 
 class _Group(BaseModel):
@@ -81,6 +85,10 @@ class KafkaSettings(_Group):
         default=None, ge=1, le=65535, description="embedded broker port"
     )
     request_topic: TopicName = DEFAULT_REQUEST_TOPIC
+    # Urgency lanes (contract v1.2): also consume <request_topic>.critical and .high, read and
+    # admitted before the base topic, paused last. False: the base topic only (producers that
+    # send by lane then need lanes off too, or their critical requests go unread).
+    urgency_lanes: bool = True
     control_topic: TopicName = DEFAULT_CONTROL_TOPIC
     dlq_topic: TopicName = DEFAULT_DLQ_TOPIC
     num_partitions: int = Field(default=4, ge=1, description="for topics the worker creates")
@@ -139,11 +147,21 @@ class KafkaSettings(_Group):
     def is_embedded(self) -> bool:
         return self.bootstrap_servers is None
 
+    @property
+    def request_topics(self) -> list[str]:
+        """The request topic's lanes, most urgent first, the base topic last."""
+        return request_topics(self.request_topic, is_laned=self.urgency_lanes)
+
     @model_validator(mode="after")
     def _check(self) -> KafkaSettings:
-        topics = [self.request_topic, self.control_topic, self.dlq_topic]
+        topics = [*self.request_topics, self.control_topic, self.dlq_topic]
         if len(set(topics)) != len(topics):
-            raise ValueError("request, control and DLQ topics must be three different topics")
+            raise ValueError(
+                "request, control and DLQ topics must be three different topics, none of them "
+                "an urgency lane of the request topic"
+            )
+        if any(len(t) > 249 for t in topics):
+            raise ValueError("a request topic's urgency lane name is over 249 characters")
         covered = [
             t for t in (*topics, *KAFKA_INTERNAL_TOPICS) if t.startswith(self.reply_topic_prefix)
         ]
@@ -231,9 +249,9 @@ class LimitSettings(_Group):
     The worker reads ahead of what its engine can run (up to `max_num_inflight` requests and
     `max_inflight_bytes` of estimated memory: record bytes plus tokenized prompts) and lets the
     batcher admit by urgency, so a `critical` request behind a backlog of `low` ones is read and
-    reaches the engine within about one step. Only past either bound are partitions paused;
-    then, as on any Kafka log, a request waits behind those before it in its partition (a
-    deployment needing hard isolation runs a request topic and worker group per urgency).
+    reaches the engine within about one step. Only past either bound are partitions paused,
+    the base topic's first and the urgency lanes' last (`num_urgent_reserve`); on the base topic,
+    as on any Kafka log, a request then waits behind those before it in its partition.
     """
 
     max_message_bytes: int = Field(
@@ -244,6 +262,10 @@ class LimitSettings(_Group):
     max_inflight_bytes: int = Field(
         default=256 << 20, ge=1 << 16, description="their estimated memory, before pausing"
     )
+    # Urgency lanes pause last: the critical lane reads this many requests past both bounds
+    # (the bytes one by as many of the largest request), the high lane half as many, the base
+    # topic none. So a full worker still reads a critical request at once.
+    num_urgent_reserve: int = Field(default=64, ge=0, description="past the bounds, for lanes")
     # Engine steps that may fail in a row before the worker gives up (exits non-zero, answering
     # nothing more). Isolating one bad request among k costs about log2(k) + 1 of them.
     max_consecutive_step_failures: int = Field(default=8, ge=1)
@@ -305,7 +327,9 @@ class WorkerSettings(BaseSettings):
     # it natively; see engine/precision.py. float32 and "none" give the HF-exact path.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: str | None = "auto"
-    engine: EngineConfig = Field(default_factory=EngineConfig)
+    engine: EngineConfig = Field(
+        default_factory=lambda: EngineConfig(step_time_target_ms=DEFAULT_STEP_TIME_TARGET_MS)
+    )
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     batcher: BatcherSettings = Field(default_factory=BatcherSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
@@ -319,6 +343,15 @@ class WorkerSettings(BaseSettings):
     worker_id: str | None = Field(
         default=None, pattern=r"^[A-Za-z0-9._-]{1,64}$", description="None: generated"
     )
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _size_steps_by_urgency(cls, value):
+        """The worker sizes steps by urgency unless told otherwise (the engine's default is off:
+        there, priority 0 is every request's)."""
+        if isinstance(value, dict) and "step_time_target_ms" not in value:
+            return {**value, "step_time_target_ms": DEFAULT_STEP_TIME_TARGET_MS}
+        return value
 
     @property
     def model_name(self) -> str:
@@ -337,6 +370,13 @@ class WorkerSettings(BaseSettings):
                 "scheduled"
             )
         return self
+
+
+def _bool_flag(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return lowered in ("true", "1", "yes", "on")
 
 
 # --- the same settings as `mini-infer serve` flags ------------------------------------------
@@ -406,6 +446,11 @@ CLI_FLAGS: dict[str, tuple[str, type, str]] = {
         "static group membership: a stable id per pod (restarts skip the rebalance)",
     ),
     "--request-topic": ("kafka.request_topic", str, "topic to consume requests from"),
+    "--urgency-lanes": (
+        "kafka.urgency_lanes",
+        _bool_flag,
+        "true | false: also consume <request-topic>.critical and .high (default true)",
+    ),
     "--partitions": ("kafka.num_partitions", int, "partitions of the topics the worker creates"),
     "--max-inflight": (
         "limits.max_num_inflight",

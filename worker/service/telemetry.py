@@ -51,6 +51,7 @@ PROVIDER_NAME = "mini_infer"  # gen_ai.provider.name: the server itself, no upst
 _TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 _TOKEN_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
 _REQUEST_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300)
+_STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
 # Queue time: a request may wait in a Kafka backlog for minutes or hours (an asynchronous
 # pipeline is allowed to), so the buckets go on to 4 h instead of piling into +Inf at 80 s.
 _QUEUE_BUCKETS_S = (*_TTFT_BUCKETS_S, 160, 300, 600, 1200, 1800, 3600, 7200, 14400)
@@ -245,6 +246,16 @@ class Telemetry:
         self.preemptions = _Bound(
             meter.create_counter("mini_infer.engine.preemptions", unit="{event}"), model
         )
+        # Steps sized by urgency: how long steps take (against step_time_target_ms), and the
+        # requests answered `expired` at admission because their deadline could not be met.
+        self.step_s = _Bound(meter.create_histogram(
+            "mini_infer.engine.step.duration", unit="s", description="one engine step",
+            explicit_bucket_boundaries_advisory=_STEP_BUCKETS_S,
+        ), model)  # fmt: skip
+        self.expired_at_admission = _Bound(meter.create_counter(
+            "mini_infer.requests.expired_at_admission", unit="{request}",
+            description="deadline unreachable given the work ahead and the step cost model",
+        ), model)  # fmt: skip
         for counter in (self.prefix_cache_queries, self.prefix_cache_hits, self.preemptions):
             counter.add(0)
 

@@ -254,7 +254,7 @@ class Worker:
     def _own_topics(self) -> dict[str, int]:
         kafka = self.settings.kafka
         topics = dict.fromkeys(
-            (kafka.request_topic, kafka.control_topic, kafka.dlq_topic), kafka.num_partitions
+            (*kafka.request_topics, kafka.control_topic, kafka.dlq_topic), kafka.num_partitions
         )
         if kafka.num_shared_reply_partitions > 0:
             topics[kafka.shared_reply_topic_name] = kafka.num_shared_reply_partitions

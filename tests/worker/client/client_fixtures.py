@@ -12,6 +12,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from schemas import Request, decode_cancel, decode_request, encode
+from schemas.contract import request_topics
 from schemas.headers import read_content_type
 from schemas.messages import FinalReply, Timing, TokenReply, Usage
 
@@ -54,14 +55,15 @@ async def topics_fixture(broker):
     admin = AIOKafkaAdminClient(bootstrap_servers=broker.bootstrap_servers)
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(n, 1, 1) for n in names.values()])
+        lanes = request_topics(names["request_topic"])  # the urgency lanes and the base topic
+        await admin.create_topics([NewTopic(n, 1, 1) for n in {*lanes, *names.values()}])
     finally:
         await admin.close()
     return names
 
 
 async def fake_worker(broker, topics, script: Script, seen: list) -> None:
-    """Answer every request on the request topic with `script(request)`."""
+    """Answer every request on the request topic (and its urgency lanes) with `script(request)`."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=broker.bootstrap_servers,
         auto_offset_reset="earliest",
@@ -70,7 +72,7 @@ async def fake_worker(broker, topics, script: Script, seen: list) -> None:
     producer = AIOKafkaProducer(bootstrap_servers=broker.bootstrap_servers)
     await consumer.start()
     await producer.start()
-    consumer.assign([TopicPartition(topics["request_topic"], 0)])
+    consumer.assign([TopicPartition(t, 0) for t in request_topics(topics["request_topic"])])
     try:
         async for record in consumer:
             request = decode_request(record.value, read_content_type(record.headers))

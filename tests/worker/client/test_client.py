@@ -114,6 +114,7 @@ async def test_stream_follows_the_retry_and_sends_headers(client, serve) -> None
     record, request = seen[0]
     assert record.key == request.id.encode() and request.prompt == "Hi"
     assert read_urgency(record.headers) is Urgency.HIGH
+    assert record.topic == client.topic_for("high") == f"{client.request_topic}.high"  # its lane
     assert read_traceparent(record.headers) == TRACEPARENT
     assert read_content_type(record.headers) == "application/msgpack"
 

@@ -65,6 +65,7 @@ async def test_ready_means_started_and_able_to_work_not_holding_partitions(
     workers = [
         Worker(worker_settings(
             tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id=name,
+            kafka={"urgency_lanes": False},  # one partition in all: no lane partitions to share
             observability={"health_port": 0, "ready_file": ready_file if name == "a" else None},
         ))  # fmt: skip
         for name in ("a", "b")
@@ -233,7 +234,8 @@ async def test_metrics_and_a_producer_trace_through_the_worker(broker, tiny_mode
 
     # The trace: client send span -> worker process span (child, and linked) -> stage spans.
     sends = [s for s in client_spans.get_finished_spans() if s.kind is SpanKind.PRODUCER]
-    assert len(sends) == 2 and all(s.name == f"send {topic}" for s in sends)
+    # Each to its urgency's topic: `high` by its lane (contract v1.2).
+    assert sorted(s.name for s in sends) == [f"send {topic}", f"send {topic}.high"]
     processes = [s for s in worker_spans.get_finished_spans() if s.kind is SpanKind.CONSUMER]
     assert len(processes) == 2
     for process in processes:
@@ -258,6 +260,7 @@ async def test_an_idle_worker_scrape_shows_its_gauges_with_the_model_label(
     await create_topic(broker.bootstrap_servers, topic, 2)
     settings = worker_settings(
         tiny_model_dir, broker.bootstrap_servers, group_id, topic,
+        kafka={"urgency_lanes": False},  # the two partitions of the request topic only
         observability={"health_port": 0, "kafka_sample_interval_s": 0.1},
     )  # fmt: skip
     worker = Worker(settings)

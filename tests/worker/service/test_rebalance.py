@@ -83,6 +83,7 @@ class ProcessMember(Member):
             worker_id=name, num_partitions=NUM_PARTITIONS, extra_env={
                 "MINI_INFER_KAFKA__CLIENT_ID": f"worker-{name}",
                 "MINI_INFER_ENGINE__MAX_NUM_SEQS": "8",
+                "MINI_INFER_KAFKA__URGENCY_LANES": "false",  # as the in-process members
             },
         )  # fmt: skip
 
@@ -103,7 +104,9 @@ class InProcessMember(Member):
         self.name = name
         settings = worker_settings(
             model_dir, broker.bootstrap_servers, group_id, topic, worker_id=name,
-            kafka={"num_partitions": NUM_PARTITIONS, "client_id": f"worker-{name}"},
+            # One request topic, no urgency lanes: the assignments compared are its partitions.
+            kafka={"num_partitions": NUM_PARTITIONS, "client_id": f"worker-{name}",
+                   "urgency_lanes": False},
         )  # fmt: skip
         self._model_dir = model_dir
         self._engine = None
