@@ -160,7 +160,7 @@ class LLMEngine:
         if self._grammars is None:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer, so it cannot constrain its output")
-            from engine.structured import GrammarCache  # only a structured request needs xgrammar
+            from engine.structured.grammars import GrammarCache  # only structured requests need it
 
             self._grammars = GrammarCache(
                 self.tokenizer, self.vocab_size, sorted(self.eos_token_ids)

@@ -20,12 +20,11 @@ from __future__ import annotations
 import torch
 
 from engine.logits_processors import process_logits
+from engine.sampling_params import MIN_TEMPERATURE
 from engine.scheduler_output import ScheduledRequest
 
 # Candidate set for a top-p-only row before doubling; nuclei of real models are usually smaller.
 _INITIAL_NUCLEUS_CANDIDATES = 64
-# Temperatures below this are greedy: dividing by them overflows the logits to inf.
-_MIN_TEMPERATURE = 1e-5
 
 
 class Sampler:
@@ -42,9 +41,7 @@ class Sampler:
         rows take the argmax as is, sampled rows are computed in float32) -> token ids."""
         if any(r.params.has_logits_processing or r.grammar is not None for r in requests):
             logits = process_logits(logits, requests)
-        random_rows = [
-            i for i, r in enumerate(requests) if r.params.temperature >= _MIN_TEMPERATURE
-        ]
+        random_rows = [i for i, r in enumerate(requests) if r.params.temperature >= MIN_TEMPERATURE]
         if not random_rows:  # all greedy: one argmax over the batch, one host sync
             return _argmax(logits).tolist()
         for i in random_rows:  # greedy rows never draw, so they need no generator
@@ -54,7 +51,7 @@ class Sampler:
                 generator.manual_seed(request.seed)
                 self._generators[request.request_id] = generator
         token_ids = [0] * len(requests)
-        greedy_rows = [i for i, r in enumerate(requests) if r.params.temperature < _MIN_TEMPERATURE]
+        greedy_rows = [i for i, r in enumerate(requests) if r.params.temperature < MIN_TEMPERATURE]
         if greedy_rows:
             for i, token in zip(greedy_rows, _argmax(logits[greedy_rows]).tolist(), strict=True):
                 token_ids[i] = token

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # top-k per position, as vLLM's default limit
+# Temperatures below this are greedy: dividing by them overflows the logits to inf.
+MIN_TEMPERATURE = 1e-5
 # OpenAI's ranges: presence/frequency penalties in [-2, 2], logit_bias values in [-100, 100].
 MAX_ABS_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0

@@ -128,10 +128,13 @@ def normalize_content_type(content_type: str | bytes | None) -> str:
 
 
 def encode(message: BaseModel, content_type: str | None = DEFAULT_CONTENT_TYPE) -> bytes:
-    """Absent (None) fields are left out; decoding restores them as None."""
+    """Absent (None) fields are left out; decoding restores them as None. Fields whose wire
+    name is not a Python name (`response_format.json_schema.schema`) go by their alias."""
     if normalize_content_type(content_type) == JSON:
-        return message.model_dump_json(exclude_none=True).encode()
-    return msgpack.packb(message.model_dump(mode="json", exclude_none=True), use_bin_type=True)
+        return message.model_dump_json(exclude_none=True, by_alias=True).encode()
+    return msgpack.packb(
+        message.model_dump(mode="json", exclude_none=True, by_alias=True), use_bin_type=True
+    )
 
 
 def decode_value(

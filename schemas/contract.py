@@ -9,8 +9,9 @@ from __future__ import annotations
 
 SCHEMA_VERSION = 1
 # Additions within v1 that old readers ignore: 1 = `logprobs` (request and token replies) and
-# the latency split of `timing`.
-SCHEMA_MINOR_VERSION = 1
+# the latency split of `timing`; 2 = the reply `nonce`, penalties, `min_p`, `logit_bias`,
+# `top_logprobs`, `stop` as one string, `response_format` (structured output).
+SCHEMA_MINOR_VERSION = 2
 # v1.2 additions of urgency lanes (request_topic_for): only topic names, no field, so readers of
 # any minor version agree on them.
 
@@ -77,6 +78,14 @@ MAX_CHAT_MESSAGES = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20  # top-k alternatives per position (the engine has the same default bound)
 MAX_TOKEN_ID = 2**31 - 1
+# v1.2 sampling fields, OpenAI's ranges (the engine checks the same bounds).
+MAX_ABS_PENALTY = 2.0  # presence_penalty, frequency_penalty
+MAX_REPETITION_PENALTY = 10.0
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_REGEX_CHARS = 4096
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
 
 
 class DeadLetterReason:

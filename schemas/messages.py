@@ -1,4 +1,4 @@
-"""Message models of wire contract v1 (docs/CONTRACT.md).
+"""Message models of wire contract v1 (docs/CONTRACT.md), with its v1.1 and v1.2 additions.
 
 Validation here is only what a message can be judged by on its own: types, ranges, topic-name
 syntax, prompt XOR messages. What depends on the deployment (context length, allowed reply
@@ -12,14 +12,29 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from schemas.contract import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_ABS_PENALTY,
+    MAX_CHOICE_CHARS,
+    MAX_CHOICES,
     MAX_DEADLINE_MS,
     MAX_ID_CHARS,
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_MODEL_NAME_CHARS,
     MAX_NONCE_CHARS,
+    MAX_REGEX_CHARS,
+    MAX_REPETITION_PENALTY,
     MAX_REPLY_PARTITION,
     MAX_ROLE_CHARS,
     MAX_SEED,
@@ -57,6 +72,79 @@ class ChatMessage(WireModel):
     content: str
 
 
+class TextFormat(WireModel):
+    """OpenAI's default `response_format`: no constraint."""
+
+    type: Literal["text"]
+
+
+class JsonObjectFormat(WireModel):
+    """OpenAI's JSON mode: the output is one JSON object."""
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(WireModel):
+    """OpenAI's `json_schema` object. The output always follows `schema` (as `strict: true`)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    # `schema` is a pydantic BaseModel attribute name; the wire name is kept by the alias.
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(
+        extra="ignore", frozen=True, allow_inf_nan=False, populate_by_name=True
+    )
+
+
+class JsonSchemaFormat(WireModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+class RegexFormat(WireModel):
+    """The output matches `regex` as a whole."""
+
+    type: Literal["regex"]
+    regex: str = Field(min_length=1, max_length=MAX_REGEX_CHARS)
+
+
+class ChoiceFormat(WireModel):
+    """The output is exactly one of `choice`."""
+
+    type: Literal["choice"]
+    choice: list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]] = Field(
+        min_length=1, max_length=MAX_CHOICES
+    )
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat | RegexFormat | ChoiceFormat,
+    Field(discriminator="type"),
+]
+
+
+def _int_key_as_text(value: object) -> object:
+    return str(value) if type(value) is int else value
+
+
+def _token_id_in_range(key: str) -> str:
+    if int(key) > MAX_TOKEN_ID:
+        raise ValueError(f"token id {key} is above {MAX_TOKEN_ID}")
+    return key
+
+
+TokenIdKey = Annotated[
+    str,
+    BeforeValidator(_int_key_as_text),
+    Field(pattern=r"^(0|[1-9][0-9]{0,9})$"),
+    AfterValidator(_token_id_in_range),
+]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+Penalty = Annotated[float, Field(ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)]
+
+
 class Request(WireModel):
     """One generation request. Sampling fields are flat, as in OpenAI/vLLM.
 
@@ -73,11 +161,28 @@ class Request(WireModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1, le=MAX_TOKEN_ID)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] = []
+    # v1.2: one string is accepted too (as OpenAI), and read as a list of one.
+    stop: list[StopString] = []
     stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] = []
     ignore_eos: bool = False
     # v1.1: top-k log-probabilities per generated token (vLLM's `logprobs`); None = none.
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # v1.2: OpenAI's form too, `logprobs: true` with `top_logprobs` (0 when absent).
+    logprobs: bool | Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # v1.2 sampling, as OpenAI (penalties over generated tokens; repetition as HF/vLLM, over
+    # prompt and generated tokens; min_p as HF/vLLM). logit_bias: token id -> added to its logit.
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    # Keys are token ids written as strings, on the wire in both encodings (JSON object keys
+    # are strings; OpenAI's form). A Python caller may build it with int keys.
+    logit_bias: dict[
+        TokenIdKey, Annotated[float, Field(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]
+    ] = Field(default={}, max_length=MAX_LOGIT_BIAS_ENTRIES)
+    # v1.2 structured output: OpenAI's `text` / `json_object` / `json_schema`, plus `regex`
+    # and `choice`. A schema that does not compile is an `invalid_request` final.
+    response_format: ResponseFormat | None = None
     stream: bool = True
     deadline_ms: int | None = Field(
         default=None, ge=0, le=MAX_DEADLINE_MS, description="absolute Unix epoch ms"
@@ -91,11 +196,36 @@ class Request(WireModel):
     # client reads only its own partition); None: the worker's partitioner picks one by key.
     reply_partition: ReplyPartition | None = None
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _exactly_one_input(self) -> Request:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
+        if self.top_logprobs is not None and self.logprobs is False:
+            raise ValueError("top_logprobs needs logprobs (true, or left out)")
+        if (
+            self.top_logprobs is not None and type(self.logprobs) is int
+            and self.logprobs != self.top_logprobs
+        ):  # fmt: skip
+            raise ValueError("logprobs (a count) and top_logprobs disagree; give one of them")
         return self
+
+    @property
+    def logit_bias_by_id(self) -> dict[int, float]:
+        return {int(token): bias for token, bias in self.logit_bias.items()}
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per generated token the engine computes; None = no logprobs."""
+        if self.top_logprobs is not None:
+            return self.top_logprobs
+        if self.logprobs is None or self.logprobs is False:
+            return None
+        return 0 if self.logprobs is True else self.logprobs
 
     @property
     def num_prompt_chars(self) -> int:

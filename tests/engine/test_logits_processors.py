@@ -69,7 +69,7 @@ def test_penalties_match_hf_and_openai(rows):
         ids = torch.tensor([[1, *prompt, *output]])
         hf = RepetitionPenaltyLogitsProcessor(repetition)(ids, torch.tensor([logits]))[0]
         expected.append(openai_penalties(hf.double().numpy(), output, presence, frequency))
-    out = process_logits(torch.tensor([r[0] for r in rows]), requests)
+    out = process_logits(torch.tensor([r[0] for r in rows]), requests)  # in place: fresh tensor
     np.testing.assert_allclose(out.double().numpy(), np.stack(expected), rtol=1e-5, atol=1e-4)
 
 
@@ -80,10 +80,27 @@ def test_unpenalized_rows_of_a_mixed_batch_stay_raw():
         scheduled(SamplingParams(frequency_penalty=1.0), [1, 2], [3, 3], i=1),
         scheduled(SamplingParams(temperature=0.0), [4], [5], i=2),
     ]
+    raw = logits.clone()
     out = process_logits(logits, requests)
-    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
-    assert out[1, 3] == pytest.approx(float(logits[1, 3]) - 2.0)
-    assert torch.equal(logits, logits.clone())  # the caller's logits are not written
+    assert torch.equal(out[0], raw[0]) and torch.equal(out[2], raw[2])
+    assert out[1, 3] == pytest.approx(float(raw[1, 3]) - 2.0)
+
+
+def test_logits_stay_raw_when_the_batch_wants_logprobs():
+    """The runner scores logprobs on the raw logits after sampling: a batch with a logprobs
+    request gets a copy; one without is processed in place (no [batch, vocab] copy)."""
+    logits = torch.randn(2, VOCAB)
+    raw = logits.clone()
+    requests = [
+        scheduled(SamplingParams(frequency_penalty=1.0), [1], [3]),
+        scheduled(SamplingParams(logprobs=2), [1], [3], i=1),
+    ]
+    out = process_logits(logits, requests)
+    assert torch.equal(logits, raw) and out[0, 3] == pytest.approx(float(raw[0, 3]) - 1.0)
+    assert process_logits(logits, requests[:1]).data_ptr() == logits.data_ptr()
+    bf16 = raw.bfloat16()
+    process_logits(bf16, requests[:1])
+    assert torch.equal(bf16, raw.bfloat16())  # another dtype is converted, hence copied
 
 
 @settings(max_examples=60, deadline=None)
@@ -146,21 +163,23 @@ class FixedGrammar:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    vocab=st.integers(1, 130),
+    vocab=st.integers(1, 130),  # sizes that are not multiples of 32 too (bitmask.py)
     data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
 )
-def test_grammar_mask_keeps_exactly_the_allowed_tokens(vocab, data):
+def test_grammar_mask_keeps_exactly_the_allowed_tokens(vocab, data, dtype):
     allowed = data.draw(st.sets(st.integers(0, vocab - 1), min_size=1))
-    logits = torch.randn(2, vocab)
+    logits = torch.randn(2, vocab).to(dtype)
     requests = [
         scheduled(SamplingParams(), [1], [], grammar=FixedGrammar(allowed)),
         scheduled(SamplingParams(), [1], [], i=1),  # unconstrained row of the same batch
     ]
+    raw = logits.clone()
     out = process_logits(logits, requests)
     finite = set(torch.nonzero(out[0] > float("-inf"))[:, 0].tolist())
     assert finite == allowed
-    assert torch.equal(out[1], logits[1])
-    sampled = Sampler()(logits, [requests[0]])[0]
+    assert torch.equal(out[1], raw[1])
+    sampled = Sampler()(raw.clone(), [requests[0]])[0]
     assert sampled in allowed
 
 
@@ -176,3 +195,31 @@ def test_nothing_is_processed_when_no_request_asks(monkeypatch):
     ]
     Sampler()(logits, requests)
     assert requests[0].all_token_ids is None  # no history handed over either
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    vocab=st.integers(2, 100),
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_greedy_under_a_grammar_is_the_argmax_of_the_allowed_tokens(vocab, data, dtype):
+    """Greedy rows whose raw pick the grammar allows skip the mask; the pick must be the same
+    as the masked argmax either way (reference: argmax over the allowed tokens, first on ties)."""
+    logits = data.draw(
+        st.lists(
+            st.lists(st.integers(-3, 3), min_size=vocab, max_size=vocab), min_size=1, max_size=4
+        )
+    )  # small integers: ties are common
+    rows = torch.tensor(logits, dtype=torch.float32).to(dtype)
+    allowed = [data.draw(st.sets(st.integers(0, vocab - 1), min_size=1)) for _ in logits]
+    requests = [
+        scheduled(SamplingParams(temperature=0.0), [1], [], grammar=FixedGrammar(a), i=i)
+        for i, a in enumerate(allowed)
+    ]
+    expected = []
+    for row, a in zip(rows.float(), allowed, strict=True):
+        masked = torch.full_like(row, float("-inf"))
+        masked[sorted(a)] = row[sorted(a)]
+        expected.append(int(masked.max(dim=-1).indices))
+    assert Sampler()(rows.clone(), requests) == expected

@@ -189,3 +189,79 @@ def test_preemption_and_stop_strings_keep_the_grammar(tiny_model_dir):
     assert (
         cut.finish_reason == "stop" and expected[0].startswith(cut.text) and '"n"' not in cut.text
     )
+
+
+REAL_MODEL_SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "age": {"type": "integer", "minimum": 0, "maximum": 130},
+            "email": {"type": "string", "maxLength": 60},
+        },
+        "required": ["name", "age", "email"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "country": {"type": "string", "maxLength": 40},
+            "population_millions": {"type": "number", "minimum": 0, "maximum": 100},
+            "is_capital": {"type": "boolean"},
+        },
+        "required": ["city", "country", "is_capital"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 60},
+            "tags": {
+                "type": "array",
+                "items": {"enum": ["news", "sports", "tech", "science"]},
+                "maxItems": 3,
+            },
+            "sentiment": {"enum": ["positive", "neutral", "negative"]},
+        },
+        "required": ["title", "tags", "sentiment"],
+    },
+]
+REAL_MODEL_ASKS = [
+    "Describe a fictional person as JSON with name, age and email.",
+    "Give me facts about Paris as JSON.",
+    "Summarise this headline as JSON: 'New telescope finds water on a distant planet'.",
+]
+
+
+@pytest.mark.real_model
+def test_real_model_outputs_validate():
+    llm = LLM("smollm2-135m")  # the default (fast) path: what `serve` runs
+    tok = llm.tokenizer
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": ask}], add_generation_prompt=True, tokenize=False
+        )
+        for ask in REAL_MODEL_ASKS
+    ]
+    for temperature in (0.0, 0.8):
+        params = [
+            SamplingParams(
+                max_tokens=300,
+                temperature=temperature,
+                seed=7,
+                structured_output=StructuredOutput("json_schema", json.dumps(schema)),
+            )  # fmt: skip
+            for schema in REAL_MODEL_SCHEMAS
+        ]
+        outputs = llm.generate(prompts, params)
+        for output, schema in zip(outputs, REAL_MODEL_SCHEMAS, strict=True):
+            assert output.finish_reason == "stop", output.text
+            jsonschema.validate(json.loads(output.text), schema)
+    sentiment = llm.generate(
+        prompts[2],
+        SamplingParams(
+            max_tokens=8,
+            temperature=0.0,
+            structured_output=StructuredOutput("choice", ["positive", "negative"]),
+        ),
+    )[0]
+    assert sentiment.text in ("positive", "negative") and sentiment.finish_reason == "stop"

@@ -50,6 +50,52 @@ def requests(draw: st.DrawFn) -> Request:
         stream=draw(st.booleans()),
         deadline_ms=draw(st.none() | st.integers(0, MAX_DEADLINE_MS)),
         model=draw(st.none() | st.text(min_size=1, max_size=30)),
+        **draw(v1_2_sampling()),
+    )
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-1000, 1000) | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
+    ),
+    max_leaves=6,
+)
+response_formats = st.one_of(
+    st.none(),
+    st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+    st.builds(
+        lambda name, schema: {
+            "type": "json_schema",
+            "json_schema": {"name": name, "schema": schema},
+        },
+        st.text("abcXYZ_-09", min_size=1, max_size=10),
+        st.dictionaries(st.text(max_size=6), json_values, max_size=4),
+    ),
+    st.builds(lambda r: {"type": "regex", "regex": r}, st.text(min_size=1, max_size=20)),
+    st.builds(
+        lambda c: {"type": "choice", "choice": c},
+        st.lists(st.text(min_size=1, max_size=10), min_size=1, max_size=5),
+    ),
+)
+
+
+def v1_2_sampling() -> st.SearchStrategy[dict]:
+    """The fields added in v1.2, anywhere in their valid ranges."""
+    penalty = st.floats(-2, 2, allow_nan=False)
+    return st.fixed_dictionaries(
+        {},
+        optional={
+            "presence_penalty": penalty,
+            "frequency_penalty": penalty,
+            "repetition_penalty": st.floats(0, 10, exclude_min=True),
+            "min_p": st.floats(0, 1),
+            "logit_bias": st.dictionaries(
+                st.integers(0, MAX_TOKEN_ID).map(str), st.floats(-100, 100), max_size=5
+            ),
+            "top_logprobs": st.integers(0, 20),
+            "response_format": response_formats,
+        },
     )
 
 

@@ -1,4 +1,4 @@
-"""`mini-infer bench engine|e2e|accuracy|quant-kernels|extend-attention|omp-policy|kv-memory`:
+"""`mini-infer bench engine|e2e|accuracy|quant-kernels|extend-attention|omp-policy|kv-memory|structured`:
 benchmarks print a table and JSON; they are not tests."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ BENCHES = {
     "extend-attention": "loadtest.bench_extend_attention",
     "omp-policy": "loadtest.bench_omp_policy",
     "kv-memory": "loadtest.kv_memory",
+    "structured": "loadtest.bench_structured",
 }
 
 

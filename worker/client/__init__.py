@@ -1,6 +1,6 @@
 """The producer-side SDK: what a service that sends requests imports.
 
-    from worker.client import MiniInferClient
+    from worker.client import MiniInferClient  # or SyncMiniInferClient, without asyncio
 
 Depends on `schemas` and aiokafka only (no torch, no engine): installable with the base
 distribution (`pip install mini-infer`, see the README's "Packaging").
@@ -15,6 +15,7 @@ from worker.client.client import (
     RequestFailedError,
     RequestTimeoutError,
 )
+from worker.client.sync_client import SyncMiniInferClient
 
 __all__ = [
     "ClientError",
@@ -25,4 +26,5 @@ __all__ = [
     "ReplyAssembler",
     "RequestFailedError",
     "RequestTimeoutError",
+    "SyncMiniInferClient",
 ]

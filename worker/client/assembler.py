@@ -18,17 +18,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schemas.messages import FinalReply, TokenReply
+from schemas.messages import FinalReply, TokenLogprob, TokenReply
 
 
 @dataclass
 class Delta:
-    """New output for the user. `is_restart`: `text` replaces the whole stream so far."""
+    """New output for the user. `is_restart`: `text` (and `token_ids`, `logprobs`) replace the
+    whole stream so far. `logprobs`: one entry per token of `token_ids` when the request asked
+    for them (`logprobs` / `top_logprobs`), else None."""
 
     text: str
     token_ids: list[int] = field(default_factory=list)
     is_restart: bool = False
     final: FinalReply | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -96,7 +99,7 @@ class ReplyAssembler:
             self._shown = list(messages)
             self.num_restarts += 1
             token_ids = [t for m in messages for t in m.token_ids]
-            return [Delta(self.shown_text, token_ids, is_restart=True)]
+            return [Delta(self.shown_text, token_ids, True, logprobs=_joined_logprobs(messages))]
         if len(messages) <= len(self._shown):
             self.num_dropped += 1
             return []
@@ -107,7 +110,7 @@ class ReplyAssembler:
         """`messages` agree with what was shown; show the ones beyond it."""
         new = messages[len(self._shown) :]
         self._shown.extend(new)
-        return [Delta(m.text, list(m.token_ids)) for m in new]
+        return [Delta(m.text, list(m.token_ids), logprobs=m.logprobs) for m in new]
 
     def _finish(self, final: FinalReply) -> Delta:
         """The final's text is authoritative. Token ids of text that only the final carries
@@ -118,3 +121,10 @@ class ReplyAssembler:
             return Delta(final.text[len(shown_text) :], [], final=final)
         self.num_restarts += 1
         return Delta(final.text, [], is_restart=True, final=final)
+
+
+def _joined_logprobs(messages: list[TokenReply]) -> list[TokenLogprob] | None:
+    """The logprobs of a run of messages, or None if any message has none."""
+    if not messages or any(m.logprobs is None for m in messages):
+        return None
+    return [entry for m in messages for entry in m.logprobs]

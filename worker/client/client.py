@@ -55,6 +55,7 @@ from schemas.messages import (
     FinalReply,
     Request,
     Timing,
+    TokenLogprob,
     TokenReply,
     Usage,
 )
@@ -72,7 +73,10 @@ CANCEL_TIMEOUT_S = 5.0
 DEFAULT_REPLY_FETCH_MAX_WAIT_MS = 20
 _PROPAGATOR = TraceContextTextMapPropagator()
 # Request fields a caller may pass as keyword arguments; the client fills in the rest.
-SAMPLING_FIELDS = frozenset(Request.model_fields) - {"id", "reply_to", "prompt", "messages"}
+# (`nonce` and `reply_partition` are the client's own: v1.2 reply integrity and routing.)
+SAMPLING_FIELDS = frozenset(Request.model_fields) - {
+    "id", "reply_to", "prompt", "messages", "nonce", "reply_partition",
+}  # fmt: skip
 
 
 class ClientError(RuntimeError):
@@ -100,6 +104,11 @@ class GenerateResult:
     usage: Usage
     timing: Timing
     attempt: str
+    # When the request asked for logprobs: one entry per generated token (of the winning
+    # attempt), with its top alternatives; None otherwise, or when some token's were not seen
+    # (the final filled in text that no token reply carried).
+    logprobs: list[TokenLogprob] | None = None
+    token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -406,15 +415,23 @@ class MiniInferClient:
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerateResult:
         """The whole completion at once. Asks for `stream=False` unless told otherwise, so the
         worker need send only the final."""
-        kwargs.setdefault("stream", False)
+        wants_logprobs = kwargs.get("top_logprobs") is not None or kwargs.get("logprobs") not in (
+            None, False,
+        )  # fmt: skip
+        # Logprobs travel on token replies only: a request that wants them streams.
+        kwargs.setdefault("stream", wants_logprobs)
         final = None
+        collected = _Collected()
         async for delta in self.stream(prompt, **kwargs):
             final = delta.final or final
+            collected.add(delta)
         if final is None:  # unreachable: stream() ends with a final or raises
             raise ClientError("the reply stream ended without a final")
         return GenerateResult(
-            final.text, final.finish_reason, final.usage, final.timing, final.attempt
-        )
+            final.text, final.finish_reason, final.usage, final.timing, final.attempt,
+            logprobs=collected.logprobs if wants_logprobs else None,
+            token_ids=collected.token_ids,
+        )  # fmt: skip
 
     async def _cancel_quietly(self, request_id: str) -> None:
         try:
@@ -432,6 +449,30 @@ def partition_of(instance_id: str, num_partitions: int) -> int:
     """A stable, evenly spread partition for an instance id (Python's hash() is salted)."""
     digest = hashlib.sha256(instance_id.encode()).digest()
     return int.from_bytes(digest[:8], "big") % num_partitions
+
+
+class _Collected:
+    """Token ids and logprobs of a stream of deltas, following restarts; None once a delta
+    brought text without them (the final filling a gap)."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] | None = []
+        self.logprobs: list[TokenLogprob] | None = []
+
+    def add(self, delta: Delta) -> None:
+        if delta.is_restart:
+            self.token_ids = list(delta.token_ids)
+            self.logprobs = None if delta.logprobs is None else list(delta.logprobs)
+            return
+        if delta.text and not delta.token_ids:
+            self.token_ids = self.logprobs = None  # text whose tokens this client never saw
+        if self.token_ids is not None:
+            self.token_ids.extend(delta.token_ids)
+        if self.logprobs is not None and delta.token_ids:
+            if delta.logprobs is None:
+                self.logprobs = None
+            else:
+                self.logprobs.extend(delta.logprobs)
 
 
 def _raise_if_error(final: FinalReply) -> None:

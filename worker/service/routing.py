@@ -12,11 +12,12 @@ behind the bad message.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 
 import structlog
 
-from engine.sampling_params import SamplingParams, derive_seed
+from engine.sampling_params import SamplingParams, StructuredOutput, derive_seed
 from schemas.codec import (
     InvalidRequestError,
     Limits,
@@ -25,7 +26,7 @@ from schemas.codec import (
 )
 from schemas.contract import DeadLetterReason
 from schemas.headers import Headers, Urgency, read_content_type, read_traceparent, read_urgency
-from schemas.messages import ErrorCode, Request
+from schemas.messages import ErrorCode, Request, ResponseFormat
 
 log = structlog.get_logger(__name__)
 
@@ -141,8 +142,32 @@ def _sampling_params(request: Request) -> SamplingParams:
         stop=tuple(request.stop),
         stop_token_ids=tuple(request.stop_token_ids),
         ignore_eos=request.ignore_eos,
-        logprobs=request.logprobs,
+        logprobs=request.num_logprobs,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        min_p=request.min_p,
+        logit_bias=request.logit_bias_by_id,
+        structured_output=_structured_output(request.response_format),
     )
+
+
+def _structured_output(response_format: ResponseFormat | None) -> StructuredOutput | None:
+    """The wire's `response_format` as the engine's spec (ValueError: an invalid request). A
+    schema is serialized with sorted keys, so equal schemas share one compiled grammar."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_schema":
+        try:
+            schema = json.dumps(response_format.json_schema.json_schema, sort_keys=True)
+        except (TypeError, ValueError) as error:  # msgpack can carry what JSON cannot
+            raise ValueError(f"response_format.json_schema.schema is not JSON: {error}") from None
+        return StructuredOutput("json_schema", schema)
+    if response_format.type == "regex":
+        return StructuredOutput("regex", response_format.regex)
+    if response_format.type == "choice":
+        return StructuredOutput("choice", tuple(response_format.choice))
+    return StructuredOutput("json_object")
 
 
 def safe_for_log(text: str | None, max_chars: int = 128) -> str | None:

@@ -41,8 +41,10 @@ enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 struct Problem {
   int64_t rows, num_pairs, out_features;
-  const uint32_t* xpairs;  // bf16 activations [rows, num_pairs], one uint32 per pair
-  const float* xf;         // the same widened to fp32 [rows, 2 * num_pairs] (FMA paths)
+  // The activations pair-major, so that a step over one pair reads all rows' values from one
+  // or two cache lines (row-major rows 4 KiB apart would alias in L1 at K = 2048):
+  const uint32_t* xpairs;  // bf16 [num_pairs, rows], one uint32 per pair
+  const float* xf;         // the same widened to fp32 [num_pairs, rows, 2] (FMA paths)
   const uint16_t* w;       // packed [num_blocks, num_pairs, 16, 2]
   const float* bias;       // fp32 [num_blocks * 16] (zero padded), or nullptr
   at::BFloat16* y;         // [rows, out_features]
@@ -74,12 +76,12 @@ void block_portable(const Problem& p, int64_t b, int64_t row0, int64_t n) {
   const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
   const float* bias = bias_of(p, b);
   for (int64_t r = row0; r < row0 + n; ++r) {
-    const float* x = p.xf + r * 2 * p.num_pairs;
     float acc[kBlock] = {};
     for (int64_t e = 0; e < p.num_pairs; ++e) {
       const uint16_t* we = wb + e * 2 * kBlock;
+      const float* x = p.xf + (e * p.rows + r) * 2;
       for (int64_t j = 0; j < kBlock; ++j)
-        acc[j] += bf16_to_float(we[2 * j]) * x[2 * e] + bf16_to_float(we[2 * j + 1]) * x[2 * e + 1];
+        acc[j] += bf16_to_float(we[2 * j]) * x[0] + bf16_to_float(we[2 * j + 1]) * x[1];
     }
     if (bias != nullptr)
       for (int64_t j = 0; j < kBlock; ++j) acc[j] += bias[j];
@@ -124,7 +126,7 @@ template <int R>
 AVX512BF16_TARGET void block_avx512bf16(const Problem& p, int64_t b, int64_t row0) {
   constexpr int U = unroll<R>();
   const uint16_t* wb = p.w + b * p.num_pairs * 2 * kBlock;
-  const uint32_t* x = p.xpairs + row0 * p.num_pairs;
+  const uint32_t* x = p.xpairs + row0;
   __m512 acc[R][U];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
@@ -136,14 +138,14 @@ AVX512BF16_TARGET void block_avx512bf16(const Problem& p, int64_t b, int64_t row
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r)
         acc[r][u] = _mm512_dpbf16_ps(
-            acc[r][u], w, (__m512bh)_mm512_set1_epi32(x[r * p.num_pairs + e + u]));
+            acc[r][u], w, (__m512bh)_mm512_set1_epi32(x[(e + u) * p.rows + r]));
     }
   }
   for (int64_t e = main_pairs; e < p.num_pairs; ++e) {
     const __m512bh w = (__m512bh)_mm512_loadu_si512(wb + e * 2 * kBlock);
     for (int r = 0; r < R; ++r)
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w,
-                                   (__m512bh)_mm512_set1_epi32(x[r * p.num_pairs + e]));
+                                   (__m512bh)_mm512_set1_epi32(x[e * p.rows + r]));
   }
   finish_avx512<R, U>(p, b, row0, acc);
 }
@@ -158,8 +160,8 @@ AVX512_TARGET __attribute__((always_inline)) inline void fma_pair_avx512(const u
       _mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    acc[r][u] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[r * x_stride + 2 * e]), acc[r][u]);
-    acc[r][u] = _mm512_fmadd_ps(odd, _mm512_set1_ps(x[r * x_stride + 2 * e + 1]), acc[r][u]);
+    acc[r][u] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[e * x_stride + 2 * r]), acc[r][u]);
+    acc[r][u] = _mm512_fmadd_ps(odd, _mm512_set1_ps(x[e * x_stride + 2 * r + 1]), acc[r][u]);
   }
 }
 
@@ -167,8 +169,8 @@ template <int R>
 AVX512_TARGET void block_avx512(const Problem& p, int64_t b, int64_t row0) {
   constexpr int U = unroll<R>();
   const uint16_t* wb = p.w + b * p.num_pairs * 2 * kBlock;
-  const int64_t x_stride = 2 * p.num_pairs;
-  const float* x = p.xf + row0 * x_stride;
+  const int64_t x_stride = 2 * p.rows;  // floats per pair
+  const float* x = p.xf + 2 * row0;
   __m512 acc[R][U];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
@@ -191,8 +193,8 @@ template <int R>
 AVX2_TARGET void block_avx2(const Problem& p, int64_t b, int64_t row0) {
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   const uint16_t* wb = p.w + b * p.num_pairs * 2 * kBlock;
-  const int64_t x_stride = 2 * p.num_pairs;
-  const float* x = p.xf + row0 * x_stride;
+  const int64_t x_stride = 2 * p.rows;  // floats per pair
+  const float* x = p.xf + 2 * row0;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t e = 0; e < p.num_pairs; ++e) {
@@ -205,8 +207,8 @@ AVX2_TARGET void block_avx2(const Problem& p, int64_t b, int64_t row0) {
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m256 x0 = _mm256_set1_ps(x[r * x_stride + 2 * e]);
-      const __m256 x1 = _mm256_set1_ps(x[r * x_stride + 2 * e + 1]);
+      const __m256 x0 = _mm256_set1_ps(x[e * x_stride + 2 * r]);
+      const __m256 x1 = _mm256_set1_ps(x[e * x_stride + 2 * r + 1]);
       for (int h = 0; h < 2; ++h)
         acc[r][h] = _mm256_fmadd_ps(odd[h], x1, _mm256_fmadd_ps(even[h], x0, acc[r][h]));
     }
@@ -284,31 +286,34 @@ void check_isa(int64_t isa) {
   }
 }
 
-// The activations as uint32 pairs (an odd in_features gets a zero appended) and, for the FMA
-// paths, widened to fp32: plain loops, since at one row an ATen cast would cost more.
+// The activations pair-major (see Problem; an odd in_features gets a zero appended) and, for the
+// FMA paths, widened to fp32: plain loops, since at one row an ATen op would cost more.
 struct Activations {
   at::Tensor contiguous;
-  std::vector<uint16_t> padded;  // [rows, 2 * num_pairs] when in_features is odd
-  std::vector<float> widened;    // [rows, 2 * num_pairs]
-  const uint32_t* pairs = nullptr;
-  const float* f32 = nullptr;
+  std::vector<uint32_t> pairs;  // [num_pairs, rows]
+  std::vector<float> widened;   // [num_pairs, rows, 2]
 };
 
 Activations activations(const at::Tensor& x, int64_t num_pairs, bool widen) {
   Activations a;
   a.contiguous = x.contiguous();
-  const int64_t rows = x.size(0), k = x.size(1), k2 = 2 * num_pairs;
+  const int64_t rows = x.size(0), k = x.size(1);
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(a.contiguous.data_ptr());
-  if (k != k2) {
-    a.padded.assign(rows * k2, 0);
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(&a.padded[r * k2], bits + r * k, k * 2);
-    bits = a.padded.data();
+  a.pairs.resize(num_pairs * rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* row = bits + r * k;
+    for (int64_t e = 0; e < num_pairs; ++e) {
+      const uint32_t low = row[2 * e];
+      const uint32_t high = 2 * e + 1 < k ? row[2 * e + 1] : 0;
+      a.pairs[e * rows + r] = low | (high << 16);
+    }
   }
-  a.pairs = reinterpret_cast<const uint32_t*>(bits);
   if (widen) {
-    a.widened.resize(rows * k2);
-    for (int64_t i = 0; i < rows * k2; ++i) a.widened[i] = bf16_to_float(bits[i]);
-    a.f32 = a.widened.data();
+    a.widened.resize(num_pairs * rows * 2);
+    for (int64_t i = 0; i < num_pairs * rows; ++i) {
+      a.widened[2 * i] = bf16_to_float(static_cast<uint16_t>(a.pairs[i] & 0xffffu));
+      a.widened[2 * i + 1] = bf16_to_float(static_cast<uint16_t>(a.pairs[i] >> 16));
+    }
   }
   return a;
 }
@@ -354,7 +359,8 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
   at::Tensor y = output(x, out_features, out);
   if (rows == 0) return y;
   const Activations a = activations(x, num_pairs, isa != kAvx512Bf16);
-  const Problem p{rows, num_pairs, out_features, a.pairs, a.f32,
+  const Problem p{rows, num_pairs, out_features, a.pairs.data(),
+                  a.widened.empty() ? nullptr : a.widened.data(),
                   reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                   bias_f32.empty() ? nullptr : bias_f32.data(),
                   y.data_ptr<at::BFloat16>()};

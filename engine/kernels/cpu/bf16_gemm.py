@@ -17,7 +17,10 @@ into one library and chosen per call, so each is forced and tested on any CPU th
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import mmap
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -31,6 +34,9 @@ BLOCK = 16  # output channels per block of the packed layout
 # unpacked copy: prefill chunks are compute-bound (the copy is small beside the GEMM), and
 # this way a prefill rounds exactly as Hugging Face's bf16 model does.
 GEMV_MAX_ROWS = 16
+# Packed weights in transparent huge pages (madvise): fewer TLB misses while streaming them.
+HUGE_PAGES = os.environ.get("MINI_INFER_HUGE_PAGES", "0") == "1"
+_HUGE_PAGE_BYTES = 2 << 20
 ISAS = quant_gemm.ISAS
 can_run = quant_gemm.can_run
 best_isa = quant_gemm.best_isa
@@ -54,16 +60,38 @@ def load() -> ModuleType | None:
     return build()
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+def pack(weight: torch.Tensor, huge_pages: bool | None = None) -> torch.Tensor:
     """weight [out, in] (any float dtype) -> bf16 [ceil(out/16), ceil(in/2), 16, 2], zero
-    padded: packed[b, p, j, i] = weight[16b + j, 2p + i]."""
+    padded: packed[b, p, j, i] = weight[16b + j, 2p + i]. `huge_pages` (default HUGE_PAGES):
+    in memory advised for transparent huge pages, where the OS offers them."""
     if weight.dim() != 2:
         raise ValueError(f"weight must be [out_features, in_features], got {tuple(weight.shape)}")
     out_features, in_features = weight.shape
     w = weight.detach().to(torch.bfloat16)
     w = torch.nn.functional.pad(w, (0, in_features % 2, 0, -out_features % BLOCK))
     num_blocks, num_pairs = w.shape[0] // BLOCK, w.shape[1] // 2
-    return w.reshape(num_blocks, BLOCK, num_pairs, 2).transpose(1, 2).contiguous()
+    layout = w.reshape(num_blocks, BLOCK, num_pairs, 2).transpose(1, 2)
+    if huge_pages if huge_pages is not None else HUGE_PAGES:
+        target = _huge_page_empty(layout.shape, torch.bfloat16)
+        if target is not None:
+            return target.copy_(layout)
+    return layout.contiguous()
+
+
+def _huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """An uninitialised tensor in anonymous memory advised MADV_HUGEPAGE (the tensor keeps the
+    mapping alive); None where that is not available or the tensor is under one huge page."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * dtype.itemsize
+    if nbytes < _HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    size = -(-nbytes // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # a kernel without THP: ordinary pages, same memory
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
 def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:

@@ -138,3 +138,17 @@ def test_bad_input_is_a_clear_error(ext):
     with pytest.raises(ValueError, match="unknown isa"):
         bf16_gemm.gemm(ext, x, packed, None, 40, isa="sse9")
     assert bf16_gemm.gemm(ext, x[:0], packed, None, 40).shape == (0, 40)
+
+
+def test_huge_page_packing_holds_the_same_layout(ext):
+    """A weight over one huge page, packed into madvise'd memory: same values, same results,
+    and the memory lives as long as the tensor (the mapping is released with it)."""
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(1100, 1001, generator=generator).to(torch.bfloat16)  # ~2.2 MB
+    packed = bf16_gemm.pack(weight, huge_pages=True)
+    assert packed.is_contiguous()
+    assert torch.equal(packed, bf16_gemm.pack(weight, huge_pages=False))
+    x = torch.randn(3, 1001, generator=generator).to(torch.bfloat16)
+    _check(bf16_gemm.gemm(ext, x, packed, None, 1100), x, weight, None)
+    small = torch.randn(20, 30, generator=generator).to(torch.bfloat16)
+    assert torch.equal(bf16_gemm.pack(small, huge_pages=True), bf16_gemm.pack(small))

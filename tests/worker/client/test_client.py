@@ -11,7 +11,7 @@ import pytest
 from schemas import JSON, InvalidRequestError, Request, Urgency, encode
 from schemas.contract import DEFAULT_SHARED_REPLY_TOPIC
 from schemas.headers import read_content_type, read_traceparent, read_urgency
-from schemas.messages import ErrorInfo, FinalReply, TokenReply
+from schemas.messages import ErrorInfo, FinalReply, TokenLogprob, TokenReply
 from tests.worker.client.client_fixtures import (  # noqa: F401 (the *_fixture names are fixtures)
     final_of,
     read_cancel,
@@ -25,6 +25,7 @@ from worker.client import (
     MiniInferClient,
     RequestFailedError,
     RequestTimeoutError,
+    SyncMiniInferClient,
 )
 from worker.client.router import ReplyRouter
 
@@ -162,3 +163,52 @@ async def test_leaving_the_stream_early_cancels(broker, client, topics, serve) -
             assert delta.text == "never"
             break
     assert await read_cancel(broker, topics) == (b"req-left", "req-left")
+
+
+def with_logprobs(replies: list[TokenReply]) -> list[TokenReply]:
+    return [
+        r.model_copy(
+            update={
+                "logprobs": [TokenLogprob(token_id=t, logprob=-0.5 * (t + 1)) for t in r.token_ids]
+            }
+        )
+        for r in replies
+    ]
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(60)
+async def test_generate_returns_the_logprobs_of_the_winning_attempt(client, serve) -> None:
+    def diverging_with_logprobs(request: Request):
+        died = with_logprobs(tokens_of(request, "a:0", ["The ", "cat"]))
+        retry = with_logprobs(tokens_of(request, "b:0", ["The ", "dog", "!"]))
+        return [*died, *retry, final_of(request, "b:0", 3, "The dog!")]
+
+    seen = await serve(diverging_with_logprobs)
+    result = await client.generate("Hi", logprobs=True, top_logprobs=2, timeout_s=30)
+    assert result.text == "The dog!" and result.token_ids == [0, 1, 2]
+    assert [e.logprob for e in result.logprobs] == [-0.5, -1.0, -1.5]
+    request = seen[0][1]
+    assert request.stream is True and request.num_logprobs == 2  # logprobs need token replies
+    plain = await client.generate("Hi", timeout_s=30)
+    assert plain.logprobs is None
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(90)
+async def test_sync_client_generates_and_streams(broker, topics, serve) -> None:
+    await serve(retry_that_diverges)
+
+    def use_it() -> tuple[str, str]:
+        with SyncMiniInferClient(broker.bootstrap_servers, ClientOptions(**topics)) as client:
+            result = client.generate("Hi", timeout_s=30)
+            text = ""
+            for delta in client.stream("Hi", timeout_s=30):
+                text = delta.text if delta.is_restart else text + delta.text
+            with pytest.raises(ValueError, match="max_tokens"):
+                client.generate("Hi", max_tokens=0)  # validated in the caller's thread
+        with pytest.raises(ClientError, match="closed"):
+            client.generate("Hi")  # closed: its loop is gone
+        return result.text, text
+
+    assert await asyncio.to_thread(use_it) == ("The dog!", "The dog!")

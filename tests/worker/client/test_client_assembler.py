@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.messages import FinalReply, Timing, TokenReply, Usage
+from schemas.messages import FinalReply, Timing, TokenLogprob, TokenReply, TopLogprob, Usage
 from worker.client.assembler import Delta, ReplyAssembler
 
 PIECES = ["a", "b", "ab", "", " ", "é", "🚀"]
@@ -179,3 +179,25 @@ def test_identical_attempts_never_restart(texts: list[str], data) -> None:
     assembler, deltas = feed_all(replies)
     assert not any(d.is_restart for d in deltas)
     assert [d.text for d in deltas[:-1]] == texts
+
+
+def with_logprobs(reply: TokenReply, base: float) -> TokenReply:
+    entries = [
+        TokenLogprob(
+            token_id=t, logprob=-base - i, top_logprobs=[TopLogprob(token_id=t, logprob=-base)]
+        )
+        for i, t in enumerate(reply.token_ids)
+    ]
+    return reply.model_copy(update={"logprobs": entries})
+
+
+def test_deltas_carry_logprobs_and_a_restart_carries_the_new_attempts() -> None:
+    died = [with_logprobs(token("a:0", i, t), 1.0) for i, t in enumerate(["The ", "cat"])]
+    retry = [with_logprobs(token("b:0", i, t), 2.0) for i, t in enumerate(["The ", "dog"])]
+    _, deltas = feed_all([*died, *retry])
+    assert [d.logprobs for d in deltas[:2]] == [m.logprobs for m in died]
+    restart = deltas[-1]
+    assert restart.is_restart and restart.token_ids == [t for m in retry for t in m.token_ids]
+    assert restart.logprobs == [e for m in retry for e in m.logprobs]
+    _, plain = feed_all(publish("a:0", ["x", "y"], True))
+    assert all(d.logprobs is None for d in plain)

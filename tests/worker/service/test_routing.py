@@ -84,6 +84,24 @@ def test_valid_requests_are_accepted_or_rejected_never_dead_lettered(request: Re
         assert decision.urgency == "low" and decision.traceparent == TRACEPARENT
         expected_seed = request.seed if request.seed is not None else derive_seed(request.id)
         assert decision.params.seed == expected_seed
+        assert_v1_2_fields_reach_the_engine(request, decision.params)
+
+
+def assert_v1_2_fields_reach_the_engine(request: Request, params) -> None:
+    assert params.stop == tuple(request.stop)
+    assert params.logprobs == request.num_logprobs
+    assert params.presence_penalty == request.presence_penalty
+    assert params.frequency_penalty == request.frequency_penalty
+    assert params.repetition_penalty == request.repetition_penalty
+    assert params.min_p == request.min_p
+    assert dict(params.logit_bias) == {int(t): b for t, b in request.logit_bias.items()}
+    fmt = request.response_format
+    if fmt is None or fmt.type == "text":
+        assert params.structured_output is None
+        return
+    assert params.structured_output.type == fmt.type
+    if fmt.type == "json_schema":
+        assert json.loads(params.structured_output.spec) == fmt.json_schema.json_schema
 
 
 def request_bytes(**fields) -> bytes:
@@ -120,3 +138,35 @@ def test_garbage_and_json_are_told_apart_by_content_type() -> None:
 def test_derived_seeds_are_stable_and_in_range() -> None:
     assert derive_seed("abc") == derive_seed("abc") != derive_seed("abd")
     assert 0 <= derive_seed("abc") < 2**63
+
+
+def test_openai_request_shapes_translate() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    decision = route(
+        request_bytes(
+            stop="###", logprobs=True, top_logprobs=3, logit_bias={"42": -100},
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        ),
+        None, POLICY,
+    )  # fmt: skip
+    assert isinstance(decision, Accepted)
+    params = decision.params
+    assert params.stop == ("###",) and params.logprobs == 3 and params.logit_bias == ((42, -100.0),)
+    assert params.structured_output.type == "json_schema"
+    assert json.loads(params.structured_output.spec) == schema
+    assert route(request_bytes(logprobs=True), None, POLICY).params.logprobs == 0
+    choice = route(
+        request_bytes(response_format={"type": "choice", "choice": ["y", "n"]}), None, POLICY
+    )
+    assert choice.params.structured_output.spec == ("y", "n")
+
+
+def test_a_schema_that_is_not_json_is_an_error_final() -> None:
+    # msgpack can carry bytes inside the schema; JSON cannot: an invalid request, not a crash.
+    fields = {
+        "id": "r1", "reply_to": PREFIX + "c1", "prompt": "x",
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"x": b"\x00"}}},
+    }  # fmt: skip
+    decision = route(msgpack.packb(fields, use_bin_type=True), None, POLICY)
+    assert isinstance(decision, Rejected) and decision.code == ErrorCode.INVALID_REQUEST
+    assert "schema" in decision.message

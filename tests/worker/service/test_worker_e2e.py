@@ -294,3 +294,23 @@ async def test_logprobs_ride_on_token_replies(env, replies) -> None:
     assert all(e.top_logprobs[0].token_id == e.token_id for e in entries)
     await replies.final_of(plain.id)
     assert all(t.logprobs is None for t in replies.tokens(plain.id))
+
+
+async def test_structured_output_through_the_worker(env, replies) -> None:
+    """Contract v1.2: `response_format` reaches the engine (a choice the random model would never
+    write on its own) and a schema that does not compile is an `invalid_request` final."""
+    choice = make_request(
+        replies.topic, id="with-choice", max_tokens=8, temperature=0.0,
+        response_format={"type": "choice", "choice": ["yes", "no"]},
+    )  # fmt: skip
+    broken = make_request(
+        replies.topic, id="with-bad-schema", max_tokens=8,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+    )  # fmt: skip
+    for r in (choice, broken):
+        await env.producer.send(env.topic, r)
+    final = await replies.final_of(choice.id)
+    assert final.finish_reason == "stop" and final.text in ("yes", "no")
+    refused = await replies.final_of(broken.id)
+    assert refused.finish_reason == "error" and refused.error.code == ErrorCode.INVALID_REQUEST
+    assert "json_schema" in refused.error.message

@@ -1,0 +1,138 @@
+"""W1 (one chat request, 128 new tokens) on the 1B-shaped benchmark model: the engine's bf16
+paths against llama.cpp's F16, rounds alternating, medians, and the weight bytes each streams.
+
+    python -m loadtest.make_bench_model --out DIR    # once
+    python -m loadtest.bench_1b --model DIR [--sides gemv,packed,llamacpp] [--rounds 3]
+        [--gguf DIR/gguf/bench-1b-F16.gguf] [--llama-server BIN] [--json out.json]
+
+Sides: "gemv" / "packed" / "plain" / "auto" are the engine in bf16 with that `linear_kernel`
+(gemv: our kernel, engine/kernels/cpu/bf16_gemm.py; packed: oneDNN's; auto: the calibrated
+choice); "llamacpp" is `llama-server` on the F16 GGUF (`-t 2 -tb 2`, started with
+OMP_WAIT_POLICY removed from its environment: ggml's threads are OpenMP threads too, and the
+PASSIVE the engine sets would halve its speed). Each side runs in its own process each round.
+GB/s = tokens/s x the bytes of the weights one decode step reads (every linear, the tied
+lm_head included; 2.15 GB here), the same for both: both read 16-bit weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ENGINE_SIDES = ("gemv", "packed", "plain", "auto")
+
+
+def weight_bytes_per_token(config: dict) -> int:
+    """Bytes of 16-bit weights one decode step reads: every linear plus the lm_head."""
+    hidden, ffn = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * ffn
+    return 2 * (config["num_hidden_layers"] * per_layer + config["vocab_size"] * hidden)
+
+
+def _child(side: str, spec: dict, q) -> None:
+    try:
+        from engine.loader import load_tokenizer
+        from loadtest.workloads import ENGINE_OPTIONS, chat_prompts
+
+        prompts = chat_prompts(load_tokenizer(Path(spec["model"])), 1)
+        if side == "llamacpp":
+            os.environ.pop("OMP_WAIT_POLICY", None)  # the server inherits our environment
+            from loadtest.llamacpp_peer import run_llamacpp
+
+            result = run_llamacpp(Path(spec["llama_server"]), Path(spec["gguf"]), prompts,
+                                  [spec["max_tokens"]])  # fmt: skip
+        else:
+            from loadtest.bench_engine import run_engine
+
+            options = {**ENGINE_OPTIONS, "linear_kernel": side, "compile": "off"}
+            result = run_engine(spec["model"], "bfloat16", prompts, spec["max_tokens"],
+                                **options)  # fmt: skip
+        q.put(result)
+    except Exception as error:  # reported, not raised: the parent must not hang on the queue
+        q.put({"error": repr(error)[-500:]})
+
+
+def measure(side: str, spec: dict) -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(side, spec, q))
+    proc.start()
+    while True:
+        try:
+            out = q.get(timeout=5)
+            break
+        except Exception:
+            if not proc.is_alive():
+                return {"error": f"child exited with {proc.exitcode}"}
+    proc.join()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_1b")
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--gguf", type=Path, default=None)
+    parser.add_argument("--llama-server", default=None)
+    parser.add_argument("--sides", default="gemv,packed,llamacpp")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    from loadtest.llamacpp_peer import find_server, missing_message
+
+    sides = args.sides.split(",")
+    spec = {"model": str(args.model), "max_tokens": args.max_tokens,
+            "gguf": str(args.gguf or args.model / "gguf" / "bench-1b-F16.gguf")}  # fmt: skip
+    if "llamacpp" in sides:
+        server = find_server(args.llama_server)
+        if server is None:
+            print(missing_message(), file=sys.stderr)
+            sides.remove("llamacpp")
+        else:
+            spec["llama_server"] = str(server)
+    config = json.loads((args.model / "config.json").read_text())
+    nbytes = weight_bytes_per_token(config)
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    loads = [os.getloadavg()[0]]
+    for round_index in range(args.rounds):
+        for side in sides:
+            result = measure(side, spec)
+            runs[side].append(result)
+            print(f"round {round_index + 1} {side:9} "
+                  f"{result.get('tokens_per_s', result.get('error'))} tok/s "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+            loads.append(os.getloadavg()[0])
+    summary = {}
+    for side, results in runs.items():
+        speeds = [r["tokens_per_s"] for r in results if "tokens_per_s" in r]
+        if speeds:
+            median = statistics.median(speeds)
+            summary[side] = {"tokens_per_s": speeds, "median": median,
+                             "gb_s": round(median * nbytes / 1e9, 1)}  # fmt: skip
+    base = summary.get("llamacpp", {}).get("median")
+    print(f"\nW1 1x{args.max_tokens}, {nbytes / 1e9:.2f} GB of weights per token, "
+          f"load average {min(loads):.1f}-{max(loads):.1f}")  # fmt: skip
+    print(f"{'side':9} {'tok/s (rounds)':>28} {'median':>7} {'GB/s':>6} {'vs llama.cpp':>12}")
+    for side, s in summary.items():
+        ratio = f"{s['median'] / base:.2f}x" if base else "-"
+        rounds = ", ".join(f"{v:.1f}" for v in s["tokens_per_s"])
+        print(f"{side:9} {rounds:>28} {s['median']:7.1f} {s['gb_s']:6.1f} {ratio:>12}")
+    doc = {"workload": "W1", "max_tokens": args.max_tokens, "weight_bytes_per_token": nbytes,
+           "load_average": loads, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "summary": summary, "runs": runs}  # fmt: skip
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
