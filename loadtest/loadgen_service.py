@@ -41,6 +41,7 @@ def make_client(kafka):
         urgency_lanes=kafka.urgency_lanes,  # send by lane exactly when the workers read lanes
         control_topic=kafka.control_topic,
         reply_prefix=kafka.reply_topic_prefix,
+        reply_topic=kafka.shared_reply_topic_name,
         # Off unless MINI_INFER_KAFKA__ENABLE_IDEMPOTENCE says so: the SDK's default, and the
         # embedded broker cannot do it. A duplicated request is only generated twice.
         enable_idempotence=bool(kafka.enable_idempotence),

@@ -35,6 +35,7 @@ from schemas.messages import (
     ErrorCode,
     FinalReply,
     Reply,
+    ReplyPartition,
     Request,
     RequestId,
     TokenReply,
@@ -97,6 +98,7 @@ class InvalidRequestError(DecodeError):
         message: str,
         code: str = ErrorCode.INVALID_REQUEST,
         nonce: str | None = None,
+        reply_partition: int | None = None,
     ) -> None:
         super().__init__(f"request {request_id!r}: {message}")
         self.request_id = request_id
@@ -104,6 +106,7 @@ class InvalidRequestError(DecodeError):
         self.message = message
         self.code = code
         self.nonce = nonce  # echoed in the error final, so the client accepts it
+        self.reply_partition = reply_partition  # where the client reads (v1.2)
 
 
 def normalize_content_type(content_type: str | bytes | None) -> str:
@@ -184,6 +187,7 @@ class _Routing(WireModel):
 
     id: RequestId
     reply_to: TopicName
+    reply_partition: ReplyPartition | None = None  # a bad one names nobody who reads
 
 
 def decode_request(
@@ -200,7 +204,11 @@ def decode_request(
         request = Request.model_validate(obj, strict=True)
     except ValidationError as exc:
         raise InvalidRequestError(
-            routing.id, routing.reply_to, describe_validation_error(exc), nonce=_nonce_of(obj)
+            routing.id,
+            routing.reply_to,
+            describe_validation_error(exc),
+            nonce=_nonce_of(obj),
+            reply_partition=routing.reply_partition,
         ) from None
     check_limits(request, limits)
     return request
@@ -219,7 +227,12 @@ def check_limits(request: Request, limits: Limits = DEFAULT_LIMITS) -> None:
         problem = f"{len(request.messages)} messages, the limit is {limits.max_messages}"
     if problem is not None:
         raise InvalidRequestError(
-            request.id, request.reply_to, problem, ErrorCode.LIMIT_EXCEEDED, request.nonce
+            request.id,
+            request.reply_to,
+            problem,
+            ErrorCode.LIMIT_EXCEEDED,
+            request.nonce,
+            request.reply_partition,
         )
 
 

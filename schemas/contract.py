@@ -24,6 +24,13 @@ DEFAULT_REPLY_TOPIC_PREFIX = "mini-infer.replies."
 # Kafka's own rule for topic names; the embedded broker does not enforce it, so we do.
 TOPIC_NAME_PATTERN = r"^[a-zA-Z0-9._-]{1,249}$"
 NUM_REPLY_TOPIC_PARTITIONS = 1  # one client reads it; one partition keeps its replies in order
+# v1.2: the SDK's default reply topic, shared by every client and created by the workers (or by
+# ops) like their other topics. A client reads one partition of it (`reply_partition`, chosen by
+# a hash of its instance id) and takes its replies by key (the request id) and nonce.
+SHARED_REPLY_TOPIC_SUFFIX = "shared"  # after the reply prefix
+DEFAULT_SHARED_REPLY_TOPIC = DEFAULT_REPLY_TOPIC_PREFIX + SHARED_REPLY_TOPIC_SUFFIX
+NUM_SHARED_REPLY_TOPIC_PARTITIONS = 16
+MAX_REPLY_PARTITION = 2**31 - 1  # Kafka's partition ids are int32
 # Urgency lanes (v1.2): `critical` and `high` requests go to topics of their own next to the
 # request topic, so that a backlog of bulk work in Kafka never stands in front of them (a
 # partition is an ordered log). `normal` and `low` share the base topic: they are the bulk, and

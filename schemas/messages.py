@@ -35,6 +35,7 @@ from schemas.contract import (
     MAX_NONCE_CHARS,
     MAX_REGEX_CHARS,
     MAX_REPETITION_PENALTY,
+    MAX_REPLY_PARTITION,
     MAX_ROLE_CHARS,
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
@@ -59,6 +60,7 @@ RequestId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 TopicName = Annotated[str, Field(pattern=TOPIC_NAME_PATTERN), AfterValidator(_not_dot_or_dotdot)]
 NonNegativeMs = Annotated[float, Field(ge=0)]
 Nonce = Annotated[str, Field(min_length=1, max_length=MAX_NONCE_CHARS)]
+ReplyPartition = Annotated[int, Field(ge=0, le=MAX_REPLY_PARTITION)]
 
 
 class WireModel(BaseModel):
@@ -190,6 +192,9 @@ class Request(WireModel):
     # v1.2: a secret the worker echoes in every reply; a client that sent one drops replies
     # without it (anyone who can produce requests could otherwise forge another's replies).
     nonce: Nonce | None = None
+    # v1.2: the partition of `reply_to` every reply goes to (a shared reply topic, where each
+    # client reads only its own partition); None: the worker's partitioner picks one by key.
+    reply_partition: ReplyPartition | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

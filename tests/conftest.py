@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from pathlib import Path
@@ -22,9 +23,28 @@ from worker.broker import EmbeddedBroker
 @pytest.fixture(scope="session")
 def broker():
     """The embedded Tansu broker on 127.0.0.1, shared by every `kafka` test of the session.
-    Tests keep apart by using fresh topic names and group ids (`unique_name`)."""
+    Tests keep apart by using fresh topic names and group ids (`unique_name`). The shared
+    reply topic (contract v1.2) is provisioned up front, as ops or the first worker would: SDK
+    clients never create it, and some tests start a client before any worker."""
     with EmbeddedBroker() as running:
+        asyncio.run(_provision_shared_reply_topic(running.bootstrap_servers))
         yield running
+
+
+async def _provision_shared_reply_topic(bootstrap_servers: str) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from schemas.contract import DEFAULT_SHARED_REPLY_TOPIC, NUM_SHARED_REPLY_TOPIC_PARTITIONS
+    from worker.topics import create_topics
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, request_timeout_ms=30_000)
+    await admin.start()
+    try:
+        await create_topics(
+            admin, {DEFAULT_SHARED_REPLY_TOPIC: NUM_SHARED_REPLY_TOPIC_PARTITIONS}, 1
+        )
+    finally:
+        await admin.close()
 
 
 @pytest.fixture(scope="session")

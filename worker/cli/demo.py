@@ -132,6 +132,7 @@ async def run_demo(settings: WorkerSettings, max_tokens: int) -> int:
                 request_topic=kafka.request_topic,
                 urgency_lanes=kafka.urgency_lanes,
                 reply_prefix=kafka.reply_topic_prefix,
+                reply_topic=kafka.shared_reply_topic_name,
                 control_topic=kafka.control_topic,
             )
             async with MiniInferClient(broker.bootstrap_servers, options) as client:

@@ -27,6 +27,7 @@ from schemas.contract import (
     DEFAULT_CONTROL_TOPIC,
     DEFAULT_REPLY_TOPIC_PREFIX,
     DEFAULT_REQUEST_TOPIC,
+    SHARED_REPLY_TOPIC_SUFFIX,
 )
 from schemas.headers import Urgency
 from schemas.messages import FinalReply
@@ -98,13 +99,16 @@ async def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(f"mini-infer generate: invalid Kafka security options: {exc}", file=err)
         return EXIT_INVALID
     try:  # bad arguments and settings fail here, before any connection
+        reply_prefix = _env("REPLY_TOPIC_PREFIX", DEFAULT_REPLY_TOPIC_PREFIX)
         options = ClientOptions(
             kafka=security,
             request_topic=_env("REQUEST_TOPIC", DEFAULT_REQUEST_TOPIC),
             # By lane (contract v1.2) unless the workers run without: the same variable.
             urgency_lanes=_env("URGENCY_LANES", "true").lower() not in ("false", "0", "off"),
             control_topic=_env("CONTROL_TOPIC", DEFAULT_CONTROL_TOPIC),
-            reply_prefix=_env("REPLY_TOPIC_PREFIX", DEFAULT_REPLY_TOPIC_PREFIX),
+            reply_prefix=reply_prefix,
+            # the worker's default, `<reply_topic_prefix>shared` (contract v1.2)
+            reply_topic=_env("SHARED_REPLY_TOPIC", reply_prefix + SHARED_REPLY_TOPIC_SUFFIX),
         )
         client = MiniInferClient(bootstrap_servers, options)
         client.build_request(**request_fields(args))

@@ -4,11 +4,18 @@
         async for delta in client.stream(prompt="Hi", max_tokens=32):
             print(delta.text, end="")
 
-Each client owns one reply topic, `<reply_prefix><uuid>`, with one partition, read by a plain
-consumer (no group: nobody else reads it, and a group join costs seconds) from `earliest`, so a
-reply written before the consumer's first fetch is not lost. One background task reads it and
-routes replies by request id to per-request queues, so many streams share one client. Which
-replies to show is decided by the pure `ReplyAssembler` (the client rule of docs/CONTRACT.md).
+By default every client shares one pre-provisioned reply topic (`mini-infer.replies.shared`,
+created by the workers; contract v1.2), so opening a client creates no topic. A client reads one
+partition of it, chosen by a hash of its instance id (or `ClientOptions.reply_partition`),
+assigned to a plain consumer (no group: a join costs seconds) whose position is fixed at the end
+of the partition before anything is sent, so no reply of its own is missed and no one else's
+history is read. Each request names that partition (`reply_partition`); records of other
+clients' requests are skipped by key (the request id) before decoding, and the nonce (v1.2)
+keeps anyone else's reply out. `ClientOptions.private_reply_topic` gives the client its own
+topic instead, `<reply_prefix><uuid>` with one partition, read from `earliest` and deleted on
+close. One background task reads and routes replies by request id to per-request queues, so many
+streams share one client. Which replies to show is decided by the pure `ReplyAssembler` (the
+client rule of docs/CONTRACT.md).
 
 Depends on `schemas` and aiokafka only, never on `engine`.
 """
@@ -16,6 +23,7 @@ Depends on `schemas` and aiokafka only, never on `engine`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
 import secrets
 import uuid
@@ -35,6 +43,7 @@ from schemas.contract import (
     DEFAULT_CONTROL_TOPIC,
     DEFAULT_REPLY_TOPIC_PREFIX,
     DEFAULT_REQUEST_TOPIC,
+    DEFAULT_SHARED_REPLY_TOPIC,
     NUM_REPLY_TOPIC_PARTITIONS,
     TOPIC_NAME_PATTERN,
     request_topic_for,
@@ -52,7 +61,7 @@ from schemas.messages import (
 )
 from worker.client.assembler import Delta, ReplyAssembler
 from worker.client.router import Item, ReplyRouter
-from worker.topics import create_topics
+from worker.topics import create_topics, delete_topic, num_partitions_of
 
 log = structlog.get_logger(__name__)
 
@@ -64,7 +73,10 @@ CANCEL_TIMEOUT_S = 5.0
 DEFAULT_REPLY_FETCH_MAX_WAIT_MS = 20
 _PROPAGATOR = TraceContextTextMapPropagator()
 # Request fields a caller may pass as keyword arguments; the client fills in the rest.
-SAMPLING_FIELDS = frozenset(Request.model_fields) - {"id", "reply_to", "prompt", "messages"}
+# (`nonce` and `reply_partition` are the client's own: v1.2 reply integrity and routing.)
+SAMPLING_FIELDS = frozenset(Request.model_fields) - {
+    "id", "reply_to", "prompt", "messages", "nonce", "reply_partition",
+}  # fmt: skip
 
 
 class ClientError(RuntimeError):
@@ -108,6 +120,12 @@ class ClientOptions:
     # `request_topic_for`); False: every request to `request_topic` (workers without lanes).
     urgency_lanes: bool = True
     reply_prefix: str = DEFAULT_REPLY_TOPIC_PREFIX
+    # v1.2: the shared reply topic this client reads one partition of; None of these creates it.
+    reply_topic: str = DEFAULT_SHARED_REPLY_TOPIC
+    reply_partition: int | None = None  # None: a hash of the client's instance id
+    # Opt-in: a topic of this client's own (`<reply_prefix><uuid>`), created at start and
+    # deleted at close. Costs the cluster a topic per client; for workers older than v1.2.
+    private_reply_topic: bool = False
     control_topic: str = DEFAULT_CONTROL_TOPIC
     client_id: str | None = None
     enable_idempotence: bool = False  # the embedded broker cannot do it (docs/KAFKA.md)
@@ -131,11 +149,17 @@ class MiniInferClient:
         self.options = options
         self.request_topic = options.request_topic
         self.control_topic = options.control_topic
-        self.reply_topic = f"{options.reply_prefix}{instance_id}"
-        if not re.fullmatch(TOPIC_NAME_PATTERN, self.reply_topic):
-            raise ValueError(
-                f"reply_prefix {options.reply_prefix!r} does not make a valid topic name"
-            )
+        self.instance_id = instance_id
+        private_topic = f"{options.reply_prefix}{instance_id}"
+        for option, name in (("reply_prefix", private_topic), ("reply_topic", options.reply_topic)):
+            if not re.fullmatch(TOPIC_NAME_PATTERN, name):
+                raise ValueError(
+                    f"{option} {getattr(options, option)!r} does not make a valid topic name"
+                )
+        self.reply_topic = private_topic if options.private_reply_topic else options.reply_topic
+        # The partition this client reads; set by `start` (None: a private topic, partition 0).
+        self.reply_partition: int | None = None
+        self._is_topic_created = False
         self.client_id = options.client_id or f"mini-infer-client-{instance_id[:8]}"
         self._kafka_options = {
             "bootstrap_servers": bootstrap_servers,
@@ -157,7 +181,7 @@ class MiniInferClient:
 
     async def start(self) -> None:
         try:
-            await self._create_reply_topic()
+            await self._prepare_reply_topic()
             self._producer = AIOKafkaProducer(
                 **self._kafka_options,
                 acks="all",
@@ -172,7 +196,7 @@ class MiniInferClient:
                 fetch_max_wait_ms=self.options.reply_fetch_max_wait_ms,
             )
             await self._consumer.start()
-            self._consumer.assign([TopicPartition(self.reply_topic, 0)])
+            await self._assign_reply_partition(self._consumer)
         except BaseException:
             await self.close()
             raise
@@ -181,21 +205,50 @@ class MiniInferClient:
         )
         log.info("client.started", reply_topic=self.reply_topic, client_id=self.client_id)
 
-    async def _create_reply_topic(self) -> None:
+    async def _prepare_reply_topic(self) -> None:
+        """Private: create the client's topic. Shared: check that it exists (never creating it)
+        and pick this client's partition."""
         admin = AIOKafkaAdminClient(**self._kafka_options)
         await admin.start()
         try:
-            await create_topics(
-                admin,
-                {self.reply_topic: NUM_REPLY_TOPIC_PARTITIONS},
-                self.options.reply_replication_factor,
-            )
+            if self.options.private_reply_topic:
+                await create_topics(
+                    admin,
+                    {self.reply_topic: NUM_REPLY_TOPIC_PARTITIONS},
+                    self.options.reply_replication_factor,
+                )
+                self._is_topic_created = True
+                return
+            num_partitions = await num_partitions_of(admin, self.reply_topic)
         finally:
             await admin.close()
+        if num_partitions is None:
+            raise ClientError(
+                f"the shared reply topic {self.reply_topic!r} does not exist: workers create it "
+                "at start (MINI_INFER_KAFKA__SHARED_REPLY_TOPIC), or ops provision it"
+            )
+        self.reply_partition = self.options.reply_partition
+        if self.reply_partition is None:
+            self.reply_partition = partition_of(self.instance_id, num_partitions)
+        if not 0 <= self.reply_partition < num_partitions:
+            raise ClientError(
+                f"reply_partition {self.reply_partition} is not one of the "
+                f"{num_partitions} partitions of {self.reply_topic!r}"
+            )
+
+    async def _assign_reply_partition(self, consumer: AIOKafkaConsumer) -> None:
+        """A shared partition is read from its end, fixed here, before any request is sent: a
+        reply to this client comes later, and the others' history is not ours to read."""
+        partition = TopicPartition(self.reply_topic, self.reply_partition or 0)
+        consumer.assign([partition])
+        if not self.options.private_reply_topic:
+            await consumer.seek_to_end(partition)
+            await consumer.position(partition)  # resolves the offset now, not at the first fetch
 
     async def close(self) -> None:
-        """Finish best-effort cancels, stop reading, stop producing. The reply topic is kept:
-        deleting a topic that is being read breaks consumers on the embedded broker."""
+        """Finish best-effort cancels, stop reading, stop producing; then delete a private reply
+        topic (once its consumer is gone: deleting a topic that is being read breaks consumers
+        on the embedded broker). The shared topic is never touched."""
         if self._background:
             await asyncio.wait(self._background, timeout=CANCEL_TIMEOUT_S)
         if self._reader is not None:
@@ -211,6 +264,20 @@ class MiniInferClient:
             except (TimeoutError, KafkaError) as exc:
                 log.warning("client.stop_failed", part=name, error=repr(exc))
         self._consumer = self._producer = None
+        if self._is_topic_created:
+            self._is_topic_created = False
+            await self._delete_reply_topic()
+
+    async def _delete_reply_topic(self) -> None:
+        admin = AIOKafkaAdminClient(**self._kafka_options)
+        try:
+            await asyncio.wait_for(admin.start(), STOP_TIMEOUT_S)
+            await asyncio.wait_for(delete_topic(admin, self.reply_topic), STOP_TIMEOUT_S)
+            log.info("client.reply_topic_deleted", reply_topic=self.reply_topic)
+        except (TimeoutError, KafkaError, OSError) as exc:  # a leftover topic, not a failure
+            log.warning("client.reply_topic_delete_failed", error=repr(exc))
+        finally:
+            await admin.close()
 
     def build_request(
         self,
@@ -227,6 +294,7 @@ class MiniInferClient:
         request = Request(
             id=request_id or uuid.uuid4().hex,
             reply_to=self.reply_topic,
+            reply_partition=self.reply_partition,  # v1.2; None for a private topic
             # v1.2: only replies echoing this secret are taken (a producer could forge others)
             nonce=secrets.token_urlsafe(16),
             prompt=prompt,
@@ -375,6 +443,12 @@ class MiniInferClient:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def partition_of(instance_id: str, num_partitions: int) -> int:
+    """A stable, evenly spread partition for an instance id (Python's hash() is salted)."""
+    digest = hashlib.sha256(instance_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % num_partitions
 
 
 class _Collected:

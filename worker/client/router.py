@@ -7,6 +7,9 @@ A request registered with a nonce (contract v1.2) takes only replies that carry 
 anyone allowed to produce requests can name this client's reply topic and request id, and
 without the nonce could make a worker publish a final of their choosing into this stream.
 Replies without it are dropped, logged and counted (`num_forged`).
+
+On a shared reply topic (v1.2) most records of the partition are other clients' replies: they
+are skipped by their key, the request id, before any decoding.
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ class ReplyRouter:
         for queue in self._queues.values():
             queue.put_nowait(error)
 
+    def is_waiting_for(self, key: bytes | None) -> bool:
+        """False for a record keyed by a request id this client is not waiting for."""
+        if key is None:  # not keyed as workers key replies: let the decoded id decide
+            return True
+        return key.decode("utf-8", "replace") in self._queues
+
     def route(self, value: bytes | None, content_type: str | None) -> None:
         try:
             reply = decode_reply(value, content_type)
@@ -76,6 +85,8 @@ class ReplyRouter:
                 batches = await consumer.getmany(timeout_ms=1000)
                 for records in batches.values():
                     for record in records:
+                        if not self.is_waiting_for(record.key):
+                            continue
                         self.route(record.value, read_content_type(record.headers))
         except asyncio.CancelledError:
             raise

@@ -197,7 +197,7 @@ class RequestConsumer:
             self._dead_letter(partition, record, decision, epoch)
             return
         structlog.contextvars.bind_contextvars(request_id=safe_for_log(decision.request_id))
-        if self._topics.is_known(decision.reply_to):
+        if self._topics.is_known(decision.reply_to, decision.reply_partition):
             self._admit(partition, record, decision, received_s, epoch)
             return
         # A reply topic to create: out of line, so that polling (and every other request) goes
@@ -216,7 +216,9 @@ class RequestConsumer:
         ):  # fmt: skip
             try:
                 try:
-                    await self._topics.ensure_reply_topic(decision.reply_to)
+                    await self._topics.ensure_reply_topic(
+                        decision.reply_to, decision.reply_partition
+                    )
                 except (TopicCreationRefused, KafkaError, OSError, TimeoutError) as error:
                     if self.tracker.is_current(partition, epoch):
                         letter = DeadLetter(DeadLetterReason.REPLY_TOPIC_UNAVAILABLE, repr(error))

@@ -40,6 +40,7 @@ class Job:
     stream: ReplyStream
     received_s: float  # monotonic
     state: JobState = JobState.PENDING
+    reply_partition: int | None = None  # v1.2: of reply_to; None: the partitioner picks by key
     prompt_token_ids: list[int] | None = None  # chat template applied, tokenized
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0

@@ -193,7 +193,8 @@ class Pipeline:
         )  # fmt: skip
         is_streaming = request.stream if request is not None else False
         job = Job(
-            request_id=request_id, reply_to=decision.reply_to, attempt=attempt, partition=partition,
+            request_id=request_id, reply_to=decision.reply_to,
+            reply_partition=decision.reply_partition, attempt=attempt, partition=partition,
             offset=offset, urgency=urgency, request=request, span=span,
             params=decision.params if request is not None else None,
             reply_headers=reply_headers(traceparent_of(span)),

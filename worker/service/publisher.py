@@ -50,6 +50,7 @@ class Outgoing:
     on_done: Callable[[BaseException | None], None] | None = None
     is_done: bool = field(default=False, compare=False)
     deadline: asyncio.TimerHandle | None = field(default=None, compare=False, repr=False)
+    partition: int | None = None  # None: aiokafka's partitioner picks one by key
 
 
 class DeliveryTimeout(TimeoutError):
@@ -187,9 +188,11 @@ class Publisher:
     async def _send(self, message: Outgoing) -> None:
         try:
             delivery = await self._producer.send(
-                message.topic, message.value, key=message.key, headers=message.headers
-            )
-        except (KafkaError, ValueError, TypeError) as error:  # e.g. too large, no metadata
+                message.topic, message.value, key=message.key, headers=message.headers,
+                partition=message.partition,
+            )  # fmt: skip
+        # e.g. too large, no metadata; aiokafka asserts that a chosen partition exists
+        except (KafkaError, ValueError, TypeError, AssertionError) as error:
             self._done(message, error)
             return
         delivery.add_done_callback(lambda fut, m=message: self._done(m, _error_of(fut)))

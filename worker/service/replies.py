@@ -50,7 +50,7 @@ class ReplyWriter:
         if isinstance(message, TokenReply):
             outcome = deliver(
                 self._publisher,
-                lambda: Outgoing(job.reply_to, job.request_id.encode(), value, job.reply_headers),
+                lambda: _outgoing(job, value),
                 self._num_final_retries,
                 "token",
             )
@@ -61,10 +61,17 @@ class ReplyWriter:
             value = encode(message, MSGPACK)
         return deliver(
             self._publisher,
-            lambda: Outgoing(job.reply_to, job.request_id.encode(), value, job.reply_headers),
+            lambda: _outgoing(job, value),
             self._num_final_retries,
             "final",
         )
+
+
+def _outgoing(job: Job, value: bytes) -> Outgoing:
+    return Outgoing(
+        job.reply_to, job.request_id.encode(), value, job.reply_headers,
+        partition=job.reply_partition,
+    )  # fmt: skip
 
 
 def _read_outcome(outcome: asyncio.Future[None]) -> None:

@@ -46,6 +46,7 @@ class Rejected:
     urgency: Urgency = Urgency.NORMAL
     traceparent: str | None = None
     nonce: str | None = None
+    reply_partition: int | None = None  # v1.2: the partition of reply_to its client reads
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ class Accepted:
     @property
     def reply_to(self) -> str:
         return self.request.reply_to
+
+    @property
+    def reply_partition(self) -> int | None:
+        return self.request.reply_partition
 
 
 @dataclass(frozen=True)
@@ -99,22 +104,23 @@ def _route(
         if not error.reply_to.startswith(policy.reply_topic_prefix):
             return _outside_prefix(error.reply_to, policy)
         return Rejected(
-            error.request_id, error.reply_to, error.code, error.message, nonce=error.nonce
-        )
+            error.request_id, error.reply_to, error.code, error.message, nonce=error.nonce,
+            reply_partition=error.reply_partition,
+        )  # fmt: skip
     if not request.reply_to.startswith(policy.reply_topic_prefix):
         return _outside_prefix(request.reply_to, policy)
     if request.model is not None and request.model not in policy.served_models:
         return Rejected(
             request.id, request.reply_to, ErrorCode.MODEL_NOT_SERVED,
             f"model {request.model!r} is not served here; this worker serves {sorted(policy.served_models)}",
-            nonce=request.nonce,
+            nonce=request.nonce, reply_partition=request.reply_partition,
         )  # fmt: skip
     try:
         params = _sampling_params(request)
     except ValueError as error:
         return Rejected(
             request.id, request.reply_to, ErrorCode.INVALID_REQUEST, str(error),
-            nonce=request.nonce,
+            nonce=request.nonce, reply_partition=request.reply_partition,
         )  # fmt: skip
     return Accepted(request, params, read_urgency(headers), read_traceparent(headers))
 

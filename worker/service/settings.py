@@ -33,6 +33,8 @@ from schemas.contract import (
     DEFAULT_MAX_PROMPT_CHARS,
     DEFAULT_REPLY_TOPIC_PREFIX,
     DEFAULT_REQUEST_TOPIC,
+    NUM_SHARED_REPLY_TOPIC_PARTITIONS,
+    SHARED_REPLY_TOPIC_SUFFIX,
     TOPIC_NAME_PATTERN,
     request_topics,
 )
@@ -101,6 +103,16 @@ class KafkaSettings(_Group):
     )
     client_id: str = "mini-infer-worker"
     reply_topics: ReplyTopicSettings = Field(default_factory=ReplyTopicSettings)
+    # v1.2: the SDK's default reply topic, created with the worker's own topics so that no
+    # client creates one. Under reply_topic_prefix; None: `<reply_topic_prefix>shared`.
+    shared_reply_topic: TopicName | None = Field(
+        default=None, description="default: <reply_topic_prefix>shared"
+    )
+    num_shared_reply_partitions: int = Field(
+        default=NUM_SHARED_REPLY_TOPIC_PARTITIONS,
+        ge=0,
+        description="of the shared reply topic; 0: not created (ops provision it)",
+    )
     # None: on for an external Kafka, off for the embedded broker (whose InitProducerId answer
     # stock aiokafka cannot read, see docs/KAFKA.md).
     enable_idempotence: bool | None = None
@@ -126,6 +138,10 @@ class KafkaSettings(_Group):
     ssl_certfile: Path | None = None  # a client certificate (mutual TLS)
     ssl_keyfile: Path | None = None  # its private key
     ssl_password: SecretStr | None = None  # of the private key, if encrypted
+
+    @property
+    def shared_reply_topic_name(self) -> str:
+        return self.shared_reply_topic or f"{self.reply_topic_prefix}{SHARED_REPLY_TOPIC_SUFFIX}"
 
     @property
     def is_embedded(self) -> bool:
@@ -155,6 +171,11 @@ class KafkaSettings(_Group):
             raise ValueError(
                 f"reply_topic_prefix {self.reply_topic_prefix!r} covers {covered}: a request could "
                 "then name a worker topic as its reply_to"
+            )
+        if not self.shared_reply_topic_name.startswith(self.reply_topic_prefix):
+            raise ValueError(
+                f"shared_reply_topic {self.shared_reply_topic!r} is not under reply_topic_prefix "
+                f"{self.reply_topic_prefix!r}: no worker would write to it"
             )
         check_security(
             self.security_protocol, self.sasl_mechanism, self.sasl_username,

@@ -6,8 +6,10 @@ broker forgets every topic when it restarts.
 
 Reply topics are named by producers, so their creation is bounded by settings
 (`kafka.reply_topics`): switched off (pre-provisioned topics only), a limit on how many one
-worker creates in its life, and a rate (a token bucket). A request whose reply topic it may not
-create is dead-lettered (`reply_topic_unavailable`). Transient CreateTopics failures (timeouts, a
+worker creates in its life, and a rate (a token bucket). A topic this worker has not seen is
+first looked up in the broker's metadata: only one that is really missing is created and
+charged to the budget. A request whose reply topic (or `reply_partition`, v1.2) is missing and
+may not be created is dead-lettered (`reply_topic_unavailable`). Transient CreateTopics failures (timeouts, a
 broker mid-restart) are retried with backoff; only a refusal the broker means (invalid name,
 not authorised, policy) or the last retry's failure gives up. Creation never blocks the poll
 loop: the consumer awaits it out of line, for the one request that needs it.
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import structlog
 from aiokafka.admin import AIOKafkaAdminClient
@@ -24,9 +28,10 @@ from aiokafka.errors import KafkaError
 
 from schemas.contract import NUM_REPLY_TOPIC_PARTITIONS
 from worker.service.settings import KafkaSettings, ReplyTopicSettings
-from worker.topics import create_topics
+from worker.topics import create_topics, num_partitions_of
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 
 class TopicCreationRefused(Exception):
@@ -75,6 +80,7 @@ class TopicAdmin:
         )
         self._num_created_reply_topics = 0
         self._known: set[str] = set()
+        self._num_partitions: dict[str, int] = {}  # asked of the broker when a request needs it
         self._creating: dict[str, asyncio.Future] = {}
 
     async def start(self) -> None:
@@ -86,8 +92,11 @@ class TopicAdmin:
             pending.cancel()
         await self._admin.close()
 
-    def is_known(self, name: str) -> bool:
-        return name in self._known
+    def is_known(self, name: str, partition: int | None = None) -> bool:
+        """`name` exists, and so does its `partition` when one is named (v1.2)."""
+        if name not in self._known:
+            return False
+        return partition is None or partition < self._num_partitions.get(name, 0)
 
     async def create(self, topics: dict[str, int]) -> None:
         """Create `{name: num_partitions}` that are not known to exist yet."""
@@ -100,25 +109,56 @@ class TopicAdmin:
         """Forget topics that vanished and recreate the worker's own: a restarted embedded broker
         comes back empty, and reply topics must then be created again too."""
         self._known = set(await self._admin.list_topics())
+        self._num_partitions = {n: k for n, k in self._num_partitions.items() if n in self._known}
         await self.create(own_topics)
 
-    async def ensure_reply_topic(self, name: str) -> None:
-        """Make sure `name` exists, creating it once even when many requests name it at once.
+    async def ensure_reply_topic(self, name: str, partition: int | None = None) -> None:
+        """Make sure `name` (and its `partition`, if named) exists: asks the broker first, and
+        creates the topic only when it is missing, once even when many requests name it at once.
         Raises `TopicCreationRefused`, or the broker's error after the retries."""
-        if name in self._known:
+        if self.is_known(name, partition):
             return
         pending = self._creating.get(name)
         if pending is None:
-            self._admit_creation(name)
-            pending = asyncio.ensure_future(self._create_with_retries(name))
+            pending = asyncio.ensure_future(self._check_or_create(name))
             self._creating[name] = pending
             pending.add_done_callback(lambda _: self._creating.pop(name, None))
         await asyncio.shield(pending)
+        if not self.is_known(name, partition):
+            raise TopicCreationRefused(
+                f"reply topic {name!r} has {self._num_partitions[name]} partitions, "
+                f"not a partition {partition}"
+            )
+
+    async def _check_or_create(self, name: str) -> None:
+        """Metadata before CreateTopics: a topic that exists (created by a client, by ops, or by
+        another worker since the last refresh) costs no creation budget and is never refused."""
+        num_partitions = await self._with_retries(lambda: num_partitions_of(self._admin, name))
+        if num_partitions is None:
+            self._admit_creation(name)
+            created = await self._with_retries(
+                lambda: create_topics(
+                    self._admin, {name: NUM_REPLY_TOPIC_PARTITIONS}, self._replication_factor
+                )
+            )
+            if name in created:
+                log.info("topic.created", topic=name, num_partitions=NUM_REPLY_TOPIC_PARTITIONS)
+                num_partitions = NUM_REPLY_TOPIC_PARTITIONS
+            else:  # someone else created it in between: not ours to count
+                self._num_created_reply_topics -= 1
+                num_partitions = await self._with_retries(
+                    lambda: num_partitions_of(self._admin, name)
+                )
+        self._known.add(name)
+        self._num_partitions[name] = num_partitions or 0
 
     def _admit_creation(self, name: str) -> None:
         policy = self._policy
         if not policy.create:
-            raise TopicCreationRefused("reply topics are pre-provisioned only on this worker")
+            raise TopicCreationRefused(
+                f"reply topic {name!r} does not exist, and reply topics are pre-provisioned "
+                "only on this worker"
+            )
         if self._num_created_reply_topics >= policy.max_created:
             raise TopicCreationRefused(
                 f"this worker has created its limit of {policy.max_created} reply topics"
@@ -129,15 +169,15 @@ class TopicAdmin:
             )
         self._num_created_reply_topics += 1
 
-    async def _create_with_retries(self, name: str) -> None:
+    async def _with_retries(self, call: Callable[[], Awaitable[T]]) -> T:
         delay_s = self._policy.retry_backoff_s
         for num_tries in range(1, self._policy.num_retries + 2):
             try:
-                await self.create({name: NUM_REPLY_TOPIC_PARTITIONS})
-                return
+                return await call()
             except (TimeoutError, KafkaError, OSError) as error:
                 if not is_transient(error) or num_tries > self._policy.num_retries:
                     raise
-                log.warning("topic.create_retry", num_tries=num_tries, error=repr(error))
+                log.warning("topic.admin_retry", num_tries=num_tries, error=repr(error))
                 await asyncio.sleep(delay_s)
                 delay_s *= 2
+        raise AssertionError("unreachable: the last try returns or raises")

@@ -253,9 +253,12 @@ class Worker:
 
     def _own_topics(self) -> dict[str, int]:
         kafka = self.settings.kafka
-        return dict.fromkeys(
+        topics = dict.fromkeys(
             (*kafka.request_topics, kafka.control_topic, kafka.dlq_topic), kafka.num_partitions
         )
+        if kafka.num_shared_reply_partitions > 0:
+            topics[kafka.shared_reply_topic_name] = kafka.num_shared_reply_partitions
+        return topics
 
     async def _watch_topics(self) -> None:
         """Every `TOPIC_CHECK_INTERVAL_S`: recreate the worker's topics if the broker lost them.

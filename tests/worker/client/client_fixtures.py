@@ -78,7 +78,10 @@ async def fake_worker(broker, topics, script: Script, seen: list) -> None:
             request = decode_request(record.value, read_content_type(record.headers))
             seen.append((record, request))
             for reply in script(request):
-                await producer.send_and_wait(request.reply_to, encode(reply), key=record.key)
+                await producer.send_and_wait(
+                    request.reply_to, encode(reply), key=record.key,
+                    partition=request.reply_partition,  # v1.2: where the client reads
+                )  # fmt: skip
     finally:
         await asyncio.wait_for(consumer.stop(), 5)
         await producer.stop()

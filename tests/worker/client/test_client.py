@@ -9,6 +9,7 @@ import contextlib
 import pytest
 
 from schemas import JSON, InvalidRequestError, Request, Urgency, encode
+from schemas.contract import DEFAULT_SHARED_REPLY_TOPIC
 from schemas.headers import read_content_type, read_traceparent, read_urgency
 from schemas.messages import ErrorInfo, FinalReply, TokenLogprob, TokenReply
 from tests.worker.client.client_fixtures import (  # noqa: F401 (the *_fixture names are fixtures)
@@ -48,8 +49,12 @@ def test_build_request_validates_locally() -> None:
     assert chat.messages[0].content == "yo"
 
 
-def test_two_clients_have_distinct_reply_topics() -> None:
-    assert MiniInferClient("x:1").reply_topic != MiniInferClient("x:1").reply_topic
+def test_clients_share_the_reply_topic_unless_they_opt_into_their_own() -> None:
+    assert MiniInferClient("x:1").reply_topic == DEFAULT_SHARED_REPLY_TOPIC
+    private = ClientOptions(private_reply_topic=True)
+    assert (
+        MiniInferClient("x:1", private).reply_topic != MiniInferClient("x:1", private).reply_topic
+    )
 
 
 async def test_router_routes_by_id_and_survives_garbage() -> None:

@@ -31,7 +31,7 @@ class StuckProducer:
         self.sent: list[tuple[str, bytes]] = []
         self.never = asyncio.Event()
 
-    async def send(self, topic, value, key=None, headers=None):
+    async def send(self, topic, value, key=None, headers=None, partition=None):
         future = asyncio.get_running_loop().create_future()
         if topic == self.stuck:
             if len(self.pending) >= self.batch_size:
