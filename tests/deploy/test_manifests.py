@@ -539,6 +539,12 @@ def test_cpu_image_builds_the_kernels_and_ships_no_compiler_triton_or_broker() -
     assert not re.search(r"\b(g\+\+|gcc|clang|build-essential)\b", runtime)
     # The serving extra only: Triton is the cuda extra, the embedded broker the demo extra.
     assert '".[serve]"' in build and "find_spec('triton')" in build
+    # xgrammar pulls Triton in as a declared dependency; the image removes it after the install.
+    assert (
+        build.index('".[serve]"')
+        < build.index("pip uninstall -y triton")
+        < build.index("find_spec('triton')")
+    )
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     assert not any(d.startswith("triton") for d in extras["serve"])
