@@ -16,7 +16,9 @@ from tests.tiny_model import make_tiny_llama
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return make_tiny_llama(tmp_path_factory.mktemp("engine-llama"), seed=2, max_position_embeddings=128)
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("engine-llama"), seed=2, max_position_embeddings=128
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,12 @@ def test_sampling_params_valid_or_value_error(max_tokens, top_p, temperature, to
 
 def test_invalid_prompts_raise_and_leak_nothing(engine):
     free = engine.get_stats().num_blocks_free
-    for prompt, match in [("", "empty"), ([], "empty"), ([10**9], "not in"), ([1] * 200, "context")]:
+    for prompt, match in [
+        ("", "empty"),
+        ([], "empty"),
+        ([10**9], "not in"),
+        ([1] * 200, "context"),
+    ]:
         with pytest.raises(ValueError, match=match):
             engine.add_request("bad", prompt, SamplingParams())
     engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
@@ -118,20 +125,27 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny_dir):
     others = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
     outs = llm.generate(crowd, [others, target, others, others])
     assert outs[1].token_ids == alone
-    different = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=16, temperature=1.0, top_k=50,
-                                                         seed=99, ignore_eos=True))[0].token_ids
+    different = llm.generate(
+        [[5, 6, 7]],
+        SamplingParams(max_tokens=16, temperature=1.0, top_k=50, seed=99, ignore_eos=True),
+    )[0].token_ids
     assert different != alone  # the seed matters (a 16-token collision is vanishingly unlikely)
 
 
 def test_stop_token_ids_and_max_tokens(tiny_dir):
     llm = LLM(tiny_dir, block_size=4, num_kv_blocks=64)
-    free_run = llm.generate([[7, 8, 9]], SamplingParams(max_tokens=12, temperature=1.0, seed=3,
-                                                        ignore_eos=True))[0]
+    free_run = llm.generate(
+        [[7, 8, 9]], SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    )[0]
     assert free_run.finish_reason == "length" and len(free_run.token_ids) == 12
     stop_at = free_run.token_ids[5]
     first = free_run.token_ids.index(stop_at)
-    out = llm.generate([[7, 8, 9]], SamplingParams(max_tokens=12, temperature=1.0, seed=3,
-                                                   ignore_eos=True, stop_token_ids=[stop_at]))[0]
+    out = llm.generate(
+        [[7, 8, 9]],
+        SamplingParams(
+            max_tokens=12, temperature=1.0, seed=3, ignore_eos=True, stop_token_ids=[stop_at]
+        ),
+    )[0]
     assert out.finish_reason == "stop" and out.token_ids == free_run.token_ids[: first + 1]
 
 
@@ -181,7 +195,10 @@ def _rss_bytes() -> int:
 def test_kv_pool_is_committed_on_use_or_at_start_up(tiny_dir, prefault):
     pool_bytes = 96 << 20
     before = _rss_bytes()
-    eng = LLMEngine(tiny_dir, kv_cache_memory_bytes=pool_bytes, kv_cache_prefault=prefault)
+    # Enough sequences that the pool is sized by the budget, not by what they can use.
+    eng = LLMEngine(
+        tiny_dir, kv_cache_memory_bytes=pool_bytes, kv_cache_prefault=prefault, max_num_seqs=4096
+    )
     grown = _rss_bytes() - before
     assert eng.runner.kv_cache_bytes > pool_bytes * 0.9
     if prefault:

@@ -49,14 +49,21 @@ async def test_cancels_and_deadlines_reach_requests_everywhere_on_every_worker(
     workers = [
         Worker(
             worker_settings(
-                tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id=f"c{i}",
-                kafka={"num_partitions": NUM_PARTITIONS}, batcher={"max_batch_tokens": 8},
+                tiny_model_dir,
+                broker.bootstrap_servers,
+                group_id,
+                topic,
+                worker_id=f"c{i}",
+                kafka={"num_partitions": NUM_PARTITIONS, "urgency_lanes": False},
+                batcher={"max_batch_tokens": 8},
             ),  # fmt: skip
             engine_factory=factory,
         )
         for i in range(2)
     ]
-    options = ClientOptions(request_topic=topic, control_topic=workers[0].settings.kafka.control_topic)
+    options = ClientOptions(
+        request_topic=topic, control_topic=workers[0].settings.kafka.control_topic
+    )
     async with (
         Producer(broker.bootstrap_servers) as producer,
         ReplyReader(broker.bootstrap_servers) as replies,
@@ -105,5 +112,3 @@ def placed(worker: Worker) -> set[str]:
         else:
             where.add("engine queue")
     return where
-
-

@@ -40,13 +40,13 @@ async def test_sigkill_of_one_of_two_workers_loses_nothing(
     ready_file, log_path = tmp_path / "ready.json", tmp_path / "victim.log"
     victim = start_serve(
         broker.bootstrap_servers, tiny_model_dir, group_id, topic, ready_file, log_path, "victim",
-        extra_env={"MINI_INFER_TEST_GATE": "4"}, module="tests.worker.service.gated_serve",
+        extra_env={"MINI_INFER_TEST_GATE": "4", "MINI_INFER_KAFKA__URGENCY_LANES": "false"}, module="tests.worker.service.gated_serve",
     )  # fmt: skip
     survivor = Worker(
         worker_settings(
             tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id="survivor",
             kafka={"num_partitions": 2, "control_topic": topic + ".control",
-                   "dlq_topic": topic + ".dlq"},
+                   "dlq_topic": topic + ".dlq", "urgency_lanes": False},
         )
     )  # fmt: skip
     try:

@@ -17,6 +17,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas.codec import JSON, MSGPACK
+from schemas.contract import request_topics
 from schemas.headers import request_headers
 from tests.conftest import unique_name
 from tests.worker.kafka_helpers import (
@@ -60,8 +61,12 @@ def hostile_messages(reply_to: str, outside: str) -> list[tuple[str, bytes | Non
         ("reply_to with a slash", js(id="h-slash", reply_to=PREFIX + "a/b"), JSON, "dlq"),
         ("reply_to '..'", js(id="h-dots", reply_to=".."), JSON, "dlq"),
         ("too large", js(id="h-big", prompt="x" * (MAX_MESSAGE_BYTES + 10)), JSON, "dlq"),
-        ("deeply nested", b'{"id": "h-deep", "a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
-         JSON, "dlq"),
+        (
+            "deeply nested",
+            b'{"id": "h-deep", "a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+            JSON,
+            "dlq",
+        ),
         ("invalid utf-8", b'{"id": "h-utf", "prompt": "\xff\xfe"}', JSON, "dlq"),
         ("bogus content type", mp(id="h-ct"), "text/x-bogus", "dlq"),
         ("huge deadline", js(id="h-deadline", deadline_ms=int("9" * 300)), JSON, "final"),
@@ -75,11 +80,19 @@ def hostile_messages(reply_to: str, outside: str) -> list[tuple[str, bytes | Non
         ("max_tokens over the limit", mp(id="h-maxbig", max_tokens=2**40), MSGPACK, "final"),
         ("too many stop strings", mp(id="h-stops", stop=["s"] * 100), MSGPACK, "final"),
         ("too long a prompt", mp(id="h-chars", prompt="y" * 40_000), MSGPACK, "final"),
-        ("prompt and messages", mp(id="h-both", messages=[{"role": "user", "content": "x"}]),
-         MSGPACK, "final"),
+        (
+            "prompt and messages",
+            mp(id="h-both", messages=[{"role": "user", "content": "x"}]),
+            MSGPACK,
+            "final",
+        ),
         ("empty prompt", mp(id="h-empty", prompt=""), MSGPACK, "final"),
-        ("role not a string", mp(id="h-role", prompt=None, messages=[{"role": 5, "content": "x"}]),
-         MSGPACK, "final"),
+        (
+            "role not a string",
+            mp(id="h-role", prompt=None, messages=[{"role": 5, "content": "x"}]),
+            MSGPACK,
+            "final",
+        ),
         ("unknown model", mp(id="h-model", model="gpt-9"), MSGPACK, "final"),
         ("past deadline", mp(id="h-past", deadline_ms=past_ms), MSGPACK, "final"),
         ("longer than the context", mp(id="h-ctx", prompt="word " * 3000), MSGPACK, "final"),
@@ -149,7 +162,7 @@ async def test_the_worst_kinds_of_input_are_answered_or_parked_and_nothing_is_lo
         finally:
             await worker.stop(grace_s=5)
     new_topics = await list_topics(broker.bootstrap_servers) - topics_before
-    own = {topic, settings.kafka.control_topic, settings.kafka.dlq_topic}
+    own = {*request_topics(topic), settings.kafka.control_topic, settings.kafka.dlq_topic}
     assert all(t.startswith(PREFIX) or t in own for t in new_topics), new_topics
     assert outside not in new_topics
 

@@ -32,6 +32,9 @@ from worker.service.worker import Worker
 
 pytestmark = pytest.mark.kafka
 
+# The request topic's partitions only: lane topics would join the split the test waits for.
+NO_LANES = {"urgency_lanes": False}
+
 NUM_PARTITIONS = 4
 NUM_PER_PARTITION = 3
 
@@ -73,8 +76,16 @@ async def test_records_of_gained_partitions_are_answered_while_the_listener_awai
         Producer(broker.bootstrap_servers) as producer,
         ReplyReader(broker.bootstrap_servers) as replies,
     ):
-        survivor = Worker(worker_settings(tiny_model_dir, proxy.bootstrap_servers, group_id, topic))
-        leaver = Worker(worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic))
+        survivor = Worker(
+            worker_settings(
+                tiny_model_dir, proxy.bootstrap_servers, group_id, topic, kafka=NO_LANES
+            )
+        )
+        leaver = Worker(
+            worker_settings(
+                tiny_model_dir, broker.bootstrap_servers, group_id, topic, kafka=NO_LANES
+            )
+        )
         await survivor.start()
         try:
             await leaver.start()

@@ -95,7 +95,7 @@ async def test_two_workers_share_the_partitions_and_answer_each_request_once(
                 group_id,
                 topic,
                 worker_id=f"pool-{i}",
-                kafka={"num_partitions": num_partitions},
+                kafka={"num_partitions": num_partitions, "urgency_lanes": False},
             )
         )  # fmt: skip
         for i in range(2)
@@ -145,7 +145,7 @@ async def test_a_rebalance_mid_generation_hands_unfinished_work_to_the_new_owner
 
     def settings(worker_id: str):
         return worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id=worker_id,
-                               kafka={"num_partitions": num_partitions})  # fmt: skip
+                               kafka={"num_partitions": num_partitions, "urgency_lanes": False})  # fmt: skip
 
     busy = Worker(settings("busy"), engine_factory=slow_engine_factory(tiny_model_dir, step_s=0.03))
     joining = Worker(settings("joining"))
