@@ -16,8 +16,12 @@ from engine.sampling_params import StructuredOutput
 MAX_NUM_CACHED_GRAMMARS = 256
 # One character of a JSON string, as xgrammar's EBNF writes it: loose (only quote, backslash,
 # CR and LF excluded) and strict (every control character excluded, as RFC 8259 requires).
-_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
-_STRICT_STRING_CHAR = r"[^\0-\x1f\"\\]"
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"  # xgrammar's maxLength-bounded string character
+_UNBOUNDED_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"  # its unbounded-string character
+# No control characters, and no UTF-16 surrogate code points: xgrammar's UTF-8 automaton takes
+# ED A0..BF xx as a character, which is not valid UTF-8 (a byte-level tokenizer can emit it
+# byte by byte, and the text then decodes to U+FFFD).
+_STRICT_STRING_CHAR = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
 _SOURCE_LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
@@ -104,9 +108,11 @@ class GrammarCache:
 
 def _strict_json_strings(ebnf: str) -> str:
     """xgrammar 0.2's rule for a length-bounded string (`maxLength`) lets raw control characters
-    through, which strict JSON parsers reject; its unbounded-string rule excludes them. Make the
-    bounded one exclude them too."""
-    return ebnf.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR)
+    through, which strict JSON parsers reject, and both of its string rules let surrogate code
+    points through, which are not UTF-8. Both rules get the strict character class."""
+    return ebnf.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR).replace(
+        _UNBOUNDED_STRING_CHAR, _STRICT_STRING_CHAR
+    )
 
 
 def _first_line(error: Exception) -> str:
