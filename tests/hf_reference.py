@@ -20,3 +20,13 @@ def hf_model(path, dtype: torch.dtype = torch.float32):
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.eval()
+
+
+def hf_greedy_continuation(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The tokens HF's greedy `generate` appends to `prompt_ids` (one unpadded sequence)."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        )  # fmt: skip
+    return out[0, len(prompt_ids) :].tolist()

@@ -8,13 +8,13 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.kernels.cpu import quant_gemm
 from engine.quant.config import QuantConfig
 from tests.engine.quant.test_linear import _dequantized_hf
 from tests.engine.test_llm_oracle import _prompts, hf_greedy
+from tests.hf_reference import hf_greedy_continuation
 from tests.tiny_archs import make_tiny_family
 
 FAMILIES = ["qwen3", "phi3", "gemma2", "gemma3_text"]
@@ -78,12 +78,7 @@ def test_weight_only_quantized_matches_hf_on_dequantized_weights(
     prompts = [[5, 9, 30, 41, 7], list(range(3, 40)), [11]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
     for prompt, out in zip(prompts, outs, strict=True):
-        with torch.inference_mode():
-            expected = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            )[0, len(prompt):].tolist()  # fmt: skip
-        assert out.token_ids == expected
+        assert out.token_ids == hf_greedy_continuation(hf, prompt, 10)
 
 
 def test_phi3_long_rope_matches_hf(tmp_path):

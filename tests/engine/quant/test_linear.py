@@ -29,6 +29,7 @@ from engine.quant.primitives import (
     quantize_int4_groupwise,
     quantize_int8_per_channel,
 )
+from tests.hf_reference import hf_greedy_continuation
 from tests.tiny_model import make_tiny_llama
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -211,12 +212,7 @@ def test_quantized_engine_greedy_equals_hf_on_dequantized_weights(tiny_dir, spec
     prompts = [[5, 9, 30, 41, 7], list(range(3, 40)), [11]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
     for prompt, out in zip(prompts, outs, strict=True):
-        with torch.inference_mode():
-            expected = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            )[0, len(prompt):].tolist()  # fmt: skip
-        assert out.token_ids == expected
+        assert out.token_ids == hf_greedy_continuation(hf, prompt, 10)
 
 
 def test_w8a8_engine_runs_both_kernels_close_to_fp32(tiny_dir):
