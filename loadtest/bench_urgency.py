@@ -63,8 +63,18 @@ def run_side(args: argparse.Namespace, side: str, index: int, tmp: Path) -> dict
         "low_p50_ttft_ms": backlog["backlog_median_ttft_ms"],
         "low_is_lower_bound": backlog["backlog_ttft_is_lower_bound"],
         "critical_over_low": backlog["measured_over_backlog_ttft_p50"],
+        # The client's TTFT in parts (loadgen_stats.ttft_split_ms), p50 in ms.
+        "critical_ttft_split": _split_p50(critical.get("ttft_split")),
+        "low_ttft_split": _split_p50(backlog.get("ttft_split")),
         "errors": [e for e in doc.get("errors", []) if e][:3],
     }
+
+
+def _split_p50(split: dict | None) -> dict | None:
+    if not split or not split["num_requests"]:
+        return None
+    parts = ("worker_ttft", "kafka_in", "reply_out")
+    return {p: round(split[f"median_{p}_ms"], 1) for p in parts}
 
 
 def _uptime() -> str:

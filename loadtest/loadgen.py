@@ -49,6 +49,7 @@ from loadtest.loadgen_stats import (
     parse_urgency_mix,
     sample_lengths,
     summarize_run,
+    ttft_split_ms,
 )
 from loadtest.workloads import chat_messages
 from worker.client.security import add_security_arguments
@@ -334,6 +335,7 @@ async def _run_with_backlog(client, args, options: RunOptions, slos, percentiles
     )  # fmt: skip
     measured = summarize_run(run.measured, run.duration_s, slos, percentiles)
     backlog_doc = summarize_backlog(run, measured.get("median_ttft_ms"))
+    backlog_doc["ttft_split"] = ttft_split_ms(run.backlog, percentiles)
     backlog_doc["backlog_ttfts"] = run.censored_ttft_s
     backlog_doc["backlog_sent_s"] = run.backlog_sent_s
     backlog_doc["measured_sent_s"] = run.measured_sent_s
@@ -397,12 +399,18 @@ def format_table(doc: dict) -> str:
             value = f"{value:.2f}"
         lines.append(f"{label:<40}{value if value is not None else '-':>20}")
     header = f"{'urgency':<10}{'n':>4}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'ITL p99':>9}{'E2E p99':>9}"
+    # The client's TTFT p50 beside its parts (loadgen_stats.ttft_split_ms): the worker's own
+    # TTFT, the request's way in, the first token's way out.
+    header += f"{'worker':>9}{'in':>8}{'out':>8}"
     lines.append(header + "  (ms)")
     for name, m in [("overall", doc), *doc["per_urgency"].items()]:
+        split = m.get("ttft_split") or doc.get("ttft_split") or {}
         lines.append(
             f"{name:<10}{m['completed']:>4}{m['median_ttft_ms']:>10.1f}{m.get('p99_ttft_ms', 0):>9.1f}"
             f"{m['median_tpot_ms']:>10.1f}{m.get('p99_itl_ms', 0):>9.1f}{m.get('p99_e2el_ms', 0):>9.1f}"
-        )
+            + "".join(f"{split.get(f'median_{p}_ms', 0):>{w}.1f}"
+                      for p, w in (("worker_ttft", 9), ("kafka_in", 8), ("reply_out", 8)))
+        )  # fmt: skip
     split = doc["latency_split"]
     parts = [p for p in split if p != "num_requests"]
     lines.append(

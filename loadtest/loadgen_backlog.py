@@ -114,7 +114,14 @@ def format_backlog(summary: dict) -> str:
     ratio = summary["measured_over_backlog_ttft_p50"]
     ratio_text = "-" if ratio is None else f"{'<= ' if bound else ''}{ratio:.3f}"
     p50_text = "-" if p50 is None or math.isnan(p50) else f"{bound}{p50:.1f}"
-    return (
+    text = (
         f"backlog: {summary['num_backlog_first_token']}/{summary['num_backlog']} got a first "
         f"token; TTFT p50 {p50_text} ms; measured p50 / backlog p50: {ratio_text}"
     )
+    split = summary.get("ttft_split")
+    if split and split["num_requests"]:
+        text += (
+            f"; answered ones' TTFT parts p50 (ms): worker {split['median_worker_ttft_ms']:.1f},"
+            f" in {split['median_kafka_in_ms']:.1f}, out {split['median_reply_out_ms']:.1f}"
+        )
+    return text

@@ -284,13 +284,45 @@ def latency_split_ms(
     } | {"num_requests": len(parts["kafka"])}
 
 
+def ttft_split_ms(
+    results: Sequence[RequestResult], percentiles: Sequence[float] = DEFAULT_PERCENTILES
+) -> dict:
+    """The client's TTFT beside the worker's, to find where a first token waits. For every
+    request with a first token and a final that has `ttft_ms`:
+
+    - `worker_ttft`: the final's `ttft_ms`, from the worker reading the request to the first
+      token reaching its event loop;
+    - `kafka_in`: the final's `kafka_ms`, the request record's producer timestamp to the
+      worker reading it (its fetch and any read-ahead pause);
+    - `reply_out`: client TTFT - `kafka_in` - `worker_ttft`: the first token's way back
+      (the publisher, the broker, the client's fetch and routing), and the client's send.
+
+    `kafka_in` and `reply_out` compare the client's, broker's and worker's clocks: exact on
+    one machine, a hint across machines. Requests without `kafka_ms` count in `worker_ttft`
+    only."""
+    parts: dict[str, list[float]] = {"worker_ttft": [], "kafka_in": [], "reply_out": []}
+    for r in results:
+        timing = r.worker_timing or {}
+        if r.ttft_s is None or timing.get("ttft_ms") is None:
+            continue
+        parts["worker_ttft"].append(timing["ttft_ms"])
+        if timing.get("kafka_ms") is not None:
+            parts["kafka_in"].append(timing["kafka_ms"])
+            parts["reply_out"].append(r.ttft_s * 1000 - timing["kafka_ms"] - timing["ttft_ms"])
+    split: dict = {"num_requests": len(parts["worker_ttft"])}
+    for name, values in parts.items():
+        split.update(latency_stats_ms(name, [v / 1000 for v in values], percentiles))
+    return split
+
+
 def summarize_run(
     results: Sequence[RequestResult],
     duration_s: float,
     slos_ms: dict[str, float] | None = None,
     percentiles: Sequence[float] = DEFAULT_PERCENTILES,
 ) -> dict:
-    """Overall metrics at the top level (vLLM's keys), then `per_urgency` and `latency_split`."""
+    """Overall metrics at the top level (vLLM's keys), then `per_urgency` (each with its
+    `ttft_split`), `latency_split` and `ttft_split`."""
     doc = compute_metrics(results, duration_s, slos_ms, percentiles)
     by_urgency: dict[str, list[RequestResult]] = {}
     for r in results:
@@ -301,4 +333,7 @@ def summarize_run(
         if u in by_urgency
     }
     doc["latency_split"] = latency_split_ms(results, percentiles)
+    doc["ttft_split"] = ttft_split_ms(results, percentiles)
+    for u, metrics in doc["per_urgency"].items():
+        metrics["ttft_split"] = ttft_split_ms(by_urgency[u], percentiles)
     return doc

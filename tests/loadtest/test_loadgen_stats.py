@@ -25,6 +25,7 @@ from loadtest.loadgen_stats import (
     percentile_key,
     sample_lengths,
     summarize_run,
+    ttft_split_ms,
 )
 
 
@@ -142,6 +143,29 @@ def test_per_urgency_and_latency_split() -> None:
     assert split["engine_queue_prefill"]["mean_engine_queue_prefill_ms"] == pytest.approx(40.0)
     assert split["decode"]["median_decode_ms"] == pytest.approx(200.0)
     assert latency_split_ms([])["num_requests"] == 0
+
+
+def test_ttft_split_puts_the_workers_ttft_beside_the_clients() -> None:
+    """Client TTFT 100 ms = request's way in (kafka_ms 15) + the worker's ttft_ms (60) + the
+    first token's way out (25); a final without kafka_ms counts in worker_ttft only; a request
+    with no token or no final is left out."""
+    timing = {"queued_ms": 5.0, "ttft_ms": 60.0, "total_ms": 200.0, "kafka_ms": 15.0}
+    results = [
+        served("critical", chunks=(0.1, 0.2), worker_timing=timing),
+        served("low", chunks=(2.0, 2.1), worker_timing={**timing, "ttft_ms": 1900.0}),
+        served("low", chunks=(0.5,), worker_timing={k: v for k, v in timing.items() if k != "kafka_ms"}),
+        served("low", chunks=(), worker_timing=timing, finish_reason="expired"),  # no token
+        served("low", chunks=(0.3,), worker_timing=None),  # no final
+    ]  # fmt: skip
+    split = ttft_split_ms(results, percentiles=[50])
+    assert split["num_requests"] == 3
+    assert split["median_worker_ttft_ms"] == pytest.approx(60.0)  # of 60, 1900, 60
+    assert split["median_kafka_in_ms"] == pytest.approx(15.0)
+    assert split["mean_reply_out_ms"] == pytest.approx((25.0 + 85.0) / 2)  # 2000 - 15 - 1900
+    doc = summarize_run(results, 1.0, percentiles=[50])
+    assert doc["per_urgency"]["critical"]["ttft_split"]["median_reply_out_ms"] == pytest.approx(25)
+    assert doc["ttft_split"]["num_requests"] == 3
+    assert ttft_split_ms([])["num_requests"] == 0
 
 
 # --- arrivals and workload shape --------------------------------------------------------------

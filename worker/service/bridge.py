@@ -34,6 +34,7 @@ everyone, committed for good. Instead the bridge bisects:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import queue
 import threading
@@ -59,6 +60,9 @@ class EngineRequest:
     params: SamplingParams
     priority: int  # lower runs first: the urgency's priority
     num_prompt_tokens: int  # for the batcher's budget
+    # Monotonic, stamped by `submit`: the engine queue time starts here, not when the engine
+    # thread takes the request from its inbox (between steps, so possibly a long step later).
+    submitted_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,9 @@ class StepInfo:
     duration_s: float
     stats: EngineStats | None
     # Requests whose first token came from this step: (engine queue s, prefill s). The queue is
-    # from add_request to the start of this step, so for a prompt prefilled in several chunks it
-    # includes the earlier chunks' steps.
+    # from `submit` to the start of this step: the wait in the engine thread's inbox for the step
+    # it was running (the engine takes new requests between steps), the engine's waiting queue,
+    # and for a prompt prefilled in several chunks the earlier chunks' steps.
     first_token_times: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
@@ -178,12 +183,13 @@ class EngineBridge:
         return await ready
 
     def submit(self, requests: list[EngineRequest]) -> None:
+        now_s = time.monotonic()
         for request in requests:
             self._queued_tokens[request.request_id] = (
                 request.priority,
                 request.num_prompt_tokens,
             )
-            self._inbox.put(request)
+            self._inbox.put(dataclasses.replace(request, submitted_s=now_s))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -297,7 +303,8 @@ class EngineBridge:
             self._post(Failed([request.request_id], f"{type(error).__name__}: {error}"))
             return
         state.live[request.request_id] = request
-        self._added_s[request.request_id] = time.monotonic()
+        submitted_s = request.submitted_s
+        self._added_s[request.request_id] = time.monotonic() if submitted_s is None else submitted_s
 
     def _step(self, engine, state: _ThreadState) -> None:
         started_s = time.monotonic()
@@ -336,7 +343,8 @@ class EngineBridge:
             raise StepFailuresExceeded(
                 f"{state.num_consecutive_failures} engine steps failed in a row; last: {message}"
             ) from error
-        suspects = list(state.live.values())
+        # Their queue time starts again when they are added back.
+        suspects = [dataclasses.replace(r, submitted_s=None) for r in state.live.values()]
         for request in suspects:
             engine.abort_request(request.request_id)
         state.live.clear()

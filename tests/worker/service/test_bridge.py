@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -234,3 +235,51 @@ async def test_steps_failing_in_a_row_crash_the_bridge_and_answer_nothing() -> N
     assert dropped[1] == tuple(sorted(ids))
     assert not [e for e in recorder.events if e[0] in ("failed", "delta")]
     await bridge.stop()
+
+
+class GatedEngine(CountingEngine):
+    """Each step waits for the test to open its gate: "the engine is inside a long step" is a
+    fact the test holds, not a timing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_step = threading.Event()
+        self.gate = threading.Event()
+
+    def step(self) -> list[RequestDelta]:
+        self.in_step.set()
+        assert self.gate.wait(10.0), "the test never opened the gate"
+        self.gate.clear()
+        self.in_step.clear()
+        return super().step()
+
+
+async def test_engine_queue_time_counts_the_wait_for_the_step_that_was_running() -> None:
+    """The engine thread takes new requests only between steps. A request submitted while a
+    long step runs waits for it, and its engine queue time (the final's `engine_queue_ms`)
+    must show that wait: it once started at the engine's add_request, after the step, and a
+    critical request's 10 s wait behind a bulk prefill showed up nowhere in the split."""
+    engine = GatedEngine()
+    bridge = EngineBridge(lambda: engine)
+    await bridge.start()
+    bridge.submit([request("bulk", max_tokens=2)])
+    assert await asyncio.to_thread(engine.in_step.wait, 10.0)  # the bulk step is running
+    submitted_s = time.monotonic()
+    bridge.submit([request("urgent", max_tokens=1)])
+    await asyncio.sleep(0.05)  # the step goes on: "urgent" waits in the inbox
+    released_s = time.monotonic()
+    engine.gate.set()  # step 1 (bulk) ends; "urgent" is added before step 2
+    queue_s = None
+    async with asyncio.timeout(10.0):
+        while queue_s is None:
+            if engine.in_step.is_set():
+                engine.gate.set()
+            try:
+                event = await asyncio.wait_for(bridge.events.get(), 0.01)
+            except TimeoutError:
+                continue
+            if isinstance(event, Deltas) and "urgent" in event.step.first_token_times:
+                queue_s = event.step.first_token_times["urgent"][0]
+    engine.gate.set()
+    await bridge.stop()
+    assert queue_s >= released_s - submitted_s
