@@ -74,7 +74,7 @@ class LLMEngine:
         # hold this engine: collected now, a dropped engine frees its weights and KV pool at
         # once instead of at some later cyclic GC (found as a doubled peak RSS in the bench).
         gc.collect()
-        if self.config.step_time_target_ms is not None:  # steps sized by urgency need costs
+        if self.config.has_step_cost:  # steps sized by time need costs
             self.scheduler.cost_model = calibrate_on(self)
             log.info("engine.step_cost_calibrated", model=repr(self.scheduler.cost_model))
         log.info(

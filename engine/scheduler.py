@@ -19,7 +19,10 @@ cost model (engine/step_cost.py: tokens and context lengths, calibrated at start
 after every step) turns it into tokens per chunk, so a long prefill is split into chunks that
 fit and a critical request's first token is never more than about one target away. Urgent
 waiting work is then admitted before less urgent running work takes the rest of the step.
-With only normal and low work the token budget alone applies, as before.
+With only normal and low work a step stays under `config.max_step_time_ms` when that is set
+(the worker's default): the engine takes new requests only between steps, so the longest step
+is the longest an arriving critical request waits before its own prefill can start. That cap is
+loose (hundreds of ms: a step's fixed cost stays a small share of it), so throughput is kept.
 """
 
 from __future__ import annotations
@@ -33,34 +36,43 @@ from engine.request import Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.step_cost import StepCostModel
 
-# The first (most urgent) chunk of a capped step gets at least this share of the token budget
-# (or all it wants), so urgent work makes progress even when the model says the target cannot
-# be met (a machine slower than the target, a calibration taken under load). Measured with
-# SmolLM2 on the loaded 2-core machine: a floor of 16 tokens split a critical 80-token prompt
-# over 5 steps whose fixed cost dominated (critical TTFT p50 30.5 s against the low requests'
-# 18.2 s); the cap is there to shorten the steps of the work around urgent work, not its own.
-MIN_FIRST_CHUNK_SHARE = 4  # max_num_batched_tokens // this
+# Urgent chunks of a capped step together get at least this share of the token budget (each
+# all it wants while the share lasts), so urgent work makes progress even when the model says
+# the target cannot be met (a machine slower than the target, a calibration taken under load).
+# The cap is there to shorten the steps of the work around urgent work, not its own. Measured
+# with SmolLM2 on the loaded 2-core machine: a floor of 16 tokens split a critical 80-token
+# prompt over 5 steps whose fixed cost dominated (critical TTFT p50 30.5 s against the low
+# requests' 18.2 s); a floor for the first chunk only still served 3 critical 64-token prompts
+# arriving together one after another, in 1, 3 and 4 steps.
+MIN_URGENT_SHARE = 4  # max_num_batched_tokens // this
 
 
 class StepCap:
     """The time budget of one step, spent chunk by chunk. At least half the target goes to the
     chunks even when the fixed cost alone would use it all (no target is met then; steps stay
-    short all the same)."""
+    short all the same). Urgent chunks may go past it by up to `min_urgent_tokens` tokens in
+    all; the first chunk always gets at least one token."""
 
-    def __init__(self, model: StepCostModel, target_ms: float, min_first_chunk: int = 1) -> None:
+    def __init__(
+        self, model: StepCostModel, target_ms: float, min_urgent_tokens: int = 0
+    ) -> None:
         self._model = model
         self.remaining_ms = max(target_ms - model.step_fixed_ms(), target_ms / 2)
-        self.min_first_chunk = min_first_chunk
+        self.urgent_floor = min_urgent_tokens  # left of the urgent chunks' floor
         self.num_chunks = 0
 
-    def take(self, start: int, num_wanted: int) -> int:
+    def take(self, start: int, num_wanted: int, is_urgent: bool = False) -> int:
         """How many of `num_wanted` tokens at `start` fit; spends their cost."""
         num_new = min(num_wanted, self._model.max_new_tokens(start, self.remaining_ms))
+        if is_urgent:
+            num_new = max(num_new, min(self.urgent_floor, num_wanted))
         if self.num_chunks == 0:
-            num_new = max(num_new, min(self.min_first_chunk, num_wanted))
+            num_new = max(num_new, min(1, num_wanted))
         if num_new > 0:
             self.remaining_ms -= self._model.chunk_ms(start, num_new)
             self.num_chunks += 1
+            if is_urgent:
+                self.urgent_floor = max(0, self.urgent_floor - num_new)
         return num_new
 
 
@@ -75,9 +87,7 @@ class Scheduler:
         ] = []  # heap of (sort_key, id); lazy deletion
         self._finished_ids: list[str] = []
         # Set when steps are sized by urgency; the engine replaces it with a calibrated one.
-        self.cost_model: StepCostModel | None = (
-            StepCostModel() if config.step_time_target_ms is not None else None
-        )
+        self.cost_model: StepCostModel | None = StepCostModel() if config.has_step_cost else None
         self._num_urgent = 0  # requests in the engine with priority <= config.urgent_priority
         # Counters for EngineStats.
         self.num_preemptions = 0
@@ -124,13 +134,22 @@ class Scheduler:
     def has_urgent(self) -> bool:
         return self._num_urgent > 0
 
+    @property
+    def is_urgent_step(self) -> bool:
+        """Whether this step is sized by urgency (`step_time_target_ms`, urgent work first)."""
+        return self.config.step_time_target_ms is not None and self.has_urgent
+
     def step_cap(self) -> StepCap | None:
-        """This step's time budget: only while urgent work is in the engine."""
-        target_ms = self.config.step_time_target_ms
-        if target_ms is None or self.cost_model is None or not self.has_urgent:
+        """This step's time budget: the target while urgent work is in the engine, else
+        `max_step_time_ms` (None: the token budget only)."""
+        if self.cost_model is None:
             return None
-        min_first_chunk = max(1, self.config.max_num_batched_tokens // MIN_FIRST_CHUNK_SHARE)
-        return StepCap(self.cost_model, target_ms, min_first_chunk)
+        if self.is_urgent_step:
+            min_urgent = max(1, self.config.max_num_batched_tokens // MIN_URGENT_SHARE)
+            return StepCap(self.cost_model, self.config.step_time_target_ms, min_urgent)
+        if self.config.max_step_time_ms is not None:
+            return StepCap(self.cost_model, self.config.max_step_time_ms)
+        return None
 
     def _peek_waiting(self) -> Request | None:
         while self._waiting:
@@ -159,12 +178,12 @@ class Scheduler:
         # 1. Running requests, most urgent first. Victims come from the unscheduled tail.
         queue = sorted(self.running, key=lambda r: r.sort_key)
         budget = self.config.max_num_batched_tokens
-        if cap is None:
-            budget, preempted_now = self._schedule_running(queue, budget, None, out)
+        if not self.is_urgent_step:
+            budget, preempted_now = self._schedule_running(queue, budget, cap, out)
             # 2. Waiting requests, unless this step already had to preempt (admitting now would
             # thrash).
             if not preempted_now:
-                self._schedule_waiting(budget, None, out)
+                self._schedule_waiting(budget, cap, out)
             return out
         # Sized by urgency: running work at least as urgent as the head of the queue, then the
         # waiting work, then the rest of the running work, in what is left of the time budget.
@@ -192,7 +211,7 @@ class Scheduler:
             req = queue.pop(0)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if cap is not None:
-                num_new = cap.take(req.num_computed_tokens, num_new)
+                num_new = cap.take(req.num_computed_tokens, num_new, self._is_urgent(req))
                 if num_new == 0:
                     continue  # no time left in this step: it runs in the next one
             while not self.kv.allocate_slots(req, num_new):
@@ -220,7 +239,7 @@ class Scheduler:
             num_needed = req.num_tokens - num_cached
             num_new = min(num_needed, budget)
             if cap is not None:
-                num_new = cap.take(num_cached, num_new)
+                num_new = cap.take(num_cached, num_new, self._is_urgent(req))
             if num_new == 0 or (num_new < num_needed and not self.config.enable_chunked_prefill):
                 break
             if not self.kv.allocate_slots(req, num_new, computed):

@@ -1,7 +1,8 @@
 """How long a step takes, from what it computes. Pure Python: no torch.
 
 The scheduler asks this model how many tokens fit under `step_time_target_ms` while urgent
-work waits or runs, and the worker asks it whether a deadline can still be met. A step is a
+work waits or runs (and under `max_step_time_ms` otherwise), and the worker asks it whether a
+deadline can still be met. A step is a
 set of chunks, each `num_new` tokens at positions `start ... start + num_new`:
 
     cost_ms = fixed_ms + per_token_ms * sum(num_new) + per_attention_ms * sum(num_new * context)
@@ -165,7 +166,8 @@ def calibrate_on(engine, budget_s: float = CALIBRATION_BUDGET_S) -> StepCostMode
     max_len = min(engine.max_model_len - 2, engine.config.max_num_batched_tokens)
     vocab = max(2, engine.vocab_size)
     serial = iter(range(1 << 30))
-    priority = engine.config.urgent_priority + 1  # not urgent: whole steps, never capped
+    priority = engine.config.urgent_priority + 1  # not urgent: never the urgent cap
+    cost_model, scheduler.cost_model = scheduler.cost_model, None  # no cap at all: whole steps
     deadline_s = time.perf_counter() + budget_s
 
     def prompt(num_tokens: int) -> list[int]:
@@ -192,6 +194,7 @@ def calibrate_on(engine, budget_s: float = CALIBRATION_BUDGET_S) -> StepCostMode
         samples.append(([(0, num_tokens)], min(times_ms)))
     engine.step()  # lets the runner drop the aborted requests' state
     vars(scheduler).update(counters)
+    scheduler.cost_model = cost_model
     if num_arrivals is not None:
         engine._num_arrivals = num_arrivals
     return fit(samples)

@@ -1,7 +1,8 @@
 """Steps sized by urgency: with critical or high work in the engine, every step's predicted cost
 stays under `step_time_target_ms` (a long prefill goes in chunks that fit), urgent waiting work
 is admitted before less urgent running work; with only normal and low work the token budget
-alone applies. The cost model here is exact and known: 1 ms per step plus 1 ms per token."""
+alone applies, or `max_step_time_ms` when set. The cost model here is exact and known: 1 ms per
+step plus 1 ms per token."""
 
 from __future__ import annotations
 
@@ -118,8 +119,8 @@ def test_without_a_target_nothing_is_capped() -> None:
 )
 def test_every_urgent_step_stays_under_the_target(target_ms, requests) -> None:
     """Whatever the mix: a step taken with urgent work in the engine is predicted under the
-    target (or, when the first chunk alone needed its floor, holds nothing else), and
-    everything still finishes."""
+    target, or, when urgent chunks needed their floor to go past it, holds nothing more than
+    they do; and everything still finishes."""
     sched = make(target_ms=target_ms, budget=256, num_blocks=4096)
     for i, (num_prompt, priority) in enumerate(requests):
         add(sched, f"r{i}", num_prompt, priority)
@@ -129,9 +130,14 @@ def test_every_urgent_step_stays_under_the_target(target_ms, requests) -> None:
         is_urgent = sched.has_urgent
         out = step(sched)
         chunks = [(s.start_position, len(s.token_ids)) for s in out.scheduled]
+        urgent = [
+            (s.start_position, len(s.token_ids))
+            for s in out.scheduled
+            if requests[int(s.request_id[1:])][1] <= HIGH
+        ]
         if is_urgent and chunks:
-            first_alone = FAKE_COST.predict_ms(chunks[:1])
-            assert FAKE_COST.predict_ms(chunks) <= max(target_ms, first_alone) + 1e-9
+            floor_ms = FAKE_COST.predict_ms(urgent or chunks[:1])
+            assert FAKE_COST.predict_ms(chunks) <= max(target_ms, floor_ms) + 1e-9
     assert not sched.has_unfinished()
 
 
@@ -196,3 +202,65 @@ def test_the_admission_estimate_is_a_lower_bound(num_tokens, max_step_tokens, ch
         steps.append(model.predict_ms([(start, n)]))
         start += n
     assert model.prefill_ms(num_tokens, max_step_tokens) <= sum(steps) + 1e-6
+
+
+def make_bounded(max_step_ms: float, target_ms: float | None = 20.0, budget: int = 512):
+    config = EngineConfig(
+        block_size=4, max_num_batched_tokens=budget, max_num_seqs=64,
+        step_time_target_ms=target_ms, max_step_time_ms=max_step_ms,
+    )  # fmt: skip
+    sched = Scheduler(config, 512)
+    sched.cost_model = StepCostModel(1.0, 1.0, 0.0)
+    return sched
+
+
+def test_without_urgent_work_a_step_stays_under_max_step_time() -> None:
+    """The engine takes requests only between steps: a bulk prefill in one long step is what a
+    critical arrival waits for. With `max_step_time_ms` the bulk prompts go in chunks of at most
+    that (1 ms fixed + 49 tokens here), in arrival order, running work first."""
+    sched = make_bounded(max_step_ms=50.0)
+    add(sched, "low", 300, LOW)
+    add(sched, "normal", 30, NORMAL)
+    assert tokens_of(step(sched)) == {"normal": 30, "low": 19}
+    assert tokens_of(step(sched)) == {"normal": 1, "low": 48}  # normal decodes, low goes on
+    add(sched, "crit", 12, CRITICAL)  # arrives: the urgent target from the next step on
+    assert tokens_of(step(sched)) == {"crit": 12, "normal": 1, "low": 20 - 1 - 12 - 1}
+
+
+def test_an_urgent_step_gives_every_urgent_prompt_its_floor() -> None:
+    """Three critical prompts that arrive together get their first tokens in the same step
+    (the urgent floor, a quarter of the token budget, is shared by them), not one per step."""
+    sched = make_bounded(max_step_ms=500.0, target_ms=20.0, budget=256)
+    add(sched, "low", 200, LOW)
+    for i in range(3):
+        add(sched, f"crit{i}", 20, CRITICAL)
+    assert tokens_of(step(sched)) == {"crit0": 20, "crit1": 20, "crit2": 20}
+    sampled = {rid: r.num_output_tokens for rid, r in sched.requests.items()}
+    assert sampled == {"crit0": 1, "crit1": 1, "crit2": 1, "low": 0}
+
+
+def test_max_step_time_zero_means_off() -> None:
+    config = EngineConfig(max_step_time_ms=0)
+    assert config.max_step_time_ms is None and not config.has_step_cost
+    assert EngineConfig(max_step_time_ms=300).has_step_cost
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    max_step_ms=st.floats(min_value=10.0, max_value=400.0),
+    requests=st.lists(
+        st.tuples(st.integers(1, 300), st.sampled_from([NORMAL, LOW])), min_size=1, max_size=12
+    ),
+)
+def test_every_bulk_step_stays_under_max_step_time(max_step_ms, requests) -> None:
+    """Only normal and low work: every step is predicted under `max_step_time_ms` (or holds a
+    single one-token chunk), and everything finishes."""
+    sched = make_bounded(max_step_ms=max_step_ms, budget=256)
+    for i, (num_prompt, priority) in enumerate(requests):
+        add(sched, f"r{i}", num_prompt, priority)
+    for _ in range(10_000):
+        if not sched.has_unfinished():
+            break
+        chunks = [(s.start_position, len(s.token_ids)) for s in step(sched).scheduled]
+        assert FAKE_COST.predict_ms(chunks) <= max(max_step_ms, FAKE_COST.predict_ms([(0, 1)]))
+    assert not sched.has_unfinished()

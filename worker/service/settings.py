@@ -54,6 +54,13 @@ KAFKA_INTERNAL_TOPICS = ("__consumer_offsets", "__transaction_state", "__cluster
 PositiveMs = Annotated[int, Field(ge=1)]
 # While critical or high work is in the engine, a step stays under this (engine/step_cost.py).
 DEFAULT_STEP_TIME_TARGET_MS = 100.0
+# With nothing urgent in the engine, a step stays under this: the wait of a critical request
+# that arrives while a bulk step runs (engine/config.py, max_step_time_ms).
+DEFAULT_MAX_STEP_TIME_MS = 500.0
+_STEP_DEFAULTS = {
+    "step_time_target_ms": DEFAULT_STEP_TIME_TARGET_MS,
+    "max_step_time_ms": DEFAULT_MAX_STEP_TIME_MS,
+}
 
 
 class _Group(BaseModel):
@@ -328,7 +335,7 @@ class WorkerSettings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: str | None = "auto"
     engine: EngineConfig = Field(
-        default_factory=lambda: EngineConfig(step_time_target_ms=DEFAULT_STEP_TIME_TARGET_MS)
+        default_factory=lambda: EngineConfig(**_STEP_DEFAULTS)
     )
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     batcher: BatcherSettings = Field(default_factory=BatcherSettings)
@@ -347,10 +354,10 @@ class WorkerSettings(BaseSettings):
     @field_validator("engine", mode="before")
     @classmethod
     def _size_steps_by_urgency(cls, value):
-        """The worker sizes steps by urgency unless told otherwise (the engine's default is off:
-        there, priority 0 is every request's)."""
-        if isinstance(value, dict) and "step_time_target_ms" not in value:
-            return {**value, "step_time_target_ms": DEFAULT_STEP_TIME_TARGET_MS}
+        """The worker sizes steps by urgency, and bounds the others, unless told otherwise (the
+        engine's default is off: there, priority 0 is every request's)."""
+        if isinstance(value, dict):
+            return {**_STEP_DEFAULTS, **value}
         return value
 
     @property
