@@ -51,19 +51,29 @@ class StepCap:
     """The time budget of one step, spent chunk by chunk. At least half the target goes to the
     chunks even when the fixed cost alone would use it all (no target is met then; steps stay
     short all the same). Urgent chunks may go past it by up to `min_urgent_tokens` tokens in
-    all; the first chunk always gets at least one token."""
+    all; the first chunk always gets at least one token. With `keeps_decodes` (the cap without
+    urgent work) a one-token chunk, a decode, always goes in: that cap is there to bound
+    prefill steps, and a decode batch is bounded by `max_num_seqs` already (on a loaded machine,
+    whose corrected model says a decode batch is slow, cutting it would cost throughput)."""
 
     def __init__(
-        self, model: StepCostModel, target_ms: float, min_urgent_tokens: int = 0
+        self,
+        model: StepCostModel,
+        target_ms: float,
+        min_urgent_tokens: int = 0,
+        keeps_decodes: bool = False,
     ) -> None:
         self._model = model
         self.remaining_ms = max(target_ms - model.step_fixed_ms(), target_ms / 2)
         self.urgent_floor = min_urgent_tokens  # left of the urgent chunks' floor
+        self.keeps_decodes = keeps_decodes
         self.num_chunks = 0
 
     def take(self, start: int, num_wanted: int, is_urgent: bool = False) -> int:
         """How many of `num_wanted` tokens at `start` fit; spends their cost."""
         num_new = min(num_wanted, self._model.max_new_tokens(start, self.remaining_ms))
+        if self.keeps_decodes and num_wanted == 1:
+            num_new = 1
         if is_urgent:
             num_new = max(num_new, min(self.urgent_floor, num_wanted))
         if self.num_chunks == 0:
@@ -148,7 +158,7 @@ class Scheduler:
             min_urgent = max(1, self.config.max_num_batched_tokens // MIN_URGENT_SHARE)
             return StepCap(self.cost_model, self.config.step_time_target_ms, min_urgent)
         if self.config.max_step_time_ms is not None:
-            return StepCap(self.cost_model, self.config.max_step_time_ms)
+            return StepCap(self.cost_model, self.config.max_step_time_ms, keeps_decodes=True)
         return None
 
     def _peek_waiting(self) -> Request | None:

@@ -253,14 +253,28 @@ def test_max_step_time_zero_means_off() -> None:
     ),
 )
 def test_every_bulk_step_stays_under_max_step_time(max_step_ms, requests) -> None:
-    """Only normal and low work: every step is predicted under `max_step_time_ms` (or holds a
-    single one-token chunk), and everything finishes."""
+    """Only normal and low work: every step is predicted under `max_step_time_ms` plus its
+    one-token chunks (decodes, never cut), and everything finishes."""
     sched = make_bounded(max_step_ms=max_step_ms, budget=256)
     for i, (num_prompt, priority) in enumerate(requests):
-        add(sched, f"r{i}", num_prompt, priority)
+        add(sched, f"r{i}", num_prompt, priority, max_tokens=8)
     for _ in range(10_000):
         if not sched.has_unfinished():
             break
         chunks = [(s.start_position, len(s.token_ids)) for s in step(sched).scheduled]
-        assert FAKE_COST.predict_ms(chunks) <= max(max_step_ms, FAKE_COST.predict_ms([(0, 1)]))
+        num_ones = sum(1 for _, n in chunks if n == 1)  # decodes (and one-token prompts)
+        bound_ms = max(max_step_ms, FAKE_COST.predict_ms([(0, 1)]))
+        assert FAKE_COST.predict_ms(chunks) <= bound_ms + num_ones * FAKE_COST.chunk_ms(0, 1)
     assert not sched.has_unfinished()
+
+
+def test_without_urgent_work_decodes_are_never_cut() -> None:
+    """A corrected model that says each decode costs 40 ms (a loaded machine) and a 50 ms cap:
+    all five decodes still run, the prefill waits for time."""
+    sched = make_bounded(max_step_ms=50.0)
+    for i in range(5):
+        add(sched, f"d{i}", 4, LOW, max_tokens=8)
+    step(sched)  # the five prefills
+    add(sched, "late", 100, LOW)
+    sched.cost_model = StepCostModel(fixed_ms=1.0, per_token_ms=40.0, per_attention_ms=0.0)
+    assert tokens_of(step(sched)) == {f"d{i}": 1 for i in range(5)}

@@ -334,9 +334,7 @@ class WorkerSettings(BaseSettings):
     # it natively; see engine/precision.py. float32 and "none" give the HF-exact path.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: str | None = "auto"
-    engine: EngineConfig = Field(
-        default_factory=lambda: EngineConfig(**_STEP_DEFAULTS)
-    )
+    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(**_STEP_DEFAULTS))
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     batcher: BatcherSettings = Field(default_factory=BatcherSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
