@@ -137,7 +137,7 @@ class Pipeline:
         # Until tokenized, the prompt's memory is counted at the bound the consumer assumes
         # (a token per character), so that polls meanwhile see it: the byte budget holds.
         self._jobs.add_memory(job, _prompt_memory_bound(request))
-        job.rendering = self._renderer.submit(request)
+        job.rendering = self._renderer.submit(request, job.urgency.priority)
         job.rendering.add_done_callback(lambda rendering: self._on_rendered(job, rendering))
 
     def _on_rendered(self, job: Job, rendering: asyncio.Future) -> None:

@@ -5,6 +5,8 @@ of 32,000 characters, seconds of tokenizing during which no token of any stream 
 published. One thread, so the work is bounded (one prompt at a time; the consumer's in-flight
 bound caps the queue) and the worker's own tokenizer instance (never the engine's: a Hugging
 Face fast tokenizer must not be used from two threads at once) is used by one thread only.
+Its queue is ordered by urgency, then arrival: a worker that has just read a thousand low
+requests ahead (its read-ahead) tokenizes a critical one that comes after them next, not last.
 Before the engine, not in it, for three reasons: the batcher
 needs true token counts for its budget, a chat template that fails gets its error final at once,
 and the engine's hot thread skips tokenization. The ids are what the engine itself would make:
@@ -25,8 +27,12 @@ encoded without the tokenizer's added tokens, and BOS is put in front only when 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import queue
 import re
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +54,7 @@ class RenderedPrompt:
 class PromptRenderer:
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._executor = PriorityExecutor("tokenize")
         # Strings the tokenizer turns into added (control) tokens wherever they appear.
         added = getattr(tokenizer, "added_tokens_encoder", None) or {}
         self._special_texts = [t for t in added if t]
@@ -56,12 +62,13 @@ class PromptRenderer:
         is_bos_added = bos_id is not None and tokenizer.encode("a")[:1] == [bos_id]  # added
         self._bos_ids = [bos_id] if is_bos_added else []
 
-    def submit(self, request: Request) -> asyncio.Future[RenderedPrompt]:
-        """`render` on the tokenizer thread; the future raises what `render` raised."""
-        return asyncio.wrap_future(self._executor.submit(self.render, request))
+    def submit(self, request: Request, priority: int = 0) -> asyncio.Future[RenderedPrompt]:
+        """`render` on the tokenizer thread, lower `priority` (the urgency's) first; the future
+        raises what `render` raised."""
+        return asyncio.wrap_future(self._executor.submit(priority, self.render, request))
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor.shutdown()
 
     def render(self, request: Request) -> RenderedPrompt:
         if self._tokenizer is None:
@@ -116,6 +123,47 @@ class PromptRenderer:
         if self._bos_ids and token_ids[:1] != self._bos_ids:
             return self._bos_ids + token_ids
         return token_ids
+
+
+class PriorityExecutor:
+    """One daemon thread running submitted calls lowest priority first, then in order of
+    submission (`concurrent.futures` has no priority queue; its single-thread pool is FIFO)."""
+
+    _STOP = (-1, -1, None, (), None)  # sorts first: shutdown does not wait for the queue
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._serial = itertools.count()
+        self._is_shut = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, priority: int, fn: Callable, *args: Any) -> Future:
+        if self._is_shut:
+            raise RuntimeError("cannot submit after shutdown")
+        future: Future = Future()
+        self._queue.put((priority, next(self._serial), fn, args, future))
+        return future
+
+    def shutdown(self) -> None:
+        """Stop after the call in progress; the calls still queued are cancelled."""
+        self._is_shut = True
+        self._queue.put(self._STOP)
+
+    def _run(self) -> None:
+        while True:
+            _, _, fn, args, future = self._queue.get()
+            if fn is None:
+                break
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as error:  # handed to the awaiting coroutine
+                    future.set_exception(error)
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if item[4] is not None:
+                item[4].cancel()
 
 
 def _checked(token_ids: list[int]) -> RenderedPrompt:

@@ -8,6 +8,9 @@ no model: the tiny test tokenizer and its chat template (tests/tiny_model.py).
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -103,3 +106,57 @@ def test_content_never_adds_a_control_token(turns: list[tuple[str, str]]) -> Non
     turns = [(role, content or "x") for role, content in turns]
     benign = [(role, "x") for role, _ in turns]
     assert special_ids_of(chat(*turns)) == special_ids_of(chat(*benign))
+
+
+class GatedTokenizer:
+    """Records what it encodes; the first encode waits for the test's gate, so "the tokenizer
+    thread is busy while more prompts queue up" is a fact, not a timing."""
+
+    def __init__(self) -> None:
+        self.encoded: list[str] = []
+        self.busy = threading.Event()
+        self.gate = threading.Event()
+        self.bos_token_id = None
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        if text != "a":  # PromptRenderer's BOS probe at construction
+            self.encoded.append(text)
+            self.busy.set()
+            assert self.gate.wait(10.0)
+        return [1]
+
+
+def prompt_request(text: str) -> Request:
+    return Request(id=text, reply_to="mini-infer.replies.t", prompt=text)
+
+
+async def test_a_critical_prompt_is_tokenized_before_low_ones_read_ahead_of_it() -> None:
+    """The worker reads far ahead (1,024 requests by default): a critical request read just
+    after a thousand low ones once waited for all of them on the FIFO tokenizer thread."""
+    tokenizer = GatedTokenizer()
+    renderer = PromptRenderer(tokenizer)
+    low, critical = 3, 0  # the urgencies' priorities
+    first = renderer.submit(prompt_request("low-0"), low)
+    assert await asyncio.to_thread(tokenizer.busy.wait, 10.0)  # low-0 is being tokenized
+    rest = [renderer.submit(prompt_request(f"low-{i}"), low) for i in (1, 2)]
+    rest.append(renderer.submit(prompt_request("critical"), critical))
+    tokenizer.gate.set()
+    await asyncio.gather(first, *rest)
+    assert tokenizer.encoded == ["low-0", "critical", "low-1", "low-2"]
+    renderer.close()
+
+
+async def test_closing_cancels_what_is_still_queued() -> None:
+    tokenizer = GatedTokenizer()
+    renderer = PromptRenderer(tokenizer)
+    running = renderer.submit(prompt_request("running"), 3)
+    assert await asyncio.to_thread(tokenizer.busy.wait, 10.0)
+    queued = renderer.submit(prompt_request("queued"), 3)
+    renderer.close()
+    tokenizer.gate.set()
+    assert (await running).token_ids == [1]  # the call in progress finishes
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    with pytest.raises(RuntimeError, match="shutdown"):
+        renderer.submit(prompt_request("late"), 0)
+    assert tokenizer.encoded == ["running"]
