@@ -53,11 +53,12 @@ class EngineConfig:
     # priority is the request's urgency (critical 0, high 1), sets 100 ms.
     step_time_target_ms: float | None = None
     urgent_priority: int = 1
-    # With nothing urgent in the engine, a step still stays under this many ms (same cost
-    # model): the engine takes new requests only between steps, so a critical request that
-    # arrives during a step waits for it. Uncapped, 24 low 64-token prompts made one 10 s
-    # prefill step on the 2-core machine. None or 0: the token budget only. The worker sets
-    # 500 ms: a step's fixed cost (~17 ms there) is then ~3% of a capped prefill step.
+    # With nothing urgent in the engine, a step's prefill chunks still stay under this many ms
+    # (same cost model; decodes are never cut and spend none of it): the engine takes new
+    # requests only between steps, so a critical request that arrives during a step waits for
+    # it. Uncapped, 24 low 64-token prompts made one 10 s prefill step on the 2-core machine.
+    # None or 0: the token budget only. The worker sets 500 ms: a step's fixed cost (~17 ms
+    # there) is then ~3% of a capped prefill step.
     max_step_time_ms: float | None = None
 
     def __post_init__(self) -> None:

@@ -222,7 +222,7 @@ def test_without_urgent_work_a_step_stays_under_max_step_time() -> None:
     add(sched, "low", 300, LOW)
     add(sched, "normal", 30, NORMAL)
     assert tokens_of(step(sched)) == {"normal": 30, "low": 19}
-    assert tokens_of(step(sched)) == {"normal": 1, "low": 48}  # normal decodes, low goes on
+    assert tokens_of(step(sched)) == {"normal": 1, "low": 49}  # a decode is free, low goes on
     add(sched, "crit", 12, CRITICAL)  # arrives: the urgent target from the next step on
     assert tokens_of(step(sched)) == {"crit": 12, "normal": 1, "low": 20 - 1 - 12 - 1}
 
@@ -269,12 +269,15 @@ def test_every_bulk_step_stays_under_max_step_time(max_step_ms, requests) -> Non
 
 
 def test_without_urgent_work_decodes_are_never_cut() -> None:
-    """A corrected model that says each decode costs 40 ms (a loaded machine) and a 50 ms cap:
-    all five decodes still run, the prefill waits for time."""
+    """A corrected model that says each token costs 40 ms (a loaded machine) and a 50 ms cap:
+    all five decodes still run, and the prefill still gets the whole 49 ms (one token)."""
     sched = make_bounded(max_step_ms=50.0)
     for i in range(5):
         add(sched, f"d{i}", 4, LOW, max_tokens=8)
     step(sched)  # the five prefills
     add(sched, "late", 100, LOW)
     sched.cost_model = StepCostModel(fixed_ms=1.0, per_token_ms=40.0, per_attention_ms=0.0)
-    assert tokens_of(step(sched)) == {f"d{i}": 1 for i in range(5)}
+    assert tokens_of(step(sched)) == {**{f"d{i}": 1 for i in range(5)}, "late": 1}
+    sched.cost_model = StepCostModel(fixed_ms=1.0, per_token_ms=1.0, per_attention_ms=0.0)
+    # The decodes spend none of the 49 ms the prefill may take.
+    assert tokens_of(step(sched)) == {**{f"d{i}": 1 for i in range(5)}, "late": 49}
