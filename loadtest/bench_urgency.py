@@ -51,7 +51,8 @@ def loadtest_argv(args: argparse.Namespace, out: Path, plot_dir: Path | None) ->
     if args.scenario == "no-backlog":
         argv += ["--backlog", "24", "--backlog-wait", "--backlog-lead-s", "1"]
     else:
-        argv += ["--backlog", str(args.backlog), "--backlog-lead-s", str(args.lead_s)]
+        argv += ["--backlog", str(args.backlog), "--backlog-lead-s", str(args.lead_s),
+                 "--backlog-hold-s", str(args.hold_s)]  # fmt: skip
     if plot_dir is not None:
         argv += ["--plot-dir", str(plot_dir)]
     return argv
@@ -113,6 +114,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=64, help="of every request but w2's")
     parser.add_argument("--backlog", type=int, default=2000)
     parser.add_argument("--lead-s", type=float, default=3.0)
+    parser.add_argument("--hold-s", type=float, default=30.0, help="backlog: censor this later")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--sides", default=None, help="default: new,baseline (w2: new,nocap)")
     parser.add_argument("--timeout-s", type=float, default=300.0)

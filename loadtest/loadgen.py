@@ -252,6 +252,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="after the backlog is sent, before the measured requests")  # fmt: skip
     backlog.add_argument("--backlog-wait", action="store_true",
                          help="wait for the whole backlog (default: censor it at the end)")  # fmt: skip
+    backlog.add_argument("--backlog-hold-s", type=float, default=0.0,
+                         help="after the measured requests, let the backlog run this long")  # fmt: skip
     report = parser.add_argument_group("report")
     report.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                         help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")  # fmt: skip
@@ -269,8 +271,8 @@ def _check(args: argparse.Namespace) -> tuple[dict[str, float] | None, list[floa
         raise ValueError("--max-concurrency must be >= 1")
     if not 0 <= args.cancel_fraction <= 1:
         raise ValueError("--cancel-fraction must be in [0, 1]")
-    if args.backlog < 0 or args.backlog_lead_s < 0:
-        raise ValueError("--backlog and --backlog-lead-s must be >= 0")
+    if args.backlog < 0 or args.backlog_lead_s < 0 or args.backlog_hold_s < 0:
+        raise ValueError("--backlog, --backlog-lead-s and --backlog-hold-s must be >= 0")
     if args.deadline_ms is not None and args.deadline_ms < 0:
         raise ValueError("--deadline-ms must be >= 0")
     percentiles = [float(p) for p in args.percentiles.split(",")]
@@ -331,7 +333,7 @@ async def _run_with_backlog(client, args, options: RunOptions, slos, percentiles
     gaps = arrival_gaps_s(args.num_prompts, options.request_rate, options.burstiness, args.seed)
     run = await run_backlog(
         client, backlog_specs, build_workload(args), options, arrival_offsets_s(gaps),
-        args.backlog_lead_s, args.backlog_wait,
+        args.backlog_lead_s, args.backlog_wait, args.backlog_hold_s,
     )  # fmt: skip
     measured = summarize_run(run.measured, run.duration_s, slos, percentiles)
     backlog_doc = summarize_backlog(run, measured.get("median_ttft_ms"))

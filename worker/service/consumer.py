@@ -128,9 +128,10 @@ class RequestConsumer:
             self._apply_backpressure()
             room = self._room()
             try:
-                batches = await self._consumer.getmany(
-                    timeout_ms=self._settings.kafka.fetch_max_wait_ms, max_records=max(1, room)
-                )
+                batches = await poll_lanes_first(
+                    self._consumer, *self._urgent_lanes(), room,
+                    self._settings.kafka.fetch_max_wait_ms,
+                )  # fmt: skip
             except RecordTooLargeError as error:
                 self.on_record_too_large(error)
                 continue
@@ -285,6 +286,17 @@ class RequestConsumer:
         open_ranks = [self._lane_rank(p) for p in self.assignment - self._consumer.paused()]
         return max(1, self._room_of(max(open_ranks, default=len(self._lane_ranks) - 1)))
 
+    def _urgent_lanes(self) -> tuple[list[list[TopicPartition]], list[int]]:
+        """The assigned partitions of each urgency lane (not the base topic), most urgent
+        first, and each lane's room."""
+        base_rank = len(self._lane_ranks) - 1
+        lanes: list[list[TopicPartition]] = [[] for _ in range(base_rank)]
+        for partition in self.assignment:
+            rank = self._lane_rank(partition)
+            if rank < base_rank:
+                lanes[rank].append(partition)
+        return lanes, [self._room_of(rank) for rank in range(base_rank)]
+
     def _apply_backpressure(self) -> None:
         """Pause each lane at its bound (the base topic first), resume it below."""
         paused = self._consumer.paused()
@@ -419,6 +431,34 @@ class RequestConsumer:
             )
         except TimeoutError:
             log.warning("consumer.stop_timeout")
+
+
+async def poll_lanes_first(
+    consumer: AIOKafkaConsumer,
+    lanes: list[list[TopicPartition]],
+    lane_rooms: list[int],
+    room: int,
+    wait_ms: int,
+) -> dict[TopicPartition, list]:
+    """One poll, the urgency lanes' records first. aiokafka hands out what it has fetched
+    partition by partition, in the order the fetches came back, up to `max_records`: a critical
+    record fetched together with a thousand low ones (the read-ahead) came out only after them,
+    polls later (0.8 s in the 2,000-request backlog run). So each lane's partitions (most urgent
+    lane first) are drained on their own, without waiting, up to the lane's room; then a plain
+    poll takes the rest up to `room`, waiting up to `wait_ms` only when the lanes had nothing."""
+    batches: dict[TopicPartition, list] = {}
+    for partitions, lane_room in zip(lanes, lane_rooms, strict=True):
+        if partitions:
+            got = await consumer.getmany(*partitions, timeout_ms=0, max_records=max(1, lane_room))
+            _merge(batches, got)
+    rest = await consumer.getmany(timeout_ms=0 if batches else wait_ms, max_records=max(1, room))
+    _merge(batches, rest)
+    return batches
+
+
+def _merge(batches: dict[TopicPartition, list], more: dict[TopicPartition, list]) -> None:
+    for partition, records in more.items():
+        batches.setdefault(partition, []).extend(records)
 
 
 def lane_reserves(num_lanes: int, num_reserve: int) -> list[int]:
