@@ -6,8 +6,9 @@ parallel region. With OMP_WAIT_POLICY=PASSIVE (the engine's default, engine/open
 costs 10-40x when the cores are shared) every region wakes the second thread through the
 kernel, and on the 2-core Zen 4 VM that was most of a W1 step (one stream: 37 tok/s with
 PASSIVE, 89 with libgomp's spinning default on an idle machine). Here the threads are woken
-once per step and meet at barriers that spin briefly and then yield; Python runs once per step
-instead of ~25 times per layer.
+once per step and meet at barriers that spin briefly and then sleep on a futex (where the
+cores are shared and the waits keep sleeping, the step runs on one thread for a while: see
+decode_step.cpp); Python runs once per step instead of ~25 times per layer.
 
 The tasks are the kernels the per-operator path calls (quant_gemm's int4/int8 GEMV, fused_ops'
 RMSNorm, RoPE and SiLU * up, paged_attention's decode), so the step's bits equal that path's
@@ -34,7 +35,7 @@ log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_step.cpp")
 MAX_ROWS = 16  # decode rows per fused step; a larger batch is GEMM-bound and takes the old path
-SPIN = 4000  # barrier: pause rounds before yielding the core
+SPIN = 4000  # barrier: pause rounds (~100 us) before a waiting thread sleeps
 
 
 def extension_name() -> str:
