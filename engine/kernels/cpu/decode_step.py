@@ -12,8 +12,9 @@ decode_step.cpp); Python runs once per step instead of ~25 times per layer.
 
 The tasks are the kernels the per-operator path calls (quant_gemm's int4/int8 GEMV, fused_ops'
 RMSNorm, RoPE and SiLU * up, paged_attention's decode), so the step's bits equal that path's
-(tests/engine/kernels/test_decode_step.py). What it takes: Llama/Mistral layers without biases,
-bf16 activations, int4 or int8 weights on the C++ kernel, the float (bf16) KV cache with the
+(tests/engine/kernels/test_decode_step.py). What it takes: Llama/Mistral layers, bf16
+activations, int4 or int8 weights on the C++ kernel (no bias) or bf16 weights on our GEMV
+(`linear_kernel="gemv"`, bias allowed), the float (bf16) KV cache with the
 C++ attention backend, the fused ops on; decode-only steps of at most `max_rows` rows whose
 contexts fit one attention partition (PARTITION_TOKENS). Anything else takes the per-operator
 path, step by step (`accepts`).
@@ -28,7 +29,7 @@ from types import ModuleType
 import structlog
 import torch
 
-from engine.kernels.cpu import extension, fused_ops, paged_attention, quant_gemm
+from engine.kernels.cpu import bf16_gemm, extension, fused_ops, paged_attention, quant_gemm
 from engine.layers.attention import AttentionMetadata
 
 log = structlog.get_logger(__name__)
@@ -60,7 +61,6 @@ def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
         LlamaMLP,
         LlamaModel,
     )
-    from engine.quant.linear import QuantLinear
 
     if not isinstance(model, LlamaForCausalLM) or type(model.model) is not LlamaModel:
         return f"architecture {type(model).__name__}"
@@ -75,16 +75,31 @@ def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
         ):
             return f"attention backend {getattr(attn.backend, 'name', None)}"
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if not isinstance(linear, QuantLinear) or linear.cpp is None or linear.bias is not None:
-                return "a linear off the C++ int4/int8 kernel"
-            if linear.scheme not in ("int4", "int8") or linear.dtype != torch.bfloat16:
-                return f"linear {linear.scheme} {linear.dtype}"
+            reason = _linear_reason(linear)
+            if reason is not None:
+                return reason
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if norm.kernels is None:
                 return "fused ops off"
     if model.model.norm.kernels is None:
         return "fused ops off"
     return None
+
+
+def _linear_reason(linear) -> str | None:
+    """Why a projection cannot be a task: the int4/int8 C++ GEMV (no bias) or our bf16 GEMV."""
+    from engine.layers.linear import Linear
+    from engine.quant.linear import QuantLinear
+
+    if isinstance(linear, QuantLinear):
+        if linear.cpp is None or linear.scheme not in ("int4", "int8"):
+            return f"a {linear.scheme} linear off the C++ kernel"
+        if linear.bias is not None or linear.dtype != torch.bfloat16:
+            return f"a {linear.scheme} linear with a bias or in {linear.dtype}"
+        return None
+    if isinstance(linear, Linear) and linear.kernel == "gemv":
+        return None
+    return f"a linear on the {getattr(linear, 'kernel', type(linear).__name__)} kernel (not gemv)"
 
 
 class FusedDecode:
@@ -118,9 +133,18 @@ class FusedDecode:
         self.plan = step_ext.Plan(self._tasks(model, heads, kv_heads, head_dim))
 
     def _tasks(self, model, heads: int, kv_heads: int, head_dim: int) -> list[tuple]:
-        fo, pa, qg = fused_ops.load(), paged_attention.load(), quant_gemm.load()
+        from engine.quant.linear import QuantLinear
+
+        fo, pa, qg, bg = (
+            fused_ops.load(),
+            paged_attention.load(),
+            quant_gemm.load(),
+            bf16_gemm.load(),
+        )
         norm_fn, rope_fn, silu_fn = fo.norm_task_fn(), fo.rotary_task_fn(), fo.silu_mul_task_fn()
-        gemv_fn, attn_fn = qg.gemv_task_fn(), pa.decode_task_fn()
+        attn_fn = pa.decode_task_fn()
+        gemv_fn = qg.gemv_task_fn() if qg is not None else None
+        bf16_fn = bg.gemv_task_fn() if bg is not None else None
         rope_view = self.qkv.view(self.max_rows, heads + 2 * kv_heads, head_dim)[
             :, : heads + kv_heads
         ]
@@ -134,6 +158,12 @@ class FusedDecode:
             tasks.append((norm_fn, args, 0, 1, True))
 
         def gemv(linear, x, y):
+            if not isinstance(linear, QuantLinear):  # our bf16 GEMV (the "gemv" layout)
+                args, blocks = bg.make_gemv_task(
+                    x, y, linear.weight, linear.bias, linear.out_features, linear._isa
+                )
+                tasks.append((bf16_fn, args, blocks, 0, True))
+                return
             bits = 4 if linear.scheme == "int4" else 8
             args, blocks = qg.make_gemv_task(
                 x, y, linear.cpp_codes, linear.cpp_scales, bits,
