@@ -129,6 +129,11 @@ class FusedDecode:
         self.block_table = torch.zeros(m, self.max_blocks, dtype=i64)
         self.context_lens = torch.ones(m, dtype=i64)
         self.slot_mapping = torch.zeros(m, dtype=i64)
+        # The lm_head too where it is a GEMV task (int4/int8, or bf16 on our GEMV): the logits
+        # of a decode-only step come out of the same call (every decode row samples).
+        self.has_lm_head = _linear_reason(model.lm_head) is None
+        vocab = model.lm_head.out_features if self.has_lm_head else 0
+        self.logits = torch.zeros(m, vocab, dtype=bf16)
         self.model = model
         self.plan = step_ext.Plan(self._tasks(model, heads, kv_heads, head_dim))
 
@@ -191,6 +196,8 @@ class FusedDecode:
             tasks.append((silu_fn, silu, 1, 0, True))
             gemv(mlp.down_proj, self.act, self.branch)
         norm(model.model.norm, self.branch, self.residual)
+        if self.has_lm_head:
+            gemv(model.lm_head, self.normed, self.logits)
         return tasks
 
     def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
@@ -220,6 +227,17 @@ class FusedDecode:
         self.plan.run(rows, 0, SPIN)
         return self.normed[:rows]
 
+    def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """The step's logits [rows, vocab] if `hidden` is this step's output and `rows` are all
+        of its rows in order (a decode-only step samples every row); else None. A view of a
+        buffer the next step overwrites: the sampler reads it within the step."""
+        num_rows = hidden.shape[0]
+        if not self.has_lm_head or hidden.data_ptr() != self.normed.data_ptr():
+            return None
+        if rows.shape[0] != num_rows or not torch.equal(rows, torch.arange(num_rows)):
+            return None
+        return self.logits[:num_rows]
+
 
 class StepForward:
     """The model's forward with the fused step taken where it applies."""
@@ -231,6 +249,13 @@ class StepForward:
         if self.fused.accepts(input_ids.shape[0], meta):
             return self.fused.run(input_ids, positions, meta)
         return self.model(input_ids, positions, meta)
+
+    def logits_for(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits of `rows` of `hidden`: the fused step's own where it computed them."""
+        logits = self.fused.logits_of(hidden, rows)
+        if logits is None:
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return logits
 
 
 def resolve(model, mode: str, kv_dtype: torch.dtype):

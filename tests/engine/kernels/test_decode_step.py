@@ -43,8 +43,11 @@ class Checker:
         if not fused.accepts(input_ids.shape[0], meta):
             return model(input_ids, positions, meta)
         got = fused.run(input_ids, positions, meta).clone()
+        rows = torch.arange(input_ids.shape[0])
+        got_logits = fused.logits_of(fused.normed[: rows.shape[0]], rows).clone()
         want = model(input_ids, positions, meta)
         assert torch.equal(got, want), (got - want).abs().max()
+        assert torch.equal(got_logits, model.compute_logits(want))  # the lm_head task too
         self.num_checked += 1
         self.num_rows.add(input_ids.shape[0])
         return want
@@ -70,6 +73,7 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[s
 def _check(engine: LLMEngine, prompts, max_tokens: int) -> Checker:
     forward = engine.runner._forward
     assert isinstance(forward, decode_step.StepForward), engine.runner.fused_decode
+    assert forward.fused.has_lm_head
     checker = engine.runner._forward = Checker(forward)
     _run(engine, prompts, max_tokens)
     return checker
