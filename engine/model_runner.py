@@ -164,7 +164,7 @@ class ModelRunner:
         self.fused_decode = None  # why the fused decode step does not apply; None when it does
         if self.pointwise_ops is not None:
             self._forward, self.fused_decode = decode_step.resolve(
-                self.model, config.fused_decode, self.kv_cache.dtype
+                self.model, config.fused_decode, self.kv_cache.dtype, self.max_model_len
             )
         if self.is_compiled:
             self._forward = CompiledModel(self.model, backend, self._layer_caches)

@@ -13,8 +13,9 @@
 // each compiled with its own flags, so the arithmetic is exactly that of its per-operator
 // entry point) with its arguments: `fn(args, rows, begin, end)` does items [begin, end) of a
 // step of `rows` rows. Items per run: a fixed count (a GEMV's blocks) or rows times a count
-// (row-wise operators, attention's (row, KV head) pairs); each thread takes a contiguous,
-// equal share. A barrier follows every task that the next one reads from.
+// (row-wise operators; attention's (row, KV head, partition) triples, the partitions set per
+// step); each thread takes a contiguous, equal share. A barrier follows every task that the
+// next one reads from.
 
 #include <torch/extension.h>
 #include <omp.h>
@@ -38,6 +39,7 @@ struct Task {
   const void* args;
   int64_t fixed_items, items_per_row;
   bool barrier_after;
+  const int64_t* row_multiplier;  // items_per_row is multiplied by *row_multiplier, if set
 };
 
 inline void cpu_relax() {
@@ -102,12 +104,21 @@ class Barrier {
 
 class Plan {
  public:
-  // tasks: (fn capsule, args capsule, fixed_items, items_per_row, barrier_after) tuples. The
-  // capsules are kept alive here (the args own their C++ structs).
+  // tasks: (fn capsule, args capsule, fixed_items, items_per_row, barrier_after[, multiplier])
+  // tuples, multiplier an int64 tensor whose first value (set before each run: attention's
+  // partitions) multiplies items_per_row. The capsules and tensors are kept alive here.
   explicit Plan(const py::list& tasks) : owners_(tasks) {
     for (const auto& item : tasks) {
       const auto entry = item.cast<py::tuple>();
-      TORCH_CHECK(entry.size() == 5, "decode_step: a task is (fn, args, fixed, per_row, barrier)");
+      TORCH_CHECK(entry.size() == 5 || entry.size() == 6,
+                  "decode_step: a task is (fn, args, fixed, per_row, barrier[, multiplier])");
+      const int64_t* multiplier = nullptr;
+      if (entry.size() == 6) {
+        const auto tensor = entry[5].cast<torch::Tensor>();
+        TORCH_CHECK(tensor.scalar_type() == at::kLong && tensor.numel() >= 1,
+                    "decode_step: a multiplier is an int64 tensor");
+        multiplier = tensor.data_ptr<int64_t>();
+      }
       const auto fn = entry[0].cast<py::capsule>();
       const auto args = entry[1].cast<py::capsule>();
       TORCH_CHECK(std::string(fn.name() ? fn.name() : "") == "mini_infer.task_fn" &&
@@ -115,7 +126,7 @@ class Plan {
                   "decode_step: tasks must come from the kernel libraries' make_*_task");
       tasks_.push_back(Task{reinterpret_cast<TaskFn>(fn.get_pointer()), args.get_pointer(),
                             entry[2].cast<int64_t>(), entry[3].cast<int64_t>(),
-                            entry[4].cast<bool>()});
+                            entry[4].cast<bool>(), multiplier});
       num_barriers_ += tasks_.back().barrier_after;
     }
   }
@@ -169,7 +180,10 @@ class Plan {
  private:
   static constexpr int64_t kSingleThreadSteps = 64;
 
-  static int64_t items(const Task& t, int64_t rows) { return t.fixed_items + t.items_per_row * rows; }
+  static int64_t items(const Task& t, int64_t rows) {
+    const int64_t multiplier = t.row_multiplier != nullptr ? *t.row_multiplier : 1;
+    return t.fixed_items + t.items_per_row * rows * multiplier;
+  }
 
   py::list owners_;
   std::vector<Task> tasks_;

@@ -15,9 +15,8 @@ RMSNorm, RoPE and SiLU * up, paged_attention's decode), so the step's bits equal
 (tests/engine/kernels/test_decode_step.py). What it takes: Llama/Mistral layers, bf16
 activations, int4 or int8 weights on the C++ kernel (no bias) or bf16 weights on our GEMV
 (`linear_kernel="gemv"`, bias allowed), the float (bf16) KV cache with the
-C++ attention backend, the fused ops on; decode-only steps of at most `max_rows` rows whose
-contexts fit one attention partition (PARTITION_TOKENS). Anything else takes the per-operator
-path, step by step (`accepts`).
+C++ attention backend, the fused ops on; decode-only steps of at most `max_rows` rows. Anything
+else takes the per-operator path, step by step (`accepts`).
 """
 
 from __future__ import annotations
@@ -106,14 +105,18 @@ class FusedDecode:
     """Buffers for MAX_ROWS rows and the plan over them, built once for a model whose layers'
     KV caches are attached; `run` for each decode-only step."""
 
-    def __init__(self, model, step_ext: ModuleType, max_rows: int = MAX_ROWS):
+    def __init__(self, model, step_ext: ModuleType, max_model_len: int, max_rows: int = MAX_ROWS):
         cfg = model.model.layers[0].self_attn
         hidden = model.model.norm.weight.shape[0]
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         inter = model.model.layers[0].mlp.intermediate_size
         cache = cfg.kv_cache
         self.block_size = cache.shape[1]
-        self.max_blocks = max(1, paged_attention.PARTITION_TOKENS // self.block_size)
+        # As the per-operator decode splits a context: partitions of partition_blocks blocks,
+        # as many as the step's block table is wide (it must be the same split: same bits).
+        self.partition_blocks = max(1, paged_attention.PARTITION_TOKENS // self.block_size)
+        self.max_blocks = -(-max_model_len // self.block_size)
+        max_partitions = -(-self.max_blocks // self.partition_blocks)
         self.max_rows = max_rows
         bf16, i64 = torch.bfloat16, torch.int64
         m = max_rows
@@ -129,6 +132,9 @@ class FusedDecode:
         self.block_table = torch.zeros(m, self.max_blocks, dtype=i64)
         self.context_lens = torch.ones(m, dtype=i64)
         self.slot_mapping = torch.zeros(m, dtype=i64)
+        self.num_partitions = torch.ones(1, dtype=i64)
+        group = heads // kv_heads
+        self.partials = torch.zeros(m * kv_heads * max_partitions * group * (head_dim + 2))
         # The lm_head too where it is a GEMV task (int4/int8, or bf16 on our GEMV): the logits
         # of a decode-only step come out of the same call (every decode row samples).
         self.has_lm_head = _linear_reason(model.lm_head) is None
@@ -147,7 +153,7 @@ class FusedDecode:
             bf16_gemm.load(),
         )
         norm_fn, rope_fn, silu_fn = fo.norm_task_fn(), fo.rotary_task_fn(), fo.silu_mul_task_fn()
-        attn_fn = pa.decode_task_fn()
+        attn_fn, merge_fn = pa.decode_task_fn(), pa.merge_task_fn()
         gemv_fn = qg.gemv_task_fn() if qg is not None else None
         bf16_fn = bg.gemv_task_fn() if bg is not None else None
         rope_view = self.qkv.view(self.max_rows, heads + 2 * kv_heads, head_dim)[
@@ -186,9 +192,11 @@ class FusedDecode:
             tasks.append((rope_fn, fo.make_rotary_task(rope_view, self.cos, self.sin), 0, 1, True))
             decode_args = pa.make_decode_task(
                 self.qkv, attn.kv_cache, self.block_table, self.context_lens, self.slot_mapping,
-                self.attn, heads, head_dim**-0.5,
+                self.num_partitions, self.partials, self.attn, heads, self.partition_blocks,
+                head_dim**-0.5,
             )  # fmt: skip
-            tasks.append((attn_fn, decode_args, 0, kv_heads, True))
+            tasks.append((attn_fn, decode_args, 0, kv_heads, True, self.num_partitions))
+            tasks.append((merge_fn, decode_args, 0, kv_heads, True))
             gemv(attn.o_proj, self.attn.view(self.max_rows, -1), self.branch)
             norm(layer.post_attention_layernorm, self.branch, self.residual)
             gemv(mlp.gate_up_proj, self.normed, self.gate_up)
@@ -201,7 +209,7 @@ class FusedDecode:
         return tasks
 
     def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """Whether this step can run fused: decode rows only, few enough, short contexts."""
+        """Whether this step can run fused: decode rows only, few enough."""
         return (
             not meta.prefills
             and meta.num_decodes == num_tokens
@@ -222,6 +230,7 @@ class FusedDecode:
         self.sin[:rows].copy_(sin.view(rows, -1))
         table = meta.decode_block_table
         self.block_table[:rows, : table.shape[1]].copy_(table)
+        self.num_partitions[0] = -(-table.shape[1] // self.partition_blocks)
         self.context_lens[:rows].copy_(meta.decode_context_lens)
         self.slot_mapping[:rows].copy_(meta.slot_mapping)
         self.plan.run(rows, 0, SPIN)
@@ -258,7 +267,7 @@ class StepForward:
         return logits
 
 
-def resolve(model, mode: str, kv_dtype: torch.dtype):
+def resolve(model, mode: str, kv_dtype: torch.dtype, max_model_len: int):
     """The model's forward for the runner: fused where `mode` ("auto", "on", "off") and the
     model allow, else the model itself. "on" where it cannot apply logs why and falls back."""
     if mode == "off":
@@ -270,4 +279,4 @@ def resolve(model, mode: str, kv_dtype: torch.dtype):
     if reason is not None:
         (log.warning if mode == "on" else log.debug)("decode_step.unsupported", reason=reason)
         return model, reason
-    return StepForward(model, FusedDecode(model, step_ext)), None
+    return StepForward(model, FusedDecode(model, step_ext, max_model_len)), None

@@ -93,7 +93,9 @@ def test_fused_step_is_bit_identical_to_the_per_operator_path(
     for module in engine.runner.model.modules():  # force the GEMV path, then re-plan
         if isinstance(module, QuantLinear):
             module.cpp_isa = quant_gemm.isa_code(isa)
-    engine.runner._forward.fused = decode_step.FusedDecode(engine.runner.model, step_ext)
+    engine.runner._forward.fused = decode_step.FusedDecode(
+        engine.runner.model, step_ext, engine.runner.max_model_len
+    )
     checker = _check(engine, PROMPTS, max_tokens=10)
     # Rows 4 down to 1 as the requests finish... all decode steps ran fused, and were checked.
     assert checker.num_checked >= 9 and 4 in checker.num_rows
@@ -107,9 +109,34 @@ def test_fused_step_with_bf16_weights_on_our_gemv(step_ext, tiny_model_dir, isa)
     for module in engine.runner.model.modules():
         if isinstance(module, Linear) and module.kernel == "gemv":
             module._isa = quant_gemm.isa_code(isa)  # the two libraries number paths alike
-    engine.runner._forward.fused = decode_step.FusedDecode(engine.runner.model, step_ext)
+    engine.runner._forward.fused = decode_step.FusedDecode(
+        engine.runner.model, step_ext, engine.runner.max_model_len
+    )
     checker = _check(engine, PROMPTS, max_tokens=6)
     assert checker.num_checked >= 5 and 4 in checker.num_rows
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_fused_step_splits_long_contexts_as_the_per_operator_decode_does(
+    step_ext, tiny_model_dir, monkeypatch, num_threads
+):
+    """Contexts longer than a partition (made 2 blocks here) are split into partitions and
+    merged, and the row whose new token lies in any partition writes its K/V there."""
+    from engine.kernels.cpu import paged_attention
+
+    monkeypatch.setattr(paged_attention, "PARTITION_TOKENS", 32)
+    engine = _engine(tiny_model_dir, "int4")
+    fused = engine.runner._forward.fused = decode_step.FusedDecode(
+        engine.runner.model, step_ext, engine.runner.max_model_len
+    )
+    assert fused.partition_blocks == 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(num_threads)
+        checker = _check(engine, [*PROMPTS, list(range(100, 190))], max_tokens=20)
+    finally:
+        torch.set_num_threads(threads)
+    assert checker.num_checked >= 19 and int(fused.num_partitions[0]) >= 3
 
 
 def test_fused_step_on_one_thread_and_with_an_unrolled_head_dim(step_ext, head_dim_64_dir):
@@ -151,6 +178,6 @@ def test_unsupported_models_and_steps_take_the_per_operator_path(step_ext, tiny_
         )  # fmt: skip
 
     assert fused.accepts(2, meta(fused.max_blocks))
-    assert not fused.accepts(2, meta(fused.max_blocks + 1))  # a context the kernel would split
+    assert not fused.accepts(2, meta(fused.max_blocks + 1))  # wider than max_model_len
     assert not fused.accepts(3, meta(1, [PrefillChunk(2, 1, 0)]))  # a prefill in the step
     assert not fused.accepts(fused.max_rows + 1, meta(1))
