@@ -147,7 +147,12 @@ def test_exit_codes(capsys, script, code: int, message: str) -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["Hi", "--max-tokens", "0"], ["Hi", "--top-p", "2"], ["Hi", "--stop", ""], ["Hi", "--n", "17"]],
+    [
+        ["Hi", "--max-tokens", "0"],
+        ["Hi", "--top-p", "2"],
+        ["Hi", "--stop", ""],
+        ["Hi", "--n", "17"],
+    ],
 )
 def test_invalid_arguments_fail_before_connecting(capsys, argv) -> None:
     code, out, err = run_cli(capsys, *argv)
