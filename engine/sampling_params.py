@@ -60,6 +60,11 @@ class StructuredOutput:
             raise ValueError(
                 f"{self.type} needs its {'schema' if self.type == 'json_schema' else 'pattern'} as a non-empty string"
             )
+        texts = self.spec if self.type == "choice" else (self.spec,)
+        if self.type in ("regex", "choice") and any(_has_surrogate(t) for t in texts):
+            raise ValueError(
+                f"{self.type} contains a UTF-16 surrogate code point (U+D800-U+DFFF), not text"
+            )
 
 
 @dataclass(frozen=True)
@@ -203,6 +208,11 @@ class SamplingParams:
     @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
+
+
+def _has_surrogate(text: str) -> bool:
+    """A lone surrogate in a str (a JSON "\\ud800" decodes to one): not encodable as UTF-8."""
+    return any("\ud800" <= c <= "\udfff" for c in text)
 
 
 def _is_real(value) -> bool:
