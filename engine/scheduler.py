@@ -27,7 +27,8 @@ the others are held out of the queue until the leader's prompt is computed (its 
 are then in the cache), so the prompt is computed once and each further sample computes only
 its last, partial block before it decodes on its own. Holding is the whole mechanism: forking
 block tables at the end of prefill would also need n first tokens drawn from one logits row.
-Without prefix caching nothing could be shared, so nothing is held.
+Without prefix caching, or with a prompt shorter than a block, nothing could be shared, so
+nothing is held.
 """
 
 from __future__ import annotations
@@ -105,10 +106,19 @@ class Scheduler:
         self.requests[req.request_id] = req
         self._num_urgent += self._is_urgent(req)
         req.status = RequestStatus.WAITING
-        if leader is not None and self.kv.enable_caching and not _has_computed_prompt(leader):
+        if leader is not None and self._can_share_prompt(leader):
             self._held.setdefault(leader.request_id, []).append(req)
             return
         heapq.heappush(self._waiting, (req.sort_key, req.request_id))
+
+    def _can_share_prompt(self, leader: Request) -> bool:
+        """Holding pays when the leader's prompt is still to compute and has a full block to
+        share (the last token is always computed, so a prefix hit needs block_size + 1)."""
+        return (
+            self.kv.enable_caching
+            and leader.num_prompt_tokens > self.config.block_size
+            and not _has_computed_prompt(leader)
+        )
 
     @property
     def num_held(self) -> int:

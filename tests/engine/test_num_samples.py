@@ -200,3 +200,23 @@ def test_samples_survive_preemption_and_abort_leaks_nothing(
 
 def _kwargs(params: SamplingParams) -> dict:
     return dict(max_tokens=params.max_tokens, temperature=1.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_nothing_is_held_without_a_block_to_share(tiny_dir, enable_prefix_caching):
+    engine = LLMEngine(
+        tiny_dir, dtype="float32", quantization=None, block_size=4, num_kv_blocks=64,
+        enable_prefix_caching=enable_prefix_caching,
+    )  # fmt: skip
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=2)
+    engine.add_request("short", [5, 6, 7, 8], greedy)  # no full block before the last token
+    if not enable_prefix_caching:
+        engine.add_request("long", PROMPT, greedy)
+    assert engine.scheduler.num_held == 0
+    tokens: dict[tuple[str, int], list[int]] = {}
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            tokens.setdefault((d.request_id, d.index), []).extend(d.token_ids)
+    for request_id in {r for r, _ in tokens}:
+        assert tokens[request_id, 0] == tokens[request_id, 1] and len(tokens[request_id, 0]) == 6
+    _assert_pool_whole(engine)
