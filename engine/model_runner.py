@@ -344,6 +344,9 @@ class ModelRunner:
         self.step_logprobs = prompt_logprobs_for_step(self.model, hidden, out.scheduled)
         if not batch.sample_requests:
             return [], None
+        logits_for = getattr(self._forward, "logits_for", None)  # the fused step's, if taken
+        if logits_for is not None:
+            return batch.sample_requests, logits_for(hidden, batch.sample_rows)
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
         return batch.sample_requests, logits
 
