@@ -334,21 +334,30 @@ class ModelRunner:
         return step
 
     def _run(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
+        """schedule's output -> (requests that sample, their logits on the CPU); the prompt
+        logprob chunks of the step into `step_logprobs`. Device runners override only
+        `_prepare`, `_forward_batch` and `_logits` (copies, graph replay), not this."""
         self.sampler.drop(out.finished_request_ids)
         self.step_logprobs: dict[str, StepLogprobs] = {}
         if not out.scheduled:
             return [], None
         batch = self._prepare(out.scheduled)
-        # [num_tokens, hidden]
-        hidden = self._forward(batch.input_ids, batch.positions, batch.meta)
+        hidden = self._forward_batch(batch)  # [num_tokens, hidden]
         self.step_logprobs = prompt_logprobs_for_step(self.model, hidden, out.scheduled)
         if not batch.sample_requests:
             return [], None
-        logits_for = getattr(self._forward, "logits_for", None)  # the fused step's, if taken
+        return batch.sample_requests, self._logits(hidden, batch)
+
+    def _forward_batch(self, batch: StepBatch) -> torch.Tensor:
+        return self._forward(batch.input_ids, batch.positions, batch.meta)
+
+    def _logits(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """[num_samples, vocab] for the batch's sampling rows (the fused step's own logits where
+        it computed them)."""
+        logits_for = getattr(self._forward, "logits_for", None)
         if logits_for is not None:
-            return batch.sample_requests, logits_for(hidden, batch.sample_rows)
-        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
-        return batch.sample_requests, logits
+            return logits_for(hidden, batch.sample_rows)
+        return self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         for request in scheduled:
