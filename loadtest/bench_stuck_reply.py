@@ -2,8 +2,9 @@
 
 A `serve` worker (tiny random model unless `--model`) reaches the embedded broker through the
 fault-injecting proxy (tests/worker/kafka_proxy.py). Each round sends `--num-stuck` requests
-whose replies go to one client's own topic, then `--num-others` requests of other clients, and
-reads the others' streams as they arrive. The two sides differ only in that topic:
+whose replies go to one client's own topic, then `--num-others` requests of other clients (on
+the shared reply topic, the SDK's default, or with `--others-on private` on a topic of their
+own), and reads the others' streams as they arrive. The two sides differ only in that topic:
 - `baseline`: it accepts writes;
 - `stuck`: the proxy answers every produce to it with NOT_ENOUGH_REPLICAS (retriable: what a
   topic created with replication factor 1 gets where `min.insync.replicas=2`), so its replies
@@ -11,8 +12,10 @@ reads the others' streams as they arrive. The two sides differ only in that topi
 Per round: the p50/p99 gap between consecutive messages of the others' streams and their p99
 time to first token. The sides alternate for `--rounds` rounds; medians are compared (target:
 stuck p99 under 2x baseline). The machine is shared: `uptime` is recorded per round.
+`--num-private-producers 0` runs the worker with one producer for every topic (as before
+issue 18's isolation of per-client topics).
 
-    python -m loadtest.bench_stuck_reply --rounds 3
+    python -m loadtest.bench_stuck_reply --rounds 3 [--num-private-producers 0]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer
 
 from schemas.codec import decode_reply
+from schemas.contract import DEFAULT_SHARED_REPLY_TOPIC, NUM_SHARED_REPLY_TOPIC_PARTITIONS
 from schemas.headers import read_content_type
 from schemas.messages import FinalReply
 from tests.conftest import unique_name
@@ -101,6 +105,8 @@ async def run_round(args, side: str, index: int, env: dict) -> dict:
     load = _uptime()
     long = {"max_tokens": args.max_tokens, "ignore_eos": True}
     stuck = [make_request(stuck_topic, f"stuck {index} {n}", **long) for n in range(args.num_stuck)]
+    if args.others_on == "shared":  # each client reads its own partition of it
+        long["reply_partition"] = 0
     others = [
         make_request(env["others_topic"], f"other {index} {n}", **long)
         for n in range(args.num_others)
@@ -148,9 +154,13 @@ async def bench(args) -> list[dict]:
         model_dir = Path(args.model) if args.model else _tiny_model(tmp)
         servers = broker.bootstrap_servers
         topic, group_id = unique_name("bench-req"), unique_name("bench-group")
-        others_topic = PREFIX + unique_name("others")
         await create_topic(servers, topic, args.num_partitions)
-        await create_topic(servers, others_topic, 1)
+        if args.others_on == "shared":
+            others_topic = DEFAULT_SHARED_REPLY_TOPIC
+            await create_topic(servers, others_topic, NUM_SHARED_REPLY_TOPIC_PARTITIONS)
+        else:
+            others_topic = PREFIX + unique_name("others")
+            await create_topic(servers, others_topic, 1)
         async with KafkaProxy(servers) as proxy, Producer(servers) as producer:
             process = start_serve(
                 proxy.bootstrap_servers, model_dir, group_id, topic, tmp / "ready",
@@ -158,6 +168,7 @@ async def bench(args) -> list[dict]:
                 extra_env={
                     "MINI_INFER_PUBLISHER__DELIVERY_TIMEOUT_S": str(args.delivery_timeout_s),
                     "MINI_INFER_KAFKA__URGENCY_LANES": "false",
+                    "MINI_INFER_PUBLISHER__NUM_PRIVATE_PRODUCERS": str(args.num_private_producers),
                 },
             )  # fmt: skip
             try:
@@ -232,6 +243,8 @@ def main() -> int:
     parser.add_argument("--num-partitions", type=int, default=4)
     parser.add_argument("--delivery-timeout-s", type=float, default=5.0)
     parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--others-on", choices=("shared", "private"), default="shared")
+    parser.add_argument("--num-private-producers", type=int, default=2)
     parser.add_argument("--model", default=None, help="a model directory (default: tiny random)")
     args = parser.parse_args()
     rows = asyncio.run(bench(args))
