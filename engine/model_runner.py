@@ -30,6 +30,7 @@ from transformers import AutoConfig
 from engine import openmp
 from engine.compile import CompiledModel
 from engine.config import EngineConfig
+from engine.kernels.cpu import decode_step
 from engine.kernels.cpu.linear_choice import choose_linear_kernels
 from engine.kernels.cpu.paged_attention import compiler
 from engine.kv_cache_manager import cdiv
@@ -160,6 +161,11 @@ class ModelRunner:
         if not self.is_compiled and self.kv_cache.device.type == "cpu":
             self.pointwise_ops = use_cpu_ops(self.model, config.fused_ops)
         self._forward = self.model
+        self.fused_decode = None  # why the fused decode step does not apply; None when it does
+        if self.pointwise_ops is not None:
+            self._forward, self.fused_decode = decode_step.resolve(
+                self.model, config.fused_decode, self.kv_cache.dtype
+            )
         if self.is_compiled:
             self._forward = CompiledModel(self.model, backend, self._layer_caches)
             self._warm_up()
@@ -171,6 +177,7 @@ class ModelRunner:
             kv_cache_bytes=self.kv_cache_bytes, attention_backend=backend.name,
             linear_kernels=self.linear_kernels, compiled=self.is_compiled,
             pointwise_ops=self.pointwise_ops,
+            fused_decode=self.fused_decode or "on",
             cpu=cpu_info().model_name,
             cpu_isa=cpu_info().vector_isa,
         )  # fmt: skip

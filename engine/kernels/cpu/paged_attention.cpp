@@ -507,6 +507,96 @@ void extend_impl(const torch::Tensor& q, const torch::Tensor& kv_cache,
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// The attention of a fused decode step (engine/kernels/cpu/decode_step.cpp): one item per
+// (row, KV head) writes that head's new K and V into the cache slot, then attends over the
+// row's context as decode_impl's single-partition case does (the step declines contexts that
+// decode_impl would split), so the bits are decode_impl's. bf16 q and cache only.
+
+using bf16 = at::BFloat16;
+
+struct DecodeTask {
+  const bf16* qkv;  // [rows, (num_heads + 2 * num_kv_heads) * head_dim], RoPE applied
+  bf16* cache;      // [num_kv_blocks, block_size, 2, num_kv_heads, head_dim]
+  const int64_t* block_table;   // [max_rows, max_blocks]
+  const int64_t* context_lens;  // [max_rows]
+  const int64_t* slot_mapping;  // [max_rows]
+  bf16* out;                    // [rows, num_heads, head_dim]
+  Shapes shapes;
+  float softmax_scale;
+};
+
+void decode_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
+  const DecodeTask& t = *static_cast<const DecodeTask*>(raw);
+  const Shapes& s = t.shapes;
+  const int64_t G = s.group, D = s.head_dim, KVH = s.num_kv_heads;
+  const int64_t token_stride = 2 * KVH * D;
+  std::vector<float> m(G), l(G), acc(G * D), out_row(D);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t row = item / KVH, kv_head = item % KVH;
+    const bf16* q_row = t.qkv + row * s.q_seq_stride;
+    const bf16* k = q_row + (s.num_heads + kv_head) * D;
+    const bf16* v = q_row + (s.num_heads + KVH + kv_head) * D;
+    bf16* slot = t.cache + t.slot_mapping[row] * token_stride + kv_head * D;
+    std::memcpy(slot, k, D * sizeof(bf16));
+    std::memcpy(slot + KVH * D, v, D * sizeof(bf16));
+    const int64_t context_len = t.context_lens[row];
+    const int64_t num_blocks = (context_len + s.block_size - 1) / s.block_size;
+    const int64_t* table = t.block_table + row * s.max_blocks;
+#define ATTEND(HD)                                                                           \
+  attend_partition<bf16, bf16, HD>(q_row, t.cache, nullptr, table, context_len, kv_head, 0, \
+                                   num_blocks, t.softmax_scale, s, m.data(), l.data(),      \
+                                   acc.data())
+    if (D == 64) ATTEND(64);
+    else if (D == 128) ATTEND(128);
+    else ATTEND(0);
+#undef ATTEND
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t d = 0; d < D; ++d) out_row[d] = acc[g * D + d] / l[g];
+      store_row(out_row.data(), t.out + (row * s.num_heads + kv_head * G + g) * D, D);
+    }
+  }
+}
+
+// qkv [max_rows, (H + 2 KVH) * D] bf16 buffer; kv_cache the layer's pool; block_table
+// [max_rows, max_blocks], context_lens and slot_mapping [max_rows] int64 buffers; out
+// [max_rows, H, D]. Items per run: rows * num_kv_heads.
+py::capsule make_decode_task(torch::Tensor qkv, torch::Tensor kv_cache, torch::Tensor block_table,
+                             torch::Tensor context_lens, torch::Tensor slot_mapping,
+                             torch::Tensor out, int64_t num_heads, double softmax_scale) {
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16,
+              "decode task: bf16 qkv, cache and out");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && kv_cache.dim() == 5 &&
+                  kv_cache.is_contiguous() && out.is_contiguous() && out.dim() == 3,
+              "decode task: qkv [rows, width], kv_cache 5-d contiguous, out [rows, heads, dim]");
+  for (const auto* x : {&block_table, &context_lens, &slot_mapping})
+    TORCH_CHECK(x->scalar_type() == at::kLong && x->is_contiguous(),
+                "decode task: block_table, context_lens, slot_mapping contiguous int64");
+  Shapes s;
+  s.num_seqs = 0;
+  s.num_heads = num_heads;
+  s.num_kv_heads = kv_cache.size(3);
+  s.head_dim = kv_cache.size(4);
+  s.block_size = kv_cache.size(1);
+  TORCH_CHECK(num_heads % s.num_kv_heads == 0 && out.size(1) == num_heads &&
+                  out.size(2) == s.head_dim &&
+                  qkv.size(1) == (num_heads + 2 * s.num_kv_heads) * s.head_dim,
+              "decode task: head counts of qkv, cache and out differ");
+  s.group = num_heads / s.num_kv_heads;
+  s.max_blocks = block_table.size(1);
+  s.partition_blocks = s.max_blocks;
+  s.num_partitions = 1;
+  s.q_seq_stride = qkv.stride(0);
+  s.q_head_stride = s.head_dim;
+  auto* task = new DecodeTask{qkv.data_ptr<bf16>(), kv_cache.data_ptr<bf16>(),
+                              block_table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                              slot_mapping.data_ptr<int64_t>(), out.data_ptr<bf16>(), s,
+                              static_cast<float>(softmax_scale)};
+  return py::capsule(task, "mini_infer.task_args",
+                     [](void* p) { delete static_cast<DecodeTask*>(p); });
+}
+
 }  // namespace
 
 // q [num_seqs, num_heads, head_dim] (rows and heads may be strided, head_dim contiguous);
@@ -624,4 +714,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged decode attention over the int8 KV cache (codes x per-token scales), in place");
   m.def("paged_attention_extend", &paged_attention_extend,
         "Causal extend (prefill after cached tokens) attention over the block pool, in place");
+  m.def("decode_task_fn", [] {
+    return py::capsule(reinterpret_cast<void*>(&decode_task), "mini_infer.task_fn");
+  });
+  m.def("make_decode_task", &make_decode_task,
+        "a fused decode step's K/V write + attention, one item per (row, KV head)");
 }
