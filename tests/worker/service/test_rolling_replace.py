@@ -3,15 +3,17 @@ runs (a rolling update): every request is answered, at least once; duplicates ar
 
 The engines are fakes (no model: one token per step), so the test is about the worker's
 offsets and rebalances, not generation. Each first-generation worker answers a few requests
-and then stalls (its steps return nothing): when it is stopped it certainly holds work in
-flight, unanswered, on partitions that move: a fact, not a race against the machine. Its
-replacement's engine never stalls. Workers run in this process (a join takes a second, not an
+and then stalls (its steps return nothing); the replacements answer nothing until the last old
+one is gone. So every partition keeps unanswered requests throughout, and each old worker is
+stopped holding work in flight, unanswered, on partitions that move: a fact, not a race
+against the machine. Workers run in this process (a join takes a second, not an
 interpreter and a model load); `Worker.stop` is the ordered stop `serve` runs on SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -45,18 +47,24 @@ GRACE_S = 0.5  # the stalled work cannot finish: it is dropped, to be redelivere
 
 class FakeEngine:
     """LLMEngine's API without a model: `max_tokens` tokens, one per step, text "t". With
-    `num_answers`, it finishes that many requests and then stalls for good."""
+    `num_answers`, it finishes that many requests and then stalls for good; with `gate`, it
+    stalls until the gate is set."""
 
     max_model_len = 2048
 
-    def __init__(self, model_dir: Path, num_answers: int | None = None) -> None:
+    def __init__(
+        self, model_dir: Path, num_answers: int | None = None, gate: threading.Event | None = None
+    ) -> None:
         self.model_path = str(model_dir)  # the worker loads its tokenizer from here
         self.num_answers = num_answers
+        self.gate = gate
         self.num_finished = 0
         self.requests: dict[str, list[int]] = {}  # id -> [max tokens, tokens made, prompt]
 
     @property
     def is_stalled(self) -> bool:
+        if self.gate is not None and not self.gate.is_set():
+            return True
         return self.num_answers is not None and self.num_finished >= self.num_answers
 
     def add_request(self, request_id, prompt, params, priority=0) -> None:
@@ -92,12 +100,12 @@ class FakeEngine:
 class Member:
     """One worker of the group with its (fake) engine."""
 
-    def __init__(self, name: str, model_dir, bootstrap_servers, group_id, topic, stalls: bool):
+    def __init__(self, name: str, model_dir, bootstrap_servers, group_id, topic, engine_options):
         settings = worker_settings(
             model_dir, bootstrap_servers, group_id, topic, worker_id=name,
             kafka={"num_partitions": NUM_PARTITIONS, "urgency_lanes": False},
         )  # fmt: skip
-        self.engine = FakeEngine(model_dir, NUM_ANSWERS_BEFORE_STALL if stalls else None)
+        self.engine = FakeEngine(model_dir, **engine_options)
         self.worker = Worker(settings, engine_factory=lambda: self.engine)
 
     @property
@@ -119,17 +127,19 @@ async def test_a_backlog_survives_three_workers_replaced_in_turn(broker, tiny_mo
     topic, group_id = fresh_topics()
     await create_topic(broker.bootstrap_servers, topic, NUM_PARTITIONS)
 
-    def member(name: str, stalls: bool) -> Member:
-        return Member(
-            name, tiny_model_dir, broker.bootstrap_servers, group_id, topic, stalls
-        )  # fmt: skip
-
-    olds = [member(f"old{i}", stalls=True) for i in range(NUM_WORKERS)]
-    members = list(olds)
     async with (
         Producer(broker.bootstrap_servers) as producer,
         ReplyReader(broker.bootstrap_servers) as replies,
     ):
+
+        def member(name: str, **engine_options) -> Member:
+            return Member(
+                name, tiny_model_dir, broker.bootstrap_servers, group_id, topic, engine_options
+            )  # fmt: skip
+
+        all_replaced = threading.Event()  # the replacements' engines run from then on
+        olds = [member(f"old{i}", num_answers=NUM_ANSWERS_BEFORE_STALL) for i in range(NUM_WORKERS)]
+        members = list(olds)
         requests = [
             make_request(replies.topic, f"backlog {n}", id=f"b{n:03d}", max_tokens=MAX_TOKENS)
             for n in range(NUM_REQUESTS)
@@ -149,11 +159,12 @@ async def test_a_backlog_survives_three_workers_replaced_in_turn(broker, tiny_mo
                     lambda old=old: old.engine.is_stalled and old.worker.pipeline.num_running,
                     what=f"{old.worker.worker_id} stalled with work in flight",
                 )
-                new = member(f"new{n}", stalls=False)
+                new = member(f"new{n}", gate=all_replaced)
                 # As a rolling update does: the old one is sent SIGTERM as the new one starts.
                 await asyncio.gather(old.worker.stop(grace_s=GRACE_S), new.worker.start())
                 members[n] = new
                 await wait_for(lambda: is_split(members), what=f"the group after {n + 1} moves")
+            all_replaced.set()
             await replies.wait_until(
                 lambda: all(replies.finals(r.id) for r in requests), 60, "every final"
             )
