@@ -39,8 +39,9 @@ class EngineConfig:
     # built), "off" the torch chain. Same bits either way; eager only (compiled: Inductor's).
     fused_ops: str = "auto"
     # A decode-only step as one C++ call, one parallel region (engine/kernels/cpu/decode_step.py):
-    # "auto" | "on" where the model and step allow (int4/int8 weights on the C++ kernel, bf16,
-    # the float KV cache, fused ops on), "off" the per-operator path. Same bits either way.
+    # "auto" | "on" where the model and step allow (Llama-family, bf16 compute, int4/int8 weights
+    # or bf16 ones on our GEMV, the float KV cache, fused ops on), "off" the per-operator path.
+    # Same bits either way.
     fused_decode: str = "auto"
     # torch.compile of the model forward: "on" | "off" | "auto" (True/False mean on/off). "auto"
     # is off: on the 2-core Zen 4 the compiled step did not beat eager (engine/compile.py).

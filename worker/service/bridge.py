@@ -28,12 +28,13 @@ everyone, committed for good. Instead the bridge bisects:
   redelivery, so the client's seq/attempt rule applies). Pinning one culprit among k takes about
   log2(k) + 1 failed steps.
 - after `max_consecutive_step_failures` failed steps in a row, plus the log2(k) a bisection of k
-  suspects needs (k grows if joiners make a failing group larger) (a culprit that is the oldest of 128 fails 8 steps in a row while it is pinned:
-  a limit without that room exited the worker for one bad request), the fault is not one
-  request's: the thread gives up, live requests are `Dropped` (no final: their offsets stay
-  uncommitted and are redelivered), and `crashed` fails the worker, which exits non-zero. A
-  pinned culprit's `Failed` waits until the fault is seen not to recur (a step succeeds, or the
-  engine falls idle), so a persistent fault drops the pinned request with the rest.
+  suspects needs (k grows if joiners make a failing group larger; a culprit that is the oldest
+  of 128 fails 8 steps in a row while it is pinned: a limit without that room exited the
+  worker for one bad request), the fault is not one request's: the thread gives up, live
+  requests are `Dropped` (no final: their offsets stay uncommitted and are redelivered), and
+  `crashed` fails the worker, which exits non-zero. A pinned culprit's `Failed` waits until the
+  fault is seen not to recur (a step succeeds, or the engine falls idle), so a persistent fault
+  drops the pinned request with the rest.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class EngineRequest:
     prompt: str | list[int]
     params: SamplingParams
     priority: int  # lower runs first: the urgency's priority
-    num_prompt_tokens: int  # for the batcher's budget
+    num_prompt_tokens: int  # for the batcher's budget (with n > 1: pipeline.prefill_tokens)
 
 
 @dataclass(frozen=True)
@@ -326,7 +327,7 @@ class EngineBridge:
             if delta.token_ids and delta.request_id in self._added_s:
                 added_s = self._added_s.pop(delta.request_id)
                 first_token_times[delta.request_id] = (max(0.0, started_s - added_s), duration_s)
-            if delta.finished:
+            if delta.is_request_finished:  # with n > 1: its last choice finished
                 self._added_s.pop(delta.request_id, None)
                 state.forget(delta.request_id)
         stats = engine.get_stats() if hasattr(engine, "get_stats") else None

@@ -6,16 +6,17 @@ parallel region. With OMP_WAIT_POLICY=PASSIVE (the engine's default, engine/open
 costs 10-40x when the cores are shared) every region wakes the second thread through the
 kernel, and on the 2-core Zen 4 VM that was most of a W1 step (one stream: 37 tok/s with
 PASSIVE, 89 with libgomp's spinning default on an idle machine). Here the threads are woken
-once per step and meet at barriers that spin briefly and then yield; Python runs once per step
-instead of ~25 times per layer.
+once per step and meet at barriers that spin briefly and then sleep on a futex (where the
+cores are shared and the waits keep sleeping, the step runs on one thread for a while: see
+decode_step.cpp); Python runs once per step instead of ~25 times per layer.
 
 The tasks are the kernels the per-operator path calls (quant_gemm's int4/int8 GEMV, fused_ops'
 RMSNorm, RoPE and SiLU * up, paged_attention's decode), so the step's bits equal that path's
-(tests/engine/kernels/test_decode_step.py). What it takes: Llama/Mistral layers without biases,
-bf16 activations, int4 or int8 weights on the C++ kernel, the float (bf16) KV cache with the
-C++ attention backend, the fused ops on; decode-only steps of at most `max_rows` rows whose
-contexts fit one attention partition (PARTITION_TOKENS). Anything else takes the per-operator
-path, step by step (`accepts`).
+(tests/engine/kernels/test_decode_step.py). What it takes: Llama/Mistral layers, bf16
+activations, int4 or int8 weights on the C++ kernel (no bias) or bf16 weights on our GEMV
+(`linear_kernel="gemv"`, bias allowed), the float (bf16) KV cache with the
+C++ attention backend, the fused ops on; decode-only steps of at most `max_rows` rows. Anything
+else takes the per-operator path, step by step (`accepts`).
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from types import ModuleType
 import structlog
 import torch
 
-from engine.kernels.cpu import extension, fused_ops, paged_attention, quant_gemm
+from engine.kernels.cpu import bf16_gemm, extension, fused_ops, paged_attention, quant_gemm
 from engine.layers.attention import AttentionMetadata
 
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_step.cpp")
 MAX_ROWS = 16  # decode rows per fused step; a larger batch is GEMM-bound and takes the old path
-SPIN = 4000  # barrier: pause rounds before yielding the core
+SPIN = 4000  # barrier: pause rounds (~100 us) before a waiting thread sleeps
 
 
 def extension_name() -> str:
@@ -59,7 +60,6 @@ def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
         LlamaMLP,
         LlamaModel,
     )
-    from engine.quant.linear import QuantLinear
 
     if not isinstance(model, LlamaForCausalLM) or type(model.model) is not LlamaModel:
         return f"architecture {type(model).__name__}"
@@ -74,10 +74,9 @@ def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
         ):
             return f"attention backend {getattr(attn.backend, 'name', None)}"
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if not isinstance(linear, QuantLinear) or linear.cpp is None or linear.bias is not None:
-                return "a linear off the C++ int4/int8 kernel"
-            if linear.scheme not in ("int4", "int8") or linear.dtype != torch.bfloat16:
-                return f"linear {linear.scheme} {linear.dtype}"
+            reason = _linear_reason(linear)
+            if reason is not None:
+                return reason
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if norm.kernels is None:
                 return "fused ops off"
@@ -86,18 +85,38 @@ def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
     return None
 
 
+def _linear_reason(linear) -> str | None:
+    """Why a projection cannot be a task: the int4/int8 C++ GEMV (no bias) or our bf16 GEMV."""
+    from engine.layers.linear import Linear
+    from engine.quant.linear import QuantLinear
+
+    if isinstance(linear, QuantLinear):
+        if linear.cpp is None or linear.scheme not in ("int4", "int8"):
+            return f"a {linear.scheme} linear off the C++ kernel"
+        if linear.bias is not None or linear.dtype != torch.bfloat16:
+            return f"a {linear.scheme} linear with a bias or in {linear.dtype}"
+        return None
+    if isinstance(linear, Linear) and linear.kernel == "gemv":
+        return None
+    return f"a linear on the {getattr(linear, 'kernel', type(linear).__name__)} kernel (not gemv)"
+
+
 class FusedDecode:
     """Buffers for MAX_ROWS rows and the plan over them, built once for a model whose layers'
     KV caches are attached; `run` for each decode-only step."""
 
-    def __init__(self, model, step_ext: ModuleType, max_rows: int = MAX_ROWS):
+    def __init__(self, model, step_ext: ModuleType, max_model_len: int, max_rows: int = MAX_ROWS):
         cfg = model.model.layers[0].self_attn
         hidden = model.model.norm.weight.shape[0]
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         inter = model.model.layers[0].mlp.intermediate_size
         cache = cfg.kv_cache
         self.block_size = cache.shape[1]
-        self.max_blocks = max(1, paged_attention.PARTITION_TOKENS // self.block_size)
+        # As the per-operator decode splits a context: partitions of partition_blocks blocks,
+        # as many as the step's block table is wide (it must be the same split: same bits).
+        self.partition_blocks = max(1, paged_attention.PARTITION_TOKENS // self.block_size)
+        self.max_blocks = -(-max_model_len // self.block_size)
+        max_partitions = -(-self.max_blocks // self.partition_blocks)
         self.max_rows = max_rows
         bf16, i64 = torch.bfloat16, torch.int64
         m = max_rows
@@ -113,13 +132,30 @@ class FusedDecode:
         self.block_table = torch.zeros(m, self.max_blocks, dtype=i64)
         self.context_lens = torch.ones(m, dtype=i64)
         self.slot_mapping = torch.zeros(m, dtype=i64)
+        self.num_partitions = torch.ones(1, dtype=i64)
+        group = heads // kv_heads
+        self.partials = torch.zeros(m * kv_heads * max_partitions * group * (head_dim + 2))
+        # The lm_head too where it is a GEMV task (int4/int8, or bf16 on our GEMV): the logits
+        # of a decode-only step come out of the same call (every decode row samples).
+        self.has_lm_head = _linear_reason(model.lm_head) is None
+        vocab = model.lm_head.out_features if self.has_lm_head else 0
+        self.logits = torch.zeros(m, vocab, dtype=bf16)
         self.model = model
         self.plan = step_ext.Plan(self._tasks(model, heads, kv_heads, head_dim))
 
     def _tasks(self, model, heads: int, kv_heads: int, head_dim: int) -> list[tuple]:
-        fo, pa, qg = fused_ops.load(), paged_attention.load(), quant_gemm.load()
+        from engine.quant.linear import QuantLinear
+
+        fo, pa, qg, bg = (
+            fused_ops.load(),
+            paged_attention.load(),
+            quant_gemm.load(),
+            bf16_gemm.load(),
+        )
         norm_fn, rope_fn, silu_fn = fo.norm_task_fn(), fo.rotary_task_fn(), fo.silu_mul_task_fn()
-        gemv_fn, attn_fn = qg.gemv_task_fn(), pa.decode_task_fn()
+        attn_fn, merge_fn = pa.decode_task_fn(), pa.merge_task_fn()
+        gemv_fn = qg.gemv_task_fn() if qg is not None else None
+        bf16_fn = bg.gemv_task_fn() if bg is not None else None
         rope_view = self.qkv.view(self.max_rows, heads + 2 * kv_heads, head_dim)[
             :, : heads + kv_heads
         ]
@@ -133,6 +169,12 @@ class FusedDecode:
             tasks.append((norm_fn, args, 0, 1, True))
 
         def gemv(linear, x, y):
+            if not isinstance(linear, QuantLinear):  # our bf16 GEMV (the "gemv" layout)
+                args, blocks = bg.make_gemv_task(
+                    x, y, linear.weight, linear.bias, linear.out_features, linear._isa
+                )
+                tasks.append((bf16_fn, args, blocks, 0, True))
+                return
             bits = 4 if linear.scheme == "int4" else 8
             args, blocks = qg.make_gemv_task(
                 x, y, linear.cpp_codes, linear.cpp_scales, bits,
@@ -150,9 +192,11 @@ class FusedDecode:
             tasks.append((rope_fn, fo.make_rotary_task(rope_view, self.cos, self.sin), 0, 1, True))
             decode_args = pa.make_decode_task(
                 self.qkv, attn.kv_cache, self.block_table, self.context_lens, self.slot_mapping,
-                self.attn, heads, head_dim**-0.5,
+                self.num_partitions, self.partials, self.attn, heads, self.partition_blocks,
+                head_dim**-0.5,
             )  # fmt: skip
-            tasks.append((attn_fn, decode_args, 0, kv_heads, True))
+            tasks.append((attn_fn, decode_args, 0, kv_heads, True, self.num_partitions))
+            tasks.append((merge_fn, decode_args, 0, kv_heads, True))
             gemv(attn.o_proj, self.attn.view(self.max_rows, -1), self.branch)
             norm(layer.post_attention_layernorm, self.branch, self.residual)
             gemv(mlp.gate_up_proj, self.normed, self.gate_up)
@@ -160,10 +204,12 @@ class FusedDecode:
             tasks.append((silu_fn, silu, 1, 0, True))
             gemv(mlp.down_proj, self.act, self.branch)
         norm(model.model.norm, self.branch, self.residual)
+        if self.has_lm_head:
+            gemv(model.lm_head, self.normed, self.logits)
         return tasks
 
     def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """Whether this step can run fused: decode rows only, few enough, short contexts."""
+        """Whether this step can run fused: decode rows only, few enough."""
         return (
             not meta.prefills
             and meta.num_decodes == num_tokens
@@ -184,10 +230,22 @@ class FusedDecode:
         self.sin[:rows].copy_(sin.view(rows, -1))
         table = meta.decode_block_table
         self.block_table[:rows, : table.shape[1]].copy_(table)
+        self.num_partitions[0] = -(-table.shape[1] // self.partition_blocks)
         self.context_lens[:rows].copy_(meta.decode_context_lens)
         self.slot_mapping[:rows].copy_(meta.slot_mapping)
         self.plan.run(rows, 0, SPIN)
         return self.normed[:rows]
+
+    def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """The step's logits [rows, vocab] if `hidden` is this step's output and `rows` are all
+        of its rows in order (a decode-only step samples every row); else None. A view of a
+        buffer the next step overwrites: the sampler reads it within the step."""
+        num_rows = hidden.shape[0]
+        if not self.has_lm_head or hidden.data_ptr() != self.normed.data_ptr():
+            return None
+        if rows.shape[0] != num_rows or not torch.equal(rows, torch.arange(num_rows)):
+            return None
+        return self.logits[:num_rows]
 
 
 class StepForward:
@@ -201,8 +259,15 @@ class StepForward:
             return self.fused.run(input_ids, positions, meta)
         return self.model(input_ids, positions, meta)
 
+    def logits_for(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits of `rows` of `hidden`: the fused step's own where it computed them."""
+        logits = self.fused.logits_of(hidden, rows)
+        if logits is None:
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return logits
 
-def resolve(model, mode: str, kv_dtype: torch.dtype):
+
+def resolve(model, mode: str, kv_dtype: torch.dtype, max_model_len: int):
     """The model's forward for the runner: fused where `mode` ("auto", "on", "off") and the
     model allow, else the model itself. "on" where it cannot apply logs why and falls back."""
     if mode == "off":
@@ -214,4 +279,4 @@ def resolve(model, mode: str, kv_dtype: torch.dtype):
     if reason is not None:
         (log.warning if mode == "on" else log.debug)("decode_step.unsupported", reason=reason)
         return model, reason
-    return StepForward(model, FusedDecode(model, step_ext)), None
+    return StepForward(model, FusedDecode(model, step_ext, max_model_len)), None
