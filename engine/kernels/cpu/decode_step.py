@@ -37,8 +37,8 @@ log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_step.cpp")
 # Decode rows per fused step: with int4/int8 weights the per-operator path runs the same GEMV
-# kernel at any row count (W2's 32 rows included); bf16 weights only up to GEMV_MAX_ROWS, past
-# which it takes a GEMM (and the fused step would no longer give its bits).
+# kernel at any row count; bf16 weights on our GEMV up to GEMV_MAX_ROWS (64), past which it
+# takes oneDNN's GEMM (and the fused step would no longer give its bits).
 MAX_ROWS_QUANT = 64
 SPIN = 4000  # barrier: pause rounds (~100 us) before a waiting thread sleeps
 

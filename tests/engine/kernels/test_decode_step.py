@@ -117,7 +117,7 @@ def test_fused_step_with_bf16_weights_on_our_gemv(step_ext, tiny_model_dir, isa)
 
 
 def test_fused_step_takes_w2_sized_batches_with_quantized_weights(step_ext, tiny_model_dir):
-    """int4 runs the same GEMV at any row count: 20 rows (more than a bf16 GEMV takes) fused."""
+    """int4 runs the same GEMV at any row count: 20 rows fused."""
     engine = _engine(tiny_model_dir, "int4", max_num_seqs=32)
     assert engine.runner._forward.fused.max_rows == decode_step.MAX_ROWS_QUANT
     prompts = [[7 + i, 8 + i, 9] for i in range(20)]
