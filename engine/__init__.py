@@ -5,7 +5,7 @@
 
 import engine.openmp  # noqa: F401  (first: the OpenMP policy must precede torch's import)
 from engine.config import EngineConfig
-from engine.outputs import EngineStats, RequestDelta, RequestOutput
+from engine.outputs import CompletionOutput, EngineStats, RequestDelta, RequestOutput
 from engine.sampling_params import SamplingParams
 
 
@@ -22,4 +22,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "EngineStats", "RequestDelta", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "CompletionOutput", "EngineConfig", "EngineStats", "RequestDelta", "RequestOutput", "SamplingParams"]

@@ -38,6 +38,11 @@ class EngineConfig:
     # fused C++ ops (engine/kernels/cpu/fused_ops.py; the torch chain where they cannot be
     # built), "off" the torch chain. Same bits either way; eager only (compiled: Inductor's).
     fused_ops: str = "auto"
+    # A decode-only step as one C++ call, one parallel region (engine/kernels/cpu/decode_step.py):
+    # "auto" | "on" where the model and step allow (Llama-family, bf16 compute, int4/int8 weights
+    # or bf16 ones on our GEMV, the float KV cache, fused ops on), "off" the per-operator path.
+    # Same bits either way.
+    fused_decode: str = "auto"
     # torch.compile of the model forward: "on" | "off" | "auto" (True/False mean on/off). "auto"
     # is off: on the 2-core Zen 4 the compiled step did not beat eager (engine/compile.py).
     compile: str | bool = "auto"
@@ -91,6 +96,10 @@ class EngineConfig:
             raise ValueError(f"step_time_target_ms must be > 0, got {self.step_time_target_ms}")
         if self.fused_ops not in ("auto", "on", "off"):
             raise ValueError(f"fused_ops must be 'auto', 'on' or 'off', got {self.fused_ops!r}")
+        if self.fused_decode not in ("auto", "on", "off"):
+            raise ValueError(
+                f"fused_decode must be 'auto', 'on' or 'off', got {self.fused_decode!r}"
+            )
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(
                 f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}"

@@ -33,7 +33,7 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.model_runner import ModelRunner, StepBatch
 from engine.models.llama import head_dim_of
 from engine.quant import kv_int8
-from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.scheduler_output import ScheduledRequest
 
 
 def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
@@ -146,17 +146,13 @@ class CudaModelRunner(ModelRunner):
             sample_rows=batch.sample_rows.to(self.device, non_blocking=True),
         )
 
-    def _run(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
-        self.sampler.drop(out.finished_request_ids)
-        if not out.scheduled:
-            return [], None
-        batch = self._prepare(out.scheduled)
+    def _forward_batch(self, batch) -> torch.Tensor:
         hidden = None
         if self.graphs is not None:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         if hidden is None:
             hidden = self.model(batch.input_ids, batch.positions, batch.meta)
-        if not batch.sample_requests:
-            return [], None
-        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
-        return batch.sample_requests, logits.cpu()
+        return hidden
+
+    def _logits(self, hidden: torch.Tensor, batch) -> torch.Tensor:
+        return self.model.compute_logits(hidden.index_select(0, batch.sample_rows)).cpu()

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 
@@ -56,7 +56,9 @@ class LLM:
         priorities: Sequence[int] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for all prompts together; outputs come back in prompt order."""
+        """Generate for all prompts together; outputs come back in prompt order. A prompt whose
+        params have n > 1 gets its n samples in `RequestOutput.choices` (choice 0 also in the
+        output's own text/token_ids/finish_reason/logprobs, as for n=1)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -78,31 +80,35 @@ class LLM:
                 raise
 
         prompt_ids = {rid: self.engine.scheduler.requests[rid].prompt_token_ids for rid in ids}
-        texts = {rid: [] for rid in ids}
-        tokens = {rid: [] for rid in ids}
-        logprobs = {rid: [] for rid in ids}
+        num_samples = {rid: p.n for rid, p in zip(ids, params_list, strict=True)}
+        samples = {(rid, i): _Sample() for rid, n in num_samples.items() for i in range(n)}
         prompt_logprobs: dict[str, list] = {}
+        num_cached: dict[str, int] = {}
         results: dict[str, RequestOutput] = {}
         bar = _progress(len(ids), use_tqdm)
         try:
             while len(results) < len(ids):
                 for d in self.engine.step():
-                    texts[d.request_id].append(d.text)
-                    tokens[d.request_id].extend(d.token_ids)
-                    if d.logprobs is not None:
-                        logprobs[d.request_id].extend(d.logprobs)
+                    samples[d.request_id, d.index].add(d)
                     if d.prompt_logprobs is not None:
                         prompt_logprobs[d.request_id] = d.prompt_logprobs
-                    if d.finished:
+                    if d.index == 0 and d.finished:
+                        num_cached[d.request_id] = d.num_cached_tokens
+                    if d.is_request_finished:
+                        choices = [
+                            samples[d.request_id, i].output(i)
+                            for i in range(num_samples[d.request_id])
+                        ]
                         results[d.request_id] = RequestOutput(
                             request_id=d.request_id,
                             prompt_token_ids=prompt_ids[d.request_id],
-                            text="".join(texts[d.request_id]),
-                            token_ids=tokens[d.request_id],
-                            finish_reason=d.finish_reason,
-                            num_cached_tokens=d.num_cached_tokens,
+                            text=choices[0].text,
+                            token_ids=choices[0].token_ids,
+                            finish_reason=choices[0].finish_reason,
+                            num_cached_tokens=num_cached[d.request_id],
                             prompt_logprobs=prompt_logprobs.get(d.request_id),
-                            logprobs=logprobs[d.request_id] if logprobs[d.request_id] else None,
+                            logprobs=choices[0].logprobs,
+                            choices=choices,
                         )
                         if bar is not None:
                             bar.update(1)
@@ -113,6 +119,33 @@ class LLM:
                 if rid not in results:
                     self.engine.abort_request(rid)
         return [results[rid] for rid in ids]
+
+
+class _Sample:
+    """One sample's deltas, gathered."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+        self.finish_reason: str | None = None
+
+    def add(self, delta) -> None:
+        self.texts.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs.extend(delta.logprobs)
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+
+    def output(self, index: int) -> CompletionOutput:
+        return CompletionOutput(
+            index=index,
+            text="".join(self.texts),
+            token_ids=self.token_ids,
+            finish_reason=self.finish_reason,
+            logprobs=self.logprobs or None,
+        )
 
 
 def _progress(total: int, use_tqdm: bool | None):

@@ -6,6 +6,7 @@ queues. Nothing here knows about asyncio or Kafka.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from pathlib import Path
@@ -23,11 +24,20 @@ from engine.logprobs import PromptLogprobsAccumulator, StepLogprobs
 from engine.model_runner import ModelRunner
 from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, RequestDelta
 from engine.request import Request
-from engine.sampling_params import SamplingParams, derive_seed
+from engine.sampling_params import SamplingParams, derive_seed, sample_seed
 from engine.scheduler import Scheduler
 from engine.step_cost import calibrate_on
 
 log = structlog.get_logger(__name__)
+
+# Sample i > 0 of request R runs in the scheduler as R + this + i (sample 0 is R itself, so an
+# n=1 request is unchanged). A control character: no id a client means to send contains it.
+SAMPLE_ID_SEPARATOR = "\x1f"
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    return request_id if index == 0 else f"{request_id}{SAMPLE_ID_SEPARATOR}{index}"
+
 
 def _eos_token_ids(model_path: Path, hf_config, tokenizer) -> set[int]:
     ids: set[int] = set()
@@ -68,6 +78,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.runner.num_kv_blocks)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._prompt_logprobs: dict[str, PromptLogprobsAccumulator] = {}
+        # request id -> ids of its unfinished samples, for requests with n > 1 only.
+        self._samples: dict[str, list[str]] = {}
         self._num_arrivals = 0
         self._grammars = None  # engine/structured's GrammarCache, made on first use
         # Libraries imported lazily while loading leave exception/traceback cycles whose frames
@@ -115,9 +127,11 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
     ) -> None:
-        """Queue a request. Raises ValueError (with a message a user can act on) for an empty
-        or too long prompt, a request that could never fit in the KV cache, or a duplicate id."""
-        if request_id in self.scheduler.requests:
+        """Queue a request (its `params.n` samples). Raises ValueError (with a message a user can
+        act on) for an empty or too long prompt, a request that could never fit in the KV
+        cache, or a duplicate id; nothing is queued then."""
+        sample_ids = [sample_request_id(request_id, i) for i in range(params.n)]
+        if any(i in self.scheduler.requests or i in self._samples for i in sample_ids):
             raise ValueError(f"request id {request_id!r} is already in the engine")
         prompt_ids = self.encode_prompt(prompt)
         if len(prompt_ids) >= self.max_model_len:
@@ -132,22 +146,42 @@ class LLMEngine:
                 f"prompt + max_tokens needs {need} KV blocks, the cache has {self.runner.num_kv_blocks}; "
                 "lower max_tokens or raise kv_cache_memory_bytes"
             )
+        self._check_logit_bias(params)
+        grammars = [self._matcher(params) for _ in sample_ids]  # may raise: before queueing
         self._num_arrivals += 1
         seed = params.seed
         if seed is None:
             seed = derive_seed(f"engine:{self.config.seed}:{self._num_arrivals}")
-        req = Request(
-            request_id, prompt_ids, params, priority=priority, arrival_index=self._num_arrivals, seed=seed
+        # Prompt logprobs are the prompt's: sample 0 reports them, the others need none (and
+        # so can take the prompt's blocks from the prefix cache).
+        sample_params = (
+            dataclasses.replace(params, prompt_logprobs=None) if params.n > 1 else params
         )
-        self._check_logit_bias(params)
-        if params.structured_output is not None:
-            req.grammar = self._grammar_cache().matcher(params.structured_output)
-        self.scheduler.add_request(req)
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+        leader = None
+        for index, (sample_id, grammar) in enumerate(zip(sample_ids, grammars, strict=True)):
+            req = Request(
+                sample_id, prompt_ids, params if index == 0 else sample_params,
+                priority=priority, arrival_index=self._num_arrivals,
+                seed=sample_seed(seed, index), group_id=request_id, sample_index=index,
+            )  # fmt: skip
+            req.grammar = grammar
+            self.scheduler.add_request(req, leader)
+            leader = leader or req
+            self._detokenizers[sample_id] = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params
+            )
+        if params.n > 1:
+            self._samples[request_id] = sample_ids
         if params.prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = PromptLogprobsAccumulator(
                 prompt_ids, params.prompt_logprobs
             )
+
+    def _matcher(self, params: SamplingParams):
+        """A grammar matcher of its own for each sample, or None without structured output."""
+        if params.structured_output is None:
+            return None
+        return self._grammar_cache().matcher(params.structured_output)
 
     def _check_logit_bias(self, params: SamplingParams) -> None:
         if params.logit_bias and params.logit_bias[-1][0] >= self.vocab_size:  # sorted by id
@@ -168,10 +202,17 @@ class LLMEngine:
         return self._grammars
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request wherever it is and free its blocks now. Emits no delta."""
-        self._detokenizers.pop(request_id, None)
+        """Stop a request (all its samples) wherever it is and free its blocks now. Emits no
+        delta."""
         self._prompt_logprobs.pop(request_id, None)
-        return self.scheduler.finish_request(request_id, FINISH_ABORT) is not None
+        is_found = False
+        for sample_id in self._samples.pop(request_id, [request_id]):
+            req = self.scheduler.requests.get(sample_id)
+            if req is None or req.group_id != request_id:
+                continue  # gone, or a sample's internal id: only the caller's id aborts
+            self._detokenizers.pop(sample_id, None)
+            is_found = self.scheduler.finish_request(sample_id, FINISH_ABORT) is not None or is_found
+        return is_found
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -223,7 +264,7 @@ class LLMEngine:
             reason = FINISH_STOP
         finished = reason is not None
         delta = RequestDelta(
-            request_id=req.request_id,
+            request_id=req.group_id,
             text=detok.flush(finished),
             token_ids=[token],
             finished=finished,
@@ -231,16 +272,30 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens or 0,
+            index=req.sample_index,
+            num_samples_running=self._num_other_samples(req, finished),
         )
         if logprobs is not None and logprobs.sample is not None:
             delta.logprobs = [self._decoded(logprobs.sample)]
-        accumulator = self._prompt_logprobs.pop(req.request_id, None)
+        accumulator = self._prompt_logprobs.pop(req.request_id, None)  # sample 0's id
         if accumulator is not None:  # the first delta carries the whole prompt's
             delta.prompt_logprobs = [e and self._decoded(e) for e in accumulator.entries]
         if finished:
             self.scheduler.finish_request(req.request_id, reason)
             self._detokenizers.pop(req.request_id, None)
         return delta
+
+    def _num_other_samples(self, req: Request, finished: bool) -> int:
+        """Samples of req's request still running besides req (which leaves if `finished`)."""
+        sample_ids = self._samples.get(req.group_id)
+        if sample_ids is None:
+            return 0
+        if finished:
+            sample_ids.remove(req.request_id)
+            if not sample_ids:
+                del self._samples[req.group_id]
+            return len(sample_ids)
+        return len(sample_ids) - 1
 
     def _decoded(self, entry: dict) -> dict:
         if self.tokenizer is not None:

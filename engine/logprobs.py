@@ -140,7 +140,8 @@ def prompt_logprobs_for_step(
     for request in ordered:
         num_rows = len(request.token_ids)
         if request.params.prompt_logprobs is not None and request.num_output_tokens == 0:
-            logits = model.compute_logits(hidden[row : row + num_rows])
+            # On the CPU: the scoring below builds CPU index tensors (a GPU runner's hidden too).
+            logits = model.compute_logits(hidden[row : row + num_rows]).cpu()
             out[request.request_id] = StepLogprobs(
                 prompt_chunk=prompt_chunk_logprobs(
                     logits, request.token_ids, request.start_position,

@@ -32,6 +32,7 @@ from transformers import AutoConfig
 from engine import openmp
 from engine.compile import CompiledModel
 from engine.config import EngineConfig
+from engine.kernels.cpu import decode_step
 from engine.kernels.cpu.linear_choice import choose_linear_kernels
 from engine.kernels.cpu.paged_attention import compiler
 from engine.kv_cache_manager import cdiv
@@ -176,6 +177,11 @@ class ModelRunner:
         if not self.is_compiled and self.kv_cache.device.type == "cpu":
             self.pointwise_ops = use_cpu_ops(self.model, config.fused_ops)
         self._forward = self.model
+        self.fused_decode = None  # why the fused decode step does not apply; None when it does
+        if self.pointwise_ops is not None:
+            self._forward, self.fused_decode = decode_step.resolve(
+                self.model, config.fused_decode, self.kv_cache.dtype, self.max_model_len
+            )
         if self.is_compiled:
             self._forward = CompiledModel(self.model, backend, self._layer_caches)
             self._warm_up()
@@ -187,6 +193,7 @@ class ModelRunner:
             kv_cache_bytes=self.kv_cache_bytes, attention_backend=backend.name,
             linear_kernels=self.linear_kernels, compiled=self.is_compiled,
             pointwise_ops=self.pointwise_ops,
+            fused_decode=self.fused_decode or "on",
             cpu=cpu_info().model_name,
             cpu_isa=cpu_info().vector_isa,
         )  # fmt: skip
@@ -344,18 +351,30 @@ class ModelRunner:
         return step
 
     def _run(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
+        """schedule's output -> (requests that sample, their logits on the CPU); the prompt
+        logprob chunks of the step into `step_logprobs`. Device runners override only
+        `_prepare`, `_forward_batch` and `_logits` (copies, graph replay), not this."""
         self.sampler.drop(out.finished_request_ids)
         self.step_logprobs: dict[str, StepLogprobs] = {}
         if not out.scheduled:
             return [], None
         batch = self._prepare(out.scheduled)
-        # [num_tokens, hidden]
-        hidden = self._forward(batch.input_ids, batch.positions, batch.meta)
+        hidden = self._forward_batch(batch)  # [num_tokens, hidden]
         self.step_logprobs = prompt_logprobs_for_step(self.model, hidden, out.scheduled)
         if not batch.sample_requests:
             return [], None
-        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
-        return batch.sample_requests, logits
+        return batch.sample_requests, self._logits(hidden, batch)
+
+    def _forward_batch(self, batch: StepBatch) -> torch.Tensor:
+        return self._forward(batch.input_ids, batch.positions, batch.meta)
+
+    def _logits(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """[num_samples, vocab] for the batch's sampling rows (the fused step's own logits where
+        it computed them)."""
+        logits_for = getattr(self._forward, "logits_for", None)
+        if logits_for is not None:
+            return logits_for(hidden, batch.sample_rows)
+        return self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         for request in scheduled:

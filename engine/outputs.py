@@ -28,6 +28,20 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     # With SamplingParams.logprobs: one entry per generated token.
     logprobs: list[PositionLogprobs] | None = None
+    # All n samples (SamplingParams.n), by index; the fields above repeat choice 0's, so an
+    # n=1 caller reads the output as before.
+    choices: list[CompletionOutput] = field(default_factory=list)
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request (OpenAI's "choice")."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[PositionLogprobs] | None = None
 
 
 @dataclass
@@ -36,6 +50,8 @@ class RequestDelta:
 
     Deltas of a request concatenate to its final text; `text` never ends inside a character and
     never contains (part of) a stop string. The last delta has `finished=True` and a finish reason.
+    With SamplingParams.n > 1 each sample (`index`) streams its own deltas under the request's
+    id, with its own last delta; the request is done at the delta with `is_request_finished`.
     """
 
     request_id: str
@@ -48,6 +64,13 @@ class RequestDelta:
     num_cached_tokens: int = 0
     logprobs: list[PositionLogprobs] | None = None  # one per token of this delta, if asked
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # on the first delta only
+    index: int = 0  # the sample (choice) this delta belongs to
+    num_samples_running: int = 0  # other samples of the request still generating after this
+
+    @property
+    def is_request_finished(self) -> bool:
+        """This delta ends the request: its sample finished and no other sample is running."""
+        return self.finished and self.num_samples_running == 0
 
 
 @dataclass

@@ -36,6 +36,8 @@ class Request:
         "status",
         "finish_reason",
         "grammar",
+        "group_id",
+        "sample_index",
     )
 
     def __init__(
@@ -47,8 +49,14 @@ class Request:
         priority: int = 0,
         arrival_index: int = 0,
         seed: int = 0,
+        group_id: str | None = None,
+        sample_index: int = 0,
     ) -> None:
         self.request_id = request_id
+        # With SamplingParams.n > 1 each sample is a Request of its own: `group_id` is the
+        # caller's request id (shared by the samples), `sample_index` the choice it answers.
+        self.group_id = request_id if group_id is None else group_id
+        self.sample_index = sample_index
         self.params = params
         self.priority = priority  # lower = more urgent
         self.arrival_index = arrival_index  # tie-breaker: earlier first

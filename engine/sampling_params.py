@@ -14,7 +14,15 @@ MAX_ABS_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_REPETITION_PENALTY = 10.0  # HF takes any positive value; beyond 10 it only ever bans tokens
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# Samples per request (OpenAI's `n`): each is a sequence of its own, so n multiplies a
+# request's decode work and its private KV blocks (the prompt's full blocks are shared).
+MAX_NUM_SAMPLES = 16
 STRUCTURED_OUTPUT_TYPES = ("json_object", "json_schema", "regex", "choice")
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded with `seed` (sample 0: the seed itself)."""
+    return (seed + index) % 2**63
 
 
 def derive_seed(key: str) -> int:
@@ -52,6 +60,11 @@ class StructuredOutput:
             raise ValueError(
                 f"{self.type} needs its {'schema' if self.type == 'json_schema' else 'pattern'} as a non-empty string"
             )
+        texts = self.spec if self.type == "choice" else (self.spec,)
+        if self.type in ("regex", "choice") and any(_has_surrogate(t) for t in texts):
+            raise ValueError(
+                f"{self.type} contains a UTF-16 surrogate code point (U+D800-U+DFFF), not text"
+            )
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,9 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k 0 (or -1) means no top-k cut. A request without a seed is
     seeded by the engine, so every request has its own reproducible random stream, independent
-    of what else shares the batch.
+    of what else shares the batch. `n` > 1 asks for n samples of one prompt: sample i draws
+    from its own stream seeded with (seed + i) mod 2**63, so sample 0 of an n-sample request
+    is the n=1 request's completion.
     """
 
     max_tokens: int = 16
@@ -86,6 +101,7 @@ class SamplingParams:
     # token id -> bias added to its logit (before temperature); a dict is frozen to sorted pairs.
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     structured_output: StructuredOutput | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen to tuples.
@@ -124,6 +140,11 @@ class SamplingParams:
                 or not 0 <= value <= MAX_LOGPROBS
             ):  # fmt: skip
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if (
+            isinstance(self.n, bool) or not isinstance(self.n, int)
+            or not 1 <= self.n <= MAX_NUM_SAMPLES
+        ):  # fmt: skip
+            raise ValueError(f"n must be an integer in [1, {MAX_NUM_SAMPLES}], got {self.n!r}")
         self._check_penalties()
         self._freeze_logit_bias()
         if self.structured_output is not None and not isinstance(
@@ -187,6 +208,11 @@ class SamplingParams:
     @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
+
+
+def _has_surrogate(text: str) -> bool:
+    """A lone surrogate in a str (a JSON "\\ud800" decodes to one): not encodable as UTF-8."""
+    return any("\ud800" <= c <= "\udfff" for c in text)
 
 
 def _is_real(value) -> bool:

@@ -20,6 +20,15 @@ after every step) turns it into tokens per chunk, so a long prefill is split int
 fit and a critical request's first token is never more than about one target away. Urgent
 waiting work is then admitted before less urgent running work takes the rest of the step.
 With only normal and low work the token budget alone applies, as before.
+
+Samples of one prompt (SamplingParams.n > 1) are requests of their own that share the prompt's
+KV blocks through the prefix cache: the first sample (the leader) is queued as any request,
+the others are held out of the queue until the leader's prompt is computed (its full blocks
+are then in the cache), so the prompt is computed once and each further sample computes only
+its last, partial block before it decodes on its own. Holding is the whole mechanism: forking
+block tables at the end of prefill would also need n first tokens drawn from one logits row.
+Without prefix caching, or with a prompt shorter than a block, nothing could be shared, so
+nothing is held.
 """
 
 from __future__ import annotations
@@ -74,6 +83,8 @@ class Scheduler:
             tuple[tuple[int, int], str]
         ] = []  # heap of (sort_key, id); lazy deletion
         self._finished_ids: list[str] = []
+        # leader id -> samples held until the leader's prompt is computed (not in _waiting).
+        self._held: dict[str, list[Request]] = {}
         # Set when steps are sized by urgency; the engine replaces it with a calibrated one.
         self.cost_model: StepCostModel | None = (
             StepCostModel() if config.step_time_target_ms is not None else None
@@ -87,13 +98,35 @@ class Scheduler:
         self.num_tokens_reused = 0  # tokens served from the prefix cache, resumes included
 
     # -- queue management ----------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, leader: Request | None = None) -> None:
+        """Queue `req`; a further sample of `leader`'s prompt waits (held) until the leader's
+        prompt is computed, so that it finds the prompt's full blocks in the prefix cache."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in the engine")
         self.requests[req.request_id] = req
         self._num_urgent += self._is_urgent(req)
         req.status = RequestStatus.WAITING
+        if leader is not None and self._can_share_prompt(leader):
+            self._held.setdefault(leader.request_id, []).append(req)
+            return
         heapq.heappush(self._waiting, (req.sort_key, req.request_id))
+
+    def _can_share_prompt(self, leader: Request) -> bool:
+        """Holding pays when the leader's prompt is still to compute and has a full block to
+        share (the last token is always computed, so a prefix hit needs block_size + 1)."""
+        return (
+            self.kv.enable_caching
+            and leader.num_prompt_tokens > self.config.block_size
+            and not _has_computed_prompt(leader)
+        )
+
+    @property
+    def num_held(self) -> int:
+        return sum(len(held) for held in self._held.values())
+
+    def _release_held(self, leader_id: str) -> None:
+        for req in self._held.pop(leader_id, ()):
+            heapq.heappush(self._waiting, (req.sort_key, req.request_id))
 
     @property
     def num_waiting(self) -> int:
@@ -110,6 +143,10 @@ class Scheduler:
         self._num_urgent -= self._is_urgent(req)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        held = self._held.get(req.group_id, ())
+        if req in held:  # a held sample leaves before it was ever queued
+            held.remove(req)
+        self._release_held(request_id)  # a leader that leaves (even unfinished) holds no one
         # A waiting entry stays in the heap and is skipped when popped.
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -299,8 +336,15 @@ class Scheduler:
                 continue  # finished or preempted while the step ran
             req.num_computed_tokens += len(s.token_ids)
             self.kv.cache_computed_blocks(req)
+            if self._held and _has_computed_prompt(req):
+                self._release_held(req.request_id)
             token = sampled.get(s.request_id)
             if s.needs_sample and token is not None:
                 req.append_token(token)
                 updated.append(req)
         return updated
+
+
+def _has_computed_prompt(req: Request) -> bool:
+    """The request's prompt has been computed once (its full blocks were offered to the cache)."""
+    return req.num_output_tokens > 0 or req.num_computed_tokens >= req.num_prompt_tokens

@@ -157,7 +157,9 @@ def _child(impl: str, spec: dict, q) -> None:
         try:  # one workload that fails (a peer's server refusing 64 slots) keeps the others
             if impl == "engine":
                 options = {"compile": spec["compile"], "quantization": spec["quantization"],
-                           "fused_ops": spec.get("fused_ops", "auto")}  # fmt: skip
+                           "fused_ops": spec.get("fused_ops", "auto"),
+                           "fused_decode": spec.get("fused_decode", "auto"),
+                           "linear_kernel": spec.get("linear_kernel", "auto")}  # fmt: skip
                 results[name] = run_engine(spec["model"], spec["dtype"], prompts, lengths,
                                            **options)  # fmt: skip
             elif impl == "hf":
@@ -223,6 +225,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fused-ops", default="auto", help="engine CPU elementwise ops: auto|on|off"
     )
+    parser.add_argument(
+        "--fused-decode", default="auto",
+        help="engine fused decode step: auto|on|off, or a comma list to alternate (e.g. on,off)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--linear-kernel", default="auto", help="engine bf16 linears: auto|plain|packed|gemv"
+    )
     parser.add_argument("--llama-server", default=None, help=f"llama-server binary ({ENV_VAR})")
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF for llama.cpp")
     parser.add_argument("--profile", action="store_true", help="profile decode steps instead")
@@ -246,7 +255,8 @@ def run(args) -> int:
         names = tuple(w for w in args.workloads.split(",") if w in ("W1", "W2"))
         return profile(args.model, args.dtypes.split(",")[0], args.quantization,
                        names or ("W1", "W2"), args.compile, args.out,
-                       fused_ops=args.fused_ops)  # fmt: skip
+                       fused_ops=args.fused_ops,
+                       fused_decode=args.fused_decode.split(",")[0])  # fmt: skip
     model_path = str(resolve_model(args.model))
     peers = [p for p in args.compare.split(",") if p]
     unknown = set(peers) - {"hf", *LLAMACPP_PEERS}
@@ -267,18 +277,26 @@ def run(args) -> int:
         spec = {"model": args.model, "model_path": model_path, "dtype": dtype,
                 "max_tokens": args.max_tokens, "workloads": names, "compile": args.compile,
                 "quantization": args.quantization, "fused_ops": args.fused_ops,
+                "linear_kernel": args.linear_kernel,
                 "llama_server": str(server), "gguf": str(gguf)}  # fmt: skip
         # llama.cpp runs its own quantised GGUF: one run per round whatever the dtype list.
         first_dtype = dtype == args.dtypes.split(",")[0]
-        impls = ["engine", *(p for p in peers if p not in LLAMACPP_PEERS or first_dtype)]
+        variants = args.fused_decode.split(",")  # engine sides, alternated with the peers
+        impls = [*(f"engine:{v}" for v in variants),
+                 *(p for p in peers if p not in LLAMACPP_PEERS or first_dtype)]  # fmt: skip
         for round_index in range(args.rounds):
-            for impl in impls:
+            for side in impls:
+                impl, _, variant = side.partition(":")
                 key = LLAMACPP_PEERS.get(impl, f"{impl}-{dtype}")
                 if impl == "engine" and args.quantization:
                     key += f"-{args.quantization}"
+                if impl == "engine" and args.linear_kernel != "auto":
+                    key += f"-{args.linear_kernel}"
+                if impl == "engine" and len(variants) > 1:
+                    key += f"-fused-{variant}"
                 print(f"[bench] round {round_index + 1}: {key} ...", file=sys.stderr, flush=True)
                 try:
-                    result = measure(impl, spec)
+                    result = measure(impl, {**spec, "fused_decode": variant or "auto"})
                 except RuntimeError as error:  # a child that died: the other runs stand
                     print(f"[bench] {key} failed: {error}", file=sys.stderr, flush=True)
                     doc.setdefault("errors", []).append(f"round {round_index + 1} {key}: {error}")

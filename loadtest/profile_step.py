@@ -24,7 +24,7 @@ from collections import defaultdict
 
 NUM_STEPS = {"W1": 32, "W2": 8}
 SECTIONS = ("schedule", "prepare", "forward", "logits", "sampler", "update", "postprocess")
-KERNEL_LABELS = ("mini_infer::linear", "mini_infer::attention")
+KERNEL_LABELS = ("mini_infer::linear", "mini_infer::attention", "mini_infer::fused")
 
 
 class _Timed:
@@ -78,6 +78,19 @@ def _label_kernels(eng, totals: dict[str, float]) -> None:
             module.forward = wrap(module.forward, "gemm", "mini_infer::linear")
     backend = eng.runner.attention
     backend.forward = wrap(backend.forward, "attention", "mini_infer::attention")
+    fused = getattr(eng.runner._forward, "fused", None)
+    if fused is not None:  # the fused decode step: its one C++ call is all of the layers' kernels
+        fused.plan = _TimedPlan(fused.plan, wrap(fused.plan.run, "fused_step", "mini_infer::fused"))
+
+
+class _TimedPlan:
+    """A fused decode plan whose run is timed (the C++ object's attributes cannot be replaced)."""
+
+    def __init__(self, plan, run):
+        self.plan, self.run = plan, run
+
+    def stats(self):
+        return self.plan.stats()
 
 
 def _start(eng, num_requests: int, prompts: list[list[int]], max_tokens: int) -> None:
@@ -142,15 +155,16 @@ def profile_workload(eng, totals: dict, prompts, num_requests: int, num_steps: i
         start = time.perf_counter()
         eng.step()
         step_times.append(time.perf_counter() - start)
-    wall = {k: totals[k] / num_steps * 1000 for k in (*SECTIONS, "gemm", "attention")}
+    wall = {k: totals[k] / num_steps * 1000 for k in (*SECTIONS, "gemm", "attention", "fused_step")}
     ops = _operator_split(eng, num_steps)
     for request_id in [r.request_id for r in list(eng.scheduler.running)]:
         eng.abort_request(request_id)
     step_ms = sum(step_times) / num_steps * 1000
     # Pass 2 runs on another (profiled, perhaps busier) machine: it only splits pass 1's
     # remainder of the forward between operators and Python.
-    remainder = wall["forward"] - wall["gemm"] - wall["attention"]
+    remainder = wall["forward"] - wall["gemm"] - wall["attention"] - wall["fused_step"]
     inside = {"gemm": wall["gemm"], "attention": wall["attention"],
+              "fused_step": wall["fused_step"],
               "other_ops": remainder * ops["other_ops_share"]}  # fmt: skip
     outside = {k: wall[k] for k in SECTIONS if k != "forward"}
     outside["rest_of_step"] = step_ms - sum(wall[k] for k in SECTIONS)
@@ -159,7 +173,8 @@ def profile_workload(eng, totals: dict, prompts, num_requests: int, num_steps: i
         "python_in_forward": wall["forward"] - sum(inside.values()),
         **{f"outside:{k}": v for k, v in outside.items()},
     }
-    kernels_ms = wall["gemm"] + wall["attention"] + wall["logits"]
+    # (the fused decode step's one call counts whole: its kernels and the barrier waits between)
+    kernels_ms = wall["gemm"] + wall["attention"] + wall["fused_step"] + wall["logits"]
     return {
         "step_ms": round(step_ms, 2),
         "step_ms_median": round(statistics.median(step_times) * 1000, 2),
@@ -171,6 +186,12 @@ def profile_workload(eng, totals: dict, prompts, num_requests: int, num_steps: i
     }
 
 
+def _plan_stats(eng) -> dict | None:
+    """The fused decode plan's counters (steps, steps on one thread, barrier waits that slept)."""
+    fused = getattr(eng.runner._forward, "fused", None)
+    return None if fused is None else dict(fused.plan.stats())
+
+
 def profile(
     model: str,
     dtype: str,
@@ -179,6 +200,7 @@ def profile(
     compile_mode: str = "auto",
     out=None,
     fused_ops: str = "auto",
+    fused_decode: str = "auto",
 ) -> int:
     import os
 
@@ -190,7 +212,8 @@ def profile(
     from loadtest.workloads import workloads as all_workloads
 
     eng = LLMEngine(model, dtype=dtype, quantization=quantization, compile=compile_mode,
-                    max_num_seqs=64, fused_ops=fused_ops)  # fmt: skip
+                    max_num_seqs=64, fused_ops=fused_ops,
+                    fused_decode=fused_decode)  # fmt: skip
     totals: dict[str, float] = defaultdict(float)
     _instrument(eng, totals)
     _label_kernels(eng, totals)
@@ -201,10 +224,13 @@ def profile(
         results[name] = profile_workload(eng, totals, prompts, num_requests, NUM_STEPS.get(name, 8))
     doc = {"model": model, "dtype": dtype, "quantization": quantization, "compile": compile_mode,
            "fused_ops": fused_ops, "pointwise_ops": eng.runner.pointwise_ops,
+           "fused_decode": eng.runner.fused_decode or "on",
+           "fused_decode_stats": _plan_stats(eng),
            "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
            "results": results}  # fmt: skip
     print(f"\nper decode step, ms ({dtype}, quantization {quantization}, fused ops {fused_ops}, "
-          f"wall clock; load average {os.getloadavg()[0]:.1f})")  # fmt: skip
+          f"fused decode {doc['fused_decode']}, wall clock; "
+          f"load average {os.getloadavg()[0]:.1f})")  # fmt: skip
     print(f"{'part':28} " + " ".join(f"{w:>9}" for w in results))
     rows = [("step (mean)", "step_ms"), ("  forward", "forward_ms"), ("operators", "ops_per_step")]
     for label, key in rows:
@@ -213,7 +239,7 @@ def profile(
         cells = " ".join(f"{r['breakdown_ms'][key]:9.2f}" for r in results.values())
         print(f"  {key:26} {cells}")
     cells = " ".join(f"{r['outside_kernels_ms']:9.2f}" for r in results.values())
-    print(f"{'outside kernels':28} {cells}   (step - linears - attention - lm_head)")
+    print(f"{'outside kernels':28} {cells}   (step - linears - attention - fused step - lm_head)")
     print(json.dumps(doc, indent=2))
     if out:
         out.write_text(json.dumps(doc, indent=2))

@@ -10,7 +10,7 @@ from __future__ import annotations
 SCHEMA_VERSION = 1
 # Additions within v1 that old readers ignore: 1 = `logprobs` (request and token replies) and
 # the latency split of `timing`; 2 = the reply `nonce`, penalties, `min_p`, `logit_bias`,
-# `top_logprobs`, `stop` as one string, `response_format` (structured output).
+# `top_logprobs`, `stop` as one string, `response_format` (structured output), `n` (choices).
 SCHEMA_MINOR_VERSION = 2
 # v1.2 additions of urgency lanes (request_topic_for): only topic names, no field, so readers of
 # any minor version agree on them.
@@ -77,6 +77,7 @@ MAX_STOP_STRINGS = 16
 MAX_CHAT_MESSAGES = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20  # top-k alternatives per position (the engine has the same default bound)
+MAX_N = 16  # v1.2: samples (choices) per request (the engine's MAX_NUM_SAMPLES)
 MAX_TOKEN_ID = 2**31 - 1
 # v1.2 sampling fields, OpenAI's ranges (the engine checks the same bounds).
 MAX_ABS_PENALTY = 2.0  # presence_penalty, frequency_penalty

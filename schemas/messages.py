@@ -32,6 +32,7 @@ from schemas.contract import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_MODEL_NAME_CHARS,
+    MAX_N,
     MAX_NONCE_CHARS,
     MAX_REGEX_CHARS,
     MAX_REPETITION_PENALTY,
@@ -183,6 +184,8 @@ class Request(WireModel):
     # v1.2 structured output: OpenAI's `text` / `json_object` / `json_schema`, plus `regex`
     # and `choice`. A schema that does not compile is an `invalid_request` final.
     response_format: ResponseFormat | None = None
+    # v1.2: OpenAI's `n`: that many samples (choices) of the prompt, sample i seeded seed + i.
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = True
     deadline_ms: int | None = Field(
         default=None, ge=0, le=MAX_DEADLINE_MS, description="absolute Unix epoch ms"
@@ -289,6 +292,17 @@ class TokenReply(_Reply):
     token_ids: list[int] = []
     # v1.1: one entry per token of `token_ids` when the request asked for `logprobs`.
     logprobs: list[TokenLogprob] | None = None
+    # v1.2: the choice these tokens belong to; sent only for a request with n > 1 (absent: 0).
+    index: int | None = Field(default=None, ge=0, lt=MAX_N)
+
+
+class Choice(WireModel):
+    """v1.2: one sample of a request with n > 1, in its final."""
+
+    index: int = Field(ge=0, lt=MAX_N)
+    text: str
+    finish_reason: FinishReason
+    completion_tokens: int = Field(default=0, ge=0)
 
 
 class FinalReply(_Reply):
@@ -300,6 +314,9 @@ class FinalReply(_Reply):
     usage: Usage
     timing: Timing
     error: ErrorInfo | None = None
+    # v1.2: for a request with n > 1, every choice by index (`text` and `finish_reason` above
+    # then repeat choice 0's, or say why the request ended early); absent when n is 1.
+    choices: list[Choice] | None = Field(default=None, max_length=MAX_N)
 
     @model_validator(mode="after")
     def _error_iff_error_reason(self) -> FinalReply:

@@ -10,6 +10,7 @@ import torch
 import xgrammar
 
 from engine.sampling_params import StructuredOutput
+from engine.structured.surrogates import exclude_surrogates
 
 # Compiled grammars kept per engine: a JSON schema compiles in about 0.1-0.2 s, a cache hit is
 # a dict lookup. Pipelines send a handful of schemas many times, so a small LRU is plenty.
@@ -95,11 +96,12 @@ class GrammarCache:
                 if not isinstance(json.loads(spec), dict):
                     raise ValueError("the schema must be a JSON object")
                 return self._compile_json_schema(spec)
-            if kind == "regex":
-                return self._compiler.compile_regex(spec)
+            if kind == "regex":  # through its EBNF, to keep surrogates out of its classes
+                ebnf = str(xgrammar.Grammar.from_regex(spec))
+                return self._compiler.compile_grammar(exclude_surrogates(ebnf))
             # choice: one EBNF rule of string literals; JSON string escapes are EBNF's.
             alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec)
-            return self._compiler.compile_grammar(f"root ::= {alternatives}")
+            return self._compiler.compile_grammar(exclude_surrogates(f"root ::= {alternatives}"))
         except (RuntimeError, ValueError, TypeError) as error:
             raise ValueError(
                 f"invalid {kind} for structured output: {_first_line(error)}"

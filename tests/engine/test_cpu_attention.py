@@ -418,7 +418,7 @@ def test_prebuild_compiles_every_instruction_set(monkeypatch):
     """The image's build stage compiles for every CPU the image may meet, not its own; a
     failed build fails it. On a machine (`make install`), a kernel that cannot build is not an
     error: it has a fallback."""
-    from engine.kernels.cpu import bf16_gemm, fused_ops, prebuild, quant_gemm
+    from engine.kernels.cpu import bf16_gemm, decode_step, fused_ops, prebuild, quant_gemm
 
     asked = {"paged_attention": [], "fused_ops": []}
     for kernel in (paged_attention, fused_ops):
@@ -427,14 +427,16 @@ def test_prebuild_compiles_every_instruction_set(monkeypatch):
             kernel, "build", lambda isa, name=name: asked[name].append(isa) or object()
         )
     monkeypatch.setattr(bf16_gemm, "build", lambda: object())
+    monkeypatch.setattr(decode_step, "build", lambda: object())
     monkeypatch.setattr(quant_gemm, "build", lambda: None)  # this one fails
     built = prebuild.prebuild_all()
     assert sorted(asked["paged_attention"]) == ["avx2", "avx512", "portable"]
     assert sorted(asked["fused_ops"]) == ["avx2", "avx512", "portable"]
     assert built["quant_gemm"] is False and built["bf16_gemm"] is True
+    assert built["decode_step"] is True
     monkeypatch.setattr("sys.argv", ["prebuild"])
     assert prebuild.main() == 1
-    for kernel in (paged_attention, fused_ops, bf16_gemm):
+    for kernel in (paged_attention, fused_ops, bf16_gemm, decode_step):
         monkeypatch.setattr(kernel, "load", lambda: object())
     monkeypatch.setattr(quant_gemm, "load", lambda: None)
     monkeypatch.setattr("sys.argv", ["prebuild", "--this-machine"])

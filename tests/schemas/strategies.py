@@ -9,6 +9,7 @@ from schemas.messages import (
     FINISH_REASONS,
     Cancel,
     ChatMessage,
+    Choice,
     ErrorInfo,
     FinalReply,
     Request,
@@ -95,6 +96,7 @@ def v1_2_sampling() -> st.SearchStrategy[dict]:
             ),
             "top_logprobs": st.integers(0, 20),
             "response_format": response_formats,
+            "n": st.integers(1, 16),
         },
     )
 
@@ -106,6 +108,16 @@ token_replies = st.builds(
     seq=st.integers(0, 2**32),
     text=st.text(max_size=30),
     token_ids=st.lists(st.integers(0, 2**31), max_size=8),
+    index=st.none() | st.integers(0, 15),
+)
+
+
+choices = st.builds(
+    Choice,
+    index=st.integers(0, 15),
+    text=st.text(max_size=30),
+    finish_reason=st.sampled_from(FINISH_REASONS),
+    completion_tokens=st.integers(0, 10**6),
 )
 
 
@@ -128,6 +140,7 @@ def final_replies(draw: st.DrawFn) -> FinalReply:
         ),
         timing=Timing(queued_ms=draw(ms), ttft_ms=draw(st.none() | ms), total_ms=draw(ms)),
         error=error,
+        choices=draw(st.none() | st.lists(choices, min_size=1, max_size=16)),
     )
 
 

@@ -55,7 +55,7 @@ def test_minimal_request_gets_defaults() -> None:
 
 
 def test_unknown_fields_are_ignored() -> None:
-    request = decode_request(packed(n=3, best_of=2, future={"nested": [1, 2]}))
+    request = decode_request(packed(best_of=2, echo=True, future={"nested": [1, 2]}))
     assert request == decode_request(packed())
 
 

@@ -65,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument(
+        "--n", type=int, default=None,
+        help="samples of the prompt (choice i seeded seed + i); more than 1 prints each at the "
+        "end, after a '[choice i]' line",
+    )  # fmt: skip
+    parser.add_argument(
         "--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)"
     )
     parser.add_argument(
@@ -142,6 +147,7 @@ def request_fields(args: argparse.Namespace) -> dict[str, Any]:
         "top_p": args.top_p,
         "top_k": args.top_k,
         "seed": args.seed,
+        "n": args.n,
         "stop": args.stop,
         "request_id": args.request_id,
     }
@@ -158,6 +164,14 @@ async def _answer(
     client: MiniInferClient, args: argparse.Namespace, out: TextIO, err: TextIO
 ) -> FinalReply:
     options = {**request_fields(args), "urgency": args.urgency, "timeout_s": args.timeout_s}
+    if (args.n or 1) > 1:  # choices would interleave on the terminal: each whole, in turn
+        final = None
+        async for delta in client.stream(**{**options, "stream": False}):
+            final = delta.final or final
+        for choice in final.choices or ():
+            out.write(f"[choice {choice.index}]\n{choice.text}\n")
+        out.flush()
+        return final
     if args.no_stream:
         options["stream"] = False
     final = None

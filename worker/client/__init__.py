@@ -8,6 +8,7 @@ distribution (`pip install mini-infer`, see the README's "Packaging").
 
 from worker.client.assembler import Delta, ReplyAssembler
 from worker.client.client import (
+    ChoiceResult,
     ClientError,
     ClientOptions,
     GenerateResult,
@@ -18,6 +19,7 @@ from worker.client.client import (
 from worker.client.sync_client import SyncMiniInferClient
 
 __all__ = [
+    "ChoiceResult",
     "ClientError",
     "ClientOptions",
     "Delta",

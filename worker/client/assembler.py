@@ -11,7 +11,8 @@ streams some messages and dies, attempt B starts again from seq 0. The client ru
 - The first final wins: its text is authoritative, whatever was streamed. Later replies drop.
 
 Invariant (tested): applying the deltas in order (append `text`, or replace everything with it
-when `is_restart`) gives exactly the winning final's `text`.
+when `is_restart`) gives exactly the winning final's `text`. With n > 1 (contract v1.2) the
+same holds per choice: deltas of choice `index` give that choice's text in the final.
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ from schemas.messages import FinalReply, TokenLogprob, TokenReply
 @dataclass
 class Delta:
     """New output for the user. `is_restart`: `text` (and `token_ids`, `logprobs`) replace the
-    whole stream so far. `logprobs`: one entry per token of `token_ids` when the request asked
-    for them (`logprobs` / `top_logprobs`), else None."""
+    whole stream so far (of choice `index`). `logprobs`: one entry per token of `token_ids`
+    when the request asked for them (`logprobs` / `top_logprobs`), else None. `index`: the
+    choice (0 unless the request asked for n > 1)."""
 
     text: str
     token_ids: list[int] = field(default_factory=list)
     is_restart: bool = False
     final: FinalReply | None = None
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0
 
 
 @dataclass
@@ -69,14 +72,18 @@ class ReplyAssembler:
 
     @property
     def shown_text(self) -> str:
-        return "".join(m.text for m in self._shown)
+        """Choice 0's text shown so far (the only choice for n=1)."""
+        return self.shown_text_of(0)
+
+    def shown_text_of(self, index: int) -> str:
+        return "".join(m.text for m in self._shown if (m.index or 0) == index)
 
     def feed(self, reply: TokenReply | FinalReply) -> list[Delta]:
         if self.is_done:
             self.num_dropped += 1
             return []
         if isinstance(reply, FinalReply):
-            return [self._finish(reply)]  # even from an abandoned attempt: the first final wins
+            return self._finish(reply)  # even from an abandoned attempt: the first final wins
         if reply.attempt in self._abandoned:
             self.num_dropped += 1
             return []
@@ -93,13 +100,13 @@ class ReplyAssembler:
     def _compare(self, name: str, messages: list[TokenReply]) -> list[Delta]:
         """Another attempt advanced: a duplicate, a takeover, or a divergence."""
         num_common = min(len(messages), len(self._shown))
-        if any(messages[i].text != self._shown[i].text for i in range(num_common)):
+        if any(not _same(messages[i], self._shown[i]) for i in range(num_common)):
+            indexes = sorted({m.index or 0 for m in [*messages, *self._shown]})
             self._abandoned.add(self._followed)
             self._followed = name
             self._shown = list(messages)
             self.num_restarts += 1
-            token_ids = [t for m in messages for t in m.token_ids]
-            return [Delta(self.shown_text, token_ids, True, logprobs=_joined_logprobs(messages))]
+            return [self._restart(index) for index in indexes]
         if len(messages) <= len(self._shown):
             self.num_dropped += 1
             return []
@@ -110,17 +117,40 @@ class ReplyAssembler:
         """`messages` agree with what was shown; show the ones beyond it."""
         new = messages[len(self._shown) :]
         self._shown.extend(new)
-        return [Delta(m.text, list(m.token_ids), logprobs=m.logprobs) for m in new]
+        return [
+            Delta(m.text, list(m.token_ids), logprobs=m.logprobs, index=m.index or 0) for m in new
+        ]
 
-    def _finish(self, final: FinalReply) -> Delta:
+    def _restart(self, index: int) -> Delta:
+        """Choice `index` replaced by what the followed attempt has shown of it."""
+        messages = [m for m in self._shown if (m.index or 0) == index]
+        token_ids = [t for m in messages for t in m.token_ids]
+        return Delta(
+            self.shown_text_of(index), token_ids, True, logprobs=_joined_logprobs(messages),
+            index=index,
+        )  # fmt: skip
+
+    def _finish(self, final: FinalReply) -> list[Delta]:
         """The final's text is authoritative. Token ids of text that only the final carries
-        (a gap in the stream, another attempt) are unknown, so that delta has none."""
+        (a gap in the stream, another attempt) are unknown, so that delta has none. With n > 1
+        each choice gets its delta; the last one carries the final."""
         self.final = final
-        shown_text = self.shown_text
-        if final.text.startswith(shown_text):
-            return Delta(final.text[len(shown_text) :], [], final=final)
-        self.num_restarts += 1
-        return Delta(final.text, [], is_restart=True, final=final)
+        texts = [(c.index, c.text) for c in final.choices] if final.choices else [(0, final.text)]
+        deltas = []
+        for index, text in texts:
+            shown_text = self.shown_text_of(index)
+            if text.startswith(shown_text):
+                deltas.append(Delta(text[len(shown_text) :], [], index=index))
+            else:
+                self.num_restarts += 1
+                deltas.append(Delta(text, [], is_restart=True, index=index))
+        deltas[-1].final = final
+        return deltas
+
+
+def _same(a: TokenReply, b: TokenReply) -> bool:
+    """Two attempts' messages at one seq agree: same choice, same text."""
+    return (a.index or 0) == (b.index or 0) and a.text == b.text
 
 
 def _joined_logprobs(messages: list[TokenReply]) -> list[TokenLogprob] | None:

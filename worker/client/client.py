@@ -109,6 +109,20 @@ class GenerateResult:
     # (the final filled in text that no token reply carried).
     logprobs: list[TokenLogprob] | None = None
     token_ids: list[int] | None = None
+    # Every choice by index (one for n=1, repeating the fields above; n for a request that
+    # asked for n > 1, where the fields above are choice 0's).
+    choices: list[ChoiceResult] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ChoiceResult:
+    """One sample of a request (contract v1.2 `n`); token ids and logprobs as in GenerateResult."""
+
+    index: int
+    text: str
+    finish_reason: str
+    token_ids: list[int] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -421,17 +435,13 @@ class MiniInferClient:
         # Logprobs travel on token replies only: a request that wants them streams.
         kwargs.setdefault("stream", wants_logprobs)
         final = None
-        collected = _Collected()
+        collected: dict[int, _Collected] = {}
         async for delta in self.stream(prompt, **kwargs):
             final = delta.final or final
-            collected.add(delta)
+            collected.setdefault(delta.index, _Collected()).add(delta)
         if final is None:  # unreachable: stream() ends with a final or raises
             raise ClientError("the reply stream ended without a final")
-        return GenerateResult(
-            final.text, final.finish_reason, final.usage, final.timing, final.attempt,
-            logprobs=collected.logprobs if wants_logprobs else None,
-            token_ids=collected.token_ids,
-        )  # fmt: skip
+        return _result(final, collected, wants_logprobs)
 
     async def _cancel_quietly(self, request_id: str) -> None:
         try:
@@ -449,6 +459,23 @@ def partition_of(instance_id: str, num_partitions: int) -> int:
     """A stable, evenly spread partition for an instance id (Python's hash() is salted)."""
     digest = hashlib.sha256(instance_id.encode()).digest()
     return int.from_bytes(digest[:8], "big") % num_partitions
+
+
+def _result(
+    final: FinalReply, collected: dict[int, _Collected], wants_logprobs: bool
+) -> GenerateResult:
+    reasons = [(c.index, c.text, c.finish_reason) for c in final.choices or ()]
+    choices = [
+        ChoiceResult(
+            index, text, reason, collected.get(index, _Collected()).token_ids,
+            collected.get(index, _Collected()).logprobs if wants_logprobs else None,
+        )  # fmt: skip
+        for index, text, reason in reasons or [(0, final.text, final.finish_reason)]
+    ]
+    return GenerateResult(
+        final.text, final.finish_reason, final.usage, final.timing, final.attempt,
+        logprobs=choices[0].logprobs, token_ids=choices[0].token_ids, choices=choices,
+    )  # fmt: skip
 
 
 class _Collected:

@@ -58,7 +58,7 @@ class EngineRequest:
     prompt: str | list[int]
     params: SamplingParams
     priority: int  # lower runs first: the urgency's priority
-    num_prompt_tokens: int  # for the batcher's budget
+    num_prompt_tokens: int  # for the batcher's budget (with n > 1: pipeline.prefill_tokens)
 
 
 @dataclass(frozen=True)
@@ -315,7 +315,7 @@ class EngineBridge:
             if delta.token_ids and delta.request_id in self._added_s:
                 added_s = self._added_s.pop(delta.request_id)
                 first_token_times[delta.request_id] = (max(0.0, started_s - added_s), duration_s)
-            if delta.finished:
+            if delta.is_request_finished:  # with n > 1: its last choice finished
                 self._added_s.pop(delta.request_id, None)
                 state.forget(delta.request_id)
         stats = engine.get_stats() if hasattr(engine, "get_stats") else None

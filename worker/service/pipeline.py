@@ -58,6 +58,13 @@ def _prompt_memory_bound(request) -> int:
     return BYTES_PER_PROMPT_TOKEN * request.num_prompt_chars
 
 
+def prefill_tokens(num_prompt_tokens: int, n: int, block_size: int) -> int:
+    """Tokens the engine computes before every choice of a request has its first token: the
+    prompt once, then for each further choice its last block at most (it takes the prompt's
+    full blocks from the prefix cache). What the batcher's token budget counts."""
+    return num_prompt_tokens + (n - 1) * min(num_prompt_tokens, block_size)
+
+
 def max_prompt_memory(max_prompt_chars: int) -> int:
     """The most a tokenized prompt can cost: at most about one token per character."""
     return BYTES_PER_PROMPT_TOKEN * max_prompt_chars
@@ -84,6 +91,7 @@ class Pipeline:
         self._worker_id = worker_id
         self._tokens_per_message = settings.publisher.tokens_per_message
         self._max_step_tokens = settings.engine.max_num_batched_tokens
+        self._block_size = settings.engine.block_size
         self._num_attempts = 0
         self._jobs = JobRegistry(telemetry)  # until DONE or DROPPED
         # Cancels seen for requests not (yet) here: a cancel can overtake its request.
@@ -154,7 +162,7 @@ class Pipeline:
             self._finish(job, "error", rendered.error)
         elif self._seconds_to_deadline(job) <= 0:
             self._finish(job, "expired")  # never reaches the engine
-        elif self._is_deadline_unreachable(job, len(rendered.token_ids)):
+        elif self._is_deadline_unreachable(job, self._prefill_tokens(job, len(rendered.token_ids))):
             self._telemetry.expired_at_admission.add(1, {"urgency": job.urgency.value})
             self._finish(job, "expired")  # answered now, before it costs compute or KV blocks
         else:
@@ -162,7 +170,8 @@ class Pipeline:
             job.num_prompt_tokens = len(rendered.token_ids)
             prompt_bytes = BYTES_PER_PROMPT_TOKEN * job.num_prompt_tokens
             self._jobs.add_memory(job, prompt_bytes - _prompt_memory_bound(job.request))
-            self.batcher.submit(job, job.urgency, job.deadline_ms, job.num_prompt_tokens)
+            num_tokens = self._prefill_tokens(job, len(rendered.token_ids))
+            self.batcher.submit(job, job.urgency, job.deadline_ms, num_tokens)
             self._arm_deadline(job)
 
     def reject(
@@ -201,6 +210,7 @@ class Pipeline:
             stream=ReplyStream(
                 request_id, attempt, self._tokens_per_message, is_streaming,
                 request.nonce if request is not None else decision.nonce,
+                num_choices=request.n if request is not None else 1,
             ),
             received_s=received_s, record=record, epoch=epoch,
             kafka_wait_s=request_metrics.kafka_wait_s(record),
@@ -218,7 +228,7 @@ class Pipeline:
             try:  # one bad job fails alone; its batch neighbours still go to the engine
                 request = EngineRequest(
                     job.attempt, job.prompt_token_ids, job.params, job.urgency.priority,
-                    job.num_prompt_tokens,
+                    self._prefill_tokens(job, job.num_prompt_tokens),
                 )  # fmt: skip
             except Exception as error:
                 self.fail(job, error)
@@ -228,6 +238,10 @@ class Pipeline:
             requests.append(request)
         if requests:
             self._bridge.submit(requests)
+
+    def _prefill_tokens(self, job: Job, num_prompt_tokens: int) -> int:
+        n = job.params.n if job.params is not None else 1
+        return prefill_tokens(num_prompt_tokens, n, self._block_size)
 
     def _seconds_to_deadline(self, job: Job) -> float:
         deadline_ms = job.deadline_ms
@@ -342,12 +356,18 @@ class Pipeline:
     def _on_delta(self, job: Job, delta: RequestDelta, now_s: float) -> None:
         request_metrics.on_tokens(self._telemetry, job, len(delta.token_ids), now_s)
         job.num_prompt_tokens = delta.num_prompt_tokens or job.num_prompt_tokens
-        job.num_output_tokens = delta.num_output_tokens
         logprobs = _wire_logprobs(delta.token_ids, delta.logprobs, job.params.logprobs)
-        for message in job.stream.add(delta.text, delta.token_ids, logprobs):
+        reason = (delta.finish_reason or "stop") if delta.finished else None
+        messages = job.stream.add(delta.text, delta.token_ids, logprobs, delta.index, reason)
+        # Summed over the choices (OpenAI's usage); for n=1 the engine's count.
+        job.num_output_tokens = (
+            delta.num_output_tokens if job.stream.num_choices == 1
+            else job.stream.num_output_tokens
+        )  # fmt: skip
+        for message in messages:
             self._replies.send(job, message)
-        if delta.finished:
-            self._finish(job, delta.finish_reason or "stop")
+        if delta.is_request_finished:
+            self._finish(job, job.stream.choice_finish_reason(0) or "stop")
 
     def on_rejected(self, request_id: str, message: str, is_prompt_too_long: bool = False) -> None:
         job = self._jobs.get(request_id)
@@ -377,6 +397,7 @@ class Pipeline:
                     self._tokens_per_message,
                     job.stream.is_streaming,
                     job.stream.nonce,
+                    num_choices=job.stream.num_choices,
                 )
                 job.span.set_attribute("mini_infer.restarted_as", attempt)
             job.num_output_tokens = 0

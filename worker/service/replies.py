@@ -87,6 +87,7 @@ def _too_large(final: FinalReply, num_bytes: int, max_bytes: int) -> FinalReply:
         update={
             "finish_reason": "error",
             "text": "",
+            "choices": None,  # v1.2 n > 1: the choices' texts are the bulk too
             "error": ErrorInfo(code=REPLY_TOO_LARGE, message=message),
         }
     )

@@ -149,6 +149,7 @@ def _sampling_params(request: Request) -> SamplingParams:
         min_p=request.min_p,
         logit_bias=request.logit_bias_by_id,
         structured_output=_structured_output(request.response_format),
+        n=request.n,
     )
 
 

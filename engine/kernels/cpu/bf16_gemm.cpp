@@ -377,10 +377,84 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------
+// One linear of a fused decode step (engine/kernels/cpu/decode_step.cpp runs it inside its one
+// parallel region, each thread over its share of the blocks): run_blocks on activations laid
+// out as `activations` lays them out, so the bits are bf16_gemm's.
+
+struct GemvTask {
+  const uint16_t* w;  // packed [num_blocks, num_pairs, 16, 2]
+  std::vector<float> bias;  // fp32 [num_blocks * 16], or empty
+  int64_t in_features, out_features, num_pairs, num_blocks, isa;
+  const uint16_t* x;  // bf16 [rows, in_features], contiguous
+  at::BFloat16* y;    // [rows, out_features], contiguous
+};
+
+void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
+  const GemvTask& t = *static_cast<const GemvTask*>(raw);
+  const int64_t k = t.in_features, num_pairs = t.num_pairs;
+  thread_local std::vector<uint32_t> pairs;  // each thread lays out the few rows itself
+  thread_local std::vector<float> widened;
+  pairs.resize(num_pairs * rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* row = t.x + r * k;
+    for (int64_t e = 0; e < num_pairs; ++e) {
+      const uint32_t low = row[2 * e];
+      const uint32_t high = 2 * e + 1 < k ? row[2 * e + 1] : 0;
+      pairs[e * rows + r] = low | (high << 16);
+    }
+  }
+  if (t.isa != kAvx512Bf16) {
+    widened.resize(num_pairs * rows * 2);
+    for (int64_t i = 0; i < num_pairs * rows; ++i) {
+      widened[2 * i] = bf16_to_float(static_cast<uint16_t>(pairs[i] & 0xffffu));
+      widened[2 * i + 1] = bf16_to_float(static_cast<uint16_t>(pairs[i] >> 16));
+    }
+  }
+  const Problem p{rows, num_pairs, t.out_features, pairs.data(),
+                  t.isa != kAvx512Bf16 ? widened.data() : nullptr, t.w,
+                  t.bias.empty() ? nullptr : t.bias.data(), t.y};
+  run_blocks(p, t.isa, b0, b1);
+}
+
+// (task arguments capsule, number of blocks) for y = x @ W^T (+ b) on the step's x and y
+// buffers (bf16, contiguous).
+py::tuple make_gemv_task(const at::Tensor& x, const at::Tensor& y, const at::Tensor& packed,
+                         const c10::optional<at::Tensor>& bias, int64_t out_features,
+                         int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16 &&
+                  x.is_contiguous() && y.is_contiguous() && x.dim() == 2 && y.dim() == 2 &&
+                  y.size(0) == x.size(0) && y.size(1) == out_features,
+              "bf16_gemm task: x, y must be contiguous bf16 [rows, in], [rows, out]");
+  const int64_t in_features = x.size(1), num_pairs = (in_features + 1) / 2;
+  const int64_t num_blocks = (out_features + kBlock - 1) / kBlock;
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.sizes() == at::IntArrayRef({num_blocks, num_pairs, kBlock, 2}),
+              "bf16_gemm task: the packed weight does not match x and out_features");
+  auto* task = new GemvTask{reinterpret_cast<const uint16_t*>(packed.data_ptr()), {},
+                            in_features, out_features, num_pairs, num_blocks, isa,
+                            reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                            y.data_ptr<at::BFloat16>()};
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bf16_gemm task: bias shape");
+    const at::Tensor b = bias->to(at::kFloat).contiguous();
+    task->bias.assign(num_blocks * kBlock, 0.f);
+    std::memcpy(task->bias.data(), b.data_ptr<float>(), out_features * sizeof(float));
+  }
+  py::capsule args(task, "mini_infer.task_args",
+                   [](void* p) { delete static_cast<GemvTask*>(p); });
+  return py::make_tuple(args, num_blocks);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemm", &bf16_gemm, "y = x @ W^T (+ b), W bf16 packed in pairs along K",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"),
         py::arg("isa"), py::arg("out") = py::none());
+  m.def("gemv_task_fn", [] {
+    return py::capsule(reinterpret_cast<void*>(&gemv_task), "mini_infer.task_fn");
+  });
+  m.def("make_gemv_task", &make_gemv_task, "(task arguments, blocks) for one linear of a fused step");
 }

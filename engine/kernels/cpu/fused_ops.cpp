@@ -247,8 +247,7 @@ void torch_exp(float* v, int64_t n, int64_t vec_count, int64_t lanes) {
 // The span of flat elements each thread of torch's elementwise loop gets (TensorIterator's
 // for_each: serial below GRAIN_SIZE, else at::parallel_for's equal chunks): its vectorised
 // loop restarts at every chunk start, so a chunk boundary inside a row moves where SLEEF stops.
-int64_t torch_chunk(int64_t numel) {
-  const int64_t num_threads = at::get_num_threads();
+int64_t torch_chunk(int64_t numel, int64_t num_threads) {
   if (numel < kGrainElements || num_threads == 1) return std::max<int64_t>(numel, 1);
   const int64_t used = std::min<int64_t>(num_threads, (numel + kGrainElements - 1) / kGrainElements);
   return (numel + used - 1) / used;
@@ -256,11 +255,11 @@ int64_t torch_chunk(int64_t numel) {
 
 template <typename scalar_t>
 void silu_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t n,
-                   int64_t in_stride, int64_t lanes) {
+                   int64_t in_stride, int64_t lanes, int64_t num_threads) {
   // torch's vectorized_loop takes 2 Vectorized<scalar_t> per iteration; a Vectorized of a
   // 2-byte type holds twice the float lanes.
   const int64_t step = 2 * lanes * (sizeof(scalar_t) == 2 ? 2 : 1);
-  const int64_t chunk = torch_chunk(rows * n);
+  const int64_t chunk = torch_chunk(rows * n, num_threads);
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> gate(n), denom(n);
@@ -304,7 +303,8 @@ void silu_mul(torch::Tensor gate_up, torch::Tensor out, int64_t lanes) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(),
                                   "fused_silu_mul", [&] {
     silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                            gate_up.size(0), n, gate_up.stride(0), lanes);
+                            gate_up.size(0), n, gate_up.stride(0), lanes,
+                            at::get_num_threads());
   });
 }
 
@@ -318,6 +318,123 @@ int64_t exp_lanes_built() {
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tasks of a fused decode step (engine/kernels/cpu/decode_step.cpp calls them inside its one
+// parallel region, where the at::parallel_for of the functions above runs inline): the same
+// functions on a share of the rows, so the bits are those of the calls above. bf16 only.
+
+using bf16 = at::BFloat16;
+
+struct NormTask {
+  bf16* x;         // [rows, n], row stride x_stride
+  bf16* residual;  // [rows, n] contiguous, or null (plain RMSNorm)
+  const bf16* weight;
+  bf16* out;  // [rows, n], row stride out_stride (may be x)
+  int64_t n, x_stride, out_stride, lanes;
+  float eps;
+};
+
+void norm_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
+  const NormTask& t = *static_cast<const NormTask*>(raw);
+  if (begin >= end) return;
+  auto* residual = t.residual != nullptr ? t.residual + begin * t.n : nullptr;
+  auto* x = t.x + begin * t.x_stride;
+  auto* out = t.out + begin * t.out_stride;
+  if (t.lanes == 16)
+    rms_norm_rows<bf16, 16>(x, residual, t.weight, out, end - begin, t.n, t.x_stride, t.out_stride, t.eps);
+  else
+    rms_norm_rows<bf16, 8>(x, residual, t.weight, out, end - begin, t.n, t.x_stride, t.out_stride, t.eps);
+}
+
+struct RotaryTask {
+  bf16* x;  // [rows, heads, head_dim] at token_stride / head_stride
+  const bf16* cos;  // [rows, head_dim]
+  const bf16* sin;
+  int64_t num_heads, head_dim, token_stride, head_stride;
+};
+
+void rotary_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
+  const RotaryTask& t = *static_cast<const RotaryTask*>(raw);
+  if (begin >= end) return;
+  rotary_rows<bf16>(t.x + begin * t.token_stride, t.cos + begin * t.head_dim,
+                    t.sin + begin * t.head_dim, end - begin, t.num_heads, t.head_dim,
+                    t.token_stride, t.head_stride);
+}
+
+struct SiluMulTask {
+  const bf16* gate_up;  // [rows, 2n] contiguous
+  bf16* out;            // [rows, n] contiguous
+  int64_t n, lanes, num_threads;  // torch's intra-op threads when the task was made
+};
+
+// One item: all rows (torch's exp segments depend on the whole tensor's element count).
+void silu_mul_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
+  const SiluMulTask& t = *static_cast<const SiluMulTask*>(raw);
+  if (begin >= end) return;
+  silu_mul_rows<bf16>(t.gate_up, t.out, rows, t.n, 2 * t.n, t.lanes, t.num_threads);
+}
+
+template <typename T>
+py::capsule task_args(T* task) {
+  return py::capsule(task, "mini_infer.task_args", [](void* p) { delete static_cast<T*>(p); });
+}
+
+void check_bf16(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.dim() >= 1 && t.stride(-1) == 1,
+              "fused_ops task: ", name, " must be bfloat16 with a unit last stride");
+}
+
+// x, residual (None: plain norm), out: [max_rows, n] buffers of the step.
+py::capsule make_norm_task(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                           torch::Tensor weight, torch::Tensor out, double eps, int64_t lanes) {
+  check_bf16(x, "x");
+  check_bf16(out, "out");
+  check_bf16(weight, "weight");
+  TORCH_CHECK(lanes == 8 || lanes == 16, "lanes must be 8 or 16");
+  if (residual.has_value()) {
+    check_bf16(*residual, "residual");
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(),
+                "residual must be contiguous and shaped like x");
+  }
+  return task_args(new NormTask{x.data_ptr<bf16>(),
+                                residual.has_value() ? residual->data_ptr<bf16>() : nullptr,
+                                weight.data_ptr<bf16>(), out.data_ptr<bf16>(), x.size(1),
+                                x.stride(0), out.stride(0), lanes, static_cast<float>(eps)});
+}
+
+// x [max_rows, heads, head_dim] view (the q and k heads of the qkv buffer); cos, sin
+// [max_rows, head_dim] contiguous buffers.
+py::capsule make_rotary_task(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  check_bf16(x, "x");
+  check_bf16(cos, "cos");
+  check_bf16(sin, "sin");
+  TORCH_CHECK(x.dim() == 3 && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.size(-1) == x.size(2) && sin.sizes() == cos.sizes(),
+              "rotary task: x [rows, heads, head_dim], cos/sin [rows, head_dim]");
+  return task_args(new RotaryTask{x.data_ptr<bf16>(), cos.data_ptr<bf16>(), sin.data_ptr<bf16>(),
+                                  x.size(1), x.size(2), x.stride(0), x.stride(1)});
+}
+
+py::capsule make_silu_mul_task(torch::Tensor gate_up, torch::Tensor out, int64_t lanes) {
+  check_bf16(gate_up, "gate_up");
+  check_bf16(out, "out");
+  TORCH_CHECK(gate_up.is_contiguous() && out.is_contiguous() &&
+                  gate_up.size(1) == 2 * out.size(1),
+              "silu_mul task: gate_up [rows, 2n], out [rows, n], contiguous");
+#if !defined(__AVX512F__)
+  TORCH_CHECK(lanes != 16, "built without AVX-512: cannot follow torch's 16-lane exp");
+#endif
+#if !defined(__AVX2__)
+  TORCH_CHECK(lanes != 8, "built without AVX2: cannot follow torch's 8-lane exp");
+#endif
+  return task_args(new SiluMulTask{gate_up.data_ptr<bf16>(), out.data_ptr<bf16>(), out.size(1), lanes,
+                                   static_cast<int64_t>(at::get_num_threads())});
+}
+
+py::capsule task_fn(void (*fn)(const void*, int64_t, int64_t, int64_t)) {
+  return py::capsule(reinterpret_cast<void*>(fn), "mini_infer.task_fn");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -326,4 +443,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "RoPE on [tokens, heads, head_dim] in place (rolled signed sin)");
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up from [rows, 2n], torch's exp");
   m.def("exp_lanes_built", &exp_lanes_built, "widest SLEEF exp this build can call (0, 8, 16)");
+  m.def("norm_task_fn", [] { return task_fn(&norm_task); });
+  m.def("rotary_task_fn", [] { return task_fn(&rotary_task); });
+  m.def("silu_mul_task_fn", [] { return task_fn(&silu_mul_task); });
+  m.def("make_norm_task", &make_norm_task, "a fused decode step's (add +) RMSNorm over rows");
+  m.def("make_rotary_task", &make_rotary_task, "a fused decode step's RoPE over rows");
+  m.def("make_silu_mul_task", &make_silu_mul_task, "a fused decode step's SiLU * up (one item)");
 }

@@ -169,6 +169,65 @@ void attend_partition(const scalar_t* q, const cache_t* cache, const float* scal
   }
 }
 
+// One work item of decode: (sequence, KV head, partition) over its share of the sequence's
+// blocks, leaving the partial m [G], l [G], acc [G, D] in `slot`; with one partition it is the
+// whole answer and goes straight to out [num_seqs, num_heads, head_dim].
+template <typename scalar_t, typename cache_t>
+void decode_item(const scalar_t* q_seq, const cache_t* cache, const float* scales,
+                 const int64_t* table_seq, int64_t context_len, int64_t seq, int64_t kv_head,
+                 int64_t part, float softmax_scale, const Shapes& s, float* slot,
+                 scalar_t* out_ptr) {
+  const int64_t G = s.group, D = s.head_dim;
+  const int64_t num_blocks = (context_len + s.block_size - 1) / s.block_size;
+  const int64_t first = part * s.partition_blocks;
+  const int64_t last = std::min(num_blocks, first + s.partition_blocks);
+  float *m = slot, *l = slot + G, *acc = slot + 2 * G;
+  if (first >= last) {  // beyond this sequence's context: an empty partial
+    for (int64_t g = 0; g < G; ++g) m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0;
+    return;
+  }
+  if (D == 64) {
+    attend_partition<scalar_t, cache_t, 64>(q_seq, cache, scales, table_seq, context_len,
+                                            kv_head, first, last, softmax_scale, s, m, l, acc);
+  } else if (D == 128) {
+    attend_partition<scalar_t, cache_t, 128>(q_seq, cache, scales, table_seq, context_len,
+                                             kv_head, first, last, softmax_scale, s, m, l, acc);
+  } else {
+    attend_partition<scalar_t, cache_t, 0>(q_seq, cache, scales, table_seq, context_len,
+                                           kv_head, first, last, softmax_scale, s, m, l, acc);
+  }
+  if (s.num_partitions == 1) {  // the only partition: normalise and write out now
+    std::vector<float> out_row(D);
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t d = 0; d < D; ++d) out_row[d] = acc[g * D + d] / l[g];
+      store_row(out_row.data(), out_ptr + (seq * s.num_heads + kv_head * G + g) * D, D);
+    }
+  }
+}
+
+// Merges the partitions of one (sequence, KV head): `base` holds its num_partitions partials.
+template <typename scalar_t>
+void merge_partitions(const float* base, int64_t seq, int64_t kv_head, const Shapes& s,
+                      scalar_t* out_ptr) {
+  const int64_t G = s.group, D = s.head_dim, P = s.num_partitions, partial = G * (D + 2);
+  std::vector<float> merged(D);
+  for (int64_t g = 0; g < G; ++g) {
+    float global_max = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < P; ++p) global_max = std::max(global_max, base[p * partial + g]);
+    std::fill(merged.begin(), merged.end(), 0.f);
+    float total = 0.f;
+    for (int64_t p = 0; p < P; ++p) {
+      const float* slot = base + p * partial;
+      if (slot[G + g] == 0.f) continue;  // empty partition
+      const float weight = std::exp(slot[g] - global_max);
+      total += weight * slot[G + g];
+      axpy(weight, slot + 2 * G + g * D, merged.data(), D);
+    }
+    scale(1.f / total, merged.data(), D);
+    store_row(merged.data(), out_ptr + (seq * s.num_heads + kv_head * G + g) * D, D);
+  }
+}
+
 template <typename scalar_t, typename cache_t = scalar_t>
 void decode_impl(const torch::Tensor& q, const torch::Tensor& kv_cache,
                  const torch::Tensor& block_table, const torch::Tensor& context_lens,
@@ -191,72 +250,27 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& kv_cache,
   const int64_t* table_ptr = block_table.data_ptr<int64_t>();
   const int64_t* lens_ptr = context_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const int64_t G = s.group, D = s.head_dim, P = s.num_partitions;
+  const int64_t P = s.num_partitions;
   const float sm_scale = static_cast<float>(softmax_scale);
 
   // Partials [seq, kv_head, partition]: m [G], l [G], acc [G, D].
-  const int64_t partial = G * (D + 2);
+  const int64_t partial = s.group * (s.head_dim + 2);
   std::vector<float> partials(s.num_seqs * s.num_kv_heads * P * partial);
   const int64_t num_items = s.num_seqs * s.num_kv_heads * P;
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> out_row(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / (s.num_kv_heads * P);
-      const int64_t kv_head = (item / P) % s.num_kv_heads;
-      const int64_t part = item % P;
-      const int64_t context_len = lens_ptr[seq];
-      const int64_t num_blocks = (context_len + s.block_size - 1) / s.block_size;
-      const int64_t first = part * partition_blocks;
-      const int64_t last = std::min(num_blocks, first + partition_blocks);
-      float* slot = partials.data() + item * partial;
-      float *m = slot, *l = slot + G, *acc = slot + 2 * G;
-      if (first >= last) {  // beyond this sequence's context: an empty partial
-        for (int64_t g = 0; g < G; ++g) m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0;
-        continue;
-      }
-      const scalar_t* q_seq = q_ptr + seq * s.q_seq_stride;
-      const int64_t* table_seq = table_ptr + seq * s.max_blocks;
-      if (D == 64) {
-        attend_partition<scalar_t, cache_t, 64>(q_seq, cache_ptr, scales, table_seq, context_len, kv_head, first,
-                                       last, sm_scale, s, m, l, acc);
-      } else if (D == 128) {
-        attend_partition<scalar_t, cache_t, 128>(q_seq, cache_ptr, scales, table_seq, context_len, kv_head, first,
-                                        last, sm_scale, s, m, l, acc);
-      } else {
-        attend_partition<scalar_t, cache_t, 0>(q_seq, cache_ptr, scales, table_seq, context_len, kv_head, first,
-                                      last, sm_scale, s, m, l, acc);
-      }
-      if (P == 1) {  // the only partition: normalise and write out now
-        for (int64_t g = 0; g < G; ++g) {
-          for (int64_t d = 0; d < D; ++d) out_row[d] = acc[g * D + d] / l[g];
-          store_row(out_row.data(), out_ptr + (seq * s.num_heads + kv_head * G + g) * D, D);
-        }
-      }
+      decode_item<scalar_t, cache_t>(q_ptr + seq * s.q_seq_stride, cache_ptr, scales,
+                                     table_ptr + seq * s.max_blocks, lens_ptr[seq], seq,
+                                     (item / P) % s.num_kv_heads, item % P, sm_scale, s,
+                                     partials.data() + item * partial, out_ptr);
     }
   });
   if (P == 1) return;
-  // Merge the partitions of each (sequence, KV head).
   at::parallel_for(0, s.num_seqs * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(D);
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const float* base = partials.data() + pair * P * partial;
-      const int64_t seq = pair / s.num_kv_heads, kv_head = pair % s.num_kv_heads;
-      for (int64_t g = 0; g < G; ++g) {
-        float global_max = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < P; ++p) global_max = std::max(global_max, base[p * partial + g]);
-        std::fill(merged.begin(), merged.end(), 0.f);
-        float total = 0.f;
-        for (int64_t p = 0; p < P; ++p) {
-          const float* slot = base + p * partial;
-          if (slot[G + g] == 0.f) continue;  // empty partition
-          const float weight = std::exp(slot[g] - global_max);
-          total += weight * slot[G + g];
-          axpy(weight, slot + 2 * G + g * D, merged.data(), D);
-        }
-        scale(1.f / total, merged.data(), D);
-        store_row(merged.data(), out_ptr + (seq * s.num_heads + kv_head * G + g) * D, D);
-      }
-    }
+    for (int64_t pair = begin; pair < end; ++pair)
+      merge_partitions(partials.data() + pair * P * partial, pair / s.num_kv_heads,
+                       pair % s.num_kv_heads, s, out_ptr);
   });
 }
 
@@ -507,6 +521,115 @@ void extend_impl(const torch::Tensor& q, const torch::Tensor& kv_cache,
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// The attention of a fused decode step (engine/kernels/cpu/decode_step.cpp): decode_impl's two
+// phases as two tasks, so the bits are decode_impl's. Items of the first: (row, KV head,
+// partition), as many partitions as decode_impl would make for the step's block table (the
+// step says, in *num_partitions); the item whose partition holds the row's last block first
+// writes the new K and V into the cache (no other item reads that slot). The second merges each
+// (row, KV head)'s partitions (nothing to do with one). bf16 q and cache only.
+
+using bf16 = at::BFloat16;
+
+struct DecodeTask {
+  const bf16* qkv;  // [rows, (num_heads + 2 * num_kv_heads) * head_dim], RoPE applied
+  bf16* cache;      // [num_kv_blocks, block_size, 2, num_kv_heads, head_dim]
+  const int64_t* block_table;     // [max_rows, max_blocks]
+  const int64_t* context_lens;    // [max_rows]
+  const int64_t* slot_mapping;    // [max_rows]
+  const int64_t* num_partitions;  // [1]: this step's
+  float* partials;                // [max_rows, num_kv_heads, max_partitions, G * (D + 2)]
+  bf16* out;                      // [rows, num_heads, head_dim]
+  Shapes shapes;                  // num_partitions: the most a step may use
+  float softmax_scale;
+};
+
+Shapes step_shapes(const DecodeTask& t) {
+  Shapes s = t.shapes;
+  s.num_partitions = *t.num_partitions;
+  return s;
+}
+
+void decode_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
+  const DecodeTask& t = *static_cast<const DecodeTask*>(raw);
+  const Shapes s = step_shapes(t);
+  const int64_t D = s.head_dim, KVH = s.num_kv_heads, P = s.num_partitions;
+  const int64_t token_stride = 2 * KVH * D, partial = s.group * (D + 2);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t row = item / (KVH * P), kv_head = (item / P) % KVH, part = item % P;
+    const bf16* q_row = t.qkv + row * s.q_seq_stride;
+    const int64_t context_len = t.context_lens[row];
+    const int64_t last_block = (context_len - 1) / s.block_size;
+    if (part == last_block / s.partition_blocks) {
+      bf16* slot = t.cache + t.slot_mapping[row] * token_stride + kv_head * D;
+      std::memcpy(slot, q_row + (s.num_heads + kv_head) * D, D * sizeof(bf16));
+      std::memcpy(slot + KVH * D, q_row + (s.num_heads + KVH + kv_head) * D, D * sizeof(bf16));
+    }
+    decode_item<bf16, bf16>(q_row, t.cache, nullptr, t.block_table + row * s.max_blocks,
+                            context_len, row, kv_head, part, t.softmax_scale, s,
+                            t.partials + item * partial, t.out);
+  }
+}
+
+void merge_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
+  const DecodeTask& t = *static_cast<const DecodeTask*>(raw);
+  const Shapes s = step_shapes(t);
+  if (s.num_partitions == 1) return;  // the first phase wrote the output
+  const int64_t partial = s.group * (s.head_dim + 2);
+  for (int64_t pair = begin; pair < end; ++pair)
+    merge_partitions(t.partials + pair * s.num_partitions * partial, pair / s.num_kv_heads,
+                     pair % s.num_kv_heads, s, t.out);
+}
+
+// qkv [max_rows, (H + 2 KVH) * D] bf16 buffer; kv_cache the layer's pool; block_table
+// [max_rows, max_blocks], context_lens and slot_mapping [max_rows] int64 buffers;
+// num_partitions [1] int64 (set per step); partials float32 [max_rows * KVH * max_partitions *
+// G * (D + 2)]; out [max_rows, H, D]. Items per run: rows * KVH * partitions, then rows * KVH.
+py::capsule make_decode_task(torch::Tensor qkv, torch::Tensor kv_cache, torch::Tensor block_table,
+                             torch::Tensor context_lens, torch::Tensor slot_mapping,
+                             torch::Tensor num_partitions, torch::Tensor partials,
+                             torch::Tensor out, int64_t num_heads, int64_t partition_blocks,
+                             double softmax_scale) {
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16,
+              "decode task: bf16 qkv, cache and out");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && kv_cache.dim() == 5 &&
+                  kv_cache.is_contiguous() && out.is_contiguous() && out.dim() == 3,
+              "decode task: qkv [rows, width], kv_cache 5-d contiguous, out [rows, heads, dim]");
+  for (const auto* x : {&block_table, &context_lens, &slot_mapping, &num_partitions})
+    TORCH_CHECK(x->scalar_type() == at::kLong && x->is_contiguous(),
+                "decode task: block_table, context_lens, slot_mapping, num_partitions "
+                "contiguous int64");
+  Shapes s;
+  s.num_seqs = out.size(0);
+  s.num_heads = num_heads;
+  s.num_kv_heads = kv_cache.size(3);
+  s.head_dim = kv_cache.size(4);
+  s.block_size = kv_cache.size(1);
+  TORCH_CHECK(num_heads % s.num_kv_heads == 0 && out.size(1) == num_heads &&
+                  out.size(2) == s.head_dim &&
+                  qkv.size(1) == (num_heads + 2 * s.num_kv_heads) * s.head_dim,
+              "decode task: head counts of qkv, cache and out differ");
+  TORCH_CHECK(partition_blocks >= 1, "decode task: partition_blocks must be >= 1");
+  s.group = num_heads / s.num_kv_heads;
+  s.max_blocks = block_table.size(1);
+  s.partition_blocks = partition_blocks;
+  s.num_partitions = (s.max_blocks + partition_blocks - 1) / partition_blocks;
+  s.q_seq_stride = qkv.stride(0);
+  s.q_head_stride = s.head_dim;
+  TORCH_CHECK(partials.scalar_type() == at::kFloat && partials.is_contiguous() &&
+                  partials.numel() >= s.num_seqs * s.num_kv_heads * s.num_partitions *
+                                          s.group * (s.head_dim + 2),
+              "decode task: partials too small for max_rows x KV heads x partitions");
+  auto* task = new DecodeTask{qkv.data_ptr<bf16>(), kv_cache.data_ptr<bf16>(),
+                              block_table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                              slot_mapping.data_ptr<int64_t>(), num_partitions.data_ptr<int64_t>(),
+                              partials.data_ptr<float>(), out.data_ptr<bf16>(), s,
+                              static_cast<float>(softmax_scale)};
+  return py::capsule(task, "mini_infer.task_args",
+                     [](void* p) { delete static_cast<DecodeTask*>(p); });
+}
+
 }  // namespace
 
 // q [num_seqs, num_heads, head_dim] (rows and heads may be strided, head_dim contiguous);
@@ -624,4 +747,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged decode attention over the int8 KV cache (codes x per-token scales), in place");
   m.def("paged_attention_extend", &paged_attention_extend,
         "Causal extend (prefill after cached tokens) attention over the block pool, in place");
+  m.def("decode_task_fn", [] {
+    return py::capsule(reinterpret_cast<void*>(&decode_task), "mini_infer.task_fn");
+  });
+  m.def("merge_task_fn", [] {
+    return py::capsule(reinterpret_cast<void*>(&merge_task), "mini_infer.task_fn");
+  });
+  m.def("make_decode_task", &make_decode_task,
+        "a fused decode step's K/V write + attention (items: row x KV head x partition), and "
+        "the arguments of its merge (items: row x KV head)");
 }

@@ -16,7 +16,7 @@ import sys
 
 
 def prebuild_all() -> dict[str, bool]:
-    from engine.kernels.cpu import bf16_gemm, fused_ops, paged_attention, quant_gemm
+    from engine.kernels.cpu import bf16_gemm, decode_step, fused_ops, paged_attention, quant_gemm
 
     built = {}
     for name, kernel in (("paged_attention", paged_attention), ("fused_ops", fused_ops)):
@@ -25,16 +25,17 @@ def prebuild_all() -> dict[str, bool]:
     # One library each, the instruction set chosen per call.
     built["quant_gemm"] = quant_gemm.build() is not None
     built["bf16_gemm"] = bf16_gemm.build() is not None
+    built["decode_step"] = decode_step.build() is not None
     return built
 
 
 def load_all() -> dict[str, bool]:
     """Build (once) and load what this machine uses: what `make install` runs, so that no
     test or first request pays the compile."""
-    from engine.kernels.cpu import bf16_gemm, fused_ops, paged_attention, quant_gemm
+    from engine.kernels.cpu import bf16_gemm, decode_step, fused_ops, paged_attention, quant_gemm
 
-    return {kernel.__name__.rsplit(".", 1)[1]: kernel.load() is not None
-            for kernel in (paged_attention, quant_gemm, bf16_gemm, fused_ops)}  # fmt: skip
+    kernels = (paged_attention, quant_gemm, bf16_gemm, fused_ops, decode_step)
+    return {kernel.__name__.rsplit(".", 1)[1]: kernel.load() is not None for kernel in kernels}
 
 
 def main() -> int:

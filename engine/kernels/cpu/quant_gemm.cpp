@@ -591,6 +591,77 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------
+// One GEMV of a fused decode step (engine/kernels/cpu/decode_step.cpp runs it inside its one
+// parallel region, each thread over its share of the blocks). The same block functions as the
+// entry points above, on the same widened activations and group sums, so the bits are theirs.
+
+struct GemvTask {
+  int64_t bits;  // 4 or 8
+  const void* codes;
+  const float* scales;  // int4: scale_min; int8: per-channel scale
+  int64_t group_size, in_features, out_features, num_blocks, isa;
+  const at::BFloat16* x;  // [rows, in_features], contiguous
+  at::BFloat16* y;        // [rows, out_features], contiguous
+};
+
+void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
+  const GemvTask& t = *static_cast<const GemvTask*>(raw);
+  const int64_t k = t.in_features, num_groups = t.bits == 4 ? k / t.group_size : 0;
+  // Each thread widens the (few) activation rows itself: cheaper than a barrier.
+  thread_local std::vector<float> widened, xsum;
+  widened.resize(rows * k);
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(t.x);
+  for (int64_t i = 0; i < rows * k; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(xb[i]) << 16;
+    std::memcpy(&widened[i], &bits, sizeof(float));
+  }
+  xsum.assign(rows * num_groups, 0.f);
+  for (int64_t r = 0; r < rows && num_groups > 0; ++r)
+    for (int64_t i = 0; i < k; ++i) xsum[r * num_groups + i / t.group_size] += widened[r * k + i];
+  const Problem p{rows, k, t.out_features, t.num_blocks, t.group_size, num_groups,
+                  widened.data(), xsum.data(), xb, t.y, true};
+  if (t.bits == 4) {
+    const auto* c = static_cast<const uint8_t*>(t.codes);
+    if (t.isa == kAvx512Bf16) int4_avx512bf16(p, c, t.scales, b0, b1);
+    else if (t.isa == kAvx512) int4_avx512(p, c, t.scales, b0, b1);
+    else if (t.isa == kAvx2) int4_avx2(p, c, t.scales, b0, b1);
+    else int4_portable(p, c, t.scales, b0, b1);
+  } else {
+    const auto* c = static_cast<const int8_t*>(t.codes);
+    if (t.isa >= kAvx512) int8_avx512(p, c, t.scales, b0, b1);
+    else if (t.isa == kAvx2) int8_avx2(p, c, t.scales, b0, b1);
+    else int8_portable(p, c, t.scales, b0, b1);
+  }
+}
+
+// (task arguments capsule, number of blocks): y = x @ W^T for the rows of each run, x and y
+// buffers of the step (bf16, contiguous, at least as many rows as any run uses).
+py::tuple make_gemv_task(const at::Tensor& x, const at::Tensor& y, const at::Tensor& codes,
+                         const at::Tensor& scales, int64_t bits, int64_t group_size,
+                         int64_t out_features, int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_gemm: bits must be 4 or 8");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16 &&
+                  x.is_contiguous() && y.is_contiguous() && x.dim() == 2 && y.dim() == 2 &&
+                  y.size(1) == out_features && y.size(0) == x.size(0),
+              "quant_gemm task: x, y must be contiguous bf16 [rows, in], [rows, out]");
+  const int64_t in_features = x.size(1), num_blocks = (out_features + kBlock - 1) / kBlock;
+  const int64_t code_width = bits == 4 ? in_features / 2 : in_features;
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() &&
+                  codes.sizes() == at::IntArrayRef({num_blocks, code_width, kBlock}) &&
+                  scales.scalar_type() == at::kFloat,
+              "quant_gemm task: packed codes/scales do not match x and out_features");
+  TORCH_CHECK(bits == 8 || (group_size > 0 && in_features % group_size == 0),
+              "quant_gemm task: in_features must be a multiple of group_size");
+  auto* task = new GemvTask{bits, codes.data_ptr(), scales.data_ptr<float>(), group_size,
+                            in_features, out_features, num_blocks, isa,
+                            x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>()};
+  py::capsule args(task, "mini_infer.task_args",
+                   [](void* p) { delete static_cast<GemvTask*>(p); });
+  return py::make_tuple(args, num_blocks);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -600,4 +671,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm", &int8_gemm, "y = x @ W^T, W int8 per output channel (blocked layout)",
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("out_features"),
         py::arg("isa"), py::arg("out") = py::none());
+  m.def("gemv_task_fn", [] { return py::capsule(reinterpret_cast<void*>(&gemv_task), "mini_infer.task_fn"); },
+        "the fused decode step's GEMV task (a function pointer)");
+  m.def("make_gemv_task", &make_gemv_task, "(task arguments, blocks) for one GEMV of a fused step");
 }

@@ -109,3 +109,30 @@ def test_cuda_runner_on_cpu_matches_plain_runner(tiny_model_dir, runner):
     for step in steps:
         assert cuda_like.execute(SchedulerOutput(step)) == plain.execute(SchedulerOutput(step))
     assert capture.num_replays == 2
+
+
+def test_cuda_runner_returns_prompt_logprobs_like_the_plain_runner(tiny_model_dir, runner):
+    """The CUDA runner shares the plain runner's step (only copies and graph replay differ):
+    prompt logprob chunks come back, equal to the plain runner's (they were all None)."""
+    config = EngineConfig(
+        num_kv_blocks=32, block_size=4, max_model_len=64, max_num_seqs=2, attention_backend="auto"
+    )
+    cuda_like = CudaModelRunner(
+        tiny_model_dir, config, torch.float32, device="cpu", graph_capture=EagerReplayCapture()
+    )
+    plain = ModelRunner(tiny_model_dir, config, torch.float32)
+    asking = SamplingParams(temperature=0.0, prompt_logprobs=2, logprobs=1)
+    step = [
+        ScheduledRequest("a", [5, 6, 7, 8, 9], 0, [0, 1], True, asking, seed=0),
+        req("b", [8, 9, 10], 0, [2]),
+    ]
+    assert cuda_like.execute(SchedulerOutput(step)) == plain.execute(SchedulerOutput(step))
+    got, want = cuda_like.take_logprobs(), plain.take_logprobs()
+    assert set(got) == set(want) == {"a"}
+    mine, theirs = got["a"].prompt_chunk, want["a"].prompt_chunk
+    assert mine is not None and mine.inner_logprobs.shape == (4,)
+    assert torch.equal(mine.topk_ids, theirs.topk_ids)
+    assert torch.equal(mine.inner_ranks, theirs.inner_ranks)
+    for name in ("topk_logprobs", "inner_logprobs", "last_row"):
+        torch.testing.assert_close(getattr(mine, name), getattr(theirs, name), atol=1e-4, rtol=0)
+    assert got["a"].sample is not None and set(got["a"].sample) == set(want["a"].sample)

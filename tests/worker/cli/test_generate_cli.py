@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from schemas.messages import ErrorInfo, FinalReply, Timing, Usage
+from schemas.messages import Choice, ErrorInfo, FinalReply, Timing, Usage
 from tests.worker.client.client_fixtures import (  # noqa: F401 (the *_fixture names are fixtures)
     final_of,
     serve_fixture,
@@ -97,6 +97,17 @@ def test_streams_text_and_reports_usage(capsys) -> None:
     assert options["urgency"] == "normal" and "stream" not in options and "messages" not in options
 
 
+def test_n_prints_each_choice_whole(capsys) -> None:
+    choices = [Choice(index=0, text="Hi there", finish_reason="stop"),
+               Choice(index=1, text="Hello", finish_reason="length")]  # fmt: skip
+    with_choices = final("Hi there").model_copy(update={"choices": choices})
+    FakeClient.script = [Delta("Hi there"), Delta("Hello", index=1, final=with_choices)]
+    code, out, err = run_cli(capsys, "Hi", "--n", "2", "--seed", "3")
+    assert (code, out) == (0, "[choice 0]\nHi there\n[choice 1]\nHello\n")
+    options = FakeClient.instances[0].stream_options
+    assert options["n"] == 2 and options["seed"] == 3 and options["stream"] is False
+
+
 def test_restart_is_announced_on_stderr(capsys) -> None:
     FakeClient.script = [
         Delta("The cat"),
@@ -135,7 +146,13 @@ def test_exit_codes(capsys, script, code: int, message: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "argv", [["Hi", "--max-tokens", "0"], ["Hi", "--top-p", "2"], ["Hi", "--stop", ""]]
+    "argv",
+    [
+        ["Hi", "--max-tokens", "0"],
+        ["Hi", "--top-p", "2"],
+        ["Hi", "--stop", ""],
+        ["Hi", "--n", "17"],
+    ],
 )
 def test_invalid_arguments_fail_before_connecting(capsys, argv) -> None:
     code, out, err = run_cli(capsys, *argv)

@@ -5,7 +5,15 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.messages import FinalReply, Timing, TokenLogprob, TokenReply, TopLogprob, Usage
+from schemas.messages import (
+    Choice,
+    FinalReply,
+    Timing,
+    TokenLogprob,
+    TokenReply,
+    TopLogprob,
+    Usage,
+)
 from worker.client.assembler import Delta, ReplyAssembler
 
 PIECES = ["a", "b", "ab", "", " ", "é", "🚀"]
@@ -201,3 +209,26 @@ def test_deltas_carry_logprobs_and_a_restart_carries_the_new_attempts() -> None:
     assert restart.logprobs == [e for m in retry for e in m.logprobs]
     _, plain = feed_all(publish("a:0", ["x", "y"], True))
     assert all(d.logprobs is None for d in plain)
+
+
+def test_choices_assemble_by_index_and_a_diverging_retry_restarts_each() -> None:
+    """v1.2 n=2: deltas carry the choice; applying each choice's deltas gives its final text."""
+
+    def msg(attempt: str, seq: int, index: int, text: str) -> TokenReply:
+        return TokenReply(id="r", attempt=attempt, seq=seq, text=text, index=index)
+
+    choices = [Choice(index=0, text="AB", finish_reason="stop"),
+               Choice(index=1, text="xZ", finish_reason="length")]  # fmt: skip
+    done = final("new", 4, "AB").model_copy(update={"choices": choices})
+    replies = [
+        msg("old", 0, 0, "A"), msg("old", 1, 1, "x"), msg("old", 2, 1, "y"),
+        msg("new", 0, 0, "A"), msg("new", 1, 1, "x"), msg("new", 2, 1, "Z"),
+        msg("new", 3, 0, "B"), done,
+    ]  # fmt: skip
+    assembler, deltas = feed_all(replies)
+    assert assembler.num_restarts == 1
+    restarts = [d for d in deltas if d.is_restart]
+    assert [(d.index, d.text) for d in restarts] == [(0, "A"), (1, "xZ")]
+    for choice in choices:
+        assert apply([d for d in deltas if d.index == choice.index]) == choice.text
+    assert deltas[-1].final is done and sum(d.final is not None for d in deltas) == 1

@@ -7,7 +7,7 @@ from opentelemetry.trace import INVALID_SPAN
 
 from schemas.codec import decode_reply
 from schemas.headers import Urgency
-from schemas.messages import FinalReply, Timing, TokenReply, Usage
+from schemas.messages import Choice, FinalReply, Timing, TokenReply, Usage
 from worker.service.job import Job
 from worker.service.replies import REPLY_TOO_LARGE, ReplyWriter, reply_headers
 from worker.service.reply_stream import ReplyStream
@@ -83,7 +83,11 @@ async def test_a_final_too_large_for_the_broker_becomes_a_small_error_final() ->
     publisher = RecordingPublisher()
     writer = ReplyWriter(publisher, max_message_bytes=2048, num_final_retries=0)
     writer.send(make_job(), final("x" * 5000))
-    (message,) = publisher.sent
-    reply = decode_reply(message.value)
-    assert len(message.value) <= 2048 and reply.finish_reason == "error"
-    assert reply.error.code == REPLY_TOO_LARGE and reply.seq == 3 and message.key == b"r1"
+    choices = [Choice(index=i, text="y" * 1000, finish_reason="stop") for i in range(4)]
+    writer.send(make_job(), final("y" * 1000).model_copy(update={"choices": choices}))
+    assert len(publisher.sent) == 2
+    for message in publisher.sent:  # n > 1: the choices go too
+        reply = decode_reply(message.value)
+        assert len(message.value) <= 2048 and reply.finish_reason == "error"
+        assert reply.error.code == REPLY_TOO_LARGE and reply.seq == 3 and message.key == b"r1"
+        assert reply.choices is None

@@ -57,3 +57,48 @@ def test_one_final_per_attempt() -> None:
     stream.finish("stop", USAGE, TIMING)
     with pytest.raises(RuntimeError):
         stream.finish("stop", USAGE, TIMING)
+
+
+choice_deltas = st.lists(
+    st.tuples(
+        st.integers(0, 2), st.text(max_size=3), st.lists(st.integers(0, 9), min_size=1, max_size=2)
+    ),
+    max_size=30,
+)
+
+
+@given(choice_deltas, st.integers(1, 3))
+def test_choices_stream_by_index_and_the_final_lists_each(pieces, tokens_per_message) -> None:
+    """v1.2 n=3: one seq count for the attempt; each choice's messages concatenate to its text."""
+    stream = ReplyStream("r", "w:1", tokens_per_message, True, num_choices=3)
+    messages = []
+    for index, text, token_ids in pieces:
+        messages += stream.add(text, token_ids, index=index)
+    stream.add("", [], index=1, finish_reason="stop")
+    messages += stream.finish("length", USAGE, TIMING)
+    assert [m.seq for m in messages] == list(range(len(messages)))
+    *tokens, final = messages
+    assert [c.index for c in final.choices] == [0, 1, 2]
+    assert [c.finish_reason for c in final.choices] == ["length", "stop", "length"]
+    for choice in final.choices:
+        mine = [m for m in tokens if m.index == choice.index]
+        assert "".join(m.text for m in mine) == choice.text
+        assert choice.text == "".join(t for i, t, _ in pieces if i == choice.index)
+        want_ids = [t for i, _, ids in pieces if i == choice.index for t in ids]
+        assert [t for m in mine for t in m.token_ids] == want_ids
+        assert choice.completion_tokens == len(want_ids)
+    assert final.text == final.choices[0].text
+    assert stream.num_output_tokens == sum(len(ids) for _, _, ids in pieces)
+
+
+def test_n_1_replies_have_no_index_or_choices() -> None:
+    """Old clients see exactly what they saw: neither field is on the wire for n=1."""
+    from schemas.codec import MSGPACK, encode
+
+    stream = ReplyStream("r", "w:1", 1, True)
+    messages = stream.add("a", [1]) + stream.finish("stop", USAGE, TIMING)
+    assert all(m.index is None for m in messages[:-1]) and messages[-1].choices is None
+    for message in messages:
+        dumped = message.model_dump(mode="json", exclude_none=True)
+        assert "index" not in dumped and "choices" not in dumped
+        assert encode(message, MSGPACK)

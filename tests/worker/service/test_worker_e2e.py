@@ -314,3 +314,38 @@ async def test_structured_output_through_the_worker(env, replies) -> None:
     refused = await replies.final_of(broken.id)
     assert refused.finish_reason == "error" and refused.error.code == ErrorCode.INVALID_REQUEST
     assert "json_schema" in refused.error.message
+
+
+async def test_n_choices_through_the_worker_and_the_sdk(env, replies, tiny_model_dir) -> None:
+    """Contract v1.2 `n`: each choice streams under its index and the final lists them; they are
+    the engine's own n samples (sample i seeded seed + i); a cancel ends every choice."""
+    request = make_request(replies.topic, "Kafka streams", id="two-choices", max_tokens=8,
+                           temperature=0.8, seed=7, n=2, ignore_eos=True)  # fmt: skip
+    long = make_request(replies.topic, id="two-to-cancel", n=2, max_tokens=1000, ignore_eos=True)
+    for r in (request, long):
+        await env.producer.send(env.topic, r)
+    final = await replies.final_of(request.id)
+    messages = stream_of(replies, request.id, final.attempt)
+    assert [m.seq for m in messages] == list(range(len(messages)))
+    llm = await asyncio.to_thread(LLM, str(tiny_model_dir), kv_cache_memory_bytes=16 << 20)
+    direct = llm.generate("Kafka streams", SamplingParams(
+        max_tokens=8, temperature=0.8, seed=7, n=2, ignore_eos=True))[0]  # fmt: skip
+    assert [c.index for c in final.choices] == [0, 1] and final.text == final.choices[0].text
+    for choice, want in zip(final.choices, direct.choices, strict=True):
+        mine = [m for m in messages[:-1] if m.index == choice.index]
+        assert "".join(m.text for m in mine) == choice.text == want.text
+        assert [t for m in mine for t in m.token_ids] == want.token_ids
+        assert choice.finish_reason == "length" and choice.completion_tokens == 8
+    assert final.usage.completion_tokens == 16
+    await replies.wait_until(lambda: len(replies.tokens(long.id)) >= 4, what="both streaming")
+    options = ClientOptions(request_topic=env.topic, control_topic=env.settings.kafka.control_topic)
+    async with MiniInferClient(env.bootstrap_servers, options) as client:
+        await client.cancel(long.id)
+        cancelled = await replies.final_of(long.id)
+        result = await client.generate("Kafka streams", max_tokens=8, temperature=0.8, seed=7,
+                                       n=2, ignore_eos=True, stream=True)  # fmt: skip
+    assert [c.finish_reason for c in cancelled.choices] == ["cancelled", "cancelled"]
+    assert [(c.index, c.text, c.token_ids) for c in result.choices] == [
+        (i, want.text, want.token_ids) for i, want in enumerate(direct.choices)
+    ]
+    assert result.text == direct.choices[0].text and result.token_ids == direct.token_ids

@@ -1,0 +1,202 @@
+// A fused decode step: every operator of the decoder layers in one OpenMP parallel region.
+//
+// Why: a decode step of a small model is hundreds of short kernels. Run one by one from Python,
+// each is a Python call, a dispatch, and a parallel region whose second thread must be woken
+// (with OMP_WAIT_POLICY=PASSIVE, through the kernel: tens of microseconds in a VM) or kept
+// spinning (which costs 10-40x when the cores are shared). Here the threads are woken once per
+// step and pass from one operator to the next through a barrier that spins briefly and then
+// sleeps, so a partner that was preempted gets the core back; where the cores are shared so
+// that the waits keep sleeping, the step runs on one thread for a while.
+//
+// The plan is a list of tasks built once by engine/kernels/cpu/decode_step.py. A task is a
+// function exported by one of the kernel libraries (quant_gemm, fused_ops, paged_attention;
+// each compiled with its own flags, so the arithmetic is exactly that of its per-operator
+// entry point) with its arguments: `fn(args, rows, begin, end)` does items [begin, end) of a
+// step of `rows` rows. Items per run: a fixed count (a GEMV's blocks) or rows times a count
+// (row-wise operators; attention's (row, KV head, partition) triples, the partitions set per
+// step); each thread takes a contiguous, equal share. A barrier follows every task that the
+// next one reads from.
+
+#include <torch/extension.h>
+#include <omp.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace {
+
+using TaskFn = void (*)(const void* args, int64_t rows, int64_t begin, int64_t end);
+
+struct Task {
+  TaskFn fn;
+  const void* args;
+  int64_t fixed_items, items_per_row;
+  bool barrier_after;
+  const int64_t* row_multiplier;  // items_per_row is multiplied by *row_multiplier, if set
+};
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// A sense-reversing barrier for the threads of one region. A waiter spins `spin` rounds (on an
+// idle machine its partner is microseconds away), then sleeps on a futex, so a partner that was
+// preempted gets the core back. Each sleep halves the spin for later waits (down to kMinSpin):
+// on a machine whose cores are taken, spinning only delays the sleep.
+class Barrier {
+ public:
+  static constexpr int64_t kMinSpin = 64;
+
+  explicit Barrier(int64_t spin) : spin_(std::max(kMinSpin, spin)) {}
+
+  int64_t spin() const { return spin_.load(std::memory_order_relaxed); }
+
+  // Each thread of the region says how many there are before its first wait (OpenMP may give
+  // fewer than asked).
+  void set_num_threads(int n) { num_threads_.store(n, std::memory_order_relaxed); }
+
+  void wait() {
+    const int generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 ==
+        num_threads_.load(std::memory_order_relaxed)) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_seq_cst);
+      if (sleepers_.load(std::memory_order_seq_cst) > 0) futex(FUTEX_WAKE_PRIVATE, INT32_MAX);
+      return;
+    }
+    const int64_t spin = spin_.load(std::memory_order_relaxed);
+    for (int64_t i = 0; i < spin; ++i) {
+      if (generation_.load(std::memory_order_acquire) != generation) return;
+      cpu_relax();
+    }
+    slow_waits_.fetch_add(1, std::memory_order_relaxed);
+    spin_.store(std::max(kMinSpin, spin / 2), std::memory_order_relaxed);
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    while (generation_.load(std::memory_order_seq_cst) == generation)
+      futex(FUTEX_WAIT_PRIVATE, generation);  // returns at once if the generation moved on
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+  int64_t slow_waits() const { return slow_waits_.load(std::memory_order_relaxed); }
+
+ private:
+  void futex(int op, int value) {
+    syscall(SYS_futex, reinterpret_cast<int*>(&generation_), op, value, nullptr, nullptr, 0);
+  }
+
+  static_assert(sizeof(std::atomic<int>) == sizeof(int), "a futex word is an int");
+  std::atomic<int> generation_{0};
+  std::atomic<int> arrived_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<int> num_threads_{1};
+  std::atomic<int64_t> spin_;
+  std::atomic<int64_t> slow_waits_{0};
+};
+
+class Plan {
+ public:
+  // tasks: (fn capsule, args capsule, fixed_items, items_per_row, barrier_after[, multiplier])
+  // tuples, multiplier an int64 tensor whose first value (set before each run: attention's
+  // partitions) multiplies items_per_row. The capsules and tensors are kept alive here.
+  explicit Plan(const py::list& tasks) : owners_(tasks) {
+    for (const auto& item : tasks) {
+      const auto entry = item.cast<py::tuple>();
+      TORCH_CHECK(entry.size() == 5 || entry.size() == 6,
+                  "decode_step: a task is (fn, args, fixed, per_row, barrier[, multiplier])");
+      const int64_t* multiplier = nullptr;
+      if (entry.size() == 6) {
+        const auto tensor = entry[5].cast<torch::Tensor>();
+        TORCH_CHECK(tensor.scalar_type() == at::kLong && tensor.numel() >= 1,
+                    "decode_step: a multiplier is an int64 tensor");
+        multiplier = tensor.data_ptr<int64_t>();
+      }
+      const auto fn = entry[0].cast<py::capsule>();
+      const auto args = entry[1].cast<py::capsule>();
+      TORCH_CHECK(std::string(fn.name() ? fn.name() : "") == "mini_infer.task_fn" &&
+                      std::string(args.name() ? args.name() : "") == "mini_infer.task_args",
+                  "decode_step: tasks must come from the kernel libraries' make_*_task");
+      tasks_.push_back(Task{reinterpret_cast<TaskFn>(fn.get_pointer()), args.get_pointer(),
+                            entry[2].cast<int64_t>(), entry[3].cast<int64_t>(),
+                            entry[4].cast<bool>(), multiplier});
+      num_barriers_ += tasks_.back().barrier_after;
+    }
+  }
+
+  // Runs every task for a step of `rows` rows on `num_threads` threads (<= 0: torch's count).
+  // When more than a quarter of a step's barrier waits had to sleep (the cores are shared), the
+  // next kSingleThreadSteps steps run on one thread, which waits for no one; then it tries again.
+  void run(int64_t rows, int64_t num_threads, int64_t spin) {
+    TORCH_CHECK(rows > 0, "decode_step: rows must be positive");
+    int threads = static_cast<int>(num_threads > 0 ? num_threads : at::get_num_threads());
+    ++steps_;
+    if (threads > 1 && single_thread_left_ > 0) {
+      --single_thread_left_;
+      threads = 1;
+    }
+    py::gil_scoped_release no_gil;
+    if (threads == 1) {
+      ++single_thread_steps_;
+      for (const Task& t : tasks_) t.fn(t.args, rows, 0, items(t, rows));
+      return;
+    }
+    // The spin learnt by earlier steps; it grows back towards `spin` while waits stay short.
+    Barrier barrier(spin_ > 0 ? std::min(spin, spin_ * 2) : spin);
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t me = omp_get_thread_num(), n = omp_get_num_threads();
+      barrier.set_num_threads(static_cast<int>(n));
+      for (const Task& t : tasks_) {
+        const int64_t total = items(t, rows);
+        const int64_t begin = total * me / n, end = total * (me + 1) / n;
+        if (begin < end) t.fn(t.args, rows, begin, end);
+        if (t.barrier_after) barrier.wait();
+      }
+    }
+    slow_waits_ += barrier.slow_waits();
+    spin_ = barrier.spin();
+    if (barrier.slow_waits() * 4 > num_barriers_) single_thread_left_ = kSingleThreadSteps;
+  }
+
+  py::dict stats() const {
+    py::dict d;
+    d["steps"] = steps_;
+    d["single_thread_steps"] = single_thread_steps_;
+    d["slow_waits"] = slow_waits_;
+    d["tasks"] = static_cast<int64_t>(tasks_.size());
+    d["barriers"] = num_barriers_;
+    d["spin"] = spin_;
+    return d;
+  }
+
+ private:
+  static constexpr int64_t kSingleThreadSteps = 64;
+
+  static int64_t items(const Task& t, int64_t rows) {
+    const int64_t multiplier = t.row_multiplier != nullptr ? *t.row_multiplier : 1;
+    return t.fixed_items + t.items_per_row * rows * multiplier;
+  }
+
+  py::list owners_;
+  std::vector<Task> tasks_;
+  int64_t num_barriers_ = 0, steps_ = 0, single_thread_steps_ = 0, slow_waits_ = 0;
+  int64_t single_thread_left_ = 0, spin_ = 0;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Plan>(m, "Plan")
+      .def(py::init<const py::list&>())
+      .def("run", &Plan::run, py::arg("rows"), py::arg("num_threads") = 0,
+           py::arg("spin") = 4000, "run every task for a step of `rows` rows")
+      .def("stats", &Plan::stats, "steps, steps on one thread, barrier waits that slept");
+}

@@ -1,0 +1,282 @@
+"""The fused decode step (decode_step.cpp): a Llama-family model's decoder layers, for a step of
+decode rows only, as one C++ call with one OpenMP parallel region.
+
+Why: on the default model a decode step is ~650 operator calls from Python, each with its own
+parallel region. With OMP_WAIT_POLICY=PASSIVE (the engine's default, engine/openmp.py: spinning
+costs 10-40x when the cores are shared) every region wakes the second thread through the
+kernel, and on the 2-core Zen 4 VM that was most of a W1 step (one stream: 37 tok/s with
+PASSIVE, 89 with libgomp's spinning default on an idle machine). Here the threads are woken
+once per step and meet at barriers that spin briefly and then sleep on a futex (where the
+cores are shared and the waits keep sleeping, the step runs on one thread for a while: see
+decode_step.cpp); Python runs once per step instead of ~25 times per layer.
+
+The tasks are the kernels the per-operator path calls (quant_gemm's int4/int8 GEMV, fused_ops'
+RMSNorm, RoPE and SiLU * up, paged_attention's decode), so the step's bits equal that path's
+(tests/engine/kernels/test_decode_step.py). What it takes: Llama/Mistral layers, bf16
+activations, int4 or int8 weights on the C++ kernel (no bias) or bf16 weights on our GEMV
+(`linear_kernel="gemv"`, bias allowed), the float (bf16) KV cache with the
+C++ attention backend, the fused ops on; decode-only steps of at most `max_rows` rows. Anything
+else takes the per-operator path, step by step (`accepts`).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+import torch
+
+from engine.kernels.cpu import bf16_gemm, extension, fused_ops, paged_attention, quant_gemm
+from engine.layers.attention import AttentionMetadata
+
+log = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_step.cpp")
+MAX_ROWS = 16  # decode rows per fused step; a larger batch is GEMM-bound and takes the old path
+SPIN = 4000  # barrier: pause rounds (~100 us) before a waiting thread sleeps
+
+
+def extension_name() -> str:
+    return f"mini_infer_decode_step_{extension.source_digest(SOURCE)}"
+
+
+def build(build_root: Path | None = None) -> ModuleType | None:
+    return extension.build(extension_name(), SOURCE, [], build_root, event="decode_step")
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    return build()
+
+
+def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
+    """Why `model` cannot take the fused step (None: it can)."""
+    from engine.models.llama import (
+        LlamaAttention,
+        LlamaDecoderLayer,
+        LlamaForCausalLM,
+        LlamaMLP,
+        LlamaModel,
+    )
+
+    if not isinstance(model, LlamaForCausalLM) or type(model.model) is not LlamaModel:
+        return f"architecture {type(model).__name__}"
+    if kv_dtype != torch.bfloat16:
+        return f"KV cache {kv_dtype}"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if (type(layer), type(attn), type(mlp)) != (LlamaDecoderLayer, LlamaAttention, LlamaMLP):
+            return "layer types"
+        if getattr(attn.backend, "name", None) != "cpu" or not isinstance(
+            attn.kv_cache, torch.Tensor
+        ):
+            return f"attention backend {getattr(attn.backend, 'name', None)}"
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            reason = _linear_reason(linear)
+            if reason is not None:
+                return reason
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if norm.kernels is None:
+                return "fused ops off"
+    if model.model.norm.kernels is None:
+        return "fused ops off"
+    return None
+
+
+def _linear_reason(linear) -> str | None:
+    """Why a projection cannot be a task: the int4/int8 C++ GEMV (no bias) or our bf16 GEMV."""
+    from engine.layers.linear import Linear
+    from engine.quant.linear import QuantLinear
+
+    if isinstance(linear, QuantLinear):
+        if linear.cpp is None or linear.scheme not in ("int4", "int8"):
+            return f"a {linear.scheme} linear off the C++ kernel"
+        if linear.bias is not None or linear.dtype != torch.bfloat16:
+            return f"a {linear.scheme} linear with a bias or in {linear.dtype}"
+        return None
+    if isinstance(linear, Linear) and linear.kernel == "gemv":
+        return None
+    return f"a linear on the {getattr(linear, 'kernel', type(linear).__name__)} kernel (not gemv)"
+
+
+class FusedDecode:
+    """Buffers for MAX_ROWS rows and the plan over them, built once for a model whose layers'
+    KV caches are attached; `run` for each decode-only step."""
+
+    def __init__(self, model, step_ext: ModuleType, max_model_len: int, max_rows: int = MAX_ROWS):
+        cfg = model.model.layers[0].self_attn
+        hidden = model.model.norm.weight.shape[0]
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        inter = model.model.layers[0].mlp.intermediate_size
+        cache = cfg.kv_cache
+        self.block_size = cache.shape[1]
+        # As the per-operator decode splits a context: partitions of partition_blocks blocks,
+        # as many as the step's block table is wide (it must be the same split: same bits).
+        self.partition_blocks = max(1, paged_attention.PARTITION_TOKENS // self.block_size)
+        self.max_blocks = -(-max_model_len // self.block_size)
+        max_partitions = -(-self.max_blocks // self.partition_blocks)
+        self.max_rows = max_rows
+        bf16, i64 = torch.bfloat16, torch.int64
+        m = max_rows
+        self.residual = torch.zeros(m, hidden, dtype=bf16)
+        self.normed = torch.zeros(m, hidden, dtype=bf16)
+        self.branch = torch.zeros(m, hidden, dtype=bf16)  # o_proj / down_proj output
+        self.qkv = torch.zeros(m, (heads + 2 * kv_heads) * head_dim, dtype=bf16)
+        self.attn = torch.zeros(m, heads, head_dim, dtype=bf16)
+        self.gate_up = torch.zeros(m, 2 * inter, dtype=bf16)
+        self.act = torch.zeros(m, inter, dtype=bf16)
+        self.cos = torch.zeros(m, head_dim, dtype=bf16)
+        self.sin = torch.zeros(m, head_dim, dtype=bf16)
+        self.block_table = torch.zeros(m, self.max_blocks, dtype=i64)
+        self.context_lens = torch.ones(m, dtype=i64)
+        self.slot_mapping = torch.zeros(m, dtype=i64)
+        self.num_partitions = torch.ones(1, dtype=i64)
+        group = heads // kv_heads
+        self.partials = torch.zeros(m * kv_heads * max_partitions * group * (head_dim + 2))
+        # The lm_head too where it is a GEMV task (int4/int8, or bf16 on our GEMV): the logits
+        # of a decode-only step come out of the same call (every decode row samples).
+        self.has_lm_head = _linear_reason(model.lm_head) is None
+        vocab = model.lm_head.out_features if self.has_lm_head else 0
+        self.logits = torch.zeros(m, vocab, dtype=bf16)
+        self.model = model
+        self.plan = step_ext.Plan(self._tasks(model, heads, kv_heads, head_dim))
+
+    def _tasks(self, model, heads: int, kv_heads: int, head_dim: int) -> list[tuple]:
+        from engine.quant.linear import QuantLinear
+
+        fo, pa, qg, bg = (
+            fused_ops.load(),
+            paged_attention.load(),
+            quant_gemm.load(),
+            bf16_gemm.load(),
+        )
+        norm_fn, rope_fn, silu_fn = fo.norm_task_fn(), fo.rotary_task_fn(), fo.silu_mul_task_fn()
+        attn_fn, merge_fn = pa.decode_task_fn(), pa.merge_task_fn()
+        gemv_fn = qg.gemv_task_fn() if qg is not None else None
+        bf16_fn = bg.gemv_task_fn() if bg is not None else None
+        rope_view = self.qkv.view(self.max_rows, heads + 2 * kv_heads, head_dim)[
+            :, : heads + kv_heads
+        ]
+        tasks: list[tuple] = []
+        exp_lanes = (fused_ops.lanes() or (8, 0))[1]  # as engine/layers/pointwise.py passes it
+
+        def norm(norm_module, x, residual):
+            args = fo.make_norm_task(
+                x, residual, norm_module.weight, self.normed, norm_module.eps, norm_module.lanes
+            )
+            tasks.append((norm_fn, args, 0, 1, True))
+
+        def gemv(linear, x, y):
+            if not isinstance(linear, QuantLinear):  # our bf16 GEMV (the "gemv" layout)
+                args, blocks = bg.make_gemv_task(
+                    x, y, linear.weight, linear.bias, linear.out_features, linear._isa
+                )
+                tasks.append((bf16_fn, args, blocks, 0, True))
+                return
+            bits = 4 if linear.scheme == "int4" else 8
+            args, blocks = qg.make_gemv_task(
+                x, y, linear.cpp_codes, linear.cpp_scales, bits,
+                linear.quant.group_size if bits == 4 else 0, linear.out_features, linear.cpp_isa,
+            )  # fmt: skip
+            tasks.append((gemv_fn, args, blocks, 0, True))
+
+        for index, layer in enumerate(model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if index == 0:  # residual = the embeddings; normed = RMSNorm(residual)
+                norm(layer.input_layernorm, self.residual, None)
+            else:  # residual += the last MLP output; normed = RMSNorm(residual)
+                norm(layer.input_layernorm, self.branch, self.residual)
+            gemv(attn.qkv_proj, self.normed, self.qkv)
+            tasks.append((rope_fn, fo.make_rotary_task(rope_view, self.cos, self.sin), 0, 1, True))
+            decode_args = pa.make_decode_task(
+                self.qkv, attn.kv_cache, self.block_table, self.context_lens, self.slot_mapping,
+                self.num_partitions, self.partials, self.attn, heads, self.partition_blocks,
+                head_dim**-0.5,
+            )  # fmt: skip
+            tasks.append((attn_fn, decode_args, 0, kv_heads, True, self.num_partitions))
+            tasks.append((merge_fn, decode_args, 0, kv_heads, True))
+            gemv(attn.o_proj, self.attn.view(self.max_rows, -1), self.branch)
+            norm(layer.post_attention_layernorm, self.branch, self.residual)
+            gemv(mlp.gate_up_proj, self.normed, self.gate_up)
+            silu = fo.make_silu_mul_task(self.gate_up, self.act, exp_lanes)
+            tasks.append((silu_fn, silu, 1, 0, True))
+            gemv(mlp.down_proj, self.act, self.branch)
+        norm(model.model.norm, self.branch, self.residual)
+        if self.has_lm_head:
+            gemv(model.lm_head, self.normed, self.logits)
+        return tasks
+
+    def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Whether this step can run fused: decode rows only, few enough."""
+        return (
+            not meta.prefills
+            and meta.num_decodes == num_tokens
+            and 0 < num_tokens <= self.max_rows
+            and meta.decode_block_table is not None
+            and meta.decode_block_table.shape[1] <= self.max_blocks
+        )
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """input_ids, positions [rows] -> final hidden states [rows, hidden] (a view of a
+        buffer that the next step overwrites)."""
+        rows = input_ids.shape[0]
+        torch.index_select(
+            self.model.model.embed_tokens.weight, 0, input_ids, out=self.residual[:rows]
+        )
+        cos, sin = self.model.model.rotary_emb(positions)
+        self.cos[:rows].copy_(cos.view(rows, -1))
+        self.sin[:rows].copy_(sin.view(rows, -1))
+        table = meta.decode_block_table
+        self.block_table[:rows, : table.shape[1]].copy_(table)
+        self.num_partitions[0] = -(-table.shape[1] // self.partition_blocks)
+        self.context_lens[:rows].copy_(meta.decode_context_lens)
+        self.slot_mapping[:rows].copy_(meta.slot_mapping)
+        self.plan.run(rows, 0, SPIN)
+        return self.normed[:rows]
+
+    def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """The step's logits [rows, vocab] if `hidden` is this step's output and `rows` are all
+        of its rows in order (a decode-only step samples every row); else None. A view of a
+        buffer the next step overwrites: the sampler reads it within the step."""
+        num_rows = hidden.shape[0]
+        if not self.has_lm_head or hidden.data_ptr() != self.normed.data_ptr():
+            return None
+        if rows.shape[0] != num_rows or not torch.equal(rows, torch.arange(num_rows)):
+            return None
+        return self.logits[:num_rows]
+
+
+class StepForward:
+    """The model's forward with the fused step taken where it applies."""
+
+    def __init__(self, model, fused: FusedDecode):
+        self.model, self.fused = model, fused
+
+    def __call__(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        if self.fused.accepts(input_ids.shape[0], meta):
+            return self.fused.run(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta)
+
+    def logits_for(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits of `rows` of `hidden`: the fused step's own where it computed them."""
+        logits = self.fused.logits_of(hidden, rows)
+        if logits is None:
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return logits
+
+
+def resolve(model, mode: str, kv_dtype: torch.dtype, max_model_len: int):
+    """The model's forward for the runner: fused where `mode` ("auto", "on", "off") and the
+    model allow, else the model itself. "on" where it cannot apply logs why and falls back."""
+    if mode == "off":
+        return model, "off"
+    reason = unsupported_reason(model, kv_dtype)
+    step_ext = load() if reason is None else None
+    if reason is None and step_ext is None:
+        reason = "no decode_step library (no compiler)"
+    if reason is not None:
+        (log.warning if mode == "on" else log.debug)("decode_step.unsupported", reason=reason)
+        return model, reason
+    return StepForward(model, FusedDecode(model, step_ext, max_model_len)), None

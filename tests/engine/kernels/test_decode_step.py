@@ -1,0 +1,183 @@
+"""The fused decode step (engine/kernels/cpu/decode_step.py) against the per-operator path it
+replaces: the same kernels on the same inputs, so every step's final hidden states must be the
+same bits, whatever the instruction set, thread count, row count or context length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLMEngine, SamplingParams
+from engine.kernels.cpu import bf16_gemm, decode_step, quant_gemm
+from engine.layers.attention import AttentionMetadata, PrefillChunk
+from engine.layers.linear import Linear
+from engine.quant.linear import QuantLinear
+from tests.tiny_model import make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def step_ext():
+    if decode_step.load() is None or quant_gemm.load() is None:
+        pytest.skip("the C++ kernels did not build here (no compiler)")
+    return decode_step.load()
+
+
+@pytest.fixture(scope="module")
+def head_dim_64_dir(tmp_path_factory):
+    """head_dim 64 takes the attention kernel's unrolled path (the default tiny model: 16)."""
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("tiny-hd64"), hidden_size=256, num_attention_heads=4,
+        num_key_value_heads=1, intermediate_size=256,
+    )  # fmt: skip
+
+
+class Checker:
+    """The runner's forward, running each fused step and then the per-operator path on the same
+    inputs (both write the same K/V to the same slots) and comparing their outputs."""
+
+    def __init__(self, forward: decode_step.StepForward):
+        self.forward, self.num_checked, self.num_rows = forward, 0, set()
+
+    def __call__(self, input_ids, positions, meta):
+        fused, model = self.forward.fused, self.forward.model
+        if not fused.accepts(input_ids.shape[0], meta):
+            return model(input_ids, positions, meta)
+        got = fused.run(input_ids, positions, meta).clone()
+        rows = torch.arange(input_ids.shape[0])
+        got_logits = fused.logits_of(fused.normed[: rows.shape[0]], rows).clone()
+        want = model(input_ids, positions, meta)
+        assert torch.equal(got, want), (got - want).abs().max()
+        assert torch.equal(got_logits, model.compute_logits(want))  # the lm_head task too
+        self.num_checked += 1
+        self.num_rows.add(input_ids.shape[0])
+        return want
+
+
+def _engine(model_dir, quantization: str, **kwargs) -> LLMEngine:
+    return LLMEngine(
+        model_dir, dtype="bfloat16", quantization=quantization, num_kv_blocks=96, **kwargs
+    )
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+    return tokens
+
+
+def _check(engine: LLMEngine, prompts, max_tokens: int) -> Checker:
+    forward = engine.runner._forward
+    assert isinstance(forward, decode_step.StepForward), engine.runner.fused_decode
+    assert forward.fused.has_lm_head
+    checker = engine.runner._forward = Checker(forward)
+    _run(engine, prompts, max_tokens)
+    return checker
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23], list(range(30, 67))]
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("isa", quant_gemm.ISAS)
+def test_fused_step_is_bit_identical_to_the_per_operator_path(
+    step_ext, tiny_model_dir, quantization, isa
+):
+    if not quant_gemm.can_run(isa):
+        pytest.skip(f"this CPU cannot run the {isa} path")
+    engine = _engine(tiny_model_dir, quantization)
+    for module in engine.runner.model.modules():  # force the GEMV path, then re-plan
+        if isinstance(module, QuantLinear):
+            module.cpp_isa = quant_gemm.isa_code(isa)
+    engine.runner._forward.fused = decode_step.FusedDecode(
+        engine.runner.model, step_ext, engine.runner.max_model_len
+    )
+    checker = _check(engine, PROMPTS, max_tokens=10)
+    # Rows 4 down to 1 as the requests finish... all decode steps ran fused, and were checked.
+    assert checker.num_checked >= 9 and 4 in checker.num_rows
+
+
+@pytest.mark.parametrize("isa", bf16_gemm.ISAS)
+def test_fused_step_with_bf16_weights_on_our_gemv(step_ext, tiny_model_dir, isa):
+    if not quant_gemm.can_run(isa):
+        pytest.skip(f"this CPU cannot run the {isa} path")
+    engine = _engine(tiny_model_dir, None, linear_kernel="gemv")
+    for module in engine.runner.model.modules():
+        if isinstance(module, Linear) and module.kernel == "gemv":
+            module._isa = quant_gemm.isa_code(isa)  # the two libraries number paths alike
+    engine.runner._forward.fused = decode_step.FusedDecode(
+        engine.runner.model, step_ext, engine.runner.max_model_len
+    )
+    checker = _check(engine, PROMPTS, max_tokens=6)
+    assert checker.num_checked >= 5 and 4 in checker.num_rows
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_fused_step_splits_long_contexts_as_the_per_operator_decode_does(
+    step_ext, tiny_model_dir, monkeypatch, num_threads
+):
+    """Contexts longer than a partition (made 2 blocks here) are split into partitions and
+    merged, and the row whose new token lies in any partition writes its K/V there."""
+    from engine.kernels.cpu import paged_attention
+
+    monkeypatch.setattr(paged_attention, "PARTITION_TOKENS", 32)
+    engine = _engine(tiny_model_dir, "int4")
+    fused = engine.runner._forward.fused = decode_step.FusedDecode(
+        engine.runner.model, step_ext, engine.runner.max_model_len
+    )
+    assert fused.partition_blocks == 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(num_threads)
+        checker = _check(engine, [*PROMPTS, list(range(100, 190))], max_tokens=20)
+    finally:
+        torch.set_num_threads(threads)
+    assert checker.num_checked >= 19 and int(fused.num_partitions[0]) >= 3
+
+
+def test_fused_step_on_one_thread_and_with_an_unrolled_head_dim(step_ext, head_dim_64_dir):
+    engine = _engine(head_dim_64_dir, "int4")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        checker = _check(engine, PROMPTS[:3], max_tokens=6)
+    finally:
+        torch.set_num_threads(threads)
+    assert checker.num_checked >= 5
+
+
+def test_tokens_match_with_fused_decode_off(step_ext, tiny_model_dir):
+    on = _run(_engine(tiny_model_dir, "int4"), PROMPTS, max_tokens=8)
+    off_engine = _engine(tiny_model_dir, "int4", fused_decode="off")
+    assert off_engine.runner.fused_decode == "off"
+    assert on == _run(off_engine, PROMPTS, max_tokens=8)
+
+
+def test_unsupported_models_and_steps_take_the_per_operator_path(step_ext, tiny_model_dir):
+    # float weights on oneDNN's layout and fp32: the per-operator path, with the reason.
+    packed = _engine(tiny_model_dir, None, linear_kernel="plain").runner.fused_decode
+    assert "linear" in packed
+    fp32 = LLMEngine(tiny_model_dir, dtype="float32", quantization="int4", num_kv_blocks=32)
+    assert fp32.runner.fused_decode is not None
+    int8_kv = _engine(tiny_model_dir, "int4", kv_cache_dtype="int8")
+    assert "KV cache" in int8_kv.runner.fused_decode or "backend" in int8_kv.runner.fused_decode
+    with pytest.raises(ValueError, match="fused_decode"):
+        _engine(tiny_model_dir, "int4", fused_decode="sometimes")
+
+    fused = _engine(tiny_model_dir, "int4").runner._forward.fused
+    ids = torch.zeros(2, dtype=torch.int64)
+
+    def meta(width: int, prefills=()) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=ids, num_decodes=2, decode_block_table=torch.zeros(2, width, dtype=torch.int64),
+            decode_context_lens=torch.ones(2, dtype=torch.int64), prefills=list(prefills),
+        )  # fmt: skip
+
+    assert fused.accepts(2, meta(fused.max_blocks))
+    assert not fused.accepts(2, meta(fused.max_blocks + 1))  # wider than max_model_len
+    assert not fused.accepts(3, meta(1, [PrefillChunk(2, 1, 0)]))  # a prefill in the step
+    assert not fused.accepts(fused.max_rows + 1, meta(1))
