@@ -83,6 +83,7 @@ def child(model: str, options: dict, num_requests: int, max_tokens: int) -> dict
         "num_kv_blocks": llm.engine.runner.num_kv_blocks,
         "kv_cache_bytes": llm.engine.runner.kv_cache_bytes,
         **{f"rss_{stage}_mib": stages[stage]["VmRSS"] for stage in STAGES if stage in stages},
+        "rss_load_peak_mib": stages["load"]["VmHWM"],  # the peak while loading
         "stages": stages,
     }
 
@@ -156,13 +157,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 KEYS = ("rss_after_load_mib", "peak_rss_mib", "tokens_per_s", "load_s")
-STAGE_KEYS = tuple(f"rss_{stage}_mib" for stage in STAGES)
+STAGE_KEYS = tuple(f"rss_{stage}_mib" for stage in STAGES) + ("rss_load_peak_mib",)
 
 
 def _medians(runs: list[dict]) -> dict:
     ok = [r for r in runs if "error" not in r]
     keys = [key for key in KEYS + STAGE_KEYS if ok and all(key in r for r in ok)]
-    return {key: statistics.median(r[key] for r in ok) for key in keys}
+    return {key: round(statistics.median(r[key] for r in ok), 1) for key in keys}
 
 
 def _ratios(medians: dict) -> dict:
@@ -179,7 +180,8 @@ def _table(medians: dict) -> str:
     lines = [f"{'tree':12} " + " ".join(f"{k:>20}" for k in KEYS)]
     for name, m in medians.items():
         lines.append(f"{name:12} " + " ".join(f"{m.get(k, float('nan')):>20}" for k in KEYS))
-    lines += ["", f"{'RSS MiB at':12} " + " ".join(f"{stage:>9}" for stage in STAGES + ("peak",))]
+    columns = STAGES + ("load peak", "peak")
+    lines += ["", f"{'RSS MiB at':12} " + " ".join(f"{stage:>9}" for stage in columns)]
     for name, m in medians.items():
         if name == "llama-server":
             continue
