@@ -125,6 +125,14 @@ class StepBatch:
     sample_requests: list[ScheduledRequest]
 
 
+@dataclass
+class ModelRunnerOutput:
+    """What one step of the runner produced."""
+
+    sampled: dict[str, int]  # request id -> the token sampled (requests with needs_sample)
+    logprobs: dict[str, StepLogprobs]  # request id -> prompt chunk / sample logprobs, if asked
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -186,7 +194,6 @@ class ModelRunner:
             self._forward = CompiledModel(self.model, backend, self._layer_caches)
             self._warm_up()
         self.sampler = Sampler()
-        self.step_logprobs: dict[str, StepLogprobs] = {}
         log.info(
             "model_runner.ready", model=str(model_path), dtype=str(self.dtype).split(".")[-1],
             max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
@@ -329,41 +336,39 @@ class ModelRunner:
             attention.kv_cache = self._layer_caches[layer_index]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run one step; return {request_id: sampled token} for every request with needs_sample."""
-        requests, logits = self._run(out)
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: the token sampled for every request with needs_sample, and the
+        logprobs of the requests that asked for them."""
+        requests, logits, step_logprobs = self._run(out)
         if not requests:
-            return {}
+            return ModelRunnerOutput({}, step_logprobs)
         token_ids = self.sampler(logits, requests)
-        add_sample_logprobs(self.step_logprobs, logits, requests, token_ids)
-        return {r.request_id: t for r, t in zip(requests, token_ids, strict=True)}
+        add_sample_logprobs(step_logprobs, logits, requests, token_ids)
+        sampled = {r.request_id: t for r, t in zip(requests, token_ids, strict=True)}
+        return ModelRunnerOutput(sampled, step_logprobs)
 
     @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Run one step exactly like `execute` (K/V are written) but return the float32 logits
         [vocab] of each sampling request instead of sampling. For tests and debugging."""
-        requests, logits = self._run(out)
+        requests, logits, _ = self._run(out)
         return {r.request_id: logits[i].float() for i, r in enumerate(requests)}
 
-    def take_logprobs(self) -> dict[str, StepLogprobs]:
-        """The last step's logprobs (requests that asked for them), handed over once."""
-        step, self.step_logprobs = self.step_logprobs, {}
-        return step
-
-    def _run(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
-        """schedule's output -> (requests that sample, their logits on the CPU); the prompt
-        logprob chunks of the step into `step_logprobs`. Device runners override only
-        `_prepare`, `_forward_batch` and `_logits` (copies, graph replay), not this."""
+    def _run(
+        self, out: SchedulerOutput
+    ) -> tuple[list[ScheduledRequest], torch.Tensor | None, dict[str, StepLogprobs]]:
+        """schedule's output -> (requests that sample, their logits on the CPU, the step's
+        prompt logprob chunks). Device runners override only `_prepare`, `_forward_batch` and
+        `_logits` (copies, graph replay), not this."""
         self.sampler.drop(out.finished_request_ids)
-        self.step_logprobs: dict[str, StepLogprobs] = {}
         if not out.scheduled:
-            return [], None
+            return [], None, {}
         batch = self._prepare(out.scheduled)
         hidden = self._forward_batch(batch)  # [num_tokens, hidden]
-        self.step_logprobs = prompt_logprobs_for_step(self.model, hidden, out.scheduled)
+        prompt_logprobs = prompt_logprobs_for_step(self.model, hidden, out.scheduled)
         if not batch.sample_requests:
-            return [], None
-        return batch.sample_requests, self._logits(hidden, batch)
+            return [], None, prompt_logprobs
+        return batch.sample_requests, self._logits(hidden, batch), prompt_logprobs
 
     def _forward_batch(self, batch: StepBatch) -> torch.Tensor:
         return self._forward(batch.input_ids, batch.positions, batch.meta)
