@@ -14,7 +14,9 @@ a view of its slice.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
+import mmap
 import os
 import sys
 import time
@@ -57,19 +59,33 @@ log = structlog.get_logger(__name__)
 MAX_DEFAULT_MODEL_LEN = 8192
 
 
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _lazy_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False
+) -> torch.Tensor:
     """Zeros whose memory the OS commits page by page on first write.
 
     `torch.zeros` writes every byte, so a 512 MiB KV pool costs 512 MiB of RSS before the first
-    request. calloc of a large block returns fresh anonymous pages that are already zero, and
-    they count only once a block is used: a worker's memory follows its load, while the pool
-    (and so the scheduler's limit) keeps its configured size. Zero, not garbage, matters: a
-    decode reads whole blocks, and masked-out slots must not hold NaN bit patterns (0 * NaN in
-    the attention sum is NaN)."""
-    num_bytes = math.prod(shape) * dtype.itemsize
-    raw = np.zeros(num_bytes + 64, dtype=np.uint8)  # calloc
-    start = -raw.ctypes.data % 64  # cache-line aligned, like torch's own allocations
-    return torch.from_numpy(raw[start : start + num_bytes]).view(dtype).view(shape)
+    request. A private anonymous mapping is zero already and its pages count only once a block
+    is used: a worker's memory follows its load, while the pool (and so the scheduler's limit)
+    keeps its configured size. Zero, not garbage, matters: a decode reads whole blocks, and
+    masked-out slots must not hold NaN bit patterns (0 * NaN in the attention sum is NaN).
+
+    Without `huge_pages` the mapping is marked MADV_NOHUGEPAGE: a block is a few KiB in each
+    layer's slice ([num_layers, num_kv_blocks, ...]), and with transparent huge pages (numpy
+    asks for them on its large allocations) its first write commits 2 MiB in every layer.
+    Measured (SmolLM2 int4 + int8 KV, 30 layers): one 43-token request committed 87 MiB of
+    the pool, 0.5 MiB without."""
+    num_bytes = max(1, math.prod(shape) * dtype.itemsize)
+    if not hasattr(mmap, "MAP_PRIVATE"):  # not a Unix: calloc, through numpy
+        raw = np.zeros(num_bytes + 64, dtype=np.uint8)
+        start = -raw.ctypes.data % 64  # cache-line aligned, like torch's own allocations
+        return torch.from_numpy(raw[start : start + num_bytes]).view(dtype).view(shape)
+    buffer = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE" if huge_pages else "MADV_NOHUGEPAGE", None)
+    if advice is not None:
+        buffer.madvise(advice)
+    # The tensor holds a reference to `buffer`: the mapping lives (and is unmapped) with it.
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def _keep_freed_memory() -> None:
@@ -292,6 +308,7 @@ class ModelRunner:
         self.kv_cache = _lazy_zeros(
             (num_layers, self.num_kv_blocks, self.block_size, 2, num_kv_heads, head_dim),
             self.dtype,
+            huge_pages=self.config.kv_cache_prefault,  # committed whole anyway
         )
         if self.config.kv_cache_prefault:
             self.kv_cache.fill_(0)  # commits every page now (it is zero already)
@@ -306,7 +323,7 @@ class ModelRunner:
     ) -> None:
         codes, scales = kv_int8.allocate(
             num_layers, self.num_kv_blocks, self.block_size, num_kv_heads, head_dim,
-            zeros or _lazy_zeros,
+            zeros or functools.partial(_lazy_zeros, huge_pages=self.config.kv_cache_prefault),
         )  # fmt: skip
         if self.config.kv_cache_prefault:
             codes.fill_(0)
