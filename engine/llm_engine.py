@@ -211,7 +211,9 @@ class LLMEngine:
             if req is None or req.group_id != request_id:
                 continue  # gone, or a sample's internal id: only the caller's id aborts
             self._detokenizers.pop(sample_id, None)
-            is_found = self.scheduler.finish_request(sample_id, FINISH_ABORT) is not None or is_found
+            is_found = (
+                self.scheduler.finish_request(sample_id, FINISH_ABORT) is not None or is_found
+            )
         return is_found
 
     def has_unfinished_requests(self) -> bool:
@@ -225,16 +227,16 @@ class LLMEngine:
                 self.runner.execute(out)  # lets the runner drop per-request state
             return []
         started_s = time.perf_counter()
-        sampled = self.runner.execute(out)
+        result = self.runner.execute(out)
         if self.scheduler.cost_model is not None:  # the online correction of the step cost
             chunks = [(s.start_position, len(s.token_ids)) for s in out.scheduled]
             self.scheduler.cost_model.observe(chunks, (time.perf_counter() - started_s) * 1000)
-        step_logprobs = self.runner.take_logprobs()
+        step_logprobs = result.logprobs
         for request_id, produced in step_logprobs.items():
             accumulator = self._prompt_logprobs.get(request_id)
             if produced.prompt_chunk is not None and accumulator is not None:
                 accumulator.add(produced.prompt_chunk)
-        updated = self.scheduler.update_from_output(out, sampled)
+        updated = self.scheduler.update_from_output(out, result.sampled)
         return [self._postprocess(req, step_logprobs.get(req.request_id)) for req in updated]
 
     def _finish_reason(self, req: Request, token: int) -> str | None:

@@ -189,7 +189,13 @@ def load_weights(model: nn.Module, path: Path, skip_modules: frozenset[str] = fr
     }
     loaded: set[tuple[str, str | None]] = set()
     is_skipped = lambda key: _map_name(key, mapping)[0] in skipped  # noqa: E731
-    for key, tensor in _iter_checkpoint(Path(path), is_skipped):
+
+    def dtype_of(key: str) -> torch.dtype:  # a plain copy casts anyway; a weight_loader may
+        name = _map_name(key, mapping)[0]  # quantize, and gets the float32 values
+        plain = name in params and getattr(owners[name], "weight_loader", None) is None
+        return params[name].dtype if plain else torch.float32
+
+    for key, tensor in _iter_checkpoint(Path(path), is_skipped, dtype_of):
         name, shard = _map_name(key, mapping)
         if name not in params:
             if _is_ignorable(key, model):
@@ -262,18 +268,23 @@ def _is_ignorable(key: str, model: nn.Module) -> bool:
 
 
 def _iter_checkpoint(
-    path: Path, skip: Callable[[str], bool] = lambda key: False
+    path: Path, skip: Callable[[str], bool] = lambda key: False, dtype_of=None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) of every weight; those `skip` accepts are never read. A
     checkpoint made from a GGUF is read from the GGUF (dequantized in memory, one tensor at a
-    time), also when an older conversion left a float copy beside it."""
+    time, straight into `dtype_of(name)`: float32 by default), also when an older conversion
+    left a float copy beside it."""
     gguf_file = gguf_source(path)
     if gguf_file is not None:
         from transformers import AutoConfig
 
         from engine.quant import gguf
 
-        yield from gguf.iter_float_tensors(gguf_file, AutoConfig.from_pretrained(path), skip)
+        hf_config = AutoConfig.from_pretrained(path)
+        if dtype_of is None:
+            yield from gguf.iter_float_tensors(gguf_file, hf_config, skip)
+        else:
+            yield from gguf.iter_float_tensors(gguf_file, hf_config, skip, dtype_of)
         return
     files = sorted(path.glob("*.safetensors"))
     if not files:

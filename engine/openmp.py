@@ -1,12 +1,14 @@
 """OpenMP wait policy: the engine's threads sleep, not spin, while they wait for each other.
 
-Why PASSIVE: a decode step is hundreds of short parallel regions, and on a machine the process
-does not have to itself (the worker's event loop, the broker, other jobs) a libgomp thread that
-spins at the end of one (its default: up to 300k iterations, then sleep) holds the core its
-partner needs; measured on the shared 2-core Zen 4 VM, PASSIVE ran one stream 4-40x faster than
-libgomp's default and spin counts of 10k-100k (every table: loadtest/README.md, "OpenMP wait
-policy"). On an idle machine the default measured faster at one stream (issue 17: 64-78 against
-52-54 tok/s, W1 int4): a dedicated machine sets GOMP_SPINCOUNT or OMP_WAIT_POLICY itself (either
+Why PASSIVE: where the cores are shared (the worker's event loop, the broker, other jobs), a
+libgomp thread that spins at the end of a parallel region (its default: up to 300k iterations,
+then sleep) holds the core its partner needs; measured on the shared 2-core Zen 4 VM, PASSIVE
+ran one stream 4-40x faster than libgomp's default and spin counts of 10k-100k (every table:
+loadtest/README.md, "OpenMP wait policy"). On an idle machine the per-operator step pays for it
+(2026-12-03, idle VM, W1 int4: 37 tok/s with PASSIVE against 89 with libgomp's default and 91
+with GOMP_SPINCOUNT=100000); the fused decode step (engine/kernels/cpu/decode_step.py) takes
+that cost away where it applies: one parallel region per step, whose barriers spin briefly and
+then sleep. A dedicated machine may still set GOMP_SPINCOUNT or OMP_WAIT_POLICY itself (either
 one set means nothing is added here) or MINI_INFER_OMP_DEFAULTS=off for libgomp's defaults.
 
 It must be in the environment before libgomp starts, i.e. before torch is first imported:

@@ -13,9 +13,11 @@ torch's own dispatch level (`torch.backends.cpu.get_cpu_capability()`: "AVX512",
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,3 +113,18 @@ def auto_dtype(checkpoint_dtype: torch.dtype | None, info: CpuInfo | None = None
     if checkpoint_dtype in (torch.bfloat16, torch.float16) and has_native(checkpoint_dtype, info):
         return checkpoint_dtype
     return torch.float32
+
+
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the OS now (glibc's malloc_trim; a no-op elsewhere).
+
+    The model runner raises glibc's trim threshold so each step's freed temporaries stay
+    mapped; while loading, that also keeps every freed intermediate (a layer's canonical codes
+    once packed, dequantized chunks) resident until the end of the load, where they all add to
+    the peak. Called between layers while loading, it keeps the peak near the live data."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
+        return

@@ -7,7 +7,10 @@ paths against llama.cpp's F16, rounds alternating, medians, and the weight bytes
 
 Sides: "gemv" / "packed" / "plain" / "auto" are the engine in bf16 with that `linear_kernel`
 (gemv: our kernel, engine/kernels/cpu/bf16_gemm.py; packed: oneDNN's; auto: the calibrated
-choice); "llamacpp" is `llama-server` on the F16 GGUF (`-t 2 -tb 2`, started with
+choice); "int4" the engine with int4 weights (group 32, the checkpoint quantized once and
+cached); "llamacpp" is `llama-server` on the F16 GGUF and "llamacpp-q4" on a Q4_1 one
+(`--gguf-q4`; made with the peer build's `llama-quantize F16.gguf Q4_1.gguf Q4_1`), each with
+`-t 2 -tb 2` and started with
 OMP_WAIT_POLICY removed from its environment: ggml's threads are OpenMP threads too, and the
 PASSIVE the engine sets would halve its speed). Each side runs in its own process each round.
 GB/s = tokens/s x the bytes of the weights one decode step reads (every linear, the tied
@@ -25,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-ENGINE_SIDES = ("gemv", "packed", "plain", "auto")
+ENGINE_SIDES = ("gemv", "packed", "plain", "auto", "int4")
 
 
 def weight_bytes_per_token(config: dict) -> int:
@@ -43,16 +46,21 @@ def _child(side: str, spec: dict, q) -> None:
         from loadtest.workloads import ENGINE_OPTIONS, chat_prompts
 
         prompts = chat_prompts(load_tokenizer(Path(spec["model"])), 1)
-        if side == "llamacpp":
+        if side.startswith("llamacpp"):
             os.environ.pop("OMP_WAIT_POLICY", None)  # the server inherits our environment
             from loadtest.llamacpp_peer import run_llamacpp
 
-            result = run_llamacpp(Path(spec["llama_server"]), Path(spec["gguf"]), prompts,
+            gguf = spec["gguf_q4"] if side == "llamacpp-q4" else spec["gguf"]
+            result = run_llamacpp(Path(spec["llama_server"]), Path(gguf), prompts,
                                   [spec["max_tokens"]])  # fmt: skip
         else:
             from loadtest.bench_engine import run_engine
 
-            options = {**ENGINE_OPTIONS, "linear_kernel": side, "compile": "off"}
+            options = {**ENGINE_OPTIONS, "compile": "off"}
+            if side == "int4":
+                options["quantization"] = "int4"
+            else:
+                options["linear_kernel"] = side
             result = run_engine(spec["model"], "bfloat16", prompts, spec["max_tokens"],
                                 **options)  # fmt: skip
         q.put(result)
@@ -80,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_1b")
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--gguf", type=Path, default=None)
+    parser.add_argument("--gguf-q4", type=Path, default=None, help="Q4_1 GGUF (llamacpp-q4)")
     parser.add_argument("--llama-server", default=None)
     parser.add_argument("--sides", default="gemv,packed,llamacpp")
     parser.add_argument("--rounds", type=int, default=3)
@@ -90,12 +99,13 @@ def main(argv: list[str] | None = None) -> int:
 
     sides = args.sides.split(",")
     spec = {"model": str(args.model), "max_tokens": args.max_tokens,
-            "gguf": str(args.gguf or args.model / "gguf" / "bench-1b-F16.gguf")}  # fmt: skip
-    if "llamacpp" in sides:
+            "gguf": str(args.gguf or args.model / "gguf" / "bench-1b-F16.gguf"),
+            "gguf_q4": str(args.gguf_q4 or args.model / "gguf" / "bench-1b-Q4_1.gguf")}  # fmt: skip
+    if any(side.startswith("llamacpp") for side in sides):
         server = find_server(args.llama_server)
         if server is None:
             print(missing_message(), file=sys.stderr)
-            sides.remove("llamacpp")
+            sides = [side for side in sides if not side.startswith("llamacpp")]
         else:
             spec["llama_server"] = str(server)
     config = json.loads((args.model / "config.json").read_text())
@@ -106,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         for side in sides:
             result = measure(side, spec)
             runs[side].append(result)
-            print(f"round {round_index + 1} {side:9} "
+            print(f"round {round_index + 1} {side:11} "
                   f"{result.get('tokens_per_s', result.get('error'))} tok/s "
                   f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
             loads.append(os.getloadavg()[0])
@@ -117,14 +127,16 @@ def main(argv: list[str] | None = None) -> int:
             median = statistics.median(speeds)
             summary[side] = {"tokens_per_s": speeds, "median": median,
                              "gb_s": round(median * nbytes / 1e9, 1)}  # fmt: skip
-    base = summary.get("llamacpp", {}).get("median")
+    bases = {side: summary.get(side, {}).get("median") for side in ("llamacpp", "llamacpp-q4")}
     print(f"\nW1 1x{args.max_tokens}, {nbytes / 1e9:.2f} GB of weights per token, "
           f"load average {min(loads):.1f}-{max(loads):.1f}")  # fmt: skip
-    print(f"{'side':9} {'tok/s (rounds)':>28} {'median':>7} {'GB/s':>6} {'vs llama.cpp':>12}")
+    print(f"{'side':11} {'tok/s (rounds)':>28} {'median':>7} {'GB/s':>6} {'vs llama.cpp':>12}")
     for side, s in summary.items():
+        # int4 against Q4_1, everything else against F16 (16-bit weights; GB/s assumes them)
+        base = bases["llamacpp-q4" if side in ("int4", "llamacpp-q4") else "llamacpp"]
         ratio = f"{s['median'] / base:.2f}x" if base else "-"
         rounds = ", ".join(f"{v:.1f}" for v in s["tokens_per_s"])
-        print(f"{side:9} {rounds:>28} {s['median']:7.1f} {s['gb_s']:6.1f} {ratio:>12}")
+        print(f"{side:11} {rounds:>28} {s['median']:7.1f} {s['gb_s']:6.1f} {ratio:>12}")
     doc = {"workload": "W1", "max_tokens": args.max_tokens, "weight_bytes_per_token": nbytes,
            "load_average": loads, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "summary": summary, "runs": runs}  # fmt: skip

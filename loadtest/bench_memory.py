@@ -8,7 +8,7 @@ run (issue 17's memory target: int4 weights + the int8 KV cache).
 Each (tree, round) runs in its own process (`python -m loadtest.bench_memory --child` with that
 tree first on PYTHONPATH), so its peak RSS (`ru_maxrss`) is its own: load the default model with
 `--options`, run W2 (32 chat prompts submitted together, 128 tokens each, EOS ignored), report
-RSS after load, peak RSS and tokens/s. Trees alternate round by round; the table gives medians
+RSS after each stage (import, weights, KV pool, load, warm-up, W2), peak RSS and tokens/s. Trees alternate round by round; the table gives medians
 and this tree's ratio to the baseline (and to llama-server on the same GGUF and prompts, its
 own -np 32, with `--llama-server`). The machine is shared: `uptime` is recorded beside.
 """
@@ -29,34 +29,62 @@ HERE = Path(__file__).resolve().parents[1]
 DEFAULT_OPTIONS = {"dtype": "bfloat16", "quantization": "int4", "kv_cache_dtype": "int8"}
 
 
-def _rss_mib() -> float:
+def _memory_status() -> dict[str, float]:
+    """MiB from /proc/self/status: VmRSS (now), VmHWM (peak so far), RssAnon (heap, torch's
+    operator tables, tensors), RssFile (mapped libraries and files, the GGUF included)."""
+    out = {}
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                out[key] = round(int(value.split()[0]) / 1024, 1)
+    return out
+
+
+STAGES = ("import", "weights", "kv_pool", "load", "warm_up", "w2")
 
 
 def child(model: str, options: dict, num_requests: int, max_tokens: int) -> dict:
+    """Run W2 in this process; RSS at each stage: after `import` (torch, transformers, the
+    engine), after the `weights` are loaded and packed, after the `kv_pool` is allocated, after
+    the whole `load` (tokenizer, engine), after a `warm_up` request and at the end of `w2`
+    (`peak_rss_mib`: the peak over the whole process)."""
+    stages = {}
     from engine import LLM, SamplingParams
+    from engine.model_runner import ModelRunner
     from loadtest.workloads import chat_prompts
 
+    stages["import"] = _memory_status()
+    allocate = ModelRunner._allocate_kv_cache
+
+    def allocate_and_record(runner):  # weights are in and packed when the pool is allocated
+        stages["weights"] = _memory_status()
+        allocate(runner)
+        stages["kv_pool"] = _memory_status()
+
+    ModelRunner._allocate_kv_cache = allocate_and_record
     start = time.perf_counter()
     llm = LLM(model, **options)
     load_s = time.perf_counter() - start
-    rss_after_load = _rss_mib()
+    stages["load"] = _memory_status()
     prompts = chat_prompts(llm.tokenizer, num_requests)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    stages["warm_up"] = _memory_status()
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
+    stages["w2"] = _memory_status()
     return {
         "load_s": round(load_s, 2),
-        "rss_after_load_mib": round(rss_after_load, 1),
+        "rss_after_load_mib": stages["load"]["VmRSS"],
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "tokens_per_s": round(sum(len(o.token_ids) for o in outs) / elapsed, 1),
         "num_kv_blocks": llm.engine.runner.num_kv_blocks,
+        "kv_cache_bytes": llm.engine.runner.kv_cache_bytes,
+        **{f"rss_{stage}_mib": stages[stage]["VmRSS"] for stage in STAGES if stage in stages},
+        "rss_load_peak_mib": stages["load"]["VmHWM"],  # the peak while loading
+        "stages": stages,
     }
 
 
@@ -129,12 +157,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 KEYS = ("rss_after_load_mib", "peak_rss_mib", "tokens_per_s", "load_s")
+STAGE_KEYS = tuple(f"rss_{stage}_mib" for stage in STAGES) + ("rss_load_peak_mib",)
 
 
 def _medians(runs: list[dict]) -> dict:
     ok = [r for r in runs if "error" not in r]
-    keys = [key for key in KEYS if ok and all(key in r for r in ok)]
-    return {key: statistics.median(r[key] for r in ok) for key in keys}
+    keys = [key for key in KEYS + STAGE_KEYS if ok and all(key in r for r in ok)]
+    return {key: round(statistics.median(r[key] for r in ok), 1) for key in keys}
 
 
 def _ratios(medians: dict) -> dict:
@@ -147,9 +176,17 @@ def _ratios(medians: dict) -> dict:
 
 
 def _table(medians: dict) -> str:
-    lines = [f"{'tree':9} " + " ".join(f"{k:>20}" for k in KEYS)]
+    """Medians per tree; then the engine's RSS (MiB) after each stage (see `child`)."""
+    lines = [f"{'tree':12} " + " ".join(f"{k:>20}" for k in KEYS)]
     for name, m in medians.items():
-        lines.append(f"{name:9} " + " ".join(f"{m.get(k, float('nan')):>20}" for k in KEYS))
+        lines.append(f"{name:12} " + " ".join(f"{m.get(k, float('nan')):>20}" for k in KEYS))
+    columns = STAGES + ("load peak", "peak")
+    lines += ["", f"{'RSS MiB at':12} " + " ".join(f"{stage:>9}" for stage in columns)]
+    for name, m in medians.items():
+        if name == "llama-server":
+            continue
+        cells = [m.get(k, float("nan")) for k in STAGE_KEYS + ("peak_rss_mib",)]
+        lines.append(f"{name:12} " + " ".join(f"{cell:>9}" for cell in cells))
     return "\n".join(lines)
 
 

@@ -148,7 +148,10 @@ def run_llamacpp(
         start = time.perf_counter()
 
         def client(i: int) -> None:
-            results[i] = server.complete(prompts[i], max_tokens[i], start, stream)
+            try:
+                results[i] = server.complete(prompts[i], max_tokens[i], start, stream)
+            except Exception as error:  # seen by the caller, not lost in a thread
+                results[i] = {"error": repr(error)}
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
         for t in threads:
@@ -157,6 +160,11 @@ def run_llamacpp(
             t.join()
         elapsed = time.perf_counter() - start
         peak_rss_mib = peak_rss_of(server.proc.pid)
+    failed = [r["error"] for r in results if "error" in r]
+    if failed:
+        raise RuntimeError(
+            f"{len(failed)} of {len(results)} llama-server requests failed: {failed[0]}"
+        )
     num_tokens = sum(r["num_tokens"] for r in results)
     stats = summarize(num_tokens, elapsed, [r["ttft_s"] for r in results])
     speeds = [r["predicted_per_second"] for r in results if r["predicted_per_second"]]

@@ -9,6 +9,7 @@ Finally every quantized layer is packed for its kernel.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import structlog
@@ -43,7 +44,10 @@ def load_model_weights(
     skip = frozenset(cache.quant_modules(model))
     if gguf_file is not None and gguf.loads_as_is(gguf_file, quant):
         # The GGUF is the quantized cache: memory-mapped, no second file, nothing to rebuild.
-        _load_from_gguf(model, model_path, gguf_file, skip)
+        # Each layer is packed once filled (nothing needs the canonical form afterwards).
+        on_filled = functools.partial(_pack_and_trim, keep_torch_layout=keep_torch_layout)
+        on_filled = on_filled if pack else None
+        _load_from_gguf(model, model_path, gguf_file, skip, on_filled)
         origin = "gguf"
     else:
         origin = _load_through_cache(model, model_path, quant, cache_root, gguf_file, skip)
@@ -54,14 +58,28 @@ def load_model_weights(
     return origin
 
 
-def _load_from_gguf(model: nn.Module, model_path: Path, gguf_file: Path, skip) -> None:
+def _pack_and_trim(module: nn.Module, keep_torch_layout: bool) -> None:
+    """Pack a layer as soon as it is filled and hand its canonical tensors' pages back."""
+    from engine.platform import trim_heap
+
+    module.pack(keep_torch_layout)
+    trim_heap()
+
+
+def _load_from_gguf(
+    model: nn.Module, model_path: Path, gguf_file: Path, skip, on_filled=None
+) -> None:
     from transformers import AutoConfig
 
     from engine.loader import load_weights
+    from engine.platform import trim_heap
     from engine.quant import gguf
 
     load_weights(model, model_path, skip_modules=skip)  # embeddings, norms, biases
-    gguf.load_quantized_layers(model, gguf_file, AutoConfig.from_pretrained(model_path))
+    if on_filled is not None:  # packing as it goes: trimming as it goes too
+        trim_heap()
+    hf_config = AutoConfig.from_pretrained(model_path)
+    gguf.load_quantized_layers(model, gguf_file, hf_config, on_filled)
 
 
 def _load_through_cache(

@@ -133,24 +133,26 @@ _SUPPORTED_TEXT = (
 DEQUANTIZE_ROWS = 4096  # rows per chunk: gguf's temporaries stay small beside the output
 
 
-def dequantize(tensor) -> torch.Tensor:
-    """float32 [rows, cols] (or [n] for 1-d tensors) of a GGUF tensor, dequantized by the gguf
-    package in chunks of rows (its temporaries are several times a chunk's float size)."""
+def dequantize(tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[rows, cols] (or [n] for 1-d tensors) of a GGUF tensor in `dtype`, dequantized by the
+    gguf package in chunks of rows (its temporaries are several times a chunk's float size),
+    each chunk cast as it lands: a bf16 table never exists in float32 whole (SmolLM2's
+    embedding: 113 MB of float32 on the load's peak RSS for a 56 MB bf16 parameter)."""
     from gguf.quants import dequantize as gguf_dequantize
 
     data = tensor.data
     try:
         if data.ndim < 2 or data.shape[0] <= DEQUANTIZE_ROWS:
-            return torch.from_numpy(np.array(gguf_dequantize(np.asarray(data), tensor.tensor_type),
-                                             dtype=np.float32, copy=True))  # fmt: skip
+            values = gguf_dequantize(np.asarray(data), tensor.tensor_type)
+            return torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).to(dtype)
         out = None
         for start in range(0, data.shape[0], DEQUANTIZE_ROWS):
             chunk = gguf_dequantize(np.asarray(data[start : start + DEQUANTIZE_ROWS]),
                                     tensor.tensor_type)  # fmt: skip
             if out is None:
-                out = np.empty((data.shape[0], *chunk.shape[1:]), dtype=np.float32)
-            out[start : start + chunk.shape[0]] = chunk
-        return torch.from_numpy(out)
+                out = torch.empty((data.shape[0], *chunk.shape[1:]), dtype=dtype)
+            out[start : start + chunk.shape[0]] = torch.from_numpy(np.asarray(chunk, np.float32))
+        return out
     except NotImplementedError as error:
         raise ValueError(
             f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}: {_SUPPORTED_TEXT}"
@@ -174,18 +176,21 @@ def unpermute_rows(t: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def iter_float_tensors(
-    gguf_path: Path, hf_config, skip: Callable[[str], bool] = lambda name: False
+    gguf_path: Path,
+    hf_config,
+    skip: Callable[[str], bool] = lambda name: False,
+    dtype_of: Callable[[str], torch.dtype] = lambda name: torch.float32,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF checkpoint name, float32 tensor) for every tensor of the file, dequantized one at a
-    time; tensors whose name `skip` accepts are not read at all."""
+    """(HF checkpoint name, float tensor in `dtype_of(name)`) for every tensor of the file,
+    dequantized one at a time; tensors whose name `skip` accepts are not read at all."""
     reader = _reader(gguf_path)
     arch = architecture(reader)
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None or skip(name):
             continue
-        values = _unpermute_if_needed(dequantize(tensor), tensor.name, arch, hf_config)
-        yield name, values
+        values = dequantize(tensor, dtype_of(name))
+        yield name, _unpermute_if_needed(values, tensor.name, arch, hf_config)
 
 
 # -- projections straight into the quantized layers -----------------------------------------
@@ -236,10 +241,17 @@ def loads_as_is(gguf_path: Path, quant) -> bool:
     return bool(types) and types <= set(_DECODERS)
 
 
-def load_quantized_layers(model: nn.Module, gguf_path: Path, hf_config) -> dict[str, int]:
+def load_quantized_layers(
+    model: nn.Module, gguf_path: Path, hf_config, on_filled: Callable | None = None
+) -> dict[str, int]:
     """Fill every quantized layer of `model` from the GGUF: Q4_0/Q4_1 blocks into int4 g32 as
     they are, other types dequantized and quantized by the layer. A tied lm_head is quantized
-    from the (already loaded) embedding table. Returns {"as_is": n, "requantized": n}."""
+    from the (already loaded) embedding table. Returns {"as_is": n, "requantized": n}.
+
+    `on_filled(module)` runs as soon as a layer has all its rows (all its shards): packing it
+    there frees its canonical tensors before the next layer's are read, so the load's peak
+    holds one layer in both forms instead of every layer's canonical codes (1 byte per weight
+    and float32 scales) beside the packed ones."""
     from engine.loader import _map_name
     from engine.quant.cache import quant_modules
 
@@ -249,6 +261,7 @@ def load_quantized_layers(model: nn.Module, gguf_path: Path, hf_config) -> dict[
     arch = architecture(reader)
     counts = {"as_is": 0, "requantized": 0}
     filled: set[str] = set()
+    rows_left = {name: module.out_features for name, module in modules.items()}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None or not name.endswith(".weight"):
@@ -259,12 +272,12 @@ def load_quantized_layers(model: nn.Module, gguf_path: Path, hf_config) -> dict[
         if module is None:
             continue
         decoder = _DECODERS.get(tensor.tensor_type.name)
+        start, size = module._rows(shard)
         if decoder is not None and module.scheme == "int4" and module.quant.group_size == 32:
             codes, scale, minimum = (
                 _unpermute_if_needed(t, tensor.name, arch, hf_config)
                 for t in decoder(np.asarray(tensor.data))
             )
-            start, size = module._rows(shard)
             if tuple(codes.shape) != (size, module.in_features):
                 raise ValueError(
                     f"GGUF {tensor.name}: {tuple(codes.shape)} vs {(size, module.in_features)}"
@@ -276,7 +289,11 @@ def load_quantized_layers(model: nn.Module, gguf_path: Path, hf_config) -> dict[
             module.weight_loader(module.weight, weight, shard)
             counts["requantized"] += 1
         filled.add(module_name)
-    _fill_tied_head(model, modules, filled)
+        rows_left[module_name] -= size
+        if rows_left[module_name] == 0 and on_filled is not None:
+            on_filled(module)
+    if _fill_tied_head(model, modules, filled) and on_filled is not None:
+        on_filled(modules["lm_head"])
     missing = sorted(set(modules) - filled)
     if missing:
         raise ValueError(f"GGUF {gguf_path} lacks the weights of {missing[:8]}")
@@ -284,10 +301,11 @@ def load_quantized_layers(model: nn.Module, gguf_path: Path, hf_config) -> dict[
     return counts
 
 
-def _fill_tied_head(model: nn.Module, modules: dict, filled: set[str]) -> None:
+def _fill_tied_head(model: nn.Module, modules: dict, filled: set[str]) -> bool:
+    """Quantize a tied lm_head from the embedding table; whether it did."""
     head = modules.get("lm_head")
     if head is None or "lm_head" in filled or not getattr(model, "tie_word_embeddings", False):
-        return
+        return False
     # In chunks of rows (quantization is per row): whole, its float32 temporaries were several
     # times the 113 MB of SmolLM2's table, all on the load's peak RSS.
     table = model.get_submodule("model.embed_tokens").weight.data
@@ -298,3 +316,4 @@ def _fill_tied_head(model: nn.Module, modules: dict, filled: set[str]) -> None:
         else:
             head.load_quantized(start, *quantize_int8_per_channel(rows))
     filled.add("lm_head")
+    return True

@@ -94,9 +94,28 @@ def _read_index(path: str, size: int, mtime_ns: int) -> GGUFIndex:
         except ValueError as error:
             raise ValueError(f"GGUF tensor {name!r} has an unknown type id {type_id}") from error
         info = TensorInfo(name, tensor_type, dims, data_start + offset)
+        _check_extent(info, size)
         object.__setattr__(info, "_path", path)
         tensors.append(info)
     return GGUFIndex(Path(path), str(metadata.get("general.architecture", "")), tensors)
+
+
+def _check_extent(info: TensorInfo, file_size: int) -> None:
+    """A clear error for a tensor whose shape or position does not fit in the file (a damaged
+    header), before numpy is asked to map it (it overflows on absurd sizes)."""
+    wide = _WIDE_TYPES.get(info.tensor_type.name)
+    block_size, type_size = (
+        (1, np.dtype(wide).itemsize) if wide else GGML_QUANT_SIZES[info.tensor_type]
+    )
+    n_elements = 1
+    for dim in info.dims:
+        n_elements *= dim  # Python ints: no overflow, however damaged
+    num_bytes = n_elements // block_size * type_size
+    if not info.dims or n_elements % block_size or info.offset + num_bytes > file_size:
+        raise ValueError(
+            f"GGUF tensor {info.name!r} ({info.tensor_type.name} {list(info.dims)} at byte "
+            f"{info.offset}) does not fit in the file's {file_size} bytes: damaged or truncated?"
+        )
 
 
 class _Reader:

@@ -209,6 +209,58 @@ def test_kv_pool_is_committed_on_use_or_at_start_up(tiny_dir, prefault):
     assert len(_drain(eng)["r"]) == 4
 
 
+def _mapping_flags(address: int) -> set[str]:
+    """The VmFlags of the mapping holding `address` (/proc/self/smaps: "nh" = MADV_NOHUGEPAGE,
+    "hg" = MADV_HUGEPAGE)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _resident_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of `tensor`'s pages that are in memory (mincore)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    start = tensor.data_ptr() & ~4095
+    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
+    pages = (ctypes.c_ubyte * ((length + 4095) // 4096))()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), pages) == 0
+    return 4096 * sum(page & 1 for page in pages)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_lazy_kv_pool_commits_small_pages_per_block(tiny_dir, kv_cache_dtype):
+    """A block is a few KiB in each layer's slice: with transparent huge pages its first write
+    would commit 2 MiB in every layer. The lazy pool asks for none; a prefaulted one may."""
+    eng = LLMEngine(
+        tiny_dir, kv_cache_memory_bytes=64 << 20, max_num_seqs=4096,
+        kv_cache_dtype=kv_cache_dtype, dtype="float32", quantization=None,
+    )  # fmt: skip
+    pools = [eng.runner.kv_cache] + (
+        [eng.runner.kv_cache_scales] if kv_cache_dtype == "int8" else []
+    )
+    assert all("nh" in _mapping_flags(pool.data_ptr()) for pool in pools)
+    assert sum(_resident_bytes(pool) for pool in pools) == 0
+    eng.add_request("r", list(range(1, 21)), SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(_drain(eng)["r"]) == 4
+    # 24 tokens: 2 blocks of 16 in each layer's slice, at most one partial page either side.
+    num_layers, num_blocks = eng.runner.kv_cache.shape[:2]
+    block_bytes = [pool.numel() * pool.element_size() // num_layers // num_blocks for pool in pools]
+    bound = sum(num_layers * (2 * b + 2 * 4096) for b in block_bytes)
+    assert 0 < sum(_resident_bytes(pool) for pool in pools) <= bound
+    prefaulted = LLMEngine(tiny_dir, num_kv_blocks=16, kv_cache_prefault=True)
+    assert "nh" not in _mapping_flags(prefaulted.runner.kv_cache.data_ptr())
+
+
 def test_device_choice_on_a_machine_without_cuda(tiny_model_dir, monkeypatch):
     """`device="auto"` runs on the CPU where torch sees no GPU, and `device="cuda"` there is a
     clear error, not a crash deep in the runner."""

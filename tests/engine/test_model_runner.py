@@ -193,7 +193,8 @@ def test_chunked_prefill_every_chunk_end(variant_dirs):
         start += size
         assert_logits_match(logits["r"], reference[start - 1])
     # A chunk that does not end the prompt samples nothing.
-    assert h.runner.execute(SchedulerOutput([req("r", tokens[:8], 0, block_ids, False)])) == {}
+    no_sample = h.runner.execute(SchedulerOutput([req("r", tokens[:8], 0, block_ids, False)]))
+    assert no_sample.sampled == {} and no_sample.logprobs == {}
 
 
 def test_greedy_decode_equals_hf_generate(variant_dirs):
@@ -204,7 +205,7 @@ def test_greedy_decode_equals_hf_generate(variant_dirs):
     blocks = {k: h.blocks_for([], len(v)) for k, v in seqs.items()}
     scheduled = [req(k, v, 0, blocks[k]) for k, v in seqs.items()]
     for _ in range(10):
-        tokens = h.runner.execute(SchedulerOutput(scheduled))
+        tokens = h.runner.execute(SchedulerOutput(scheduled)).sampled
         scheduled = []
         for k, token in tokens.items():
             seqs[k].append(token)
@@ -355,7 +356,7 @@ def test_seeded_sampling_survives_steps_and_resets_when_finished(variant_dirs):
         second = h.runner.execute(
             SchedulerOutput([req("s", tokens, 0, block_ids, params=params, seed=42)])
         )
-        return first["s"], second["s"]
+        return first.sampled["s"], second.sampled["s"]
 
     alone = sample_twice([])
     h.runner.execute(SchedulerOutput(finished_request_ids=["s"]))

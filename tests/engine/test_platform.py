@@ -7,9 +7,12 @@ without a packed path."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 import engine.kernels.cpu.linear_choice as linear_choice
@@ -93,7 +96,9 @@ def test_pack_never_raises_and_keeps_the_result(dtype):
 
 @pytest.fixture
 def calibration_dir(tmp_path, monkeypatch):
+    """An empty cache dir, on an idle machine (the load average forced: never the real one)."""
     monkeypatch.setenv("MINI_INFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(linear_choice.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     return tmp_path / "calibration"
 
 
@@ -153,6 +158,94 @@ def test_real_calibration_measures_both_paths():
     assert result["choice"] in ("plain", "packed")
     for rows in linear_choice.CALIBRATION_ROWS:
         assert result[f"plain_us_m{rows}"] > 0 and result[f"packed_us_m{rows}"] > 0
+
+
+def _loads(monkeypatch, *values: float) -> None:
+    """os.getloadavg returns `values` in turn (the last one from then on): no real load."""
+    queue = list(values)
+    monkeypatch.setattr(
+        linear_choice.os, "getloadavg", lambda: (queue.pop(0) if len(queue) > 1 else queue[0],) * 3
+    )
+
+
+@pytest.mark.parametrize("loads", [(99.0,), (0.0, 99.0), (99.0, 0.0)])
+def test_a_calibration_under_load_is_used_but_not_cached(calibration_dir, monkeypatch, loads):
+    """Load above the number of cores before or after calibrating: the choice serves this
+    process, nothing is written, and the next start measures again."""
+    calls = []
+
+    def fake(in_features, out_features, dtype):
+        calls.append((in_features, out_features))
+        return {"choice": "packed", "packed_us_m1": 1.0}
+
+    monkeypatch.setattr(linear_choice, "calibrate_shape", fake)
+    monkeypatch.setattr(linear_choice.os, "cpu_count", lambda: 2)
+    _loads(monkeypatch, *loads)
+    assert linear_choice.choose_linear_kernels([(64, 96)], torch.float32) == {(64, 96): "packed"}
+    assert not linear_choice.calibration_file().exists()
+    _loads(monkeypatch, 1.5)  # idle enough: measured again, and cached this time
+    assert linear_choice.choose_linear_kernels([(64, 96)], torch.float32) == {(64, 96): "packed"}
+    assert len(calls) == 2
+    assert len(json.loads(linear_choice.calibration_file().read_text())) == 1
+    monkeypatch.setattr(linear_choice, "calibrate_shape", pytest.fail)
+    assert linear_choice.choose_linear_kernels([(64, 96)], torch.float32) == {(64, 96): "packed"}
+
+
+def test_no_load_average_on_this_os_does_not_stop_caching(monkeypatch):
+    def unavailable():
+        raise OSError("getloadavg")
+
+    monkeypatch.setattr(linear_choice.os, "getloadavg", unavailable)
+    assert linear_choice.busy_reason() is None
+
+
+def test_implausible_samples_are_rejected_and_not_cached(calibration_dir, monkeypatch):
+    """A timer reading 0 (or NaN) for one path must not make it win, nor be cached."""
+    _loads(monkeypatch, 0.0)
+    real_time_us = linear_choice._time_us
+
+    def time_us(call):  # the packed path's call reads torch.ops.mkldnn._linear_pointwise
+        return 0.0 if "_linear_pointwise" in call.__code__.co_names else real_time_us(call)
+
+    monkeypatch.setattr(linear_choice, "_time_us", time_us)
+    result = linear_choice.calibrate_shape(64, 128, torch.float32)
+    assert result["choice"] == "plain"
+    assert "packed" in result["unsure"] and "packed_us_m1" not in result
+    monkeypatch.setattr(linear_choice, "calibrate_shape", lambda i, o, d: result)
+    assert linear_choice.choose_linear_kernels([(64, 128)], torch.float32) == {(64, 128): "plain"}
+    assert not linear_choice.calibration_file().exists()
+
+
+times_us = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(min_value=0.5, max_value=1e4),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    samples=st.dictionaries(
+        st.sampled_from(linear_choice.CALIBRATION_ROWS),
+        st.fixed_dictionaries(
+            {"plain": st.lists(times_us, max_size=20), "packed": st.lists(times_us, max_size=20)}
+        ),
+        min_size=1,
+    ),
+    floor=st.floats(min_value=0.5, max_value=100.0),
+)
+def test_decide_keeps_only_plausible_samples(samples, floor):
+    result = linear_choice.decide(samples, floor)
+    assert result["choice"] in ("plain", "packed")
+    for key, value in result.items():
+        if key.endswith(tuple(f"_us_m{rows}" for rows in linear_choice.CALIBRATION_ROWS)):
+            assert math.isfinite(value) and value >= round(floor, 1)
+    too_few = any(
+        sum(1 for t in times if math.isfinite(t) and t >= floor)
+        < linear_choice.MIN_PLAUSIBLE_SAMPLES
+        for by_path in samples.values()
+        for times in by_path.values()
+    )
+    assert ("unsure" in result) == too_few
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,9 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         n = body["n_predict"]
+        if os.environ.get("FAKE_FAIL") and body["prompt"] == [3]:
+            self.send_response(500); self.end_headers(); self.wfile.write(b"no slot")
+            return
         self.send_response(200); self.end_headers()
         if not body["stream"]:
             answer = {"content": "x" * n, "tokens_predicted": n, "timings": TIMINGS}
@@ -86,3 +89,12 @@ def test_peer_runs_without_the_engines_openmp_policy(fake_server, tmp_path, stre
 def test_peer_keeps_a_policy_the_user_set(fake_server, tmp_path):
     _, seen = _run_peer(fake_server, tmp_path, False, {"OMP_WAIT_POLICY": "ACTIVE"})
     assert seen["env"]["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_a_failed_request_is_a_clear_error_not_a_missing_key(fake_server, tmp_path):
+    """A request the server answers with an error (here: not JSON) fails the run and says so,
+    instead of leaving an empty result behind for a KeyError later."""
+    with pytest.raises(subprocess.CalledProcessError) as failure:
+        _run_peer(fake_server, tmp_path, False, {"FAKE_FAIL": "1"})
+    assert "1 of 2 llama-server requests failed" in failure.value.stderr
+    assert "KeyError" not in failure.value.stderr

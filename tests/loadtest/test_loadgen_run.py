@@ -9,7 +9,7 @@ import pytest
 
 from loadtest.loadgen import add_arguments, build_workload, run_command
 from tests.worker.kafka_helpers import create_topic, fresh_topics, worker_settings
-from worker.service.worker import Worker
+from tests.worker.workers import running_worker
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]
 
@@ -36,10 +36,8 @@ def test_workload_is_seeded_and_shaped() -> None:
 async def test_short_real_run(broker, tiny_model_dir, tmp_path) -> None:
     topic, group_id = fresh_topics()
     await create_topic(broker.bootstrap_servers, topic, 2)
-    worker = Worker(worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic))
-    await worker.start()
-    try:
-        await worker.wait_assigned()
+    settings = worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic)
+    async with running_worker(settings):
         args = parse([
             "--bootstrap-servers", broker.bootstrap_servers, "--request-topic", topic,
             "--control-topic", topic + ".control", "--num-prompts", "4", "--sweep", "20,inf",
@@ -58,8 +56,6 @@ async def test_short_real_run(broker, tiny_model_dir, tmp_path) -> None:
             ]),
             broker.bootstrap_servers,
         )  # fmt: skip
-    finally:
-        await worker.stop(grace_s=5)
 
     runs = doc["sweep"]
     assert [r["request_rate"] for r in runs] == [20.0, "inf"]
@@ -114,10 +110,8 @@ async def test_backlog_scenario_run(broker, tiny_model_dir, tmp_path) -> None:
     requests after it by their lane; with --backlog-wait every backlog TTFT is exact."""
     topic, group_id = fresh_topics()
     await create_topic(broker.bootstrap_servers, topic, 1)
-    worker = Worker(worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic))
-    await worker.start()
-    try:
-        await worker.wait_assigned()
+    settings = worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic)
+    async with running_worker(settings):
         args = parse([
             "--bootstrap-servers", broker.bootstrap_servers, "--request-topic", topic,
             "--control-topic", topic + ".control", "--num-prompts", "2", "--backlog", "6",
@@ -126,8 +120,6 @@ async def test_backlog_scenario_run(broker, tiny_model_dir, tmp_path) -> None:
             "--plot-dir", str(tmp_path), "--no-progress",
         ])  # fmt: skip
         doc = await run_command(args, broker.bootstrap_servers)
-    finally:
-        await worker.stop(grace_s=5)
     assert doc["completed"] == 2 and set(doc["per_urgency"]) == {"critical"}
     backlog = doc["backlog"]
     assert (backlog["num_backlog"], backlog["num_backlog_first_token"]) == (6, 6)

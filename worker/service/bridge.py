@@ -16,19 +16,25 @@ A step that raises cannot say which request broke it, and failing every live req
 everyone, committed for good. Instead the bridge bisects:
 - every live request is aborted and becomes a suspect; a lone suspect is the culprit and gets
   `Failed` (an error final);
-- otherwise the suspects are split in two groups, and groups run one at a time, alone (new
-  requests are held back meanwhile): a group that completes is innocent; a group that fails
-  again is split again, down to the one request it can be pinned on. A suspect that already
+- otherwise the suspects are split in two groups, and groups run one at a time: a group that
+  completes is innocent; a group that fails again is split again, down to the one request it
+  can be pinned on. New requests are held back meanwhile, except urgent ones (critical, high):
+  a suspect group runs for as long as its requests generate, and urgent work must not wait for
+  that, so it joins the running group at once. A joiner that is in a step that fails is a
+  suspect like the others (it was there). A lone suspect runs alone (urgent work waits for it):
+  that run is what pins it, and joiners arriving at every run could keep it from ever being
+  alone, failing step after step until the limit below exits the worker. A suspect that already
   streamed tokens starts over (`Restarted`: the pipeline opens a new attempt for it, as on a
   redelivery, so the client's seq/attempt rule applies). Pinning one culprit among k takes about
   log2(k) + 1 failed steps.
 - after `max_consecutive_step_failures` failed steps in a row, plus the log2(k) a bisection of k
-  suspects needs (a culprit that is the oldest of 128 fails 8 steps in a row while it is pinned:
-  a limit without that room exited the worker for one bad request), the fault is not one
-  request's: the thread gives up, live requests are `Dropped` (no final: their offsets stay
-  uncommitted and are redelivered), and `crashed` fails the worker, which exits non-zero. A
-  pinned culprit's `Failed` waits until the fault is seen not to recur (a step succeeds, or the
-  engine falls idle), so a persistent fault drops the pinned request with the rest.
+  suspects needs (k grows if joiners make a failing group larger; a culprit that is the oldest
+  of 128 fails 8 steps in a row while it is pinned: a limit without that room exited the
+  worker for one bad request), the fault is not one request's: the thread gives up, live
+  requests are `Dropped` (no final: their offsets stay uncommitted and are redelivered), and
+  `crashed` fails the worker, which exits non-zero. A pinned culprit's `Failed` waits until the
+  fault is seen not to recur (a step succeeds, or the engine falls idle), so a persistent fault
+  drops the pinned request with the rest.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import structlog
 from engine.errors import PromptTooLongError
 from engine.outputs import EngineStats, RequestDelta
 from engine.sampling_params import SamplingParams
+from schemas.headers import Urgency
 
 log = structlog.get_logger(__name__)
 
@@ -145,10 +152,15 @@ class _Abort:
 
 class EngineBridge:
     def __init__(
-        self, engine_factory: Callable[[], Any], max_consecutive_step_failures: int = 8
+        self,
+        engine_factory: Callable[[], Any],
+        max_consecutive_step_failures: int = 8,
+        max_urgent_priority: int = Urgency.HIGH.priority,
     ) -> None:
         self._engine_factory = engine_factory
         self._max_consecutive_step_failures = max_consecutive_step_failures
+        # Requests with priority value <= this join a running suspect group (see the docstring).
+        self._max_urgent_priority = max_urgent_priority
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -281,7 +293,7 @@ class EngineBridge:
                 self._added_s.pop(command.request_id, None)
                 self._post(Aborted(command.request_id))
             elif isinstance(command, EngineRequest):
-                if state.is_isolating:
+                if state.is_isolating and not self._may_join(command, state):
                     state.held.append(command)  # runs once the suspects are cleared
                 else:
                     self._add(engine, command, state)
@@ -336,9 +348,12 @@ class EngineBridge:
             "engine.step_failed", num_requests=len(state.live), error=message,
             num_consecutive=state.num_consecutive_failures,
         )  # fmt: skip
-        if not state.is_isolating and not state.pinned:  # a bisection starts: room to finish it
-            depth = math.ceil(math.log2(max(1, len(state.live))))
-            state.failure_limit = self._max_consecutive_step_failures + depth
+        depth = math.ceil(math.log2(max(1, len(state.live))))
+        limit = self._max_consecutive_step_failures + depth  # room to finish a bisection
+        if not state.is_isolating and not state.pinned:  # a bisection starts
+            state.failure_limit = limit
+        else:  # joiners may have made this group larger than the first one
+            state.failure_limit = max(state.failure_limit, limit)
         if state.num_consecutive_failures >= state.failure_limit:
             raise StepFailuresExceeded(
                 f"{state.num_consecutive_failures} engine steps failed in a row; last: {message}"
@@ -362,17 +377,24 @@ class EngineBridge:
             self._post(Failed([request_id], message))
         state.pinned.clear()
 
+    def _may_join(self, request: EngineRequest, state: _ThreadState) -> bool:
+        """An urgent request joins the running suspect group, unless that is a lone suspect."""
+        return request.priority <= self._max_urgent_priority and len(state.probe_ids) > 1
+
     def _admit_next(self, engine, state: _ThreadState) -> None:
         """Between steps: start the next suspect group once the current one is done, or, when
         no suspects are left, the requests held back meanwhile."""
-        if state.probe_ids:
-            return
         while state.suspect_groups and not state.probe_ids:
             for request in state.suspect_groups.popleft():
                 self._add(engine, request, state)
                 if request.request_id in state.live:
                     state.probe_ids.add(request.request_id)
-        if state.probe_ids:
+        if state.probe_ids:  # urgent requests held while no group (or a lone one) ran join now
+            urgent = [r for r in state.held if self._may_join(r, state)]
+            if urgent:
+                state.held = deque(r for r in state.held if not self._may_join(r, state))
+                for request in urgent:
+                    self._add(engine, request, state)
             return
         while state.held:
             self._add(engine, state.held.popleft(), state)

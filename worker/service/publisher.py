@@ -1,4 +1,4 @@
-"""The one producer of the worker: replies, finals and dead letters, in the order they were made.
+"""The worker's producers: replies, finals and dead letters, in the order they were made.
 
 Callers hand messages over synchronously (`publish`), from any callback on the event loop; one
 task feeds them to aiokafka in that order. aiokafka keeps per-partition order (one in-flight batch
@@ -19,12 +19,23 @@ come; a late ack is then ignored). Both errors are final: `deliver` does not ret
 final to a refused topic is dead-lettered (`final_undeliverable`) within the deadline and its
 partition's commits move on, while the other topics' lanes go on. A callback that raises is
 logged and never kills a lane.
+
+Lanes keep a stuck topic's messages away from the others' in the worker, but not inside
+aiokafka: a producer has one produce request in flight per broker, and after a batch came back
+with a retriable error it waits `retry_backoff_ms` before that broker gets the next request,
+every other topic's batches included. A topic that keeps refusing writes thus throttled every
+topic of the producer to one request per backoff. So per-client reply topics (under the reply
+topic prefix, other than the shared one) go through producers of their own
+(`num_private_producers`, a topic always to the same one, so its order holds): the shared reply
+topic and the DLQ never wait on a client's topic, and a refused client topic slows only the
+client topics that share its producer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,7 +81,8 @@ class Publisher:
         self._bootstrap_servers = bootstrap_servers
         self._delivery_timeout_s = settings.publisher.delivery_timeout_s
         self._max_num_lane_messages = settings.publisher.max_num_lane_messages
-        self._producer: AIOKafkaProducer | None = None
+        self._producer: AIOKafkaProducer | None = None  # the shared reply topic, the DLQ, ...
+        self._private_producers: list[AIOKafkaProducer] = []  # per-client reply topics
         self._num_unacked = 0
         self._all_acked = asyncio.Event()
         self._all_acked.set()
@@ -111,7 +123,23 @@ class Publisher:
             await self._producer.stop()
             self._producer = self._make_producer(False)
             await self._producer.start()
-        log.info("producer.started", is_idempotent=self.is_idempotent)
+        for _ in range(self._settings.publisher.num_private_producers):
+            producer = self._make_producer(self.is_idempotent)
+            await producer.start()
+            self._private_producers.append(producer)
+        log.info(
+            "producer.started", is_idempotent=self.is_idempotent,
+            num_private_producers=len(self._private_producers),
+        )  # fmt: skip
+
+    def _producer_for(self, topic: str) -> AIOKafkaProducer:
+        kafka = self._settings.kafka
+        is_private = topic.startswith(kafka.reply_topic_prefix) and (
+            topic != kafka.shared_reply_topic_name
+        )
+        if not is_private or not self._private_producers:
+            return self._producer
+        return self._private_producers[zlib.crc32(topic.encode()) % len(self._private_producers)]
 
     def publish(self, message: Outgoing) -> None:
         """Queue `message` on its topic's lane; `on_done` is called exactly once."""
@@ -157,13 +185,14 @@ class Publisher:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._producer is not None:
-            try:
-                await asyncio.wait_for(
-                    self._producer.stop(), max(0.1, deadline_s - time.monotonic())
-                )
-            except TimeoutError:
-                log.warning("producer.stop_timeout", num_unacked=self._num_unacked)
+        producers = [p for p in (self._producer, *self._private_producers) if p is not None]
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(p.stop() for p in producers)),
+                max(0.1, deadline_s - time.monotonic()),
+            )
+        except TimeoutError:
+            log.warning("producer.stop_timeout", num_unacked=self._num_unacked)
 
     def _on_task_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -187,7 +216,7 @@ class Publisher:
 
     async def _send(self, message: Outgoing) -> None:
         try:
-            delivery = await self._producer.send(
+            delivery = await self._producer_for(message.topic).send(
                 message.topic, message.value, key=message.key, headers=message.headers,
                 partition=message.partition,
             )  # fmt: skip

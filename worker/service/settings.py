@@ -294,6 +294,12 @@ class PublisherSettings(_Group):
     delivery_timeout_s: float = Field(default=30.0, gt=0)
     # Unsent messages one reply topic may hold in the worker (a stuck topic's tokens pile up).
     max_num_lane_messages: int = Field(default=10_000, ge=1)
+    # Producers of their own for per-client reply topics (spread over them by name), apart
+    # from the one for the shared reply topic and the DLQ: aiokafka sends one request at a
+    # time per broker and producer, and backs off while a refused batch waits for its retry,
+    # so a refused per-client topic slowed every other topic of its producer (others' token
+    # gap p99 3x). 0: one producer for everything.
+    num_private_producers: int = Field(default=2, ge=0)
 
 
 class ObservabilitySettings(_Group):

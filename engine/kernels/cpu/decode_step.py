@@ -30,11 +30,16 @@ import torch
 
 from engine.kernels.cpu import bf16_gemm, extension, fused_ops, paged_attention, quant_gemm
 from engine.layers.attention import AttentionMetadata
+from engine.layers.linear import Linear
+from engine.quant.linear import QuantLinear
 
 log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_step.cpp")
-MAX_ROWS = 16  # decode rows per fused step; a larger batch is GEMM-bound and takes the old path
+# Decode rows per fused step: with int4/int8 weights the per-operator path runs the same GEMV
+# kernel at any row count; bf16 weights on our GEMV up to GEMV_MAX_ROWS (64), past which it
+# takes oneDNN's GEMM (and the fused step would no longer give its bits).
+MAX_ROWS_QUANT = 64
 SPIN = 4000  # barrier: pause rounds (~100 us) before a waiting thread sleeps
 
 
@@ -87,9 +92,6 @@ def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
 
 def _linear_reason(linear) -> str | None:
     """Why a projection cannot be a task: the int4/int8 C++ GEMV (no bias) or our bf16 GEMV."""
-    from engine.layers.linear import Linear
-    from engine.quant.linear import QuantLinear
-
     if isinstance(linear, QuantLinear):
         if linear.cpp is None or linear.scheme not in ("int4", "int8"):
             return f"a {linear.scheme} linear off the C++ kernel"
@@ -102,10 +104,12 @@ def _linear_reason(linear) -> str | None:
 
 
 class FusedDecode:
-    """Buffers for MAX_ROWS rows and the plan over them, built once for a model whose layers'
+    """Buffers for `max_rows` rows and the plan over them, built once for a model whose layers'
     KV caches are attached; `run` for each decode-only step."""
 
-    def __init__(self, model, step_ext: ModuleType, max_model_len: int, max_rows: int = MAX_ROWS):
+    def __init__(
+        self, model, step_ext: ModuleType, max_model_len: int, max_rows: int | None = None
+    ):
         cfg = model.model.layers[0].self_attn
         hidden = model.model.norm.weight.shape[0]
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -117,6 +121,12 @@ class FusedDecode:
         self.partition_blocks = max(1, paged_attention.PARTITION_TOKENS // self.block_size)
         self.max_blocks = -(-max_model_len // self.block_size)
         max_partitions = -(-self.max_blocks // self.partition_blocks)
+        if max_rows is None:
+            max_rows = min(
+                MAX_ROWS_QUANT if isinstance(linear, QuantLinear) else bf16_gemm.GEMV_MAX_ROWS
+                for linear in model.modules()
+                if isinstance(linear, (QuantLinear, Linear)) and linear is not model.lm_head
+            )
         self.max_rows = max_rows
         bf16, i64 = torch.bfloat16, torch.int64
         m = max_rows
@@ -144,8 +154,6 @@ class FusedDecode:
         self.plan = step_ext.Plan(self._tasks(model, heads, kv_heads, head_dim))
 
     def _tasks(self, model, heads: int, kv_heads: int, head_dim: int) -> list[tuple]:
-        from engine.quant.linear import QuantLinear
-
         fo, pa, qg, bg = (
             fused_ops.load(),
             paged_attention.load(),

@@ -3,7 +3,7 @@
 Three GEMM paths exist on CPU: `F.linear` on the checkpoint layout (MKL for fp32; for bf16/fp16
 torch repacks the weight inside every call), oneDNN's `_linear_pointwise` on a weight packed
 once into its blocked layout, and, for bf16, our own GEMV / small GEMM on weights packed in
-pairs along K (engine/kernels/cpu/bf16_gemm.py; a layer runs it up to 16 rows and oneDNN on a
+pairs along K (engine/kernels/cpu/bf16_gemm.py; a layer runs it up to 64 rows and oneDNN on a
 transient unpacked copy beyond, which is what the calibration times for it). Which is faster depends on the CPU, the dtype, the shape and the
 number of rows, and a rule measured on one CPU family was wrong on the other:
 
@@ -22,7 +22,12 @@ plain is below 1). Only one layout of a weight stays resident, so the choice is 
 times of every bucket are kept in the cache file for the record.
 Results are cached as JSON under the cache dir, keyed by CPU model + flags + torch version (the
 fingerprint) and thread count, so calibration is paid once per machine (a few seconds for
-SmolLM2's five shapes per dtype on the Zen 4 VM) and a restarted worker starts at once.
+SmolLM2's five shapes per dtype on the Zen 4 VM) and a restarted worker starts at once. A
+decision taken on a busy machine is used but not cached (measured again next start): when the
+1-minute load average exceeds the number of cores before or after calibrating, or when a path
+kept fewer than MIN_PLAUSIBLE_SAMPLES plausible samples in a rows bucket (a sample is
+implausible when it is not finite or faster than any CPU could run the call: below
+MIN_CALL_US, or streaming the weight faster than MAX_BYTES_PER_US_PER_THREAD per thread).
 
 In the engine (SmolLM2 fp32 on the Zen 4 VM, 2 threads, 32 new tokens, 3 alternating rounds,
 medians) the calibrated choice (lm_head, gate/up and down packed; q/k/v and o plain) gave 1.72x
@@ -58,6 +63,13 @@ log = structlog.get_logger(__name__)
 LINEAR_KERNELS = ("auto", "plain", "packed", "gemv")
 CALIBRATION_ROWS = (1, 4, 16, 64)
 _ROUNDS = 15
+# Bumped when what a cached entry means changes: entries from before are measured again (v2:
+# decisions taken under load or from implausible samples are no longer cached).
+CALIBRATION_VERSION = 2
+MIN_PLAUSIBLE_SAMPLES = 5  # of _ROUNDS, per path and rows bucket, for a decision to be cached
+MIN_CALL_US = 0.5  # one torch call never returns faster (dispatch alone is ~1-2 us)
+# An upper bound on what one core reads from its own L2 (64 B/cycle at 5 GHz): 320 GB/s.
+MAX_BYTES_PER_US_PER_THREAD = 320e3
 
 
 def _cache_dir() -> Path:
@@ -74,7 +86,8 @@ def _key(dtype: torch.dtype, in_features: int, out_features: int) -> str:
     # The candidate paths are part of the key: a result that never saw a path is not reused.
     name = str(dtype).removeprefix("torch.")
     paths = "+".join(available_paths(dtype))
-    return f"{name}:{in_features}x{out_features}:threads{torch.get_num_threads()}:{paths}"
+    threads = torch.get_num_threads()
+    return f"{name}:{in_features}x{out_features}:threads{threads}:{paths}:v{CALIBRATION_VERSION}"
 
 
 def available_paths(dtype: torch.dtype) -> tuple[str, ...]:
@@ -114,15 +127,34 @@ def choose_linear_kernels(
     path = calibration_file()
     cached = _read(path)
     choices, measured = {}, {}
+    busy = busy_reason()
     for shape in distinct:
         key = _key(dtype, *shape)
         if key not in cached:
             measured[key] = calibrate_shape(*shape, dtype)
         choices[shape] = (measured.get(key) or cached[key])["choice"]
     if measured:
-        _write(path, measured)
-        log.info("linear.calibrated", file=str(path), results=measured)
+        unsure = [r["unsure"] for r in measured.values() if "unsure" in r]
+        reason = busy or busy_reason() or (unsure[0] if unsure else None)
+        if reason is None:
+            _write(path, measured)
+            log.info("linear.calibrated", file=str(path), results=measured)
+        else:  # used for this process only: a busy machine's ranking must not outlive it
+            log.warning("linear.calibration_not_cached", reason=reason, results=measured)
     return choices
+
+
+def busy_reason() -> str | None:
+    """Why a calibration taken now should not be cached (the 1-minute load average above the
+    number of cores: the paths were timed against other processes), or None."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this OS: nothing to judge by
+        return None
+    num_cores = os.cpu_count() or 1
+    if load > num_cores:
+        return f"load average {load:.1f} above {num_cores} cores"
+    return None
 
 
 def calibrate_shape(in_features: int, out_features: int, dtype: torch.dtype) -> dict:
@@ -137,8 +169,7 @@ def calibrate_shape(in_features: int, out_features: int, dtype: torch.dtype) -> 
         weights["gemv"] = bf16_gemm.pack(weight)
     gemv = bf16_gemm.load().bf16_gemm if "gemv" in paths else None
     isa = bf16_gemm.isa_code() if gemv is not None else None
-    result: dict = {}
-    log_product = dict.fromkeys(paths, 0.0)
+    samples: dict[int, dict[str, list[float]]] = {}
     for rows in CALIBRATION_ROWS:
         x = torch.randn(rows, in_features).to(dtype)
         calls = {
@@ -151,17 +182,43 @@ def calibrate_shape(in_features: int, out_features: int, dtype: torch.dtype) -> 
             ),
         }
         calls = {name: calls[name] for name in paths}
-        times = {name: [] for name in calls}
+        times = samples[rows] = {name: [] for name in calls}
         for call in calls.values():
             call()  # warm-up: first-call allocation and oneDNN primitive creation
         for _ in range(_ROUNDS):  # alternate, so drift on a shared machine hits both alike
             for name, call in calls.items():
                 times[name].append(_time_us(call))
+    weight_bytes = in_features * out_features * dtype.itemsize
+    return decide(samples, floor_us(weight_bytes, torch.get_num_threads()))
+
+
+def floor_us(weight_bytes: int, num_threads: int) -> float:
+    """The fastest a call reading `weight_bytes` of weights could plausibly be timed."""
+    return max(MIN_CALL_US, weight_bytes / (max(1, num_threads) * MAX_BYTES_PER_US_PER_THREAD))
+
+
+def decide(samples: dict[int, dict[str, list[float]]], floor: float) -> dict:
+    """{f"{path}_us_m{rows}": fastest plausible microseconds, "choice": path, and "unsure":
+    why, when a path kept fewer than MIN_PLAUSIBLE_SAMPLES plausible samples in a bucket}.
+
+    `samples` is {rows: {path: [microseconds per call, ...]}}. The choice is the path with the
+    smallest product of its fastest times over the buckets, among the paths with a plausible
+    sample in every bucket (the first path, the slowest fallback, when none has)."""
+    paths = list(next(iter(samples.values()))) if samples else ["plain"]
+    result: dict = {}
+    log_product = dict.fromkeys(paths, 0.0)
+    for rows, times in samples.items():
         for name in paths:
-            fastest = min(times[name])
-            result[f"{name}_us_m{rows}"] = round(fastest, 1)
-            log_product[name] += math.log(max(fastest, 1e-3))
-    result["choice"] = min(paths, key=lambda name: log_product[name])
+            kept = [t for t in times.get(name, []) if math.isfinite(t) and t >= floor]
+            if len(kept) < MIN_PLAUSIBLE_SAMPLES and "unsure" not in result:
+                result["unsure"] = f"{len(kept)} plausible samples of {name} at {rows} rows"
+            if not kept:
+                log_product[name] = math.inf
+                continue
+            result[f"{name}_us_m{rows}"] = round(min(kept), 1)
+            log_product[name] += math.log(min(kept))
+    candidates = [name for name in paths if math.isfinite(log_product[name])] or paths[:1]
+    result["choice"] = min(candidates, key=lambda name: log_product[name])
     return result
 
 

@@ -116,6 +116,17 @@ def test_fused_step_with_bf16_weights_on_our_gemv(step_ext, tiny_model_dir, isa)
     assert checker.num_checked >= 5 and 4 in checker.num_rows
 
 
+def test_fused_step_takes_w2_sized_batches_with_quantized_weights(step_ext, tiny_model_dir):
+    """int4 runs the same GEMV at any row count: 20 rows fused."""
+    engine = _engine(tiny_model_dir, "int4", max_num_seqs=32)
+    assert engine.runner._forward.fused.max_rows == decode_step.MAX_ROWS_QUANT
+    prompts = [[7 + i, 8 + i, 9] for i in range(20)]
+    checker = _check(engine, prompts, max_tokens=4)
+    assert 20 in checker.num_rows
+    bf16 = _engine(tiny_model_dir, None, linear_kernel="gemv").runner._forward.fused
+    assert bf16.max_rows == bf16_gemm.GEMV_MAX_ROWS  # past it, the per-operator path's GEMM
+
+
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_fused_step_splits_long_contexts_as_the_per_operator_decode_does(
     step_ext, tiny_model_dir, monkeypatch, num_threads

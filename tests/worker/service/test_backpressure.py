@@ -21,7 +21,7 @@ from tests.worker.kafka_helpers import (
     slow_engine_factory,
     worker_settings,
 )
-from worker.service.worker import Worker
+from tests.worker.workers import running_worker
 
 pytestmark = pytest.mark.kafka
 
@@ -33,14 +33,13 @@ async def test_inflight_limit_pauses_and_stop_drains_and_commits(broker, tiny_mo
         tiny_model_dir, broker.bootstrap_servers, group_id, topic,
         kafka={"num_partitions": 1}, limits={"max_num_inflight": 2},
     )  # fmt: skip
-    worker = Worker(settings, engine_factory=slow_engine_factory(tiny_model_dir, step_s=0.02))
+    factory = slow_engine_factory(tiny_model_dir, step_s=0.02)
     async with (
         Producer(broker.bootstrap_servers) as producer,
         ReplyReader(broker.bootstrap_servers) as replies,
     ):
-        await worker.start()
-        try:
-            await worker.wait_assigned()
+        # grace_s ample: whatever is in flight at the stop finishes
+        async with running_worker(settings, factory, grace_s=30) as worker:
             requests = [
                 make_request(replies.topic, f"p{i}", max_tokens=25, ignore_eos=True)
                 for i in range(6)
@@ -52,8 +51,6 @@ async def test_inflight_limit_pauses_and_stop_drains_and_commits(broker, tiny_mo
                 max_num_inflight = max(max_num_inflight, worker.tracker.num_unfinished)
                 was_paused |= worker.consumer.is_paused
                 await asyncio.sleep(0.005)
-        finally:
-            await worker.stop(grace_s=30)  # ample: whatever is in flight finishes
         # Everything the worker sent is flushed now; a marker shows the reader has read it all.
         await producer.send(replies.topic, make_request(replies.topic, id="end-marker"))
         await replies.wait_until(lambda: "end-marker" in replies.raw_ids, what="the end marker")
@@ -81,7 +78,7 @@ async def test_a_backlog_of_ten_thousand_keeps_memory_bounded_and_the_member_ali
                 "max_prompt_chars": 1000},
     )  # fmt: skip
     max_job_bytes = 4096 + 40 * 1000
-    worker = Worker(settings, engine_factory=slow_engine_factory(tiny_model_dir, step_s=0.05))
+    factory = slow_engine_factory(tiny_model_dir, step_s=0.05)
     async with ReplyReader(broker.bootstrap_servers) as replies:
         requests = [make_request(replies.topic, f"p{i}", max_tokens=2) for i in range(10_000)]
         producer = AIOKafkaProducer(bootstrap_servers=broker.bootstrap_servers, linger_ms=20)
@@ -95,9 +92,7 @@ async def test_a_backlog_of_ten_thousand_keeps_memory_bounded_and_the_member_ali
             await asyncio.gather(*sends)
         finally:
             await producer.stop()
-        await worker.start()
-        try:
-            await worker.wait_assigned()
+        async with running_worker(settings, factory, grace_s=2) as worker:
             assignment = worker.consumer.assignment
             peak_bytes = peak_unfinished = 0
             was_paused = False
@@ -108,8 +103,6 @@ async def test_a_backlog_of_ten_thousand_keeps_memory_bounded_and_the_member_ali
                 was_paused |= worker.consumer.is_paused
                 assert worker.consumer.assignment == assignment  # never thrown out
                 await asyncio.sleep(0.02)
-        finally:
-            await worker.stop(grace_s=2)
         # Everything the worker sent is flushed now; a marker shows the reader has read it all.
         async with Producer(broker.bootstrap_servers) as marker:
             await marker.send(replies.topic, make_request(replies.topic, id="end-marker"))

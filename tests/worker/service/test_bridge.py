@@ -283,3 +283,98 @@ async def test_engine_queue_time_counts_the_wait_for_the_step_that_was_running()
     engine.gate.set()
     await bridge.stop()
     assert queue_s >= released_s - submitted_s
+
+
+class GatedPoisonedEngine(PoisonedEngine):
+    """PoisonedEngine whose "slow*" requests generate until `release` is set: while the gate
+    is shut, a suspect group holding them is still running, as a fact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def step(self):
+        if self.release.is_set():
+            for request_id, state in self.requests.items():
+                if request_id.startswith("slow"):
+                    state[0] = min(state[0], state[1] + 1)  # finishes at this step
+        return super().step()
+
+
+def urgent_request(request_id: str, priority: int, max_tokens: int = 3) -> EngineRequest:
+    return EngineRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens), priority, 5)
+
+
+def deltas_after_last_restart(events, request_id: str) -> list[tuple]:
+    last = max(
+        (n for n, e in enumerate(events) if e[0] == "restarted" and request_id in e[1]), default=-1
+    )
+    return [e for e in events[last + 1 :] if e[0] == "delta" and e[1] == request_id]
+
+
+async def test_urgent_requests_do_not_wait_for_the_suspects_runs() -> None:
+    """Guards against critical work held while a bisection runs its suspect groups one at a
+    time (each for as long as its requests generate): critical and high requests join the
+    running group at once; normal ones still wait for the suspects to be cleared."""
+    engine = GatedPoisonedEngine()
+    bridge, recorder = await start(engine)
+    never = 10**9  # the slow ones finish when the gate opens, not before
+    bridge.submit([request("slow1", never), request("slow2", never), request("r3", 2)])
+    bridge.submit([request("poison", 2)])
+    # The failed step splits the four: [slow1, slow2] run first, [r3, poison] wait.
+    await recorder.wait_for(
+        lambda ev: any(e[0] == "restarted" for e in ev) and deltas_after_last_restart(ev, "slow1")
+    )
+    bridge.submit([urgent_request("crit", 0), urgent_request("high", 1)])
+    bridge.submit([urgent_request("norm", 2)])
+    await recorder.wait_for(lambda ev: {"crit", "high"} <= finished_ids(ev))
+    events = list(recorder.events)
+    assert not [e for e in events if e[0] == "delta" and e[1] == "norm"]  # held back
+    assert not deltas_after_last_restart(events, "r3")  # the next suspect group waits
+    assert not [e for e in events if e[0] == "failed"]
+    engine.release.set()
+    everyone = {"slow1", "slow2", "r3", "crit", "high", "norm"}
+    await recorder.wait_for(
+        lambda ev: finished_ids(ev) >= everyone and any(e[0] == "failed" for e in ev)
+    )
+    assert [e[1] for e in recorder.events if e[0] == "failed"] == [("poison",)]
+    await bridge.stop()
+    assert not bridge.crashed.done()
+
+
+class UrgentAtEveryRunEngine(PoisonedEngine):
+    """PoisonedEngine in which each time "poison" is added (it starts a run), an urgent
+    request arrives at once: as if critical traffic never let up during a bisection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bridge: EngineBridge | None = None
+        self.urgent_ids: list[str] = []
+
+    def add_request(self, request_id, prompt, params, priority=0) -> None:
+        super().add_request(request_id, prompt, params, priority)
+        if request_id == "poison" and len(self.urgent_ids) < 30:
+            self.urgent_ids.append(f"u{len(self.urgent_ids)}")
+            # Straight into the inbox (this is the engine thread): read before the next step.
+            self.bridge._inbox.put(urgent_request(self.urgent_ids[-1], 0, max_tokens=2))
+
+
+async def test_urgent_joiners_still_let_the_culprit_be_pinned() -> None:
+    """Guards against urgent requests joining every suspect run, so that the culprit is never
+    alone and its group fails step after step until the worker exits: a lone suspect runs
+    alone, the culprit is pinned, every other request finishes."""
+    engine = UrgentAtEveryRunEngine()
+    bridge, recorder = await start(engine, max_consecutive_step_failures=3)
+    engine.bridge = bridge
+    innocents = [f"r{i}" for i in range(7)]
+    bridge.submit([request(i, max_tokens=4) for i in innocents] + [request("poison", 4)])
+    await recorder.wait_for(
+        lambda ev: (
+            any(e[0] == "failed" for e in ev)
+            and finished_ids(ev) >= set(innocents) | set(engine.urgent_ids)
+        )
+    )
+    assert [e[1] for e in recorder.events if e[0] == "failed"] == [("poison",)]
+    assert len(engine.urgent_ids) >= 3  # one arrived at each of the culprit's runs
+    await bridge.stop()
+    assert not bridge.crashed.done()

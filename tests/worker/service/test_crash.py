@@ -22,7 +22,7 @@ from tests.worker.kafka_helpers import (
     stream_of,
     worker_settings,
 )
-from tests.worker.service.test_serve_sigterm import start_serve, wait_for_file
+from tests.worker.workers import running_worker, serve_process
 from worker.service.worker import Worker
 
 pytestmark = pytest.mark.kafka
@@ -37,78 +37,67 @@ async def test_sigkill_of_one_of_two_workers_loses_nothing(
     chance to clean up."""
     topic, group_id = fresh_topics()
     await create_topic(broker.bootstrap_servers, topic, 2)
-    ready_file, log_path = tmp_path / "ready.json", tmp_path / "victim.log"
-    victim = start_serve(
-        broker.bootstrap_servers, tiny_model_dir, group_id, topic, ready_file, log_path, "victim",
-        extra_env={"MINI_INFER_TEST_GATE": "4", "MINI_INFER_KAFKA__URGENCY_LANES": "false"}, module="tests.worker.service.gated_serve",
+    settings = worker_settings(
+        tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id="survivor",
+        kafka={"num_partitions": 2, "control_topic": topic + ".control",
+               "dlq_topic": topic + ".dlq", "urgency_lanes": False},
     )  # fmt: skip
-    survivor = Worker(
-        worker_settings(
-            tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id="survivor",
-            kafka={"num_partitions": 2, "control_topic": topic + ".control",
-                   "dlq_topic": topic + ".dlq", "urgency_lanes": False},
-        )
-    )  # fmt: skip
-    try:
-        await wait_for_file(ready_file, victim, log_path)
-        await survivor.start()
-        async with (
-            Producer(broker.bootstrap_servers) as producer,
-            ReplyReader(broker.bootstrap_servers) as replies,
-        ):
-            await wait_for_split_with_process(survivor)
-            (survivor_partition,) = {tp.partition for tp in survivor.consumer.assignment}
-            victim_partition = 1 - survivor_partition
+    async with (
+        serve_process(
+            broker.bootstrap_servers, tiny_model_dir, group_id, topic, tmp_path, "victim",
+            extra_env={"MINI_INFER_TEST_GATE": "4", "MINI_INFER_KAFKA__URGENCY_LANES": "false"},
+            module="tests.worker.service.gated_serve",
+        ) as victim,
+        running_worker(settings, is_assigned=False) as survivor,
+        Producer(broker.bootstrap_servers) as producer,
+        ReplyReader(broker.bootstrap_servers) as replies,
+    ):  # fmt: skip
+        await wait_for_split_with_process(survivor)
+        (survivor_partition,) = {tp.partition for tp in survivor.consumer.assignment}
+        victim_partition = 1 - survivor_partition
 
-            async def send(request, partition: int) -> None:
-                await producer.send_raw(
-                    topic, encode(request, MSGPACK), request.id.encode(),
-                    request_headers(MSGPACK), partition=partition,
-                )  # fmt: skip
+        async def send(request, partition: int) -> None:
+            await producer.send_raw(
+                topic, encode(request, MSGPACK), request.id.encode(),
+                request_headers(MSGPACK), partition=partition,
+            )  # fmt: skip
 
-            # Long enough never to finish in the gated victim; short for the survivor to redo.
-            long = {"max_tokens": MAX_TOKENS, "ignore_eos": True}
-            orphans = [make_request(replies.topic, f"victim {i}", **long) for i in range(3)]
-            others = [make_request(replies.topic, f"survivor {i}", **long) for i in range(3)]
-            for request in orphans:
-                await send(request, victim_partition)
-            for request in others:
-                await send(request, survivor_partition)
-            # A short probe behind the long ones. The victim's engine is gated: it steps only
-            # once all four are added, and never again after the first (the probe) finishes,
-            # so once the probe is answered the long ones are running there and cannot finish.
-            probe = make_request(replies.topic, "probe", max_tokens=2)
-            await send(probe, victim_partition)
-            assert (await replies.final_of(probe.id)).attempt.startswith("victim:")
-            assert not any(replies.finals(r.id) for r in orphans)
-            victim.send_signal(signal.SIGKILL)
-            killed_s = time.monotonic()
-            await asyncio.to_thread(victim.wait, 10)
-            orphan_ids = {r.id for r in orphans}
-            deadline_s = killed_s + 60
-            while not orphan_ids <= {j.request_id for j in survivor.pipeline.active_jobs()}:
-                assert time.monotonic() < deadline_s, "the survivor did not take over"
-                await asyncio.sleep(0.05)
-            print(f"\nrecovery: {time.monotonic() - killed_s:.1f} s from SIGKILL until the survivor "
-                  "runs every orphaned request")  # fmt: skip
-            for request in orphans + others:
-                final = await replies.final_of(request.id, timeout_s=90)
-                assert (
-                    final.finish_reason == "length" and final.usage.completion_tokens == MAX_TOKENS
-                )
-                assert final.attempt.startswith("survivor:")
-                stream = stream_of(replies, request.id, final.attempt)
-                assert [m.seq for m in stream] == list(range(len(stream)))
-                assert "".join(m.text for m in stream[:-1]) == final.text
-            # The probe was answered, but its offset sat behind the unfinished long ones, so it
-            # was not committed: redone by the survivor, with the same answer.
-            await replies.wait_until(lambda: len(replies.finals(probe.id)) == 2)
-            assert len({f.text for f in replies.finals(probe.id)}) == 1
-    finally:
-        if victim.poll() is None:
-            victim.kill()
-            victim.wait()
-        await survivor.stop(grace_s=5)
+        # Long enough never to finish in the gated victim; short for the survivor to redo.
+        long = {"max_tokens": MAX_TOKENS, "ignore_eos": True}
+        orphans = [make_request(replies.topic, f"victim {i}", **long) for i in range(3)]
+        others = [make_request(replies.topic, f"survivor {i}", **long) for i in range(3)]
+        for request in orphans:
+            await send(request, victim_partition)
+        for request in others:
+            await send(request, survivor_partition)
+        # A short probe behind the long ones. The victim's engine is gated: it steps only
+        # once all four are added, and never again after the first (the probe) finishes,
+        # so once the probe is answered the long ones are running there and cannot finish.
+        probe = make_request(replies.topic, "probe", max_tokens=2)
+        await send(probe, victim_partition)
+        assert (await replies.final_of(probe.id)).attempt.startswith("victim:")
+        assert not any(replies.finals(r.id) for r in orphans)
+        victim.send_signal(signal.SIGKILL)
+        killed_s = time.monotonic()
+        await asyncio.to_thread(victim.wait, 10)
+        orphan_ids = {r.id for r in orphans}
+        deadline_s = killed_s + 60
+        while not orphan_ids <= {j.request_id for j in survivor.pipeline.active_jobs()}:
+            assert time.monotonic() < deadline_s, "the survivor did not take over"
+            await asyncio.sleep(0.05)
+        print(f"\nrecovery: {time.monotonic() - killed_s:.1f} s from SIGKILL until the survivor "
+              "runs every orphaned request")  # fmt: skip
+        for request in orphans + others:
+            final = await replies.final_of(request.id, timeout_s=90)
+            assert final.finish_reason == "length" and final.usage.completion_tokens == MAX_TOKENS
+            assert final.attempt.startswith("survivor:")
+            stream = stream_of(replies, request.id, final.attempt)
+            assert [m.seq for m in stream] == list(range(len(stream)))
+            assert "".join(m.text for m in stream[:-1]) == final.text
+        # The probe was answered, but its offset sat behind the unfinished long ones, so it
+        # was not committed: redone by the survivor, with the same answer.
+        await replies.wait_until(lambda: len(replies.finals(probe.id)) == 2)
+        assert len({f.text for f in replies.finals(probe.id)}) == 1
 
 
 async def wait_for_split_with_process(worker: Worker, timeout_s: float = 60.0) -> None:

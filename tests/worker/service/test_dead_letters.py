@@ -28,6 +28,7 @@ from tests.worker.kafka_helpers import (
     worker_settings,
 )
 from tests.worker.service.test_undeliverable_final import refuse_topic
+from tests.worker.workers import running_worker
 from worker.service.consumer import RequestConsumer, skipped_record
 from worker.service.dead_letters import DeadLetterWriter
 from worker.service.offsets import OffsetTracker
@@ -174,18 +175,15 @@ async def test_an_unwritable_dlq_fails_the_worker_loudly(broker, tiny_model_dir)
     topic, group_id = fresh_topics()
     await create_topic(broker.bootstrap_servers, topic, 1)
     settings = worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic)
-    worker = Worker(settings)
-    async with Producer(broker.bootstrap_servers) as producer:
-        await worker.start()
-        try:
-            await worker.wait_assigned()
-            refuse_topic(worker, settings.kafka.dlq_topic)
-            await producer.send_raw(topic, b"\xc1 not a request", b"garbage")
-            await asyncio.wait_for(worker.failed.wait(), 30)
-            assert not worker.health.is_started
-            assert worker.tracker.unfinished(TopicPartition(topic, 0)) == [0]
-        finally:
-            await worker.stop(grace_s=5)
+    async with (
+        Producer(broker.bootstrap_servers) as producer,
+        running_worker(settings) as worker,
+    ):
+        refuse_topic(worker, settings.kafka.dlq_topic)
+        await producer.send_raw(topic, b"\xc1 not a request", b"garbage")
+        await asyncio.wait_for(worker.failed.wait(), 30)
+        assert not worker.health.is_started
+        assert worker.tracker.unfinished(TopicPartition(topic, 0)) == [0]
     committed = await wait_for_commit(
         broker.bootstrap_servers, group_id, topic, 1, lambda c: False, timeout_s=0
     )

@@ -25,6 +25,7 @@ from tests.worker.kafka_helpers import (
     make_request,
     worker_settings,
 )
+from tests.worker.workers import running_worker
 from worker.client import ClientOptions, MiniInferClient
 from worker.service.telemetry import Telemetry
 from worker.service.worker import Worker
@@ -161,8 +162,6 @@ async def test_metrics_and_a_producer_trace_through_the_worker(broker, tiny_mode
         settings.observability, "w-metrics", [SimpleSpanProcessor(worker_spans)],
         model_name="tiny", group_id=group_id,
     )  # fmt: skip
-    worker = Worker(settings, telemetry=telemetry)
-    await worker.start()
     # The producer's own tracer: the client SDK starts a `send` span and injects traceparent.
     client_spans = InMemorySpanExporter()
     provider = TracerProvider()
@@ -171,8 +170,7 @@ async def test_metrics_and_a_producer_trace_through_the_worker(broker, tiny_mode
         request_topic=topic, control_topic=settings.kafka.control_topic,
         tracer=provider.get_tracer("test-producer"),
     )  # fmt: skip
-    try:
-        await worker.wait_assigned()
+    async with running_worker(settings, telemetry=telemetry, grace_s=1) as worker:
         async with MiniInferClient(broker.bootstrap_servers, options) as client:
             results = await asyncio.gather(
                 client.generate(prompt="Hello there", max_tokens=6, temperature=0.0),
@@ -187,8 +185,6 @@ async def test_metrics_and_a_producer_trace_through_the_worker(broker, tiny_mode
         assert timing.decode_ms is not None and timing.engine_queue_ms is not None
         await asyncio.sleep(0.5)  # one Kafka gauge sample
         code, text = await get(worker, "/metrics")
-    finally:
-        await worker.stop(grace_s=1)
     assert code == 200
     lines = text.splitlines()
 
@@ -263,10 +259,7 @@ async def test_an_idle_worker_scrape_shows_its_gauges_with_the_model_label(
         kafka={"urgency_lanes": False},  # the two partitions of the request topic only
         observability={"health_port": 0, "kafka_sample_interval_s": 0.1},
     )  # fmt: skip
-    worker = Worker(settings)
-    await worker.start()
-    try:
-        await worker.wait_assigned()
+    async with running_worker(settings, grace_s=1) as worker:
         deadline_s = time.monotonic() + 30
         while True:  # the Kafka sampler's first look after the assignment
             code, text = await get(worker, "/metrics")
@@ -274,8 +267,6 @@ async def test_an_idle_worker_scrape_shows_its_gauges_with_the_model_label(
                 break
             assert time.monotonic() < deadline_s, text
             await asyncio.sleep(0.1)
-    finally:
-        await worker.stop(grace_s=1)
     assert code == 200
     values: dict[str, list[tuple[str, float]]] = {}
     for line in text.splitlines():

@@ -32,7 +32,7 @@ from tests.worker.kafka_helpers import (
     wait_for_commit,
     worker_settings,
 )
-from worker.service.worker import Worker
+from tests.worker.workers import running_worker
 
 pytestmark = pytest.mark.kafka
 
@@ -120,7 +120,6 @@ async def test_the_worst_kinds_of_input_are_answered_or_parked_and_nothing_is_lo
         engines.append(LLMEngine(str(tiny_model_dir), **SMALL_ENGINE))
         return engines[-1]
 
-    worker = Worker(settings, engine_factory=factory)
     outside = unique_name("outside")
     topics_before = await list_topics(broker.bootstrap_servers)
     async with (
@@ -128,9 +127,7 @@ async def test_the_worst_kinds_of_input_are_answered_or_parked_and_nothing_is_lo
         ReplyReader(broker.bootstrap_servers) as replies,
     ):
         hostile = hostile_messages(replies.topic, outside)
-        await worker.start()
-        try:
-            await worker.wait_assigned()
+        async with running_worker(settings, factory) as worker:
             neighbours = []
             for n, (_, value, content_type, _) in enumerate(hostile):
                 key = f"h{n}".encode()
@@ -159,8 +156,6 @@ async def test_the_worst_kinds_of_input_are_answered_or_parked_and_nothing_is_lo
             stats = engines[0].get_stats()  # the engine thread is idle: nothing runs
             assert stats.num_running == stats.num_waiting == 0
             assert stats.num_blocks_free == stats.num_blocks_total
-        finally:
-            await worker.stop(grace_s=5)
     new_topics = await list_topics(broker.bootstrap_servers) - topics_before
     own = {*request_topics(topic), settings.kafka.control_topic, settings.kafka.dlq_topic}
     assert all(t.startswith(PREFIX) or t in own for t in new_topics), new_topics

@@ -110,3 +110,54 @@ async def test_deliver_does_not_retry_past_the_deadline() -> None:
             task.cancel()
     assert isinstance(outcome.exception(), DeliveryTimeout)
     assert len(producer.sent) == 1  # tried once: the deadline was the whole budget
+
+
+class OneRequestAtATimeProducer:
+    """As aiokafka's sender: one request in flight per broker, so while a refused batch waits
+    for its retry, nothing else of this producer is acknowledged. Sends to `refused` are never
+    acknowledged; another topic's are, unless this producer holds a refused one."""
+
+    def __init__(self, refused: str) -> None:
+        self.refused = refused
+        self.is_holding_refused = False
+        self.waiting: list[asyncio.Future] = []
+
+    async def send(self, topic, value, key=None, headers=None, partition=None):
+        future = asyncio.get_running_loop().create_future()
+        if topic == self.refused:
+            self.is_holding_refused = True
+        elif self.is_holding_refused:
+            self.waiting.append(future)  # behind the refused batch's retries
+        else:
+            future.set_result(None)
+        return future
+
+
+async def test_a_refused_client_topic_does_not_hold_the_shared_reply_topic() -> None:
+    """Guards against one producer for every topic: a per-client reply topic that refuses
+    writes held every other topic's acknowledgements (aiokafka retries it one request at a
+    time per broker), so the shared reply topic's tokens waited for the refused one's deadline
+    and its finals failed with it."""
+    settings = WorkerSettings(publisher={"delivery_timeout_s": 60, "num_private_producers": 2})
+    publisher = Publisher(settings, "127.0.0.1:1")
+    shared, refused = settings.kafka.shared_reply_topic_name, "mini-infer.replies.c-refused"
+    publisher._producer = OneRequestAtATimeProducer(refused)
+    publisher._private_producers = [OneRequestAtATimeProducer(refused) for _ in range(2)]
+    assert publisher._producer_for(refused) is not publisher._producer
+    assert publisher._producer_for(shared) is publisher._producer
+    assert publisher._producer_for(settings.kafka.dlq_topic) is publisher._producer
+    outcomes: dict[str, asyncio.Future] = {}
+    try:
+        for topic in (refused, shared, settings.kafka.dlq_topic):
+            for i in range(3):
+                outcome = outcomes[f"{topic}{i}"] = asyncio.get_running_loop().create_future()
+                publisher.publish(
+                    Outgoing(topic, None, b"v", [], lambda e, f=outcome: f.set_result(e))
+                )
+        others = [outcomes[f"{t}{i}"] for t in (shared, settings.kafka.dlq_topic) for i in range(3)]
+        assert await asyncio.wait_for(asyncio.gather(*others), 10) == [None] * 6
+        assert not any(outcomes[f"{refused}{i}"].done() for i in range(3))  # still refused
+    finally:
+        for task in publisher._lane_tasks:
+            task.cancel()
+        await asyncio.gather(*publisher._lane_tasks, return_exceptions=True)

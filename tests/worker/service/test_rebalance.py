@@ -41,7 +41,7 @@ from tests.worker.kafka_helpers import (
     stream_of,
     worker_settings,
 )
-from tests.worker.service.test_serve_sigterm import log_events, start_serve, wait_for_file
+from tests.worker.workers import log_events, start_serve, wait_for_file
 from worker.service.worker import Worker
 
 pytestmark = pytest.mark.kafka

@@ -25,6 +25,7 @@ from tests.worker.kafka_helpers import (
     wait_for_commit,
     worker_settings,
 )
+from tests.worker.workers import running_worker
 from worker.service.worker import Worker
 
 pytestmark = pytest.mark.kafka
@@ -77,8 +78,7 @@ async def test_one_request_breaking_steps_fails_alone_and_its_neighbours_finish(
     worker = Worker(settings, engine_factory=faulty_engine_factory(tiny_model_dir))
     async with serving(broker, worker, grace_s=5) as (producer, replies):
         neighbours = [
-            make_request(replies.topic, f"n {i}", max_tokens=8, ignore_eos=True)
-            for i in range(5)
+            make_request(replies.topic, f"n {i}", max_tokens=8, ignore_eos=True) for i in range(5)
         ]
         poison = make_request(replies.topic, "poison", max_tokens=POISON_MAX_TOKENS)
         for request in [*neighbours[:3], poison, *neighbours[3:]]:
@@ -109,20 +109,16 @@ async def test_a_persistent_engine_fault_stops_the_worker_and_commits_nothing(
         tiny_model_dir, broker.bootstrap_servers, group_id, topic,
         limits={"max_consecutive_step_failures": 3},
     )  # fmt: skip
-    worker = Worker(settings, engine_factory=faulty_engine_factory(tiny_model_dir, always=True))
+    factory = faulty_engine_factory(tiny_model_dir, always=True)
     async with (
         Producer(broker.bootstrap_servers) as producer,
         ReplyReader(broker.bootstrap_servers) as replies,
     ):
-        await worker.start()
-        try:
-            await worker.wait_assigned()
+        async with running_worker(settings, factory) as worker:
             requests = [make_request(replies.topic, f"r {i}") for i in range(4)]
             for request in requests:
                 await producer.send(topic, request, urgency="low")
             await asyncio.wait_for(worker.failed.wait(), 30)
-        finally:
-            await worker.stop(grace_s=5)
         assert not any(replies.finals(r.id) for r in requests)
     committed = await committed_offsets(broker.bootstrap_servers, group_id, topic, 1)
     assert committed[0] in (None, 0)

@@ -32,7 +32,7 @@ from tests.worker.kafka_helpers import (
     wait_for_commit,
 )
 from tests.worker.kafka_proxy import KafkaProxy
-from tests.worker.service.test_serve_sigterm import start_serve, wait_for_file
+from tests.worker.workers import serve_process
 
 pytestmark = pytest.mark.kafka
 
@@ -47,23 +47,20 @@ async def test_a_refused_reply_topic_is_dead_lettered_and_sigterm_exits_within_t
     await create_topic(broker.bootstrap_servers, topic, 1)
     refused_topic = PREFIX + unique_name("refused")
     await create_topic(broker.bootstrap_servers, refused_topic, 1)
-    ready_file, log_path = tmp_path / "ready", tmp_path / "serve.log"
     async with (
         KafkaProxy(broker.bootstrap_servers) as proxy,
         Producer(broker.bootstrap_servers) as producer,
         ReplyReader(broker.bootstrap_servers) as replies,
     ):
         proxy.fail_produce(refused_topic)
-        process = start_serve(
-            proxy.bootstrap_servers, tiny_model_dir, group_id, topic, ready_file, log_path,
+        async with serve_process(
+            proxy.bootstrap_servers, tiny_model_dir, group_id, topic, tmp_path,
             num_partitions=1,
             extra_env={
                 "MINI_INFER_PUBLISHER__DELIVERY_TIMEOUT_S": str(DELIVERY_TIMEOUT_S),
                 "MINI_INFER_STOP_BUDGET_S": str(STOP_BUDGET_S),
             },
-        )  # fmt: skip
-        try:
-            await wait_for_file(ready_file, process, log_path)
+        ) as process:  # fmt: skip
             first = make_request(refused_topic, id="refused-1", max_tokens=4)
             await producer.send(topic, first)
             others = [make_request(replies.topic, id=f"ok-{i}", max_tokens=4) for i in range(3)]
@@ -88,8 +85,4 @@ async def test_a_refused_reply_topic_is_dead_lettered_and_sigterm_exits_within_t
             started_s = time.monotonic()
             while process.poll() is None and time.monotonic() - started_s < STOP_BUDGET_S + 10:
                 await asyncio.sleep(0.1)
-            assert process.poll() == 0, log_path.read_text()[-3000:]
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+            assert process.poll() == 0, process.log_path.read_text()[-3000:]

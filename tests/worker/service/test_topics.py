@@ -26,10 +26,10 @@ from tests.worker.kafka_helpers import (
     wait_for_commit,
     worker_settings,
 )
+from tests.worker.workers import running_worker
 from worker.service.publisher import Outgoing, Publisher
 from worker.service.settings import KafkaSettings, WorkerSettings
 from worker.service.topics import TokenBucket, TopicAdmin, TopicCreationRefused
-from worker.service.worker import Worker
 
 
 class FakeAdmin:
@@ -208,13 +208,12 @@ async def test_a_slow_reply_topic_does_not_stall_polling_and_a_refused_one_is_de
         tiny_model_dir, broker.bootstrap_servers, group_id, topic,
         kafka={"reply_topics": {"max_created": 1}},
     )  # fmt: skip
-    worker = Worker(settings)
     slow_topic, refused_topic = PREFIX + unique_name("slow"), PREFIX + unique_name("refused")
     async with (
         Producer(broker.bootstrap_servers) as producer,
         ReplyReader(broker.bootstrap_servers) as replies,
+        running_worker(settings) as worker,
     ):
-        await worker.start()
         gate = asyncio.Event()
         create = worker.topics.create
 
@@ -224,26 +223,22 @@ async def test_a_slow_reply_topic_does_not_stall_polling_and_a_refused_one_is_de
             await create(topics)
 
         worker.topics.create = slow_create
-        try:
-            await worker.wait_assigned()
-            slow = make_request(slow_topic, id="slow", max_tokens=3)
-            refused = make_request(refused_topic, id="refused", max_tokens=3)
-            after = make_request(replies.topic, id="after", max_tokens=3)
-            for request in (slow, refused, after):
-                await producer.send(topic, request)
-            assert (await replies.final_of("after")).finish_reason == "length"
-            (dead,) = await dlq_records(broker.bootstrap_servers, settings.kafka.dlq_topic, 1)
-            assert get_text_header(dead.headers, ERROR_REASON) == (
-                DeadLetterReason.REPLY_TOPIC_UNAVAILABLE
-            )
-            assert dead.key == b"refused"
-            gate.set()  # the slow topic is created now; its request is answered, and committed
-            committed = await wait_for_commit(
-                broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == 3
-            )
-            assert committed[0] == 3
-        finally:
-            await worker.stop(grace_s=5)
+        slow = make_request(slow_topic, id="slow", max_tokens=3)
+        refused = make_request(refused_topic, id="refused", max_tokens=3)
+        after = make_request(replies.topic, id="after", max_tokens=3)
+        for request in (slow, refused, after):
+            await producer.send(topic, request)
+        assert (await replies.final_of("after")).finish_reason == "length"
+        (dead,) = await dlq_records(broker.bootstrap_servers, settings.kafka.dlq_topic, 1)
+        assert get_text_header(dead.headers, ERROR_REASON) == (
+            DeadLetterReason.REPLY_TOPIC_UNAVAILABLE
+        )
+        assert dead.key == b"refused"
+        gate.set()  # the slow topic is created now; its request is answered, and committed
+        committed = await wait_for_commit(
+            broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == 3
+        )
+        assert committed[0] == 3
 
 
 async def test_a_dead_publisher_loop_is_reported() -> None:
@@ -271,10 +266,7 @@ async def test_the_worker_creates_the_shared_reply_topic_and_answers_on_the_name
         kafka={"shared_reply_topic": shared, "num_shared_reply_partitions": 4,
                "reply_topics": {"create": False}},
     )  # fmt: skip
-    worker = Worker(settings)
-    await worker.start()
-    try:
-        await worker.wait_assigned()
+    async with running_worker(settings):
         async with Producer(broker.bootstrap_servers) as producer:
             await producer.send(topic, make_request(shared, id="good", reply_partition=2))
             invalid = {"id": "invalid", "reply_to": shared, "reply_partition": 2, "max_tokens": 0}
@@ -290,8 +282,6 @@ async def test_the_worker_creates_the_shared_reply_topic_and_answers_on_the_name
         )
         assert {(r.partition, r.key) for r in records} == {(2, b"good"), (2, b"invalid")}
         await wait_for_commit(broker.bootstrap_servers, group_id, topic, 1, lambda c: c[0] == 3)
-    finally:
-        await worker.stop(grace_s=5)
 
 
 async def read_all_partitions(bootstrap_servers, topic, num_partitions, finals_of) -> list:

@@ -4,9 +4,6 @@ and run (preempting low work) before any of the low requests ahead of it finishe
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 
 from tests.worker.kafka_helpers import (
@@ -16,6 +13,7 @@ from tests.worker.kafka_helpers import (
     fresh_topics,
     make_request,
     serving,
+    wait_for,
     worker_settings,
 )
 from worker.service.worker import Worker
@@ -55,13 +53,6 @@ async def test_a_critical_request_overtakes_a_saturated_worker(broker, tiny_mode
         final = await replies.final_of(critical.id)
         assert final.finish_reason == "length"
         assert not any(replies.finals(r.id) for r in lows)
-
-
-async def wait_for(predicate, timeout_s: float = 60.0) -> None:
-    deadline_s = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline_s, "timed out"
-        await asyncio.sleep(0.01)
 
 
 def two_seq_slow_engine(model_dir):

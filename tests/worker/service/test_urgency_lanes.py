@@ -7,9 +7,7 @@ fact, not a race, and the order in which requests reach the engine is recorded."
 
 from __future__ import annotations
 
-import asyncio
 import threading
-import time
 
 import pytest
 
@@ -20,6 +18,7 @@ from tests.worker.kafka_helpers import (
     fresh_topics,
     make_request,
     serving,
+    wait_for,
     worker_settings,
 )
 from worker.service.worker import Worker
@@ -59,13 +58,6 @@ def gated_factory(model_dir, gate: threading.Event, engines: list):
         return engine
 
     return build
-
-
-async def wait_for(predicate, timeout_s: float = 60.0, what: str = "a condition") -> None:
-    deadline_s = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline_s, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 def paused_topics(worker: Worker) -> set[str]:

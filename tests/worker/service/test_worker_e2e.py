@@ -33,9 +33,9 @@ from tests.worker.kafka_helpers import (
     wait_for_commit,
     worker_settings,
 )
+from tests.worker.workers import running_worker
 from worker.client import ClientOptions, MiniInferClient
 from worker.service.telemetry import Telemetry
-from worker.service.worker import Worker
 
 pytestmark = [pytest.mark.kafka, pytest.mark.asyncio(loop_scope="module")]
 
@@ -77,15 +77,9 @@ async def env(broker, tiny_model_dir):
         telemetry = Telemetry(settings.observability, "w-e2e", [SimpleSpanProcessor(spans)])
         # A pause per step makes "still running" a fact, not a race: a 1000-token request takes
         # at least 10 s, so a cancel or a 1 s deadline always finds it mid-stream.
-        worker = Worker(
-            settings, engine_factory=slow_engine_factory(tiny_model_dir, STEP_S), telemetry=telemetry
-        )
-        await worker.start()
-        try:
-            await worker.wait_assigned()
+        factory = slow_engine_factory(tiny_model_dir, STEP_S)
+        async with running_worker(settings, factory, telemetry=telemetry) as worker:
             yield Env(broker, worker, spans, producer, early_reader, early.id)
-        finally:
-            await worker.stop(grace_s=5)
 
 
 @pytest_asyncio.fixture(loop_scope="module")
