@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <climits>
 #include <cstdint>
 #include <string>
@@ -50,8 +51,9 @@ inline void cpu_relax() {
 
 // A sense-reversing barrier for the threads of one region. A waiter spins `spin` rounds (on an
 // idle machine its partner is microseconds away), then sleeps on a futex, so a partner that was
-// preempted gets the core back. Each sleep halves the spin for later waits (down to kMinSpin):
-// on a machine whose cores are taken, spinning only delays the sleep.
+// preempted gets the core back. A sleep that lasted past a scheduler tick (the partner was
+// preempted) halves the spin for later waits (down to kMinSpin): on a machine whose cores are
+// taken, spinning only delays the sleep. Short sleeps (a partner with more work) change nothing.
 class Barrier {
  public:
   static constexpr int64_t kMinSpin = 64;
@@ -79,14 +81,21 @@ class Barrier {
       cpu_relax();
     }
     slow_waits_.fetch_add(1, std::memory_order_relaxed);
-    spin_.store(std::max(kMinSpin, spin / 2), std::memory_order_relaxed);
+    const auto slept_at = std::chrono::steady_clock::now();
     sleepers_.fetch_add(1, std::memory_order_seq_cst);
     while (generation_.load(std::memory_order_seq_cst) == generation)
       futex(FUTEX_WAIT_PRIVATE, generation);  // returns at once if the generation moved on
     sleepers_.fetch_sub(1, std::memory_order_relaxed);
+    // A partner more than a scheduler tick late was preempted, not merely given more work.
+    // Then spinning only delays the sleep: halve the spin for the waits to come.
+    if (std::chrono::steady_clock::now() - slept_at > std::chrono::milliseconds(2)) {
+      long_waits_.fetch_add(1, std::memory_order_relaxed);
+      spin_.store(std::max(kMinSpin, spin / 2), std::memory_order_relaxed);
+    }
   }
 
   int64_t slow_waits() const { return slow_waits_.load(std::memory_order_relaxed); }
+  int64_t long_waits() const { return long_waits_.load(std::memory_order_relaxed); }
 
  private:
   void futex(int op, int value) {
@@ -100,6 +109,7 @@ class Barrier {
   std::atomic<int> num_threads_{1};
   std::atomic<int64_t> spin_;
   std::atomic<int64_t> slow_waits_{0};
+  std::atomic<int64_t> long_waits_{0};
 };
 
 class Plan {
@@ -132,8 +142,10 @@ class Plan {
   }
 
   // Runs every task for a step of `rows` rows on `num_threads` threads (<= 0: torch's count).
-  // When more than a quarter of a step's barrier waits had to sleep (the cores are shared), the
-  // next kSingleThreadSteps steps run on one thread, which waits for no one; then it tries again.
+  // When more than one barrier wait in 16 of a step slept past a scheduler tick (the partner
+  // was preempted: the cores are shared), the next kSingleThreadSteps steps run on one thread,
+  // which waits for no one; then it tries again. Waits for a partner with more work to do
+  // (rows of different context lengths) are short and do not count.
   void run(int64_t rows, int64_t num_threads, int64_t spin) {
     TORCH_CHECK(rows > 0, "decode_step: rows must be positive");
     int threads = static_cast<int>(num_threads > 0 ? num_threads : at::get_num_threads());
@@ -162,8 +174,9 @@ class Plan {
       }
     }
     slow_waits_ += barrier.slow_waits();
+    long_waits_ += barrier.long_waits();
     spin_ = barrier.spin();
-    if (barrier.slow_waits() * 4 > num_barriers_) single_thread_left_ = kSingleThreadSteps;
+    if (barrier.long_waits() * 16 > num_barriers_) single_thread_left_ = kSingleThreadSteps;
   }
 
   py::dict stats() const {
@@ -171,6 +184,7 @@ class Plan {
     d["steps"] = steps_;
     d["single_thread_steps"] = single_thread_steps_;
     d["slow_waits"] = slow_waits_;
+    d["long_waits"] = long_waits_;
     d["tasks"] = static_cast<int64_t>(tasks_.size());
     d["barriers"] = num_barriers_;
     d["spin"] = spin_;
@@ -188,6 +202,7 @@ class Plan {
   py::list owners_;
   std::vector<Task> tasks_;
   int64_t num_barriers_ = 0, steps_ = 0, single_thread_steps_ = 0, slow_waits_ = 0;
+  int64_t long_waits_ = 0;
   int64_t single_thread_left_ = 0, spin_ = 0;
 };
 
@@ -198,5 +213,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const py::list&>())
       .def("run", &Plan::run, py::arg("rows"), py::arg("num_threads") = 0,
            py::arg("spin") = 4000, "run every task for a step of `rows` rows")
-      .def("stats", &Plan::stats, "steps, steps on one thread, barrier waits that slept");
+      .def("stats", &Plan::stats, "steps, steps on one thread, barrier waits that slept, and slept past 2 ms");
 }

@@ -209,7 +209,7 @@ class FusedDecode:
             norm(layer.post_attention_layernorm, self.branch, self.residual)
             gemv(mlp.gate_up_proj, self.normed, self.gate_up)
             silu = fo.make_silu_mul_task(self.gate_up, self.act, exp_lanes)
-            tasks.append((silu_fn, silu, 1, 0, True))
+            tasks.append((silu_fn, silu, 0, 1, True))
             gemv(mlp.down_proj, self.act, self.branch)
         norm(model.model.norm, self.branch, self.residual)
         if self.has_lm_head:

@@ -255,11 +255,13 @@ int64_t torch_chunk(int64_t numel, int64_t num_threads) {
 
 template <typename scalar_t>
 void silu_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t n,
-                   int64_t in_stride, int64_t lanes, int64_t num_threads) {
+                   int64_t in_stride, int64_t lanes, int64_t num_threads, int64_t first_row = 0,
+                   int64_t total_rows = 0) {
   // torch's vectorized_loop takes 2 Vectorized<scalar_t> per iteration; a Vectorized of a
-  // 2-byte type holds twice the float lanes.
+  // 2-byte type holds twice the float lanes. Its segments are over the whole tensor's flat
+  // elements: rows [first_row, first_row + rows) of total_rows (0: these rows are all).
   const int64_t step = 2 * lanes * (sizeof(scalar_t) == 2 ? 2 : 1);
-  const int64_t chunk = torch_chunk(rows * n, num_threads);
+  const int64_t chunk = torch_chunk((total_rows > 0 ? total_rows : rows) * n, num_threads);
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> gate(n), denom(n);
@@ -270,10 +272,11 @@ void silu_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t
         gate[i] = to_float(g[i]);
         denom[i] = -gate[i];
       }
-      for (int64_t start = r * n, end = start + n; start < end;) {  // torch's loop segments
+      const int64_t flat = (first_row + r) * n;  // the row's first element in the tensor
+      for (int64_t start = flat, end = start + n; start < end;) {  // torch's loop segments
         const int64_t stop = std::min(end, (start / chunk + 1) * chunk);
         const int64_t len = stop - start;
-        torch_exp(denom.data() + (start - r * n), len, lanes == 0 ? 0 : len / step * step, lanes);
+        torch_exp(denom.data() + (start - flat), len, lanes == 0 ? 0 : len / step * step, lanes);
         start = stop;
       }
       scalar_t* o = out + r * n;
@@ -367,11 +370,12 @@ struct SiluMulTask {
   int64_t n, lanes, num_threads;  // torch's intra-op threads when the task was made
 };
 
-// One item: all rows (torch's exp segments depend on the whole tensor's element count).
+// Items: rows (torch's exp segments are placed by the whole step's element count).
 void silu_mul_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
   const SiluMulTask& t = *static_cast<const SiluMulTask*>(raw);
   if (begin >= end) return;
-  silu_mul_rows<bf16>(t.gate_up, t.out, rows, t.n, 2 * t.n, t.lanes, t.num_threads);
+  silu_mul_rows<bf16>(t.gate_up + begin * 2 * t.n, t.out + begin * t.n, end - begin, t.n,
+                      2 * t.n, t.lanes, t.num_threads, begin, rows);
 }
 
 template <typename T>
@@ -448,5 +452,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_task_fn", [] { return task_fn(&silu_mul_task); });
   m.def("make_norm_task", &make_norm_task, "a fused decode step's (add +) RMSNorm over rows");
   m.def("make_rotary_task", &make_rotary_task, "a fused decode step's RoPE over rows");
-  m.def("make_silu_mul_task", &make_silu_mul_task, "a fused decode step's SiLU * up (one item)");
+  m.def("make_silu_mul_task", &make_silu_mul_task, "a fused decode step's SiLU * up over rows");
 }
