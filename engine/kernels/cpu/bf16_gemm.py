@@ -30,14 +30,16 @@ from engine.kernels.cpu import extension, quant_gemm
 
 SOURCE = Path(__file__).with_name("bf16_gemm.cpp")
 BLOCK = 16  # output channels per block of the packed layout
-# Our kernel up to this many rows (decode batches, W2's 32 included); beyond, oneDNN's F.linear
-# on a transient unpacked copy: prefill chunks are compute-bound (the copy is small beside the
-# GEMM), and this way a prefill rounds exactly as Hugging Face's bf16 model does. Measured on the
-# Zen 4 VM (`bench_bf16_gemv --rows 1,16,32,64,256 --shapes smol`, load 2-3), at 32-64 rows
-# F.linear on the plain weight took 0.96-1.33x our kernel's time before the fallback's copy,
-# oneDNN on its packed layout 0.92-1.07x; at 1 row those were 2.4-3.4x and 1.8-2.1x. At 64 rows
-# and below a bf16 decode step can then also run fused (engine/kernels/cpu/decode_step.py).
-GEMV_MAX_ROWS = 64
+# Our kernel up to this many rows (decode batches); beyond, oneDNN's F.linear on a transient
+# unpacked copy: prefill chunks are compute-bound (the copy is small beside the GEMM), and
+# this way a prefill rounds exactly as Hugging Face's bf16 model does (tested on the real
+# model: a prompt's logits bit-identical to HF's). The fused decode step takes our kernel up to
+# FUSED_MAX_ROWS decode rows (engine/kernels/cpu/decode_step.py): measured on the Zen 4 VM
+# (`bench_bf16_gemv --rows 1,16,32,64,256 --shapes smol`, load 2-3), at 32-64 rows F.linear on
+# the plain weight took 0.96-1.33x our kernel's time before the fallback's copy, oneDNN on its
+# packed layout 0.92-1.07x; at 1 row those were 2.4-3.4x and 1.8-2.1x.
+GEMV_MAX_ROWS = 16
+FUSED_MAX_ROWS = 64
 # Packed weights in transparent huge pages (madvise): fewer TLB misses while streaming them.
 HUGE_PAGES = os.environ.get("MINI_INFER_HUGE_PAGES", "0") == "1"
 _HUGE_PAGE_BYTES = 2 << 20

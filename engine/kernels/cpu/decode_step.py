@@ -37,8 +37,9 @@ log = structlog.get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_step.cpp")
 # Decode rows per fused step: with int4/int8 weights the per-operator path runs the same GEMV
-# kernel at any row count; bf16 weights on our GEMV up to GEMV_MAX_ROWS (64), past which it
-# takes oneDNN's GEMM (and the fused step would no longer give its bits).
+# kernel at any row count; bf16 weights on our GEMV up to bf16_gemm.FUSED_MAX_ROWS (64). The
+# per-operator path hands bf16 batches of more than GEMV_MAX_ROWS (16) to oneDNN, so between 17
+# and 64 rows the fused step's bits are our kernel's, not that path's (both round to bf16 once).
 MAX_ROWS_QUANT = 64
 SPIN = 4000  # barrier: pause rounds (~100 us) before a waiting thread sleeps
 
@@ -123,7 +124,7 @@ class FusedDecode:
         max_partitions = -(-self.max_blocks // self.partition_blocks)
         if max_rows is None:
             max_rows = min(
-                MAX_ROWS_QUANT if isinstance(linear, QuantLinear) else bf16_gemm.GEMV_MAX_ROWS
+                MAX_ROWS_QUANT if isinstance(linear, QuantLinear) else bf16_gemm.FUSED_MAX_ROWS
                 for linear in model.modules()
                 if isinstance(linear, (QuantLinear, Linear)) and linear is not model.lm_head
             )

@@ -3,7 +3,7 @@
 Three GEMM paths exist on CPU: `F.linear` on the checkpoint layout (MKL for fp32; for bf16/fp16
 torch repacks the weight inside every call), oneDNN's `_linear_pointwise` on a weight packed
 once into its blocked layout, and, for bf16, our own GEMV / small GEMM on weights packed in
-pairs along K (engine/kernels/cpu/bf16_gemm.py; a layer runs it up to 64 rows and oneDNN on a
+pairs along K (engine/kernels/cpu/bf16_gemm.py; a layer runs it up to 16 rows and oneDNN on a
 transient unpacked copy beyond, which is what the calibration times for it). Which is faster depends on the CPU, the dtype, the shape and the
 number of rows, and a rule measured on one CPU family was wrong on the other:
 

@@ -124,7 +124,7 @@ def test_fused_step_takes_w2_sized_batches_with_quantized_weights(step_ext, tiny
     checker = _check(engine, prompts, max_tokens=4)
     assert 20 in checker.num_rows
     bf16 = _engine(tiny_model_dir, None, linear_kernel="gemv").runner._forward.fused
-    assert bf16.max_rows == bf16_gemm.GEMV_MAX_ROWS  # past it, the per-operator path's GEMM
+    assert bf16.max_rows == bf16_gemm.FUSED_MAX_ROWS  # our kernel up to 64 decode rows
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
