@@ -47,7 +47,7 @@ from engine.layers.pointwise import use_cpu_ops
 from engine.logprobs import StepLogprobs, add_sample_logprobs, prompt_logprobs_for_step
 from engine.models import get_model_class
 from engine.models.llama import head_dim_of
-from engine.platform import cpu_info
+from engine.platform import cpu_info, trim_heap
 from engine.precision import resolve_dtype, resolve_precision  # noqa: F401 (re-exported)
 from engine.quant import kv_int8, load_model_weights
 from engine.sampler import Sampler
@@ -108,12 +108,7 @@ def _release_load_memory() -> None:
     """Hand back, once, what loading freed: the float checkpoint's tensors read, converted and
     quantized are garbage after load, but with the trim threshold above glibc keeps their
     pages. Measured (SmolLM2 int4 + int8 KV, 2-core Zen 4): RSS 639 -> 588 MiB after load."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
-        return
+    trim_heap()
 
 
 @dataclass

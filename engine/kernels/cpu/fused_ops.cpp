@@ -288,6 +288,17 @@ void silu_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t
   });
 }
 
+// The exp width asked for must be one this build can follow (torch's SLEEF width, or 0).
+void check_exp_lanes(int64_t lanes) {
+  TORCH_CHECK(lanes == 0 || lanes == 8 || lanes == 16, "lanes must be 0, 8 or 16");
+#if !defined(__AVX512F__)
+  TORCH_CHECK(lanes != 16, "built without AVX-512: cannot follow torch's 16-lane exp");
+#endif
+#if !defined(__AVX2__)
+  TORCH_CHECK(lanes != 8, "built without AVX2: cannot follow torch's 8-lane exp");
+#endif
+}
+
 // gate_up [rows, 2 * n] (gate | up, unit stride) -> out [rows, n] = silu(gate) * up.
 void silu_mul(torch::Tensor gate_up, torch::Tensor out, int64_t lanes) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
@@ -296,13 +307,7 @@ void silu_mul(torch::Tensor gate_up, torch::Tensor out, int64_t lanes) {
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == gate_up.size(0) &&
                   out.size(1) == n && out.scalar_type() == gate_up.scalar_type(),
               "out must be contiguous [rows, n] in gate_up's dtype");
-  TORCH_CHECK(lanes == 0 || lanes == 8 || lanes == 16, "lanes must be 0, 8 or 16");
-#if !defined(__AVX512F__)
-  TORCH_CHECK(lanes != 16, "built without AVX-512: cannot follow torch's 16-lane exp");
-#endif
-#if !defined(__AVX2__)
-  TORCH_CHECK(lanes != 8, "built without AVX2: cannot follow torch's 8-lane exp");
-#endif
+  check_exp_lanes(lanes);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(),
                                   "fused_silu_mul", [&] {
     silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
@@ -425,12 +430,7 @@ py::capsule make_silu_mul_task(torch::Tensor gate_up, torch::Tensor out, int64_t
   TORCH_CHECK(gate_up.is_contiguous() && out.is_contiguous() &&
                   gate_up.size(1) == 2 * out.size(1),
               "silu_mul task: gate_up [rows, 2n], out [rows, n], contiguous");
-#if !defined(__AVX512F__)
-  TORCH_CHECK(lanes != 16, "built without AVX-512: cannot follow torch's 16-lane exp");
-#endif
-#if !defined(__AVX2__)
-  TORCH_CHECK(lanes != 8, "built without AVX2: cannot follow torch's 8-lane exp");
-#endif
+  check_exp_lanes(lanes);
   return task_args(new SiluMulTask{gate_up.data_ptr<bf16>(), out.data_ptr<bf16>(), out.size(1), lanes,
                                    static_cast<int64_t>(at::get_num_threads())});
 }
