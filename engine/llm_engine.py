@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import time
 from pathlib import Path
 
@@ -42,10 +43,8 @@ def sample_request_id(request_id: str, index: int) -> str:
 def _eos_token_ids(model_path: Path, hf_config, tokenizer) -> set[int]:
     ids: set[int] = set()
     gen_path = model_path / "generation_config.json"
-    if gen_path.exists():
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    if gen_path.exists():  # read as JSON: transformers' GenerationConfig only copies it
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
     else:
         eos = getattr(hf_config, "eos_token_id", None)
     if eos is None and tokenizer is not None:
@@ -195,9 +194,10 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer, so it cannot constrain its output")
             from engine.structured.grammars import GrammarCache  # only structured requests need it
+            from engine.tokenizer import as_transformers
 
             self._grammars = GrammarCache(
-                self.tokenizer, self.vocab_size, sorted(self.eos_token_ids)
+                as_transformers(self.tokenizer), self.vocab_size, sorted(self.eos_token_ids)
             )
         return self._grammars
 

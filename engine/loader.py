@@ -116,9 +116,15 @@ def _fetch_default_gguf(target: Path) -> Path:
 
 
 def load_tokenizer(path: Path):
-    """The checkpoint's Hugging Face tokenizer, or None when it ships without one."""
+    """The checkpoint's tokenizer, or None when it ships without one: on `tokenizers` alone
+    where it can be (engine/tokenizer.py: without transformers' memory), else transformers'."""
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         return None
+    from engine import tokenizer
+
+    light = tokenizer.load(Path(path))
+    if light is not None:
+        return light
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
