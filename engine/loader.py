@@ -282,11 +282,10 @@ def _iter_checkpoint(
     left a float copy beside it."""
     gguf_file = gguf_source(path)
     if gguf_file is not None:
-        from transformers import AutoConfig
-
+        from engine.model_config import load_config
         from engine.quant import gguf
 
-        hf_config = AutoConfig.from_pretrained(path)
+        hf_config = load_config(path)
         if dtype_of is None:
             yield from gguf.iter_float_tensors(gguf_file, hf_config, skip)
         else:

@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import structlog
 import torch
-from transformers import AutoConfig
 
 from engine import openmp
 from engine.compile import CompiledModel
@@ -45,6 +44,7 @@ from engine.layers.attention import (
 from engine.layers.linear import Linear
 from engine.layers.pointwise import use_cpu_ops
 from engine.logprobs import StepLogprobs, add_sample_logprobs, prompt_logprobs_for_step
+from engine.model_config import load_config
 from engine.models import get_model_class
 from engine.models.llama import head_dim_of
 from engine.platform import cpu_info, trim_heap
@@ -146,7 +146,7 @@ class ModelRunner:
                 "set OMP_WAIT_POLICY=PASSIVE in the environment (see engine/openmp.py)",
             )  # fmt: skip
         self.config = config
-        self.hf_config = AutoConfig.from_pretrained(model_path)
+        self.hf_config = load_config(model_path)
         device = getattr(self, "device", torch.device("cpu")).type  # CudaModelRunner sets it
         self.dtype, self.quant = resolve_precision(
             Path(model_path), self.hf_config, dtype, quantization, device

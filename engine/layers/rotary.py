@@ -28,8 +28,6 @@ class _StaticRope:
     positions in the batch: the same inverse frequencies, scaling and forward arithmetic."""
 
     def __init__(self, hf_config):
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
         self.rope_type = hf_config.rope_parameters["rope_type"]
         if self.rope_type == "default":
             base = hf_config.rope_parameters["rope_theta"]
@@ -38,7 +36,9 @@ class _StaticRope:
             )
             self.inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             self.attention_scaling = 1.0
-        else:
+        else:  # transformers only here: importing it costs ~30 MiB of RSS (issue 17)
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
             self.inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](hf_config)
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor):

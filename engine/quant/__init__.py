@@ -69,16 +69,15 @@ def _pack_and_trim(module: nn.Module, keep_torch_layout: bool) -> None:
 def _load_from_gguf(
     model: nn.Module, model_path: Path, gguf_file: Path, skip, on_filled=None
 ) -> None:
-    from transformers import AutoConfig
-
     from engine.loader import load_weights
+    from engine.model_config import load_config
     from engine.platform import trim_heap
     from engine.quant import gguf
 
     load_weights(model, model_path, skip_modules=skip)  # embeddings, norms, biases
     if on_filled is not None:  # packing as it goes: trimming as it goes too
         trim_heap()
-    hf_config = AutoConfig.from_pretrained(model_path)
+    hf_config = load_config(model_path)
     gguf.load_quantized_layers(model, gguf_file, hf_config, on_filled)
 
 
