@@ -50,6 +50,7 @@ from engine.models.llama import head_dim_of
 from engine.platform import cpu_info, trim_heap
 from engine.precision import resolve_dtype, resolve_precision  # noqa: F401 (re-exported)
 from engine.quant import kv_int8, load_model_weights
+from engine.quant.embedding import share_head_codes
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -185,6 +186,7 @@ class ModelRunner:
             self._forward, self.fused_decode = decode_step.resolve(
                 self.model, config.fused_decode, self.kv_cache.dtype, self.max_model_len
             )
+        self.embedding = self._share_embedding()
         if self.is_compiled:
             self._forward = CompiledModel(self.model, backend, self._layer_caches)
             self._warm_up()
@@ -195,10 +197,22 @@ class ModelRunner:
             kv_cache_bytes=self.kv_cache_bytes, attention_backend=backend.name,
             linear_kernels=self.linear_kernels, compiled=self.is_compiled,
             pointwise_ops=self.pointwise_ops,
-            fused_decode=self.fused_decode or "on",
+            fused_decode=self.fused_decode or "on", embedding=self.embedding,
             cpu=cpu_info().model_name,
             cpu_isa=cpu_info().vector_isa,
         )  # fmt: skip
+
+    def _share_embedding(self) -> str:
+        """A tied embedding looked up in the int8 lm_head's codes, its float table freed
+        (engine/quant/embedding.py): "head_codes", or "table" where it stays. The fused decode
+        step and compiled or CUDA runs read the table itself: they keep it."""
+        is_eager_cpu = self.fused_decode is not None and not self.is_compiled
+        if self.quant is None or not self.quant.embedding_from_head or not is_eager_cpu:
+            return "table"
+        if not share_head_codes(self.model):
+            return "table"
+        trim_heap()
+        return "head_codes"
 
     @staticmethod
     def _should_compile(mode: str) -> bool:

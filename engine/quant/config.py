@@ -22,8 +22,9 @@ class QuantConfig:
     was the head's. w8a8 with a w8a8 head: +3.8%. With the int8 weight-only head (same run
     setup, bf16 compute, 6 x 512-token windows): int8 +0.55%, int4 +0.33%, w8a8 +3.47%.
     Speed at one row: int8 head 1.3x bf16 (engine/quant/linear.py).
-    The embedding table is never quantized: a lookup reads a few rows, so there is no speed to
-    gain, and with tied embeddings the float table is needed for the lookup anyway.
+    An untied embedding table is never quantized: a lookup reads a few rows, so there is no
+    speed to gain. A tied one is looked up in the int8 head's codes (`embedding_from_head`):
+    the same weights, not kept twice (54 MiB less for SmolLM2 in bf16).
     """
 
     scheme: str
@@ -34,6 +35,9 @@ class QuantConfig:
     kernel: str = "auto"
     # w8a8: projections whose activations stay unquantized (int8 weight-only, the same codes).
     w8a8_weight_only: tuple[str, ...] = ("qkv_proj",)
+    # A tied embedding looked up in the int8 lm_head's codes, its float table freed (where the
+    # runner can: engine/quant/embedding.py); False keeps the float table.
+    embedding_from_head: bool = True
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:

@@ -199,6 +199,17 @@ class QuantLinear(nn.Module):
             return dequantize_int4(self.weight.data, self.scale, self.minimum)
         return dequantize_int8(self.weight.data, self.scale)
 
+    def dequantized_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """int8 only: float32 [len(ids), in], rows `ids` of what the codes stand for, from
+        whichever layout holds them (a tied embedding looked up in the head's codes:
+        engine/quant/embedding.py)."""
+        if self.scheme == "int4":
+            raise ValueError("row lookup is for int8 codes")
+        if self.is_packed and not self.has_torch_layout:
+            block = quant_gemm.BLOCK  # [blocks, in, 16]: row r at (r // 16, :, r % 16)
+            return self.cpp_codes[ids // block, :, ids % block].float() * self.cpp_scales[ids, None]
+        return self.weight.data[ids].float() * self.scale[ids, None]
+
     # -- packing and compute ---------------------------------------------------------------
     def pack(self, keep_torch_layout: bool = False) -> None:
         """Re-lay the canonical tensors out for the kernels (call once, after loading): one
