@@ -181,8 +181,8 @@ def run(args) -> int:
     base = results["fp32"]["perplexity"]
     for name, r in results.items():
         r["perplexity_delta_pct"] = 100.0 * (r["perplexity"] / base - 1.0)
-        base = name.removesuffix("+table")
-        target = TARGETS.get(base.split("-g")[0] if base.startswith("int4") else base)
+        setting = name.removesuffix("+table")
+        target = TARGETS.get(setting.split("-g")[0] if setting.startswith("int4") else setting)
         r["target_pct"] = target
         r["meets_target"] = None if target is None else r["perplexity_delta_pct"] <= target
     doc = {
