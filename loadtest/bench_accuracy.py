@@ -17,7 +17,10 @@ position of the first differing token (the full length when identical).
 Targets (perplexity against fp32, same run): bf16 <= +0.5%, int8 <= +1%, int4 <= +2%,
 w8a8 <= +3%, int8 KV cache <= +1%. Quantized settings compute in bfloat16 by default, their
 serving dtype (the int8 kernel is very slow on float32 activations, see engine/quant/linear.py),
-so their deltas include bf16's own; the int8 KV cache runs with a float32 model.
+so their deltas include bf16's own; the int8 KV cache runs with a float32 model. A setting
+takes modifiers after "+": "kv8" adds the int8 KV cache, "table" keeps a tied embedding's float
+table instead of looking rows up in the int8 head's codes (engine/quant/embedding.py; the lookup
+applies where the fused decode step does not, so with "kv8"): `int4+kv8,int4+kv8+table`.
 """
 
 from __future__ import annotations
@@ -46,12 +49,20 @@ def setting_options(name: str, quant_dtype: str) -> dict:
     the float settings say quantization=None, since the default model is a Q4_1 GGUF)."""
     if name == "default":
         return {}
-    if name.endswith("+table"):  # a tied embedding kept as its float table (A/B of the lookup
-        options = setting_options(name.removesuffix("+table"), quant_dtype)  # in the head codes)
-        from engine.quant.config import QuantConfig
+    if "+" in name:  # modifiers: "+kv8" the int8 KV cache, "+table" a tied embedding kept as
+        base, *modifiers = name.split("+")  # its float table (A/B of the head-code lookup)
+        options = setting_options(base, quant_dtype)
+        for modifier in modifiers:
+            if modifier == "kv8":
+                options["kv_cache_dtype"] = "int8"
+            elif modifier == "table":
+                from engine.quant.config import QuantConfig
 
-        quant = QuantConfig.parse(options["quantization"])
-        return {**options, "quantization": dataclasses.replace(quant, embedding_from_head=False)}
+                quant = QuantConfig.parse(options["quantization"])
+                options["quantization"] = dataclasses.replace(quant, embedding_from_head=False)
+            else:
+                raise ValueError(f"unknown setting modifier {modifier!r} (kv8, table)")
+        return options
     if name == "fp32":
         return {"dtype": "float32", "quantization": None}
     if name == "bf16":
@@ -61,7 +72,7 @@ def setting_options(name: str, quant_dtype: str) -> dict:
     if name.startswith(("int8", "int4", "w8a8")):
         return {"dtype": quant_dtype, "quantization": name}
     raise ValueError(
-        f"unknown setting {name!r}; expected one of {SETTINGS} (or int4-g64..., int4+table...)"
+        f"unknown setting {name!r}; expected one of {SETTINGS} (or int4-g64..., int4+kv8+table...)"
     )
 
 
@@ -181,7 +192,7 @@ def run(args) -> int:
     base = results["fp32"]["perplexity"]
     for name, r in results.items():
         r["perplexity_delta_pct"] = 100.0 * (r["perplexity"] / base - 1.0)
-        setting = name.removesuffix("+table")
+        setting = name.split("+")[0]
         target = TARGETS.get(setting.split("-g")[0] if setting.startswith("int4") else setting)
         r["target_pct"] = target
         r["meets_target"] = None if target is None else r["perplexity_delta_pct"] <= target
