@@ -50,7 +50,7 @@ from engine.models.llama import head_dim_of
 from engine.platform import cpu_info, trim_heap
 from engine.precision import resolve_dtype, resolve_precision  # noqa: F401 (re-exported)
 from engine.quant import kv_int8, load_model_weights
-from engine.quant.embedding import share_head_codes
+from engine.quant.embedding import HeadEmbedding, share_head_codes
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -170,8 +170,9 @@ class ModelRunner:
         # Quantized layers are packed by load_model_weights (torch's layout too when compiled:
         # the C++ kernel's pybind call cannot be traced); the plain ones here, per shape.
         load_model_weights(
-            self.model, Path(model_path), self.quant, keep_torch_layout=self.is_compiled
-        )
+            self.model, Path(model_path), self.quant, keep_torch_layout=self.is_compiled,
+            embedding_from_head=self._embedding_from_head(device, fused_decode_known=False),
+        )  # fmt: skip
         # Compiled: Inductor's freezing lays the weights out itself, from plain ones.
         linear_kernel = "plain" if self.is_compiled else config.linear_kernel
         self.linear_kernels = self._pack_linears(linear_kernel)
@@ -202,12 +203,26 @@ class ModelRunner:
             cpu_isa=cpu_info().vector_isa,
         )  # fmt: skip
 
+    def _embedding_from_head(self, device: str, fused_decode_known: bool) -> bool:
+        """Whether a tied embedding is looked up in the int8 lm_head's codes, its float table
+        freed (engine/quant/embedding.py). The fused decode step and compiled or CUDA runs read
+        the table itself: they keep it. Before loading (`fused_decode_known` False) only where
+        the fused step cannot apply whatever the weights (int8 KV cache, or turned off): then
+        the table goes while loading, off the load's peak."""
+        if self.quant is None or not self.quant.embedding_from_head or self.is_compiled:
+            return False
+        if fused_decode_known:
+            return self.fused_decode is not None
+        no_fused_step = self.config.kv_cache_dtype == "int8" or self.config.fused_decode == "off"
+        return device == "cpu" and no_fused_step
+
     def _share_embedding(self) -> str:
-        """A tied embedding looked up in the int8 lm_head's codes, its float table freed
-        (engine/quant/embedding.py): "head_codes", or "table" where it stays. The fused decode
-        step and compiled or CUDA runs read the table itself: they keep it."""
-        is_eager_cpu = self.fused_decode is not None and not self.is_compiled
-        if self.quant is None or not self.quant.embedding_from_head or not is_eager_cpu:
+        """ "head_codes" where the tied embedding is looked up in the head's codes (shared while
+        loading, or now that the fused decode step is known not to apply), else "table"."""
+        inner = getattr(self.model, "model", None)
+        if isinstance(getattr(inner, "embed_tokens", None), HeadEmbedding):
+            return "head_codes"
+        if not self._embedding_from_head("cpu", fused_decode_known=True):
             return "table"
         if not share_head_codes(self.model):
             return "table"

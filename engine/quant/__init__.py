@@ -16,6 +16,7 @@ import structlog
 from torch import nn
 
 from engine.quant.config import SCHEMES, QuantConfig
+from engine.quant.embedding import share_head_codes
 
 __all__ = ["SCHEMES", "QuantConfig", "load_model_weights"]
 
@@ -29,11 +30,15 @@ def load_model_weights(
     cache_root: Path | None = None,
     pack: bool = True,
     keep_torch_layout: bool = False,
+    embedding_from_head: bool = False,
 ) -> str:
     """Load `model`'s weights; returns where the quantized tensors came from: "none" (float
     model), "gguf" (the GGUF's blocks as they are), "cache", or "quantized" (freshly, from the
     float or GGUF weights, then cached). `pack=False` leaves the quantized layers in their
-    canonical form (tests compare those tensors); `keep_torch_layout`: see QuantLinear.pack."""
+    canonical form (tests compare those tensors); `keep_torch_layout`: see QuantLinear.pack.
+    `embedding_from_head`: a tied embedding is replaced by the lookup in the int8 head's codes
+    (engine/quant/embedding.py) as soon as the head is filled, before it is packed, so the
+    float table and two copies of the codes are never resident together."""
     from engine.loader import gguf_source, load_weights
     from engine.quant import cache, gguf
 
@@ -45,12 +50,17 @@ def load_model_weights(
     if gguf_file is not None and gguf.loads_as_is(gguf_file, quant):
         # The GGUF is the quantized cache: memory-mapped, no second file, nothing to rebuild.
         # Each layer is packed once filled (nothing needs the canonical form afterwards).
-        on_filled = functools.partial(_pack_and_trim, keep_torch_layout=keep_torch_layout)
+        on_filled = functools.partial(
+            _pack_and_trim, keep_torch_layout=keep_torch_layout,
+            model=model if embedding_from_head else None,
+        )  # fmt: skip
         on_filled = on_filled if pack else None
         _load_from_gguf(model, model_path, gguf_file, skip, on_filled)
         origin = "gguf"
     else:
         origin = _load_through_cache(model, model_path, quant, cache_root, gguf_file, skip)
+    if embedding_from_head:
+        share_head_codes(model)
     for module in cache.quant_modules(model).values():
         if pack:
             module.pack(keep_torch_layout)
@@ -58,10 +68,13 @@ def load_model_weights(
     return origin
 
 
-def _pack_and_trim(module: nn.Module, keep_torch_layout: bool) -> None:
-    """Pack a layer as soon as it is filled and hand its canonical tensors' pages back."""
+def _pack_and_trim(module: nn.Module, keep_torch_layout: bool, model=None) -> None:
+    """Pack a layer as soon as it is filled and hand its canonical tensors' pages back; with
+    `model`, its tied embedding table goes first once the head is filled (`share_head_codes`)."""
     from engine.platform import trim_heap
 
+    if model is not None and module is getattr(model, "lm_head", None):
+        share_head_codes(model)
     module.pack(keep_torch_layout)
     trim_heap()
 

@@ -130,7 +130,7 @@ _SUPPORTED_TEXT = (
 )
 
 
-DEQUANTIZE_ROWS = 4096  # rows per chunk: gguf's temporaries stay small beside the output
+DEQUANTIZE_ROWS = 1024  # rows per chunk: gguf's temporaries stay small beside the output
 
 
 def dequantize(tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
