@@ -63,13 +63,17 @@ from engine.platform import cpu_info
 
 SOURCE = Path(__file__).with_name("quant_gemm.cpp")
 BLOCK = 16  # output channels per block of the packed layout
-ISAS = ("portable", "avx2", "avx512", "avx512bf16")
+ISAS = ("portable", "avx2", "avx512", "avx512bf16", "avx512vnni")
+# Paths that quantize the activations to int8 (the others compute the reference's math).
+INT8_ACTIVATION_ISAS = ("avx512vnni",)
+CHUNK = 32  # inputs per activation scale on those paths
 _ISA_CODE = {name: code for code, name in enumerate(ISAS)}
 _ISA_FLAGS = {  # what the CPU must report for each path (Linux /proc/cpuinfo names)
     "portable": (),
     "avx2": ("avx2", "fma"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
     "avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+    "avx512vnni": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi"),
 }
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -97,8 +101,25 @@ def can_run(isa: str) -> bool:
 
 
 @functools.cache
-def best_isa() -> str:
-    return next(isa for isa in reversed(ISAS) if can_run(isa))
+def best_isa(int8_activations: bool = True) -> str:
+    """The fastest path this CPU runs; `int8_activations=False` keeps to the paths that compute
+    the reference's math."""
+    allowed = [isa for isa in ISAS if int8_activations or isa not in INT8_ACTIVATION_ISAS]
+    return next(isa for isa in reversed(allowed) if can_run(isa))
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the int8-activation paths make of x [rows, K] (K a multiple of CHUNK), as float32:
+    per row and chunk of 32 inputs, d = max|x| / 127 and x ~ d * round(x * 127 / max|x|)
+    (round half to even, fp32 arithmetic as in the kernel). The reference of the tests."""
+    rows, k = x.shape
+    chunks = x.float().reshape(rows, k // CHUNK, CHUNK)
+    amax = chunks.abs().amax(dim=-1, keepdim=True)
+    # A tensor divided by a tensor: torch computes `127.0 / amax` as 127 * (1 / amax), which
+    # is not the kernel's correctly rounded quotient.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    codes = torch.round(chunks * inv)
+    return (codes * (amax / 127.0)).reshape(rows, k)
 
 
 def isa_code(isa: str | None = None) -> int:
