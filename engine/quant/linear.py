@@ -239,8 +239,8 @@ class QuantLinear(nn.Module):
 
     def _pack_cpp(self) -> ModuleType | None:
         """The C++ kernel's layout of the canonical tensors and the extension; None where the
-        kernel is not asked for, did not build, or lacks the dtype. int4: 0.75 bytes per weight
-        (codes and float32 scale/minimum; torch's layout: 0.56), int8: 1 (+ 4 per row)."""
+        kernel is not asked for, did not build, or lacks the dtype. int4: 0.625 bytes per weight
+        (codes and fp16 scale/minimum; torch's layout: 0.56), int8: 1 (+ 4 per row)."""
         if self.quant.kernel == "torch" or self.dtype not in quant_gemm.SUPPORTED_DTYPES:
             return None
         extension = quant_gemm.load()

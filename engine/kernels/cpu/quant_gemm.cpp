@@ -5,7 +5,9 @@
 // lane is one output channel and the weight stream is read strictly in order:
 //   int4: codes uint8 [blocks, K/2, 16]: byte j of entry p holds channel 16b+j's codes for
 //         inputs 2p (low nibble) and 2p+1 (high nibble);
-//         scale_min float32 [blocks, K/group, 2, 16]: (scale, minimum) of each channel's group.
+//         scale_min float16 [blocks, K/group, 2, 16]: (scale, minimum) of each channel's group
+//         (fp16 as in GGUF's Q4_1: 0.625 bytes per weight instead of 0.75 with fp32 pairs;
+//         the quantizer rounds them to fp16, so the reference has the same values).
 //   int8: codes int8 [blocks, K, 16]; scale float32 [blocks * 16].
 // Out-of-range channels of the last block are zero codes with zero scales; their results are
 // never stored.
@@ -51,6 +53,10 @@ struct Problem {
   const int32_t* xqsum = nullptr;
 };
 
+inline float half_to_float(uint16_t bits) {
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
 // y[index] = value, rounded to nearest even when y is bf16.
 inline void put(const Problem& p, int64_t index, float value) {
   if (p.out_bf16) static_cast<at::BFloat16*>(p.y)[index] = static_cast<at::BFloat16>(value);
@@ -94,12 +100,12 @@ VNNI_TARGET void quantize_rows(const float* x, int64_t rows, int64_t k, bool pai
 // ---------------------------------------------------------------------------------------------
 // Portable scalar path.
 
-void int4_portable(const Problem& p, const uint8_t* codes, const float* scale_min, int64_t b0,
+void int4_portable(const Problem& p, const uint8_t* codes, const uint16_t* scale_min, int64_t b0,
                    int64_t b1) {
   const int64_t half_k = p.in_features / 2, gs2 = p.group_size / 2;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* cb = codes + b * half_k * kBlock;
-    const float* smb = scale_min + b * p.num_groups * 2 * kBlock;
+    const uint16_t* smb = scale_min + b * p.num_groups * 2 * kBlock;
     const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
     for (int64_t r = 0; r < p.rows; ++r) {
       const float* x = p.x + r * p.in_features;
@@ -112,8 +118,9 @@ void int4_portable(const Problem& p, const uint8_t* codes, const float* scale_mi
             acc += static_cast<float>(byte & 15) * x[2 * e];
             acc += static_cast<float>(byte >> 4) * x[2 * e + 1];
           }
-          const float* sm = smb + g * 2 * kBlock;
-          total += sm[j] * acc + sm[kBlock + j] * p.xsum[r * p.num_groups + g];
+          const uint16_t* sm = smb + g * 2 * kBlock;
+          total += half_to_float(sm[j]) * acc +
+                   half_to_float(sm[kBlock + j]) * p.xsum[r * p.num_groups + g];
         }
         put(p, r * p.out_features + b * kBlock + j, total);
       }
@@ -157,8 +164,13 @@ AVX512_TARGET inline void store16(const Problem& p, int64_t index, __mmask16 mas
                            _mm512_cvtepi32_epi16(rounded));
 }
 
+// 16 fp16 values (an int4 block's scales or minimums of one group) as fp32.
+AVX512_TARGET inline __m512 load_halves16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 template <int R>
-AVX512_TARGET void int4_block_avx512(const Problem& p, const uint8_t* cb, const float* smb,
+AVX512_TARGET void int4_block_avx512(const Problem& p, const uint8_t* cb, const uint16_t* smb,
                                      int64_t row0, int64_t col0, int64_t lanes) {
   constexpr int U = R <= 2 ? 4 : 2;
   const __m512i low4 = _mm512_set1_epi32(15);
@@ -190,8 +202,8 @@ AVX512_TARGET void int4_block_avx512(const Problem& p, const uint8_t* cb, const 
         }
       }
     }
-    const __m512 s = _mm512_loadu_ps(smb + g * 2 * kBlock);
-    const __m512 m = _mm512_loadu_ps(smb + g * 2 * kBlock + kBlock);
+    const __m512 s = load_halves16(smb + g * 2 * kBlock);
+    const __m512 m = load_halves16(smb + g * 2 * kBlock + kBlock);
     for (int r = 0; r < R; ++r) {
       __m512 a = acc[r][0];
       for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[r][u]);
@@ -251,7 +263,7 @@ AVX512_TARGET void int8_block_avx512(const Problem& p, const int8_t* cb, const f
 
 template <int R>
 AVX512BF16_TARGET void int4_block_avx512bf16(const Problem& p, const uint8_t* cb,
-                                             const float* smb, int64_t row0, int64_t col0,
+                                             const uint16_t* smb, int64_t row0, int64_t col0,
                                              int64_t lanes) {
   constexpr int U = R <= 2 ? 4 : 2;
   const __m512i mask = _mm512_set1_epi32(0x00780078);
@@ -285,8 +297,8 @@ AVX512BF16_TARGET void int4_block_avx512bf16(const Problem& p, const uint8_t* cb
         }
       }
     }
-    const __m512 s16 = _mm512_mul_ps(_mm512_loadu_ps(smb + g * 2 * kBlock), _mm512_set1_ps(16.f));
-    const __m512 m = _mm512_loadu_ps(smb + g * 2 * kBlock + kBlock);
+    const __m512 s16 = _mm512_mul_ps(load_halves16(smb + g * 2 * kBlock), _mm512_set1_ps(16.f));
+    const __m512 m = load_halves16(smb + g * 2 * kBlock + kBlock);
     for (int r = 0; r < R; ++r) {
       __m512 a = acc[r][0];
       for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[r][u]);
@@ -327,7 +339,7 @@ VNNI_TARGET inline __m512i sum_lanes_i32(const __m512i* acc, int n) {
 }
 
 template <int R>
-VNNI_TARGET void int4_block_vnni(const Problem& p, const uint8_t* cb, const float* smb,
+VNNI_TARGET void int4_block_vnni(const Problem& p, const uint8_t* cb, const uint16_t* smb,
                                  int64_t row0, int64_t col0, int64_t lanes) {
   constexpr int U = R == 1 ? 4 : R == 2 ? 2 : 1;
   const __m512i perm = transpose_4x16();
@@ -364,8 +376,8 @@ VNNI_TARGET void int4_block_vnni(const Problem& p, const uint8_t* cb, const floa
         gacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_lanes_i32(acc[r], U)),
                                   _mm512_set1_ps(xd[r * num_chunks + chunk]), gacc[r]);
     }
-    const __m512 s = _mm512_loadu_ps(smb + g * 2 * kBlock);
-    const __m512 m = _mm512_loadu_ps(smb + g * 2 * kBlock + kBlock);
+    const __m512 s = load_halves16(smb + g * 2 * kBlock);
+    const __m512 m = load_halves16(smb + g * 2 * kBlock + kBlock);
     for (int r = 0; r < R; ++r) {
       out[r] = _mm512_fmadd_ps(gacc[r], s, out[r]);
       out[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * p.num_groups + g]), out[r]);
@@ -418,10 +430,14 @@ VNNI_TARGET void int8_block_vnni(const Problem& p, const int8_t* cb, const float
 // AVX2: a block is two 8-lane halves, each computed in its own pass over the block (the second
 // pass finds the block's codes in L1). At most 4 rows at a time (16 ymm registers).
 
-#define AVX2_TARGET __attribute__((target("avx2,fma")))
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+AVX2_TARGET inline __m256 load_halves8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 template <int R>
-AVX2_TARGET void int4_half_avx2(const Problem& p, const uint8_t* cb, const float* smb,
+AVX2_TARGET void int4_half_avx2(const Problem& p, const uint8_t* cb, const uint16_t* smb,
                                 int64_t row0, float* out_tmp /* [R, 8] */, int half) {
   constexpr int U = R <= 2 ? 4 : 2;
   const __m256i low4 = _mm256_set1_epi32(15);
@@ -453,8 +469,8 @@ AVX2_TARGET void int4_half_avx2(const Problem& p, const uint8_t* cb, const float
         }
       }
     }
-    const __m256 s = _mm256_loadu_ps(smb + g * 2 * kBlock + half * 8);
-    const __m256 m = _mm256_loadu_ps(smb + g * 2 * kBlock + kBlock + half * 8);
+    const __m256 s = load_halves8(smb + g * 2 * kBlock + half * 8);
+    const __m256 m = load_halves8(smb + g * 2 * kBlock + kBlock + half * 8);
     for (int r = 0; r < R; ++r) {
       __m256 a = acc[r][0];
       for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[r][u]);
@@ -519,7 +535,7 @@ void for_row_tiles(int64_t rows, int64_t max_tile, Fn&& fn) {
     default: CALL(8); break;          \
   }
 
-void int4_avx512(const Problem& p, const uint8_t* codes, const float* scale_min, int64_t b0,
+void int4_avx512(const Problem& p, const uint8_t* codes, const uint16_t* scale_min, int64_t b0,
                  int64_t b1) {
   const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
   for (int64_t b = b0; b < b1; ++b) {
@@ -533,7 +549,7 @@ void int4_avx512(const Problem& p, const uint8_t* codes, const float* scale_min,
   }
 }
 
-void int4_avx512bf16(const Problem& p, const uint8_t* codes, const float* scale_min,
+void int4_avx512bf16(const Problem& p, const uint8_t* codes, const uint16_t* scale_min,
                      int64_t b0, int64_t b1) {
   const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
   for (int64_t b = b0; b < b1; ++b) {
@@ -548,7 +564,7 @@ void int4_avx512bf16(const Problem& p, const uint8_t* codes, const float* scale_
   }
 }
 
-void int4_vnni(const Problem& p, const uint8_t* codes, const float* scale_min, int64_t b0,
+void int4_vnni(const Problem& p, const uint8_t* codes, const uint16_t* scale_min, int64_t b0,
                int64_t b1) {
   const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
   for (int64_t b = b0; b < b1; ++b) {
@@ -594,7 +610,7 @@ void store_half(const Problem& p, const float* tmp, int64_t r0, int64_t n, int64
     for (int64_t j = 0; j < lanes; ++j) put(p, (r0 + r) * p.out_features + col + j, tmp[r * 8 + j]);
 }
 
-void int4_avx2(const Problem& p, const uint8_t* codes, const float* scale_min, int64_t b0,
+void int4_avx2(const Problem& p, const uint8_t* codes, const uint16_t* scale_min, int64_t b0,
                int64_t b1) {
   const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
   float tmp[4 * 8];
@@ -657,7 +673,8 @@ void check_isa(int64_t isa) {
                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"),
                 "quant_gemm: this CPU cannot run the avx512 paths");
   } else if (isa == kAvx2) {
-    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c"),
                 "quant_gemm: this CPU cannot run the avx2 path");
   }
 }
@@ -748,9 +765,9 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                   codes.sizes() == at::IntArrayRef({num_blocks, in_features / 2, kBlock}),
               "quant_gemm: int4 codes must be contiguous uint8 [", num_blocks, ", ",
               in_features / 2, ", 16], got ", codes.sizes());
-  TORCH_CHECK(scale_min.scalar_type() == at::kFloat && scale_min.is_contiguous() &&
+  TORCH_CHECK(scale_min.scalar_type() == at::kHalf && scale_min.is_contiguous() &&
                   scale_min.sizes() == at::IntArrayRef({num_blocks, num_groups, 2, kBlock}),
-              "quant_gemm: int4 scale_min must be contiguous float32 [", num_blocks, ", ",
+              "quant_gemm: int4 scale_min must be contiguous float16 [", num_blocks, ", ",
               num_groups, ", 2, 16], got ", scale_min.sizes());
   // Per-group activation sums (the minimum's term), once per call.
   std::vector<float> xsum(rows * num_groups, 0.f);
@@ -766,8 +783,8 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   QuantizedActivations qa;
   if (isa == kAvx512Vnni) qa.quantize(a.f32, rows, in_features, true, p);
   const uint8_t* c = codes.data_ptr<uint8_t>();
-  const float* sm = scale_min.data_ptr<float>();
-  const int64_t block_bytes = in_features / 2 * kBlock + num_groups * 2 * kBlock * 4;
+  const auto* sm = reinterpret_cast<const uint16_t*>(scale_min.data_ptr());
+  const int64_t block_bytes = in_features / 2 * kBlock + num_groups * 2 * kBlock * 2;
   at::parallel_for(0, num_blocks, grain(block_bytes), [&](int64_t b0, int64_t b1) {
     if (isa == kAvx512Vnni) int4_vnni(p, c, sm, b0, b1);
     else if (isa == kAvx512Bf16) int4_avx512bf16(p, c, sm, b0, b1);
@@ -817,7 +834,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 struct GemvTask {
   int64_t bits;  // 4 or 8
   const void* codes;
-  const float* scales;  // int4: scale_min; int8: per-channel scale
+  const void* scales;  // int4: scale_min (fp16); int8: per-channel scale (fp32)
   int64_t group_size, in_features, out_features, num_blocks, isa;
   const at::BFloat16* x;  // [rows, in_features], contiguous
   at::BFloat16* y;        // [rows, out_features], contiguous
@@ -844,17 +861,19 @@ void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
   if (isa == kAvx512Vnni) qa.quantize(widened.data(), rows, k, t.bits == 4, p);
   if (t.bits == 4) {
     const auto* c = static_cast<const uint8_t*>(t.codes);
-    if (isa == kAvx512Vnni) int4_vnni(p, c, t.scales, b0, b1);
-    else if (isa == kAvx512Bf16) int4_avx512bf16(p, c, t.scales, b0, b1);
-    else if (isa == kAvx512) int4_avx512(p, c, t.scales, b0, b1);
-    else if (isa == kAvx2) int4_avx2(p, c, t.scales, b0, b1);
-    else int4_portable(p, c, t.scales, b0, b1);
+    const auto* sm = static_cast<const uint16_t*>(t.scales);
+    if (isa == kAvx512Vnni) int4_vnni(p, c, sm, b0, b1);
+    else if (isa == kAvx512Bf16) int4_avx512bf16(p, c, sm, b0, b1);
+    else if (isa == kAvx512) int4_avx512(p, c, sm, b0, b1);
+    else if (isa == kAvx2) int4_avx2(p, c, sm, b0, b1);
+    else int4_portable(p, c, sm, b0, b1);
   } else {
     const auto* c = static_cast<const int8_t*>(t.codes);
-    if (isa == kAvx512Vnni) int8_vnni(p, c, t.scales, b0, b1);
-    else if (isa >= kAvx512) int8_avx512(p, c, t.scales, b0, b1);
-    else if (isa == kAvx2) int8_avx2(p, c, t.scales, b0, b1);
-    else int8_portable(p, c, t.scales, b0, b1);
+    const auto* s = static_cast<const float*>(t.scales);
+    if (isa == kAvx512Vnni) int8_vnni(p, c, s, b0, b1);
+    else if (isa >= kAvx512) int8_avx512(p, c, s, b0, b1);
+    else if (isa == kAvx2) int8_avx2(p, c, s, b0, b1);
+    else int8_portable(p, c, s, b0, b1);
   }
 }
 
@@ -873,11 +892,11 @@ py::tuple make_gemv_task(const at::Tensor& x, const at::Tensor& y, const at::Ten
   const int64_t code_width = bits == 4 ? in_features / 2 : in_features;
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() &&
                   codes.sizes() == at::IntArrayRef({num_blocks, code_width, kBlock}) &&
-                  scales.scalar_type() == at::kFloat,
+                  scales.scalar_type() == (bits == 4 ? at::kHalf : at::kFloat),
               "quant_gemm task: packed codes/scales do not match x and out_features");
   TORCH_CHECK(bits == 8 || (group_size > 0 && in_features % group_size == 0),
               "quant_gemm task: in_features must be a multiple of group_size");
-  auto* task = new GemvTask{bits, codes.data_ptr(), scales.data_ptr<float>(), group_size,
+  auto* task = new GemvTask{bits, codes.data_ptr(), scales.data_ptr(), group_size,
                             in_features, out_features, num_blocks, isa,
                             x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>()};
   py::capsule args(task, "mini_infer.task_args",

@@ -9,7 +9,8 @@ Layout (packed once at load, `pack_int4` / `pack_int8`): output channels in bloc
 block's 16 codes for one input position side by side, so one AVX-512 vector lane is one output
 channel and the weight stream is read in order, once, whatever the row count (rows reuse the
 block's codes from L1). int4 keeps two inputs per byte (low nibble: even input) and a
-(scale, minimum) float32 pair per channel and group; int8 keeps the per-channel scale. The math
+(scale, minimum) float16 pair per channel and group (as GGUF's Q4_1: 0.625 bytes per weight;
+fp32 pairs made it 0.75); int8 keeps the per-channel scale. The math
 is the reference's (engine/quant/primitives.py), summed in another order: codes are widened to
 fp32 in registers and multiplied with fp32 activations (llama.cpp instead quantizes the
 activations to int8 per block of 32 and uses integer dot products; that is faster per
@@ -70,7 +71,7 @@ CHUNK = 32  # inputs per activation scale on those paths
 _ISA_CODE = {name: code for code, name in enumerate(ISAS)}
 _ISA_FLAGS = {  # what the CPU must report for each path (Linux /proc/cpuinfo names)
     "portable": (),
-    "avx2": ("avx2", "fma"),
+    "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
     "avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
     "avx512vnni": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi"),
@@ -143,14 +144,16 @@ def pack_int4(
     codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Canonical int4 (codes uint8 [out, in] in 0..15, scale/minimum float32 [out, groups]) ->
-    (codes uint8 [blocks, in/2, 16], scale_min float32 [blocks, groups, 2, 16])."""
+    (codes uint8 [blocks, in/2, 16], scale_min float16 [blocks, groups, 2, 16]). The scales and
+    minimums are rounded to fp16: exact for what `quantize_int4_groupwise` and GGUF's Q4_1
+    make (they are fp16 values already)."""
     out_features, in_features = codes.shape
     if in_features % 2 or scale.shape != minimum.shape or scale.shape[0] != out_features:
         raise ValueError(f"bad int4 tensors: {codes.shape}, {scale.shape}, {minimum.shape}")
     c = _pad_blocks(codes.to(torch.uint8))
     pairs = (c[:, 0::2] & 15) | ((c[:, 1::2] & 15) << 4)  # [out, in/2]
     packed = pairs.reshape(-1, BLOCK, in_features // 2).transpose(1, 2).contiguous()
-    sm = torch.stack([_pad_blocks(scale.float()), _pad_blocks(minimum.float())], dim=-1)
+    sm = torch.stack([_pad_blocks(scale.half()), _pad_blocks(minimum.half())], dim=-1)
     sm = sm.reshape(-1, BLOCK, scale.shape[1], 2).permute(0, 2, 3, 1).contiguous()
     return packed, sm
 

@@ -149,8 +149,9 @@ def test_more_rows_than_one_tile_and_extreme_codes(ext, isa, rows, dtype):
     codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
     codes[:, :64] = torch.tensor([0, 15]).repeat(32)
     codes = codes.to(torch.uint8)
-    scale = torch.rand(out_features, in_features // 32, generator=generator) * 0.1
-    minimum = torch.randn(out_features, in_features // 32, generator=generator) * 0.1
+    # fp16 values, as the quantizer makes them (the layout keeps them in fp16)
+    scale = (torch.rand(out_features, in_features // 32, generator=generator) * 0.1).half().float()
+    minimum = (torch.randn(out_features, in_features // 32, generator=generator) * 0.1).half().float()
     codes8 = torch.randint(-127, 128, (out_features, in_features), generator=generator)
     codes8[:, :64] = torch.tensor([-127, 127]).repeat(32)
     codes8 = codes8.to(torch.int8)
