@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from engine.quant.primitives import INT4_GROUP_SIZES
 
 SCHEMES = ("int8", "int4", "w8a8")
-KERNELS = ("auto", "torch")
+KERNELS = ("auto", "exact", "torch")
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,10 @@ class QuantConfig:
     scheme: str
     group_size: int = 32
     quantize_lm_head: bool = True
-    # "auto": the C++ GEMV of engine/kernels/cpu/quant_gemm.py at few rows where it builds
-    # (engine/quant/linear.py says where), torch's kernels otherwise; "torch": torch's only.
+    # "auto": the C++ GEMV of engine/kernels/cpu/quant_gemm.py where it builds (its fastest
+    # path: on CPUs with AVX-512 VNNI and VBMI it quantizes bf16 activations to int8 per 32
+    # inputs, as llama.cpp does), torch's kernels otherwise; "exact": the C++ GEMV on the
+    # paths that keep the activations as they are; "torch": torch's kernels only.
     kernel: str = "auto"
     # w8a8: projections whose activations stay unquantized (int8 weight-only, the same codes).
     w8a8_weight_only: tuple[str, ...] = ("qkv_proj",)

@@ -142,10 +142,12 @@ class Plan {
   }
 
   // Runs every task for a step of `rows` rows on `num_threads` threads (<= 0: torch's count).
-  // When more than one barrier wait in 16 of a step slept past a scheduler tick (the partner
-  // was preempted: the cores are shared), the next kSingleThreadSteps steps run on one thread,
-  // which waits for no one; then it tries again. Waits for a partner with more work to do
-  // (rows of different context lengths) are short and do not count.
+  // When more than half of a step's barrier waits outlasted the spin, or more than one in 16
+  // slept past a scheduler tick (the partner was preempted: the cores are shared), the next
+  // kSingleThreadSteps steps run on one thread, which waits for no one; then it tries again.
+  // On an idle machine a few waits a step sleep (a partner with more work: rows of different
+  // context lengths); measured under other processes' load, every wait slept ~0.1 ms and a
+  // one-stream step took 6x its idle time on two threads.
   void run(int64_t rows, int64_t num_threads, int64_t spin) {
     TORCH_CHECK(rows > 0, "decode_step: rows must be positive");
     int threads = static_cast<int>(num_threads > 0 ? num_threads : at::get_num_threads());
@@ -162,21 +164,61 @@ class Plan {
     }
     // The spin learnt by earlier steps; it grows back towards `spin` while waits stay short.
     Barrier barrier(spin_ > 0 ? std::min(spin, spin_ * 2) : spin);
+    const bool timed = timing_ && threads <= kMaxTimedThreads;
+    if (timed) timed_threads_ = std::max<int64_t>(timed_threads_, threads);
 #pragma omp parallel num_threads(threads)
     {
       const int64_t me = omp_get_thread_num(), n = omp_get_num_threads();
       barrier.set_num_threads(static_cast<int>(n));
-      for (const Task& t : tasks_) {
+      for (size_t i = 0; i < tasks_.size(); ++i) {
+        const Task& t = tasks_[i];
         const int64_t total = items(t, rows);
         const int64_t begin = total * me / n, end = total * (me + 1) / n;
+        if (!timed) {
+          if (begin < end) t.fn(t.args, rows, begin, end);
+          if (t.barrier_after) barrier.wait();
+          continue;
+        }
+        const int64_t started = now_ns();
         if (begin < end) t.fn(t.args, rows, begin, end);
+        const int64_t worked = now_ns();
         if (t.barrier_after) barrier.wait();
+        work_ns_[i * kMaxTimedThreads + me] += worked - started;
+        wait_ns_[i * kMaxTimedThreads + me] += now_ns() - worked;
       }
     }
     slow_waits_ += barrier.slow_waits();
     long_waits_ += barrier.long_waits();
     spin_ = barrier.spin();
-    if (barrier.long_waits() * 16 > num_barriers_) single_thread_left_ = kSingleThreadSteps;
+    // A step where most waits outlasted the spin (the partner was not running: cores shared
+    // with other work, each wake-up a trip through the scheduler) or where the partner was
+    // preempted past a tick more than once in 16 waits is better run on one thread for a while.
+    if (barrier.slow_waits() * 2 > num_barriers_ || barrier.long_waits() * 16 > num_barriers_)
+      single_thread_left_ = kSingleThreadSteps;
+  }
+
+  // Per-task clocks (profiling): each thread's time in each task and in the barrier after it.
+  void set_timing(bool on) {
+    timing_ = on;
+    work_ns_.assign(on ? tasks_.size() * kMaxTimedThreads : 0, 0);
+    wait_ns_.assign(on ? tasks_.size() * kMaxTimedThreads : 0, 0);
+    timed_threads_ = 0;
+  }
+
+  // (work_ns, wait_ns): per task, lists over threads, summed over the timed steps.
+  py::tuple task_times() const {
+    py::list work, wait;
+    const int64_t n = timed_threads_;
+    for (size_t i = 0; i < tasks_.size() && n > 0; ++i) {
+      py::list w, b;
+      for (int64_t t = 0; t < n; ++t) {
+        w.append(work_ns_[i * kMaxTimedThreads + t]);
+        b.append(wait_ns_[i * kMaxTimedThreads + t]);
+      }
+      work.append(w);
+      wait.append(b);
+    }
+    return py::make_tuple(work, wait);
   }
 
   py::dict stats() const {
@@ -193,6 +235,13 @@ class Plan {
 
  private:
   static constexpr int64_t kSingleThreadSteps = 64;
+  static constexpr int64_t kMaxTimedThreads = 64;
+
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
 
   static int64_t items(const Task& t, int64_t rows) {
     const int64_t multiplier = t.row_multiplier != nullptr ? *t.row_multiplier : 1;
@@ -204,6 +253,9 @@ class Plan {
   int64_t num_barriers_ = 0, steps_ = 0, single_thread_steps_ = 0, slow_waits_ = 0;
   int64_t long_waits_ = 0;
   int64_t single_thread_left_ = 0, spin_ = 0;
+  bool timing_ = false;
+  int64_t timed_threads_ = 0;  // the thread count of the timed steps (the layout of the clocks)
+  std::vector<int64_t> work_ns_, wait_ns_;  // [task, thread]
 };
 
 }  // namespace
@@ -213,5 +265,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const py::list&>())
       .def("run", &Plan::run, py::arg("rows"), py::arg("num_threads") = 0,
            py::arg("spin") = 4000, "run every task for a step of `rows` rows")
+      .def("set_timing", &Plan::set_timing, "per-task clocks on (profiling) or off; resets them")
+      .def("task_times", &Plan::task_times, "(work_ns, wait_ns) per task and thread")
       .def("stats", &Plan::stats, "steps, steps on one thread, barrier waits that slept, and slept past 2 ms");
 }

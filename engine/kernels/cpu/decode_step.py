@@ -169,6 +169,7 @@ class FusedDecode:
             :, : heads + kv_heads
         ]
         tasks: list[tuple] = []
+        self.task_names: list[str] = []  # per task, for the profile's breakdown
         exp_lanes = (fused_ops.lanes() or (8, 0))[1]  # as engine/layers/pointwise.py passes it
 
         def norm(norm_module, x, residual):
@@ -176,13 +177,15 @@ class FusedDecode:
                 x, residual, norm_module.weight, self.normed, norm_module.eps, norm_module.lanes
             )
             tasks.append((norm_fn, args, 0, 1, True))
+            self.task_names.append("norm")
 
-        def gemv(linear, x, y):
+        def gemv(name, linear, x, y):
             if not isinstance(linear, QuantLinear):  # our bf16 GEMV (the "gemv" layout)
                 args, blocks = bg.make_gemv_task(
                     x, y, linear.weight, linear.bias, linear.out_features, linear._isa
                 )
                 tasks.append((bf16_fn, args, blocks, 0, True))
+                self.task_names.append(name)
                 return
             bits = 4 if linear.scheme == "int4" else 8
             args, blocks = qg.make_gemv_task(
@@ -190,6 +193,7 @@ class FusedDecode:
                 linear.quant.group_size if bits == 4 else 0, linear.out_features, linear.cpp_isa,
             )  # fmt: skip
             tasks.append((gemv_fn, args, blocks, 0, True))
+            self.task_names.append(name)
 
         for index, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -197,8 +201,9 @@ class FusedDecode:
                 norm(layer.input_layernorm, self.residual, None)
             else:  # residual += the last MLP output; normed = RMSNorm(residual)
                 norm(layer.input_layernorm, self.branch, self.residual)
-            gemv(attn.qkv_proj, self.normed, self.qkv)
+            gemv("qkv_proj", attn.qkv_proj, self.normed, self.qkv)
             tasks.append((rope_fn, fo.make_rotary_task(rope_view, self.cos, self.sin), 0, 1, True))
+            self.task_names.append("rotary")
             decode_args = pa.make_decode_task(
                 self.qkv, attn.kv_cache, self.block_table, self.context_lens, self.slot_mapping,
                 self.num_partitions, self.partials, self.attn, heads, self.partition_blocks,
@@ -206,15 +211,17 @@ class FusedDecode:
             )  # fmt: skip
             tasks.append((attn_fn, decode_args, 0, kv_heads, True, self.num_partitions))
             tasks.append((merge_fn, decode_args, 0, kv_heads, True))
-            gemv(attn.o_proj, self.attn.view(self.max_rows, -1), self.branch)
+            self.task_names += ["attention", "attention_merge"]
+            gemv("o_proj", attn.o_proj, self.attn.view(self.max_rows, -1), self.branch)
             norm(layer.post_attention_layernorm, self.branch, self.residual)
-            gemv(mlp.gate_up_proj, self.normed, self.gate_up)
+            gemv("gate_up_proj", mlp.gate_up_proj, self.normed, self.gate_up)
             silu = fo.make_silu_mul_task(self.gate_up, self.act, exp_lanes)
             tasks.append((silu_fn, silu, 0, 1, True))
-            gemv(mlp.down_proj, self.act, self.branch)
+            self.task_names.append("silu_mul")
+            gemv("down_proj", mlp.down_proj, self.act, self.branch)
         norm(model.model.norm, self.branch, self.residual)
         if self.has_lm_head:
-            gemv(model.lm_head, self.normed, self.logits)
+            gemv("lm_head", model.lm_head, self.normed, self.logits)
         return tasks
 
     def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
