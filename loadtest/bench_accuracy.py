@@ -58,7 +58,9 @@ def setting_options(name: str, quant_dtype: str) -> dict:
             elif modifier == "table":
                 from engine.quant.config import QuantConfig
 
-                quant = QuantConfig.parse(options["quantization"])
+                quant = QuantConfig.parse(options.get("quantization"))
+                if quant is None:
+                    raise ValueError(f"{name!r}: +table applies to quantized settings")
                 options["quantization"] = dataclasses.replace(quant, embedding_from_head=False)
             else:
                 raise ValueError(f"unknown setting modifier {modifier!r} (kv8, table)")
