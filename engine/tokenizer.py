@@ -115,6 +115,10 @@ class Tokenizer:
             if (text := _token_text(config.get(name))) is not None
         }
         self._add_missing_special_tokens(config)
+        # transformers' encode turns off what tokenizer.json may enable (DO_NOT_TRUNCATE,
+        # DO_NOT_PAD): a prompt is never cut or padded.
+        backend.no_truncation()
+        backend.no_padding()
         backend.encode_special_tokens = False
 
     def _add_missing_special_tokens(self, config: dict) -> None:

@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pytest
+import tokenizers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jinja2.exceptions import SecurityError, TemplateError
@@ -167,6 +168,19 @@ def test_bos_eos_flags_are_ignored_as_transformers_does(tmp_path, flags):
     ours, theirs = tokenizer.load(path), AutoTokenizer.from_pretrained(path)
     for text in TEXTS:  # tokenizer.json's post-processor decides
         _assert_same_encoding(ours, theirs, text)
+
+
+def test_truncation_and_padding_in_tokenizer_json_are_off_as_in_transformers(tmp_path):
+    path = tmp_path / "padded"
+    make_tokenizer().save_pretrained(path)
+    backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    backend.enable_truncation(3)
+    backend.enable_padding(length=12, pad_id=0)
+    backend.save(str(path / "tokenizer.json"))
+    ours, theirs = tokenizer.load(path), AutoTokenizer.from_pretrained(path)
+    for text in TEXTS:
+        _assert_same_encoding(ours, theirs, text)
+    assert len(ours.encode(TEXTS[5])) > 3
 
 
 def test_named_chat_templates_as_transformers(tmp_path):
