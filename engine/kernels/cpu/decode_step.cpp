@@ -15,7 +15,8 @@
 // step of `rows` rows. Items per run: a fixed count (a GEMV's blocks) or rows times a count
 // (row-wise operators; attention's (row, KV head, partition) triples, the partitions set per
 // step); each thread takes a contiguous, equal share. A barrier follows every task that the
-// next one reads from.
+// next one reads from; a task with no items in a step (a multiplier of 0) is skipped with its
+// barrier.
 
 #include <torch/extension.h>
 #include <omp.h>
@@ -159,7 +160,10 @@ class Plan {
     py::gil_scoped_release no_gil;
     if (threads == 1) {
       ++single_thread_steps_;
-      for (const Task& t : tasks_) t.fn(t.args, rows, 0, items(t, rows));
+      for (const Task& t : tasks_) {
+        const int64_t total = items(t, rows);
+        if (total > 0) t.fn(t.args, rows, 0, total);
+      }
       return;
     }
     // The spin learnt by earlier steps; it grows back towards `spin` while waits stay short.
@@ -173,6 +177,7 @@ class Plan {
       for (size_t i = 0; i < tasks_.size(); ++i) {
         const Task& t = tasks_[i];
         const int64_t total = items(t, rows);
+        if (total == 0) continue;  // nothing to do this step (the same for every thread): no wait
         const int64_t begin = total * me / n, end = total * (me + 1) / n;
         if (!timed) {
           if (begin < end) t.fn(t.args, rows, begin, end);

@@ -144,6 +144,7 @@ class FusedDecode:
         self.context_lens = torch.ones(m, dtype=i64)
         self.slot_mapping = torch.zeros(m, dtype=i64)
         self.num_partitions = torch.ones(1, dtype=i64)
+        self.merge_multiplier = torch.zeros(1, dtype=i64)  # 0 in steps of one partition
         group = heads // kv_heads
         self.partials = torch.zeros(m * kv_heads * max_partitions * group * (head_dim + 2))
         # The lm_head too where it is a GEMV task (int4/int8, or bf16 on our GEMV): the logits
@@ -210,7 +211,8 @@ class FusedDecode:
                 head_dim**-0.5,
             )  # fmt: skip
             tasks.append((attn_fn, decode_args, 0, kv_heads, True, self.num_partitions))
-            tasks.append((merge_fn, decode_args, 0, kv_heads, True))
+            # (skipped, with its barrier, in steps of one partition: the decode wrote the output)
+            tasks.append((merge_fn, decode_args, 0, kv_heads, True, self.merge_multiplier))
             self.task_names += ["attention", "attention_merge"]
             gemv("o_proj", attn.o_proj, self.attn.view(self.max_rows, -1), self.branch)
             norm(layer.post_attention_layernorm, self.branch, self.residual)
@@ -247,6 +249,7 @@ class FusedDecode:
         table = meta.decode_block_table
         self.block_table[:rows, : table.shape[1]].copy_(table)
         self.num_partitions[0] = -(-table.shape[1] // self.partition_blocks)
+        self.merge_multiplier[0] = int(self.num_partitions[0] > 1)
         self.context_lens[:rows].copy_(meta.decode_context_lens)
         self.slot_mapping[:rows].copy_(meta.slot_mapping)
         self.plan.run(rows, 0, SPIN)
