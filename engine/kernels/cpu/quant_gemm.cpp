@@ -739,11 +739,19 @@ struct QuantizedActivations {
   }
 };
 
-// The VNNI path takes bf16 activations (fp32 ones asked for the reference's math: they take
-// the exact AVX-512 path) and whole chunks of 32 inputs (int4 groups always are).
-int64_t effective_isa(int64_t isa, bool x_is_bf16, int64_t in_features) {
-  if (isa == kAvx512Vnni && (!x_is_bf16 || in_features % kChunk != 0)) return kAvx512;
-  return isa;
+// The VNNI path takes bf16 activations (fp32 ones asked for the reference's math), whole
+// chunks of 32 inputs (int4 groups always are), and at least kVnniMinRows rows. One row is a
+// GEMV bound by the memory bandwidth: there the VNNI path was no faster in the engine (W1 on
+// the 2-core Zen 4 VM, 119 against 117 tok/s), and the exact path's perplexity is better
+// (SmolLM2 int4 +0.34% over fp32 against +1.79%; loadtest/README.md). From 2 rows on the
+// multiply-adds count: 2.1x at 32 rows. Otherwise the exact path of the same CPU.
+constexpr int64_t kVnniMinRows = 2;
+
+int64_t effective_isa(int64_t isa, bool x_is_bf16, int64_t in_features, int64_t rows) {
+  if (isa != kAvx512Vnni) return isa;
+  if (x_is_bf16 && in_features % kChunk == 0 && rows >= kVnniMinRows) return isa;
+  static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
+  return x_is_bf16 && has_bf16 ? kAvx512Bf16 : kAvx512;
 }
 
 // Blocks per parallel task: at least ~32 KiB of weights, so tiny layers run on one thread.
@@ -777,7 +785,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   // vdpbf16ps takes bf16 activations as they are; fp32 ones would have to be rounded (not the
   // reference's math), so they take the FMA path.
   if (isa == kAvx512Bf16 && a.bf16 == nullptr) isa = kAvx512;
-  isa = effective_isa(isa, a.bf16 != nullptr, in_features);
+  isa = effective_isa(isa, a.bf16 != nullptr, in_features, rows);
   Problem p{rows, in_features, out_features, num_blocks, group_size, num_groups,
             a.f32, xsum.data(), a.bf16, y.data_ptr(), y.scalar_type() == at::kBFloat16};
   QuantizedActivations qa;
@@ -812,7 +820,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   at::Tensor y = output(x, out_features, out);
   Problem p{rows, in_features, out_features, num_blocks, 0,      0,
             a.f32, nullptr,      nullptr,      y.data_ptr(), y.scalar_type() == at::kBFloat16};
-  isa = effective_isa(isa, a.bf16 != nullptr, in_features);
+  isa = effective_isa(isa, a.bf16 != nullptr, in_features, rows);
   QuantizedActivations qa;
   if (isa == kAvx512Vnni) qa.quantize(a.f32, rows, in_features, false, p);
   const int8_t* c = codes.data_ptr<int8_t>();
@@ -856,7 +864,7 @@ void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
     for (int64_t i = 0; i < k; ++i) xsum[r * num_groups + i / t.group_size] += widened[r * k + i];
   Problem p{rows, k, t.out_features, t.num_blocks, t.group_size, num_groups,
             widened.data(), xsum.data(), xb, t.y, true};
-  const int64_t isa = effective_isa(t.isa, true, k);
+  const int64_t isa = effective_isa(t.isa, true, k, rows);
   thread_local QuantizedActivations qa;
   if (isa == kAvx512Vnni) qa.quantize(widened.data(), rows, k, t.bits == 4, p);
   if (t.bits == 4) {

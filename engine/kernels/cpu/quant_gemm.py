@@ -68,6 +68,9 @@ ISAS = ("portable", "avx2", "avx512", "avx512bf16", "avx512vnni")
 # Paths that quantize the activations to int8 (the others compute the reference's math).
 INT8_ACTIVATION_ISAS = ("avx512vnni",)
 CHUNK = 32  # inputs per activation scale on those paths
+# ... from this many rows; fewer take the exact path (quant_gemm.cpp, kVnniMinRows: one row is
+# bound by the memory bandwidth, where the integer path gains nothing and costs accuracy).
+INT8_ACTIVATION_MIN_ROWS = 2
 _ISA_CODE = {name: code for code, name in enumerate(ISAS)}
 _ISA_FLAGS = {  # what the CPU must report for each path (Linux /proc/cpuinfo names)
     "portable": (),
