@@ -848,25 +848,42 @@ struct GemvTask {
   at::BFloat16* y;        // [rows, out_features], contiguous
 };
 
-void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
-  const GemvTask& t = *static_cast<const GemvTask*>(raw);
+// The activations of one GEMV as this thread's kernels take them: widened, group sums and (VNNI)
+// int8 codes. Prepared by each thread for itself (cheaper than a barrier), once per GEMV of a
+// step (gemv_prepare_task), then used by every share of blocks the thread takes.
+struct PreparedActivations {
+  const void* task = nullptr;  // the GemvTask prepared for
+  int64_t rows = 0, isa = 0;
+  std::vector<float> widened, xsum;
+  QuantizedActivations quantized;
+  Problem problem{};
+};
+
+thread_local PreparedActivations prepared;
+
+void prepare(const GemvTask& t, int64_t rows) {
+  PreparedActivations& a = prepared;
   const int64_t k = t.in_features, num_groups = t.bits == 4 ? k / t.group_size : 0;
-  // Each thread widens the (few) activation rows itself: cheaper than a barrier.
-  thread_local std::vector<float> widened, xsum;
-  widened.resize(rows * k);
+  a.widened.resize(rows * k);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(t.x);
   for (int64_t i = 0; i < rows * k; ++i) {
     const uint32_t bits = static_cast<uint32_t>(xb[i]) << 16;
-    std::memcpy(&widened[i], &bits, sizeof(float));
+    std::memcpy(&a.widened[i], &bits, sizeof(float));
   }
-  xsum.assign(rows * num_groups, 0.f);
+  a.xsum.assign(rows * num_groups, 0.f);
   for (int64_t r = 0; r < rows && num_groups > 0; ++r)
-    for (int64_t i = 0; i < k; ++i) xsum[r * num_groups + i / t.group_size] += widened[r * k + i];
-  Problem p{rows, k, t.out_features, t.num_blocks, t.group_size, num_groups,
-            widened.data(), xsum.data(), xb, t.y, true};
-  const int64_t isa = effective_isa(t.isa, true, k, rows);
-  thread_local QuantizedActivations qa;
-  if (isa == kAvx512Vnni) qa.quantize(widened.data(), rows, k, t.bits == 4, p);
+    for (int64_t i = 0; i < k; ++i) a.xsum[r * num_groups + i / t.group_size] += a.widened[r * k + i];
+  a.problem = Problem{rows, k, t.out_features, t.num_blocks, t.group_size, num_groups,
+                      a.widened.data(), a.xsum.data(), xb, t.y, true};
+  a.isa = effective_isa(t.isa, true, k, rows);
+  if (a.isa == kAvx512Vnni) a.quantized.quantize(a.widened.data(), rows, k, t.bits == 4, a.problem);
+  a.task = &t;
+  a.rows = rows;
+}
+
+void run_blocks(const GemvTask& t, int64_t b0, int64_t b1) {
+  const Problem& p = prepared.problem;
+  const int64_t isa = prepared.isa;
   if (t.bits == 4) {
     const auto* c = static_cast<const uint8_t*>(t.codes);
     const auto* sm = static_cast<const uint16_t*>(t.scales);
@@ -883,6 +900,25 @@ void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
     else if (isa == kAvx2) int8_avx2(p, c, s, b0, b1);
     else int8_portable(p, c, s, b0, b1);
   }
+}
+
+// Task functions (fn(args, rows, begin, end)). gemv_task: prepare, then blocks [b0, b1).
+// gemv_prepare_task (every thread, items ignored) then gemv_blocks_task (any shares of blocks,
+// e.g. taken dynamically): the same bits, one preparation per thread.
+void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
+  const GemvTask& t = *static_cast<const GemvTask*>(raw);
+  prepare(t, rows);
+  run_blocks(t, b0, b1);
+}
+
+void gemv_prepare_task(const void* raw, int64_t rows, int64_t, int64_t) {
+  prepare(*static_cast<const GemvTask*>(raw), rows);
+}
+
+void gemv_blocks_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
+  const GemvTask& t = *static_cast<const GemvTask*>(raw);
+  if (prepared.task != &t || prepared.rows != rows) prepare(t, rows);  // not prepared: do it now
+  run_blocks(t, b0, b1);
 }
 
 // (task arguments capsule, number of blocks): y = x @ W^T for the rows of each run, x and y
@@ -938,5 +974,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, "the VNNI path's int8 activations");
   m.def("gemv_task_fn", [] { return py::capsule(reinterpret_cast<void*>(&gemv_task), "mini_infer.task_fn"); },
         "the fused decode step's GEMV task (a function pointer)");
+  m.def("gemv_prepare_task_fn", [] {
+    return py::capsule(reinterpret_cast<void*>(&gemv_prepare_task), "mini_infer.task_fn");
+  }, "a GEMV's activations prepared by each thread (run on every thread)");
+  m.def("gemv_blocks_task_fn", [] {
+    return py::capsule(reinterpret_cast<void*>(&gemv_blocks_task), "mini_infer.task_fn");
+  }, "a GEMV's blocks, on the activations the thread prepared");
   m.def("make_gemv_task", &make_gemv_task, "(task arguments, blocks) for one GEMV of a fused step");
 }
