@@ -201,6 +201,10 @@ def _dequantized_hf(path, quant: QuantConfig):
         # lm_head is int8 weight-only under every scheme (QuantConfig.lm_head_config).
         head = dequantize_int8(*quantize_int8_per_channel(model.get_input_embeddings().weight))
         model.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
+        if quant.embedding_from_head and getattr(model.config, "tie_word_embeddings", False):
+            # A tied embedding is looked up in the head's codes (engine/quant/embedding.py):
+            # the engine's CPU runs without the fused decode step (float32 here) do.
+            model.get_input_embeddings().weight = model.lm_head.weight
     return model
 
 
