@@ -15,13 +15,7 @@ from engine.kernels.attention_types import (
     PrefillChunk,
     decode_mask,
 )
-from engine.kernels.cpu.paged_attention import (
-    SUPPORTED_DTYPES,
-    decode,
-    decode_int8,
-    extend,
-    use_extend_kernel,
-)
+from engine.kernels.cpu import paged_attention  # its functions looked up per call (tests patch)
 from engine.layers.attention import TorchPagedAttention
 from engine.quant.kv_int8 import Int8PagedAttention
 
@@ -40,23 +34,23 @@ class CpuPagedAttention(TorchPagedAttention):
         self.extension = extension
 
     def _decode(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if q.dtype not in SUPPORTED_DTYPES:
+        if q.dtype not in paged_attention.SUPPORTED_DTYPES:
             _ensure_decode_mask(meta, kv_cache.shape[1], q.dtype)
             return super()._decode(q, kv_cache, meta)
         args = (self.extension, q, kv_cache, meta.decode_block_table, meta.decode_context_lens)
-        return _profiled("mini_infer::paged_attention_decode", decode, *args)
+        return _profiled("mini_infer::paged_attention_decode", paged_attention.decode, *args)
 
     def _prefills(self, q, kv, kv_cache, chunks: list[PrefillChunk], out: torch.Tensor) -> None:
         in_place, gathered = [], []
         for chunk in chunks:
-            kernel = use_extend_kernel(chunk, q.dtype)
+            kernel = paged_attention.use_extend_kernel(chunk, q.dtype)
             (in_place if kernel else gathered).append(chunk)
         if gathered:
             super()._prefills(q, kv, kv_cache, gathered, out)
         if not in_place:
             return
-        _profiled("mini_infer::paged_attention_extend", extend, self.extension, q, kv_cache,
-                  in_place, out)  # fmt: skip
+        _profiled("mini_infer::paged_attention_extend", paged_attention.extend, self.extension, q,
+                  kv_cache, in_place, out)  # fmt: skip
 
 
 class CpuInt8PagedAttention(Int8PagedAttention):
@@ -71,11 +65,13 @@ class CpuInt8PagedAttention(Int8PagedAttention):
         self.extension = extension
 
     def _decode(self, q, kv_cache: Int8KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        if q.dtype not in SUPPORTED_DTYPES:
+        if q.dtype not in paged_attention.SUPPORTED_DTYPES:
             _ensure_decode_mask(meta, kv_cache.codes.shape[1], q.dtype)
             return super()._decode(q, kv_cache, meta)
         args = (self.extension, q, kv_cache, meta.decode_block_table, meta.decode_context_lens)
-        return _profiled("mini_infer::paged_attention_decode_int8", decode_int8, *args)
+        return _profiled(
+            "mini_infer::paged_attention_decode_int8", paged_attention.decode_int8, *args
+        )
 
 
 def _ensure_decode_mask(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> None:
