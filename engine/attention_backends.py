@@ -16,7 +16,9 @@ substitute. "device" is the runner's kind: CudaModelRunner passes "cuda" even wh
 it on CPU tensors under the Triton interpreter.
 
 Compiling does not change the kernels: the compiled graph reaches the chosen backend through one
-custom op per layer (engine/compile.py), so every row holds compiled or eager.
+custom op per layer (engine/compile.py), so every CPU row holds compiled or eager. On the CUDA
+runner compiling is an error: it runs the eager model (and CUDA graphs of it), not the compiled
+step that the op needs.
 
 Models may still narrow the choice for their own needs (Gemma's sliding window and soft-cap take
 the torch reference: engine/models/gemma.py), with a warning of their own.
@@ -64,6 +66,10 @@ def resolve_attention_backend(
     Raises ValueError for a combination that cannot be, RuntimeError for a backend this machine
     cannot run."""
     _check(device, kv_cache_dtype, requested)
+    if compile and device == "cuda":
+        # The CUDA runner calls the eager model (and captures CUDA graphs of it), whose layers
+        # would hold the compiled graph's op, which runs only inside CompiledModel's step.
+        raise ValueError("compile='on' runs on the CPU runner only; on CUDA use compile='off'")
     choice = _choose(device, kv_cache_dtype == "int8", requested)
     if compile:
         choice = AttentionBackendChoice(

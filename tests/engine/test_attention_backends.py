@@ -66,11 +66,11 @@ def machine(monkeypatch):
 def test_resolver_table(machine, case, compile):
     device, kv_dtype, requested, has_cpu_kernels, is_triton_usable = case
     machine(has_cpu_kernels, is_triton_usable)
-    expected = TABLE[case]
+    expected = ERROR if compile and device == "cuda" else TABLE[case]
     if expected == ERROR:
         with pytest.raises((ValueError, RuntimeError)) as error:
             resolve_attention_backend(device, kv_dtype, requested, compile)
-        assert requested in str(error.value) or "triton" in str(error.value)
+        assert requested in str(error.value) or "triton" in str(error.value) or compile
         return
     choice = resolve_attention_backend(device, kv_dtype, requested, compile)
     assert choice.name == expected
@@ -87,6 +87,8 @@ def test_the_errors_say_what_to_do(machine):
         resolve_attention_backend("cuda", "auto", "auto", False)
     with pytest.raises(ValueError, match="on CUDA use 'triton'"):
         resolve_attention_backend("cuda", "auto", "cpu", False)
+    with pytest.raises(ValueError, match="CPU runner only"):
+        resolve_attention_backend("cuda", "auto", "triton", True)
 
 
 def test_the_fallback_is_logged_with_its_reason(machine):
