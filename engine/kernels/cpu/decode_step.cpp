@@ -15,7 +15,8 @@
 // step of `rows` rows. Items per run: a fixed count (a GEMV's blocks) or rows times a count
 // (row-wise operators; attention's (row, KV head, partition) triples, the partitions set per
 // step); each thread takes a contiguous, equal share. A barrier follows every task that the
-// next one reads from.
+// next one reads from; a task with no items in a step (a multiplier of 0) is skipped with its
+// barrier.
 
 #include <torch/extension.h>
 #include <omp.h>
@@ -35,12 +36,19 @@ namespace {
 
 using TaskFn = void (*)(const void* args, int64_t rows, int64_t begin, int64_t end);
 
+// How a task's items are shared: kSplit, a contiguous equal share per thread; kEvery, every
+// thread does all of them (preparing state of its own, e.g. a GEMV's widened activations);
+// kDynamic, threads take chunks from a shared counter until none are left, so a thread that
+// is ahead (its core less busy, its share of the last task done sooner) does more.
+enum Mode : int64_t { kSplit = 0, kEvery = 1, kDynamic = 2 };
+
 struct Task {
   TaskFn fn;
   const void* args;
   int64_t fixed_items, items_per_row;
   bool barrier_after;
   const int64_t* row_multiplier;  // items_per_row is multiplied by *row_multiplier, if set
+  int64_t mode;
 };
 
 inline void cpu_relax() {
@@ -120,10 +128,10 @@ class Plan {
   explicit Plan(const py::list& tasks) : owners_(tasks) {
     for (const auto& item : tasks) {
       const auto entry = item.cast<py::tuple>();
-      TORCH_CHECK(entry.size() == 5 || entry.size() == 6,
-                  "decode_step: a task is (fn, args, fixed, per_row, barrier[, multiplier])");
+      TORCH_CHECK(entry.size() >= 5 && entry.size() <= 7,
+                  "decode_step: a task is (fn, args, fixed, per_row, barrier[, multiplier[, mode]])");
       const int64_t* multiplier = nullptr;
-      if (entry.size() == 6) {
+      if (entry.size() >= 6 && !entry[5].is_none()) {
         const auto tensor = entry[5].cast<torch::Tensor>();
         TORCH_CHECK(tensor.scalar_type() == at::kLong && tensor.numel() >= 1,
                     "decode_step: a multiplier is an int64 tensor");
@@ -134,11 +142,14 @@ class Plan {
       TORCH_CHECK(std::string(fn.name() ? fn.name() : "") == "mini_infer.task_fn" &&
                       std::string(args.name() ? args.name() : "") == "mini_infer.task_args",
                   "decode_step: tasks must come from the kernel libraries' make_*_task");
+      const int64_t mode = entry.size() == 7 ? entry[6].cast<int64_t>() : kSplit;
+      TORCH_CHECK(mode >= kSplit && mode <= kDynamic, "decode_step: unknown task mode ", mode);
       tasks_.push_back(Task{reinterpret_cast<TaskFn>(fn.get_pointer()), args.get_pointer(),
                             entry[2].cast<int64_t>(), entry[3].cast<int64_t>(),
-                            entry[4].cast<bool>(), multiplier});
+                            entry[4].cast<bool>(), multiplier, mode});
       num_barriers_ += tasks_.back().barrier_after;
     }
+    next_item_ = std::vector<std::atomic<int64_t>>(tasks_.size());
   }
 
   // Runs every task for a step of `rows` rows on `num_threads` threads (<= 0: torch's count).
@@ -159,12 +170,16 @@ class Plan {
     py::gil_scoped_release no_gil;
     if (threads == 1) {
       ++single_thread_steps_;
-      for (const Task& t : tasks_) t.fn(t.args, rows, 0, items(t, rows));
+      for (const Task& t : tasks_) {
+        const int64_t total = items(t, rows);
+        if (total > 0) t.fn(t.args, rows, 0, total);
+      }
       return;
     }
     // The spin learnt by earlier steps; it grows back towards `spin` while waits stay short.
     Barrier barrier(spin_ > 0 ? std::min(spin, spin_ * 2) : spin);
     const bool timed = timing_ && threads <= kMaxTimedThreads;
+    for (auto& next : next_item_) next.store(0, std::memory_order_relaxed);
     if (timed) timed_threads_ = std::max<int64_t>(timed_threads_, threads);
 #pragma omp parallel num_threads(threads)
     {
@@ -173,14 +188,13 @@ class Plan {
       for (size_t i = 0; i < tasks_.size(); ++i) {
         const Task& t = tasks_[i];
         const int64_t total = items(t, rows);
-        const int64_t begin = total * me / n, end = total * (me + 1) / n;
+        if (total == 0) continue;  // nothing to do this step (the same for every thread): no wait
+        const int64_t started = timed ? now_ns() : 0;
+        run_share(t, i, rows, total, me, n);
         if (!timed) {
-          if (begin < end) t.fn(t.args, rows, begin, end);
           if (t.barrier_after) barrier.wait();
           continue;
         }
-        const int64_t started = now_ns();
-        if (begin < end) t.fn(t.args, rows, begin, end);
         const int64_t worked = now_ns();
         if (t.barrier_after) barrier.wait();
         work_ns_[i * kMaxTimedThreads + me] += worked - started;
@@ -237,6 +251,22 @@ class Plan {
   static constexpr int64_t kSingleThreadSteps = 64;
   static constexpr int64_t kMaxTimedThreads = 64;
 
+  // Thread `me` of `n` does its items of task `t` (the index `i` of the plan).
+  void run_share(const Task& t, size_t i, int64_t rows, int64_t total, int64_t me, int64_t n) {
+    if (t.mode == kEvery) {
+      t.fn(t.args, rows, 0, total);
+    } else if (t.mode == kDynamic) {
+      // Chunks of about a quarter of a fair share: few enough that the counter costs nothing.
+      const int64_t chunk = std::max<int64_t>(1, total / (4 * n));
+      std::atomic<int64_t>& next = next_item_[i];
+      for (int64_t begin; (begin = next.fetch_add(chunk, std::memory_order_relaxed)) < total;)
+        t.fn(t.args, rows, begin, std::min(total, begin + chunk));
+    } else {
+      const int64_t begin = total * me / n, end = total * (me + 1) / n;
+      if (begin < end) t.fn(t.args, rows, begin, end);
+    }
+  }
+
   static int64_t now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(
                std::chrono::steady_clock::now().time_since_epoch())
@@ -256,6 +286,7 @@ class Plan {
   bool timing_ = false;
   int64_t timed_threads_ = 0;  // the thread count of the timed steps (the layout of the clocks)
   std::vector<int64_t> work_ns_, wait_ns_;  // [task, thread]
+  std::vector<std::atomic<int64_t>> next_item_ = {};  // kDynamic tasks' counters, per task
 };
 
 }  // namespace

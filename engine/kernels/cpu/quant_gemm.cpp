@@ -28,6 +28,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -523,85 +524,68 @@ void for_row_tiles(int64_t rows, int64_t max_tile, Fn&& fn) {
   for (int64_t r0 = 0; r0 < rows; r0 += max_tile) fn(r0, std::min(max_tile, rows - r0));
 }
 
-#define DISPATCH_ROWS(n, CALL)        \
-  switch (n) {                        \
-    case 1: CALL(1); break;           \
-    case 2: CALL(2); break;           \
-    case 3: CALL(3); break;           \
-    case 4: CALL(4); break;           \
-    case 5: CALL(5); break;           \
-    case 6: CALL(6); break;           \
-    case 7: CALL(7); break;           \
-    default: CALL(8); break;          \
-  }
-
-void int4_avx512(const Problem& p, const uint8_t* codes, const uint16_t* scale_min, int64_t b0,
-                 int64_t b1) {
-  const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
+// The AVX-512 paths' driver: for each block of [b0, b1) and each tile of up to 8 rows,
+// block(std::integral_constant<int, R>, block index, first row, lanes) with R the tile's rows.
+template <typename Block>
+void over_blocks(const Problem& p, int64_t b0, int64_t b1, Block&& block) {
+  using std::integral_constant;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
     for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
-#define CALL(R) \
-  int4_block_avx512<R>(p, codes + b * block_codes, scale_min + b * block_sm, r0, b * kBlock, lanes)
-      DISPATCH_ROWS(n, CALL)
-#undef CALL
+      switch (n) {
+        case 1: block(integral_constant<int, 1>{}, b, r0, lanes); break;
+        case 2: block(integral_constant<int, 2>{}, b, r0, lanes); break;
+        case 3: block(integral_constant<int, 3>{}, b, r0, lanes); break;
+        case 4: block(integral_constant<int, 4>{}, b, r0, lanes); break;
+        case 5: block(integral_constant<int, 5>{}, b, r0, lanes); break;
+        case 6: block(integral_constant<int, 6>{}, b, r0, lanes); break;
+        case 7: block(integral_constant<int, 7>{}, b, r0, lanes); break;
+        default: block(integral_constant<int, 8>{}, b, r0, lanes); break;
+      }
     });
   }
+}
+
+// The int4 paths' per-block pointers: codes and (scale, minimum) pairs of block b.
+#define INT4_BLOCK_ARGS \
+  codes + b * (p.in_features / 2 * kBlock), scale_min + b * (p.num_groups * 2 * kBlock)
+
+void int4_avx512(const Problem& p, const uint8_t* codes, const uint16_t* scale_min, int64_t b0,
+                 int64_t b1) {
+  over_blocks(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+    int4_block_avx512<rows()>(p, INT4_BLOCK_ARGS, r0, b * kBlock, lanes);
+  });
 }
 
 void int4_avx512bf16(const Problem& p, const uint8_t* codes, const uint16_t* scale_min,
                      int64_t b0, int64_t b1) {
-  const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
-    for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
-#define CALL(R)                                                                             \
-  int4_block_avx512bf16<R>(p, codes + b * block_codes, scale_min + b * block_sm, r0, b * kBlock, \
-                           lanes)
-      DISPATCH_ROWS(n, CALL)
-#undef CALL
-    });
-  }
+  over_blocks(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+    int4_block_avx512bf16<rows()>(p, INT4_BLOCK_ARGS, r0, b * kBlock, lanes);
+  });
 }
 
 void int4_vnni(const Problem& p, const uint8_t* codes, const uint16_t* scale_min, int64_t b0,
                int64_t b1) {
-  const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
-    for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
-#define CALL(R) \
-  int4_block_vnni<R>(p, codes + b * block_codes, scale_min + b * block_sm, r0, b * kBlock, lanes)
-      DISPATCH_ROWS(n, CALL)
-#undef CALL
-    });
-  }
-}
-
-void int8_vnni(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
-               int64_t b1) {
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
-    for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
-#define CALL(R) int8_block_vnni<R>(p, codes + b * p.in_features * kBlock, scale, r0, b * kBlock, lanes)
-      DISPATCH_ROWS(n, CALL)
-#undef CALL
-    });
-  }
+  over_blocks(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+    int4_block_vnni<rows()>(p, INT4_BLOCK_ARGS, r0, b * kBlock, lanes);
+  });
 }
 
 void int8_avx512(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
                  int64_t b1) {
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
-    for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
-#define CALL(R) \
-  int8_block_avx512<R>(p, codes + b * p.in_features * kBlock, scale, r0, b * kBlock, lanes)
-      DISPATCH_ROWS(n, CALL)
-#undef CALL
-    });
-  }
+  over_blocks(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+    int8_block_avx512<rows()>(p, codes + b * p.in_features * kBlock, scale, r0, b * kBlock, lanes);
+  });
 }
+
+void int8_vnni(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
+               int64_t b1) {
+  over_blocks(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+    int8_block_vnni<rows()>(p, codes + b * p.in_features * kBlock, scale, r0, b * kBlock, lanes);
+  });
+}
+
+#undef INT4_BLOCK_ARGS
 
 // Copies an AVX2 half's [n, 8] results into y, dropping lanes past out_features.
 void store_half(const Problem& p, const float* tmp, int64_t r0, int64_t n, int64_t col) {
@@ -739,11 +723,19 @@ struct QuantizedActivations {
   }
 };
 
-// The VNNI path takes bf16 activations (fp32 ones asked for the reference's math: they take
-// the exact AVX-512 path) and whole chunks of 32 inputs (int4 groups always are).
-int64_t effective_isa(int64_t isa, bool x_is_bf16, int64_t in_features) {
-  if (isa == kAvx512Vnni && (!x_is_bf16 || in_features % kChunk != 0)) return kAvx512;
-  return isa;
+// The VNNI path takes bf16 activations (fp32 ones asked for the reference's math), whole
+// chunks of 32 inputs (int4 groups always are), and at least kVnniMinRows rows. One row is a
+// GEMV bound by the memory bandwidth: there the VNNI path was no faster in the engine (W1 on
+// the 2-core Zen 4 VM, 119 against 117 tok/s), and the exact path's perplexity is better
+// (SmolLM2 int4 +0.34% over fp32 against +1.79%; loadtest/README.md). From 2 rows on the
+// multiply-adds count: 2.1x at 32 rows. Otherwise the exact path of the same CPU.
+constexpr int64_t kVnniMinRows = 2;
+
+int64_t effective_isa(int64_t isa, bool x_is_bf16, int64_t in_features, int64_t rows) {
+  if (isa != kAvx512Vnni) return isa;
+  if (x_is_bf16 && in_features % kChunk == 0 && rows >= kVnniMinRows) return isa;
+  static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
+  return x_is_bf16 && has_bf16 ? kAvx512Bf16 : kAvx512;
 }
 
 // Blocks per parallel task: at least ~32 KiB of weights, so tiny layers run on one thread.
@@ -777,7 +769,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   // vdpbf16ps takes bf16 activations as they are; fp32 ones would have to be rounded (not the
   // reference's math), so they take the FMA path.
   if (isa == kAvx512Bf16 && a.bf16 == nullptr) isa = kAvx512;
-  isa = effective_isa(isa, a.bf16 != nullptr, in_features);
+  isa = effective_isa(isa, a.bf16 != nullptr, in_features, rows);
   Problem p{rows, in_features, out_features, num_blocks, group_size, num_groups,
             a.f32, xsum.data(), a.bf16, y.data_ptr(), y.scalar_type() == at::kBFloat16};
   QuantizedActivations qa;
@@ -812,7 +804,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   at::Tensor y = output(x, out_features, out);
   Problem p{rows, in_features, out_features, num_blocks, 0,      0,
             a.f32, nullptr,      nullptr,      y.data_ptr(), y.scalar_type() == at::kBFloat16};
-  isa = effective_isa(isa, a.bf16 != nullptr, in_features);
+  isa = effective_isa(isa, a.bf16 != nullptr, in_features, rows);
   QuantizedActivations qa;
   if (isa == kAvx512Vnni) qa.quantize(a.f32, rows, in_features, false, p);
   const int8_t* c = codes.data_ptr<int8_t>();
@@ -840,25 +832,42 @@ struct GemvTask {
   at::BFloat16* y;        // [rows, out_features], contiguous
 };
 
-void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
-  const GemvTask& t = *static_cast<const GemvTask*>(raw);
+// The activations of one GEMV as this thread's kernels take them: widened, group sums and (VNNI)
+// int8 codes. Prepared by each thread for itself (cheaper than a barrier), once per GEMV of a
+// step (gemv_prepare_task), then used by every share of blocks the thread takes.
+struct PreparedActivations {
+  const void* task = nullptr;  // the GemvTask prepared for
+  int64_t rows = 0, isa = 0;
+  std::vector<float> widened, xsum;
+  QuantizedActivations quantized;
+  Problem problem{};
+};
+
+thread_local PreparedActivations prepared;
+
+void prepare(const GemvTask& t, int64_t rows) {
+  PreparedActivations& a = prepared;
   const int64_t k = t.in_features, num_groups = t.bits == 4 ? k / t.group_size : 0;
-  // Each thread widens the (few) activation rows itself: cheaper than a barrier.
-  thread_local std::vector<float> widened, xsum;
-  widened.resize(rows * k);
+  a.widened.resize(rows * k);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(t.x);
   for (int64_t i = 0; i < rows * k; ++i) {
     const uint32_t bits = static_cast<uint32_t>(xb[i]) << 16;
-    std::memcpy(&widened[i], &bits, sizeof(float));
+    std::memcpy(&a.widened[i], &bits, sizeof(float));
   }
-  xsum.assign(rows * num_groups, 0.f);
+  a.xsum.assign(rows * num_groups, 0.f);
   for (int64_t r = 0; r < rows && num_groups > 0; ++r)
-    for (int64_t i = 0; i < k; ++i) xsum[r * num_groups + i / t.group_size] += widened[r * k + i];
-  Problem p{rows, k, t.out_features, t.num_blocks, t.group_size, num_groups,
-            widened.data(), xsum.data(), xb, t.y, true};
-  const int64_t isa = effective_isa(t.isa, true, k);
-  thread_local QuantizedActivations qa;
-  if (isa == kAvx512Vnni) qa.quantize(widened.data(), rows, k, t.bits == 4, p);
+    for (int64_t i = 0; i < k; ++i) a.xsum[r * num_groups + i / t.group_size] += a.widened[r * k + i];
+  a.problem = Problem{rows, k, t.out_features, t.num_blocks, t.group_size, num_groups,
+                      a.widened.data(), a.xsum.data(), xb, t.y, true};
+  a.isa = effective_isa(t.isa, true, k, rows);
+  if (a.isa == kAvx512Vnni) a.quantized.quantize(a.widened.data(), rows, k, t.bits == 4, a.problem);
+  a.task = &t;
+  a.rows = rows;
+}
+
+void run_blocks(const GemvTask& t, int64_t b0, int64_t b1) {
+  const Problem& p = prepared.problem;
+  const int64_t isa = prepared.isa;
   if (t.bits == 4) {
     const auto* c = static_cast<const uint8_t*>(t.codes);
     const auto* sm = static_cast<const uint16_t*>(t.scales);
@@ -875,6 +884,25 @@ void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
     else if (isa == kAvx2) int8_avx2(p, c, s, b0, b1);
     else int8_portable(p, c, s, b0, b1);
   }
+}
+
+// Task functions (fn(args, rows, begin, end)). gemv_task: prepare, then blocks [b0, b1).
+// gemv_prepare_task (every thread, items ignored) then gemv_blocks_task (any shares of blocks,
+// e.g. taken dynamically): the same bits, one preparation per thread.
+void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
+  const GemvTask& t = *static_cast<const GemvTask*>(raw);
+  prepare(t, rows);
+  run_blocks(t, b0, b1);
+}
+
+void gemv_prepare_task(const void* raw, int64_t rows, int64_t, int64_t) {
+  prepare(*static_cast<const GemvTask*>(raw), rows);
+}
+
+void gemv_blocks_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
+  const GemvTask& t = *static_cast<const GemvTask*>(raw);
+  if (prepared.task != &t || prepared.rows != rows) prepare(t, rows);  // not prepared: do it now
+  run_blocks(t, b0, b1);
 }
 
 // (task arguments capsule, number of blocks): y = x @ W^T for the rows of each run, x and y
@@ -930,5 +958,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, "the VNNI path's int8 activations");
   m.def("gemv_task_fn", [] { return py::capsule(reinterpret_cast<void*>(&gemv_task), "mini_infer.task_fn"); },
         "the fused decode step's GEMV task (a function pointer)");
+  m.def("gemv_prepare_task_fn", [] {
+    return py::capsule(reinterpret_cast<void*>(&gemv_prepare_task), "mini_infer.task_fn");
+  }, "a GEMV's activations prepared by each thread (run on every thread)");
+  m.def("gemv_blocks_task_fn", [] {
+    return py::capsule(reinterpret_cast<void*>(&gemv_blocks_task), "mini_infer.task_fn");
+  }, "a GEMV's blocks, on the activations the thread prepared");
   m.def("make_gemv_task", &make_gemv_task, "(task arguments, blocks) for one GEMV of a fused step");
 }

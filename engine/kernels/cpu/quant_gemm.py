@@ -12,16 +12,19 @@ block's codes from L1). int4 keeps two inputs per byte (low nibble: even input) 
 (scale, minimum) float16 pair per channel and group (as GGUF's Q4_1: 0.625 bytes per weight;
 fp32 pairs made it 0.75); int8 keeps the per-channel scale. The math
 is the reference's (engine/quant/primitives.py), summed in another order: codes are widened to
-fp32 in registers and multiplied with fp32 activations (llama.cpp instead quantizes the
-activations to int8 per block of 32 and uses integer dot products; that is faster per
-instruction but adds an activation rounding error the reference does not have, so it is not
-used here).
+fp32 in registers and multiplied with fp32 activations. The exception is "avx512vnni": like
+llama.cpp, it quantizes bf16 activations to int8 per chunk of 32 inputs and multiplies with
+integer dot products (`vpdpbusd`, 64 multiply-adds an instruction), adding an activation
+rounding error the reference does not have (`quantize_activations` is its reference). It runs
+from INT8_ACTIVATION_MIN_ROWS rows: one row is bound by the memory bandwidth, where it gained
+nothing in the engine. QuantConfig kernel "exact" keeps the other paths.
 
-Paths: "avx512bf16" (int4 with bf16 activations: `vdpbf16ps` on codes turned into bf16 by bit
-operations, see the .cpp; 1.5x the FMA path at 8 rows, even at 1), "avx512", "avx2" and
-"portable" are all compiled into one library (function-level target attributes) and chosen per
-call, so each is forced and tested on any CPU that can run it
-(tests/engine/kernels/test_quant_gemm.py); `best_isa()` picks the widest this CPU has.
+Paths: "avx512vnni" (AVX-512 VNNI + VBMI: Ice Lake, Sapphire Rapids, Zen 4), "avx512bf16"
+(int4 with bf16 activations: `vdpbf16ps` on codes turned into bf16 by bit operations, see the
+.cpp; 1.5x the FMA path at 8 rows, even at 1), "avx512", "avx2" and "portable" are all
+compiled into one library (function-level target attributes) and chosen per call, so each is
+forced and tested on any CPU that can run it (tests/engine/kernels/test_quant_gemm.py);
+`best_isa()` picks the widest this CPU has.
 Multithreaded over blocks of output channels with at::parallel_for (a layer under ~32 KiB of
 weights per task runs on one thread).
 
@@ -68,6 +71,9 @@ ISAS = ("portable", "avx2", "avx512", "avx512bf16", "avx512vnni")
 # Paths that quantize the activations to int8 (the others compute the reference's math).
 INT8_ACTIVATION_ISAS = ("avx512vnni",)
 CHUNK = 32  # inputs per activation scale on those paths
+# ... from this many rows; fewer take the exact path (quant_gemm.cpp, kVnniMinRows: one row is
+# bound by the memory bandwidth, where the integer path gains nothing and costs accuracy).
+INT8_ACTIVATION_MIN_ROWS = 2
 _ISA_CODE = {name: code for code, name in enumerate(ISAS)}
 _ISA_FLAGS = {  # what the CPU must report for each path (Linux /proc/cpuinfo names)
     "portable": (),

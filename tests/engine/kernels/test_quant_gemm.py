@@ -62,6 +62,7 @@ def _check(
         isa in quant_gemm.INT8_ACTIVATION_ISAS
         and x.dtype == torch.bfloat16
         and x.shape[1] % quant_gemm.CHUNK == 0
+        and x.shape[0] >= quant_gemm.INT8_ACTIVATION_MIN_ROWS
     ):
         x_scaled = quant_gemm.quantize_activations(x)
     rest = torch.zeros_like(weight) if minimum is None else minimum
@@ -184,6 +185,24 @@ def test_the_kernel_quantizes_activations_as_the_reference(ext, rows, num_chunks
     assert codes.abs().max() <= 127
     ours = codes.float().reshape(rows, num_chunks, -1) * scales.unsqueeze(-1)
     assert torch.equal(ours.reshape(rows, -1), quant_gemm.quantize_activations(x))
+
+
+def test_one_row_takes_the_exact_path_on_the_int8_activation_isa(ext):
+    """Below INT8_ACTIVATION_MIN_ROWS the VNNI path hands the call to the exact path of the same
+    CPU: the same bits as that path, not the quantized-activation reference's."""
+    _isa("avx512vnni")
+    exact = "avx512bf16" if quant_gemm.can_run("avx512bf16") else "avx512"
+    generator = torch.Generator().manual_seed(3)
+    codes, scale, minimum = quantize_int4_groupwise(torch.randn(48, 128, generator=generator), 32)
+    packed4 = quant_gemm.pack_int4(codes, scale, minimum)
+    codes8, scale8 = quantize_int8_per_channel(torch.randn(48, 128, generator=generator))
+    packed8 = quant_gemm.pack_int8(codes8, scale8)
+    for rows in range(1, quant_gemm.INT8_ACTIVATION_MIN_ROWS + 1):
+        x = torch.randn(rows, 128, generator=generator).bfloat16()
+        same = rows < quant_gemm.INT8_ACTIVATION_MIN_ROWS
+        y4 = [quant_gemm.int4_gemm(ext, x, *packed4, 32, 48, isa) for isa in ("avx512vnni", exact)]
+        y8 = [quant_gemm.int8_gemm(ext, x, *packed8, 48, isa) for isa in ("avx512vnni", "avx512")]
+        assert torch.equal(*y4) == same and torch.equal(*y8) == same
 
 
 def test_a_strided_input_gives_the_same_result(ext):
