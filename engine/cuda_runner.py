@@ -3,8 +3,8 @@
 ModelRunner builds everything on the CPU. This subclass changes only where tensors live and how
 a decode step is launched: the weights and the KV pool move to the GPU, each step's inputs are
 built on the host as before and copied over (a few kilobytes), attention "auto" resolves to the
-Triton backend (engine/attention_backends.py, device "cuda"), and decode-only steps replay a captured CUDA graph (engine/cuda_graphs.py)
-when `use_cuda_graphs`. Graphs are captured in the constructor, so start-up (and the worker's
+Triton backend (engine/attention_backends.py, device "cuda"), and decode-only steps replay a
+captured CUDA graph (engine/cuda_graphs.py) when `use_cuda_graphs`. Graphs are captured in the constructor, so start-up (and the worker's
 readiness) includes them; their capture time is logged.
 
 Sampling runs on host copies of the sampled rows' logits ([num_samples, vocab]): the sampler's
