@@ -54,6 +54,12 @@ from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 log = structlog.get_logger(__name__)
 
 MAX_DEFAULT_MODEL_LEN = 8192
+# After a step of this many tokens (a large prefill), the next step first hands the heap's free
+# pages back (`trim_heap`): glibc keeps freed memory for speed (`_keep_freed_memory`), so a
+# burst of prompts left its activations resident while decoding filled the KV pool, both on
+# the peak RSS (W2: 17 MiB). Decode steps keep their pages: they re-fault them once after such
+# a step, not every step.
+TRIM_AFTER_TOKENS = 256
 
 
 def _lazy_zeros(
@@ -145,6 +151,7 @@ class ModelRunner:
                 "set OMP_WAIT_POLICY=PASSIVE in the environment (see engine/openmp.py)",
             )  # fmt: skip
         self.config = config
+        self._is_trim_due = False  # the last step was large: trim before this one
         self.hf_config = load_config(model_path)
         device = getattr(self, "device", torch.device("cpu")).type  # CudaModelRunner sets it
         self.dtype, self.quant = resolve_precision(
@@ -359,6 +366,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the token sampled for every request with needs_sample, and the
         logprobs of the requests that asked for them."""
+        if self._is_trim_due:  # the last step's temporaries are freed by now
+            trim_heap()
+        self._is_trim_due = sum(len(r.token_ids) for r in out.scheduled) >= TRIM_AFTER_TOKENS
         requests, logits, step_logprobs = self._run(out)
         if not requests:
             return ModelRunnerOutput({}, step_logprobs)
