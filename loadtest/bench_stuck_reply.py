@@ -32,8 +32,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from aiokafka import AIOKafkaConsumer
-
 from schemas.codec import decode_reply
 from schemas.contract import DEFAULT_SHARED_REPLY_TOPIC, NUM_SHARED_REPLY_TOPIC_PARTITIONS
 from schemas.headers import read_content_type
@@ -43,6 +41,7 @@ from tests.worker.kafka_helpers import PREFIX, Producer, create_topic, make_requ
 from tests.worker.kafka_proxy import KafkaProxy
 from tests.worker.workers import kill, start_serve, wait_for_file
 from worker.broker import EmbeddedBroker
+from worker.topic_reader import TopicReader
 
 SIDES = ("baseline", "stuck")
 TARGET_RATIO = 2.0
@@ -52,31 +51,25 @@ class TimedReader:
     """Reads topics from the start; keeps each reply's arrival time (monotonic s), per id."""
 
     def __init__(self, bootstrap_servers: str, topics: list[str]) -> None:
-        self._consumer = AIOKafkaConsumer(
-            *topics, bootstrap_servers=bootstrap_servers, group_id=None,
-            auto_offset_reset="earliest", fetch_max_wait_ms=5,
-        )  # fmt: skip
+        self._reader = TopicReader(
+            bootstrap_servers, self._on_record, topics=topics, fetch_max_wait_ms=5
+        )
         self.arrivals: dict[str, list[tuple[float, object]]] = defaultdict(list)
         self.keys: dict[str, set[str]] = defaultdict(set)  # topic -> record keys read
-        self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> TimedReader:
-        await self._consumer.start()
-        self._task = asyncio.create_task(self._read())
+        await self._reader.__aenter__()
         return self
 
     async def __aexit__(self, *exc_info) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.wait_for(self._consumer.stop(), 10)
+        await self._reader.__aexit__(*exc_info)
 
-    async def _read(self) -> None:
-        async for record in self._consumer:
-            arrived_s = time.monotonic()
-            self.keys[record.topic].add(record.key.decode() if record.key else "")
-            with contextlib.suppress(Exception):  # a DLQ record is not a reply
-                reply = decode_reply(record.value, read_content_type(record.headers))
-                self.arrivals[reply.id].append((arrived_s, reply))
+    def _on_record(self, record) -> None:
+        arrived_s = time.monotonic()
+        self.keys[record.topic].add(record.key.decode() if record.key else "")
+        with contextlib.suppress(Exception):  # a DLQ record is not a reply
+            reply = decode_reply(record.value, read_content_type(record.headers))
+            self.arrivals[reply.id].append((arrived_s, reply))
 
     def has_final(self, request_id: str) -> bool:
         return any(isinstance(r, FinalReply) for _, r in self.arrivals.get(request_id, ()))

@@ -41,6 +41,7 @@ from tests.worker.kafka_helpers import (
     wait_for_commit,
     worker_settings,
 )
+from tests.worker.workers import is_split
 from worker.service.worker import Worker
 
 pytestmark = pytest.mark.kafka
@@ -116,16 +117,9 @@ class Member:
         self.engine = FakeEngine(model_dir, **engine_options)
         self.worker = Worker(settings, engine_factory=lambda: self.engine)
 
-    @property
-    def partitions(self) -> set[int]:
-        consumer = self.worker.consumer
-        return {tp.partition for tp in consumer.assignment} if consumer else set()
 
-
-def is_split(members: list[Member]) -> bool:
-    """Every partition held, by exactly one member, and every member holding some."""
-    held = [m.partitions for m in members]
-    return all(held) and sum(map(len, held)) == NUM_PARTITIONS == len(set().union(*held))
+def is_split_among(members: list[Member]) -> bool:
+    return is_split([m.worker for m in members], NUM_PARTITIONS)
 
 
 async def test_a_backlog_survives_three_workers_replaced_in_turn(broker, tiny_model_dir) -> None:
@@ -160,7 +154,9 @@ async def test_a_backlog_survives_three_workers_replaced_in_turn(broker, tiny_mo
             )  # fmt: skip
         try:
             await asyncio.gather(*(m.worker.start() for m in members))
-            await wait_for(lambda: is_split(members), what="three members splitting the topic")
+            await wait_for(
+                lambda: is_split_among(members), what="three members splitting the topic"
+            )
             for n in range(NUM_WORKERS):
                 old = members[n]
                 # Stalled with work in flight: what its stop drops is certainly unanswered.
@@ -171,7 +167,9 @@ async def test_a_backlog_survives_three_workers_replaced_in_turn(broker, tiny_mo
                 new = member(f"new{n}", gate=all_replaced)
                 everyone.append(new)
                 await new.worker.start()
-                await wait_for(lambda new=new: is_split([*members, new]), what=f"new{n} joining")
+                await wait_for(
+                    lambda new=new: is_split_among([*members, new]), what=f"new{n} joining"
+                )
                 # The surge moved some of its partitions; others, with work in flight, stay.
                 await wait_for(
                     lambda old=old: old.worker.pipeline.num_running,
@@ -179,7 +177,9 @@ async def test_a_backlog_survives_three_workers_replaced_in_turn(broker, tiny_mo
                 )
                 await old.worker.stop(grace_s=GRACE_S)  # what SIGTERM runs
                 members[n] = new
-                await wait_for(lambda: is_split(members), what=f"the group after {n + 1} moves")
+                await wait_for(
+                    lambda: is_split_among(members), what=f"the group after {n + 1} moves"
+                )
             all_replaced.set()
             await replies.wait_until(
                 lambda: all(replies.finals(r.id) for r in requests), 60, "every final"
