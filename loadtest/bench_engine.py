@@ -220,7 +220,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds (medians)")
     parser.add_argument("--compile", default="auto", help="engine compile: auto|on|off")
     parser.add_argument(
-        "--quantization", default=None, help="engine weights: int8 | int4 | w8a8 (use bf16)"
+        "--quantization", default=None,
+        help="engine weights: int8 | int4 | w8a8 (use bf16), a kernel suffix (int4@exact), "
+        "or a comma list to alternate (int4,int4@exact)"
     )
     parser.add_argument(
         "--fused-ops", default="auto", help="engine CPU elementwise ops: auto|on|off"
@@ -281,22 +283,24 @@ def run(args) -> int:
                 "llama_server": str(server), "gguf": str(gguf)}  # fmt: skip
         # llama.cpp runs its own quantised GGUF: one run per round whatever the dtype list.
         first_dtype = dtype == args.dtypes.split(",")[0]
-        variants = args.fused_decode.split(",")  # engine sides, alternated with the peers
-        impls = [*(f"engine:{v}" for v in variants),
-                 *(p for p in peers if p not in LLAMACPP_PEERS or first_dtype)]  # fmt: skip
+        # Engine sides, alternated with the peers: each quantization x each fused-decode value.
+        variants = args.fused_decode.split(",")
+        quants = (args.quantization or "").split(",")
+        impls = [*(("engine", q, v) for q in quants for v in variants),
+                 *((p, "", "") for p in peers if p not in LLAMACPP_PEERS or first_dtype)]  # fmt: skip
         for round_index in range(args.rounds):
-            for side in impls:
-                impl, _, variant = side.partition(":")
+            for impl, quant, variant in impls:
                 key = LLAMACPP_PEERS.get(impl, f"{impl}-{dtype}")
-                if impl == "engine" and args.quantization:
-                    key += f"-{args.quantization}"
+                if impl == "engine" and quant:
+                    key += f"-{quant}"
                 if impl == "engine" and args.linear_kernel != "auto":
                     key += f"-{args.linear_kernel}"
                 if impl == "engine" and len(variants) > 1:
                     key += f"-fused-{variant}"
                 print(f"[bench] round {round_index + 1}: {key} ...", file=sys.stderr, flush=True)
+                side = {**spec, "fused_decode": variant or "auto", "quantization": quant or None}
                 try:
-                    result = measure(impl, {**spec, "fused_decode": variant or "auto"})
+                    result = measure(impl, side)
                 except RuntimeError as error:  # a child that died: the other runs stand
                     print(f"[bench] {key} failed: {error}", file=sys.stderr, flush=True)
                     doc.setdefault("errors", []).append(f"round {round_index + 1} {key}: {error}")

@@ -148,7 +148,7 @@ def _operator_split(eng, num_steps: int) -> dict[str, float]:
 
 def profile_workload(eng, totals: dict, prompts, num_requests: int, num_steps: int) -> dict:
     """`eng` instrumented into `totals` (_instrument, _label_kernels)."""
-    _start(eng, num_requests, prompts, max_tokens=16 + 3 * num_steps)
+    _start(eng, num_requests, prompts, max_tokens=16 + 4 * num_steps)
     totals.clear()
     step_times = []
     for _ in range(num_steps):
@@ -156,6 +156,7 @@ def profile_workload(eng, totals: dict, prompts, num_requests: int, num_steps: i
         eng.step()
         step_times.append(time.perf_counter() - start)
     wall = {k: totals[k] / num_steps * 1000 for k in (*SECTIONS, "gemm", "attention", "fused_step")}
+    fused_tasks = _fused_task_split(eng, num_steps)
     ops = _operator_split(eng, num_steps)
     for request_id in [r.request_id for r in list(eng.scheduler.running)]:
         eng.abort_request(request_id)
@@ -183,7 +184,33 @@ def profile_workload(eng, totals: dict, prompts, num_requests: int, num_steps: i
         # Kernels: the forward's linears and attention, and the lm_head (the logits).
         "outside_kernels_ms": round(step_ms - kernels_ms, 2),
         "breakdown_ms": {k: round(v, 3) for k, v in breakdown.items()},
+        **({"fused_tasks_ms": fused_tasks} if fused_tasks else {}),
     }
+
+
+def _fused_task_split(eng, num_steps: int) -> dict | None:
+    """Inside the fused decode call, per step and kind of task (summed over layers), in ms:
+    each thread's time working and waiting at the barrier after, averaged over the threads.
+    Timed in steps of their own (the clocks cost ~0.1 us a task)."""
+    fused = getattr(eng.runner._forward, "fused", None)
+    plan = getattr(fused, "plan", None)
+    plan = getattr(plan, "plan", plan)  # under _TimedPlan
+    if plan is None or not hasattr(plan, "set_timing"):
+        return None
+    plan.set_timing(True)
+    for _ in range(num_steps):
+        eng.step()
+    work, wait = plan.task_times()
+    plan.set_timing(False)
+    if not work:  # every step ran on one thread (no barriers, no clocks)
+        return None
+    split: dict[str, dict[str, float]] = {}
+    for name, w, b in zip(fused.task_names, work, wait, strict=True):
+        entry = split.setdefault(name, {"work": 0.0, "wait": 0.0, "max_work": 0.0})
+        entry["work"] += sum(w) / len(w) / num_steps / 1e6
+        entry["max_work"] += max(w) / num_steps / 1e6
+        entry["wait"] += sum(b) / len(b) / num_steps / 1e6
+    return {k: {m: round(v, 3) for m, v in e.items()} for k, e in split.items()}
 
 
 def _plan_stats(eng) -> dict | None:
@@ -238,6 +265,16 @@ def profile(
     for key in next(iter(results.values()))["breakdown_ms"]:
         cells = " ".join(f"{r['breakdown_ms'][key]:9.2f}" for r in results.values())
         print(f"  {key:26} {cells}")
+    for name, r in results.items():
+        tasks = r.get("fused_tasks_ms")
+        if not tasks:
+            continue
+        print(f"\n{name}: inside the fused call, ms per step (threads' mean work, slowest "
+              "thread's work, mean wait at the barrier after)")  # fmt: skip
+        for kind, e in tasks.items():
+            print(f"  {kind:26} {e['work']:9.3f} {e['max_work']:9.3f} {e['wait']:9.3f}")
+        total = {m: sum(e[m] for e in tasks.values()) for m in ("work", "max_work", "wait")}
+        print(f"  {'total':26} {total['work']:9.3f} {total['max_work']:9.3f} {total['wait']:9.3f}")
     cells = " ".join(f"{r['outside_kernels_ms']:9.2f}" for r in results.values())
     print(f"{'outside kernels':28} {cells}   (step - linears - attention - fused step - lm_head)")
     print(json.dumps(doc, indent=2))

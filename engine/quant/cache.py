@@ -34,7 +34,7 @@ from engine.quant.linear import QuantLinear
 
 log = structlog.get_logger(__name__)
 
-CACHE_FORMAT = 2  # 2: lm_head is int8 for every scheme
+CACHE_FORMAT = 3  # 2: lm_head is int8 for every scheme; 3: int4 scales/minimums fp16 values
 
 
 def quant_modules(model: nn.Module) -> dict[str, QuantLinear]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from engine.quant.primitives import INT4_GROUP_SIZES
 
 SCHEMES = ("int8", "int4", "w8a8")
-KERNELS = ("auto", "torch")
+KERNELS = ("auto", "exact", "torch")
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,10 @@ class QuantConfig:
     was the head's. w8a8 with a w8a8 head: +3.8%. With the int8 weight-only head (same run
     setup, bf16 compute, 6 x 512-token windows): int8 +0.55%, int4 +0.33%, w8a8 +3.47%.
     Speed at one row: int8 head 1.3x bf16 (engine/quant/linear.py).
+    With the C++ kernel's int8 activations ("auto" on AVX-512 VNNI CPUs, from 2 rows; 2.1x the
+    multiply-adds of the exact path at 32 rows), same setup, 2026-12-04: int4 +1.79% (exact
+    +0.34%), int8 +0.60% (exact +0.41%), w8a8 +1.95%: within the targets of
+    loadtest/bench_accuracy.py (int4 2%, int8 1%, w8a8 3%), hence the default.
     The embedding table is never quantized: a lookup reads a few rows, so there is no speed to
     gain, and with tied embeddings the float table is needed for the lookup anyway.
     """
@@ -29,8 +33,10 @@ class QuantConfig:
     scheme: str
     group_size: int = 32
     quantize_lm_head: bool = True
-    # "auto": the C++ GEMV of engine/kernels/cpu/quant_gemm.py at few rows where it builds
-    # (engine/quant/linear.py says where), torch's kernels otherwise; "torch": torch's only.
+    # "auto": the C++ GEMV of engine/kernels/cpu/quant_gemm.py where it builds (its fastest
+    # path: on CPUs with AVX-512 VNNI and VBMI it quantizes bf16 activations to int8 per 32
+    # inputs, as llama.cpp does), torch's kernels otherwise; "exact": the C++ GEMV on the
+    # paths that keep the activations as they are; "torch": torch's kernels only.
     kernel: str = "auto"
     # w8a8: projections whose activations stay unquantized (int8 weight-only, the same codes).
     w8a8_weight_only: tuple[str, ...] = ("qkv_proj",)

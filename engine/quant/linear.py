@@ -239,14 +239,14 @@ class QuantLinear(nn.Module):
 
     def _pack_cpp(self) -> ModuleType | None:
         """The C++ kernel's layout of the canonical tensors and the extension; None where the
-        kernel is not asked for, did not build, or lacks the dtype. int4: 0.75 bytes per weight
-        (codes and float32 scale/minimum; torch's layout: 0.56), int8: 1 (+ 4 per row)."""
-        if self.quant.kernel != "auto" or self.dtype not in quant_gemm.SUPPORTED_DTYPES:
+        kernel is not asked for, did not build, or lacks the dtype. int4: 0.625 bytes per weight
+        (codes and fp16 scale/minimum; torch's layout: 0.56), int8: 1 (+ 4 per row)."""
+        if self.quant.kernel == "torch" or self.dtype not in quant_gemm.SUPPORTED_DTYPES:
             return None
         extension = quant_gemm.load()
         if extension is None:
             return None
-        self.cpp_isa = quant_gemm.isa_code()
+        self.cpp_isa = quant_gemm.isa_code(quant_gemm.best_isa(self.quant.kernel == "auto"))
         if self.scheme == "int4":
             self.cpp_codes, self.cpp_scales = quant_gemm.pack_int4(
                 self.weight.data, self.scale, self.minimum

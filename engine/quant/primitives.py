@@ -7,8 +7,9 @@ without a float round trip:
 - int8: codes int8 [out, in] in [-127, 127], scale float32 [out]; w = scale[o] * q.
   Symmetric and per output channel: the scale folds into the GEMM epilogue.
 - int4: codes uint8 [out, in] in [0, 15] (one code per byte; packed into nibbles only by the
-  kernel layout), scale and minimum float32 [out, in // group_size]; w = scale * q + minimum.
-  This is exactly GGUF Q4_1's block (d, m, 32 codes), so Q4_1 tensors load as they are.
+  kernel layout), scale and minimum float32 [out, in // group_size] holding fp16 values;
+  w = scale * q + minimum. This is exactly GGUF Q4_1's block (d, m, 32 codes), so Q4_1 tensors
+  load as they are.
 """
 
 from __future__ import annotations
@@ -40,9 +41,20 @@ def quantize_int4_groupwise(
     check_group_size(in_features, group_size)
     w = weight.float().reshape(out_features, in_features // group_size, group_size)
     low, high = w.amin(dim=2), w.amax(dim=2)
-    scale = ((high - low) / 15.0).clamp_min(1e-12)
+    # Scale and minimum are fp16 values (stored as float32), as in GGUF's Q4_1: the kernel's
+    # layout keeps them in fp16. The codes are chosen for the rounded pair.
+    low = _to_fp16_values(low)
+    scale = _to_fp16_values(((high - low) / 15.0).clamp_min(FP16_TINY))
     codes = torch.round((w - low[..., None]) / scale[..., None]).clamp_(0, 15)
     return codes.to(torch.uint8).reshape(out_features, in_features), scale, low
+
+
+FP16_MAX, FP16_TINY = 65504.0, 2.0**-24
+
+
+def _to_fp16_values(t: torch.Tensor) -> torch.Tensor:
+    """float32 -> the nearest fp16 values, as float32 (clamped into fp16's finite range)."""
+    return t.clamp(-FP16_MAX, FP16_MAX).half().float()
 
 
 def dequantize_int4(

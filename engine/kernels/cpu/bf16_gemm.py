@@ -12,7 +12,7 @@ keeps one copy (a tied lm_head keeps the embedding table plus this, as with oneD
 
 Paths "avx512bf16", "avx512", "avx2" and "portable" (numbered as quant_gemm's) are all compiled
 into one library and chosen per call, so each is forced and tested on any CPU that runs it
-(tests/engine/kernels/test_bf16_gemm.py); `quant_gemm.best_isa()` picks the widest.
+(tests/engine/kernels/test_bf16_gemm.py); `best_isa()` picks the widest.
 """
 
 from __future__ import annotations
@@ -43,10 +43,20 @@ FUSED_MAX_ROWS = 64
 # Packed weights in transparent huge pages (madvise): fewer TLB misses while streaming them.
 HUGE_PAGES = os.environ.get("MINI_INFER_HUGE_PAGES", "0") == "1"
 _HUGE_PAGE_BYTES = 2 << 20
-ISAS = quant_gemm.ISAS
+# quant_gemm's paths but those that quantize activations (a bf16 weight has no integer codes)
+ISAS = tuple(isa for isa in quant_gemm.ISAS if isa not in quant_gemm.INT8_ACTIVATION_ISAS)
 can_run = quant_gemm.can_run
-best_isa = quant_gemm.best_isa
-isa_code = quant_gemm.isa_code  # the same numbering in both libraries
+
+
+def best_isa() -> str:
+    return quant_gemm.best_isa(int8_activations=False)
+
+
+def isa_code(isa: str | None = None) -> int:
+    """The extension's number for `isa` (default: `best_isa()`): quant_gemm's numbering."""
+    if isa in quant_gemm.INT8_ACTIVATION_ISAS:
+        raise ValueError(f"{isa!r} is not a bf16 GEMV path; expected one of {ISAS}")
+    return quant_gemm.isa_code(isa or best_isa())
 
 
 def extension_name() -> str:

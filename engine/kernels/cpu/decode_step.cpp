@@ -15,7 +15,8 @@
 // step of `rows` rows. Items per run: a fixed count (a GEMV's blocks) or rows times a count
 // (row-wise operators; attention's (row, KV head, partition) triples, the partitions set per
 // step); each thread takes a contiguous, equal share. A barrier follows every task that the
-// next one reads from.
+// next one reads from; a task with no items in a step (a multiplier of 0) is skipped with its
+// barrier.
 
 #include <torch/extension.h>
 #include <omp.h>
@@ -35,12 +36,19 @@ namespace {
 
 using TaskFn = void (*)(const void* args, int64_t rows, int64_t begin, int64_t end);
 
+// How a task's items are shared: kSplit, a contiguous equal share per thread; kEvery, every
+// thread does all of them (preparing state of its own, e.g. a GEMV's widened activations);
+// kDynamic, threads take chunks from a shared counter until none are left, so a thread that
+// is ahead (its core less busy, its share of the last task done sooner) does more.
+enum Mode : int64_t { kSplit = 0, kEvery = 1, kDynamic = 2 };
+
 struct Task {
   TaskFn fn;
   const void* args;
   int64_t fixed_items, items_per_row;
   bool barrier_after;
   const int64_t* row_multiplier;  // items_per_row is multiplied by *row_multiplier, if set
+  int64_t mode;
 };
 
 inline void cpu_relax() {
@@ -120,10 +128,10 @@ class Plan {
   explicit Plan(const py::list& tasks) : owners_(tasks) {
     for (const auto& item : tasks) {
       const auto entry = item.cast<py::tuple>();
-      TORCH_CHECK(entry.size() == 5 || entry.size() == 6,
-                  "decode_step: a task is (fn, args, fixed, per_row, barrier[, multiplier])");
+      TORCH_CHECK(entry.size() >= 5 && entry.size() <= 7,
+                  "decode_step: a task is (fn, args, fixed, per_row, barrier[, multiplier[, mode]])");
       const int64_t* multiplier = nullptr;
-      if (entry.size() == 6) {
+      if (entry.size() >= 6 && !entry[5].is_none()) {
         const auto tensor = entry[5].cast<torch::Tensor>();
         TORCH_CHECK(tensor.scalar_type() == at::kLong && tensor.numel() >= 1,
                     "decode_step: a multiplier is an int64 tensor");
@@ -134,18 +142,23 @@ class Plan {
       TORCH_CHECK(std::string(fn.name() ? fn.name() : "") == "mini_infer.task_fn" &&
                       std::string(args.name() ? args.name() : "") == "mini_infer.task_args",
                   "decode_step: tasks must come from the kernel libraries' make_*_task");
+      const int64_t mode = entry.size() == 7 ? entry[6].cast<int64_t>() : kSplit;
+      TORCH_CHECK(mode >= kSplit && mode <= kDynamic, "decode_step: unknown task mode ", mode);
       tasks_.push_back(Task{reinterpret_cast<TaskFn>(fn.get_pointer()), args.get_pointer(),
                             entry[2].cast<int64_t>(), entry[3].cast<int64_t>(),
-                            entry[4].cast<bool>(), multiplier});
+                            entry[4].cast<bool>(), multiplier, mode});
       num_barriers_ += tasks_.back().barrier_after;
     }
+    next_item_ = std::vector<std::atomic<int64_t>>(tasks_.size());
   }
 
   // Runs every task for a step of `rows` rows on `num_threads` threads (<= 0: torch's count).
-  // When more than one barrier wait in 16 of a step slept past a scheduler tick (the partner
-  // was preempted: the cores are shared), the next kSingleThreadSteps steps run on one thread,
-  // which waits for no one; then it tries again. Waits for a partner with more work to do
-  // (rows of different context lengths) are short and do not count.
+  // When more than half of a step's barrier waits outlasted the spin, or more than one in 16
+  // slept past a scheduler tick (the partner was preempted: the cores are shared), the next
+  // kSingleThreadSteps steps run on one thread, which waits for no one; then it tries again.
+  // On an idle machine a few waits a step sleep (a partner with more work: rows of different
+  // context lengths); measured under other processes' load, every wait slept ~0.1 ms and a
+  // one-stream step took 6x its idle time on two threads.
   void run(int64_t rows, int64_t num_threads, int64_t spin) {
     TORCH_CHECK(rows > 0, "decode_step: rows must be positive");
     int threads = static_cast<int>(num_threads > 0 ? num_threads : at::get_num_threads());
@@ -157,26 +170,69 @@ class Plan {
     py::gil_scoped_release no_gil;
     if (threads == 1) {
       ++single_thread_steps_;
-      for (const Task& t : tasks_) t.fn(t.args, rows, 0, items(t, rows));
+      for (const Task& t : tasks_) {
+        const int64_t total = items(t, rows);
+        if (total > 0) t.fn(t.args, rows, 0, total);
+      }
       return;
     }
     // The spin learnt by earlier steps; it grows back towards `spin` while waits stay short.
     Barrier barrier(spin_ > 0 ? std::min(spin, spin_ * 2) : spin);
+    const bool timed = timing_ && threads <= kMaxTimedThreads;
+    for (auto& next : next_item_) next.store(0, std::memory_order_relaxed);
+    if (timed) timed_threads_ = std::max<int64_t>(timed_threads_, threads);
 #pragma omp parallel num_threads(threads)
     {
       const int64_t me = omp_get_thread_num(), n = omp_get_num_threads();
       barrier.set_num_threads(static_cast<int>(n));
-      for (const Task& t : tasks_) {
+      for (size_t i = 0; i < tasks_.size(); ++i) {
+        const Task& t = tasks_[i];
         const int64_t total = items(t, rows);
-        const int64_t begin = total * me / n, end = total * (me + 1) / n;
-        if (begin < end) t.fn(t.args, rows, begin, end);
+        if (total == 0) continue;  // nothing to do this step (the same for every thread): no wait
+        const int64_t started = timed ? now_ns() : 0;
+        run_share(t, i, rows, total, me, n);
+        if (!timed) {
+          if (t.barrier_after) barrier.wait();
+          continue;
+        }
+        const int64_t worked = now_ns();
         if (t.barrier_after) barrier.wait();
+        work_ns_[i * kMaxTimedThreads + me] += worked - started;
+        wait_ns_[i * kMaxTimedThreads + me] += now_ns() - worked;
       }
     }
     slow_waits_ += barrier.slow_waits();
     long_waits_ += barrier.long_waits();
     spin_ = barrier.spin();
-    if (barrier.long_waits() * 16 > num_barriers_) single_thread_left_ = kSingleThreadSteps;
+    // A step where most waits outlasted the spin (the partner was not running: cores shared
+    // with other work, each wake-up a trip through the scheduler) or where the partner was
+    // preempted past a tick more than once in 16 waits is better run on one thread for a while.
+    if (barrier.slow_waits() * 2 > num_barriers_ || barrier.long_waits() * 16 > num_barriers_)
+      single_thread_left_ = kSingleThreadSteps;
+  }
+
+  // Per-task clocks (profiling): each thread's time in each task and in the barrier after it.
+  void set_timing(bool on) {
+    timing_ = on;
+    work_ns_.assign(on ? tasks_.size() * kMaxTimedThreads : 0, 0);
+    wait_ns_.assign(on ? tasks_.size() * kMaxTimedThreads : 0, 0);
+    timed_threads_ = 0;
+  }
+
+  // (work_ns, wait_ns): per task, lists over threads, summed over the timed steps.
+  py::tuple task_times() const {
+    py::list work, wait;
+    const int64_t n = timed_threads_;
+    for (size_t i = 0; i < tasks_.size() && n > 0; ++i) {
+      py::list w, b;
+      for (int64_t t = 0; t < n; ++t) {
+        w.append(work_ns_[i * kMaxTimedThreads + t]);
+        b.append(wait_ns_[i * kMaxTimedThreads + t]);
+      }
+      work.append(w);
+      wait.append(b);
+    }
+    return py::make_tuple(work, wait);
   }
 
   py::dict stats() const {
@@ -193,6 +249,29 @@ class Plan {
 
  private:
   static constexpr int64_t kSingleThreadSteps = 64;
+  static constexpr int64_t kMaxTimedThreads = 64;
+
+  // Thread `me` of `n` does its items of task `t` (the index `i` of the plan).
+  void run_share(const Task& t, size_t i, int64_t rows, int64_t total, int64_t me, int64_t n) {
+    if (t.mode == kEvery) {
+      t.fn(t.args, rows, 0, total);
+    } else if (t.mode == kDynamic) {
+      // Chunks of about a quarter of a fair share: few enough that the counter costs nothing.
+      const int64_t chunk = std::max<int64_t>(1, total / (4 * n));
+      std::atomic<int64_t>& next = next_item_[i];
+      for (int64_t begin; (begin = next.fetch_add(chunk, std::memory_order_relaxed)) < total;)
+        t.fn(t.args, rows, begin, std::min(total, begin + chunk));
+    } else {
+      const int64_t begin = total * me / n, end = total * (me + 1) / n;
+      if (begin < end) t.fn(t.args, rows, begin, end);
+    }
+  }
+
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
 
   static int64_t items(const Task& t, int64_t rows) {
     const int64_t multiplier = t.row_multiplier != nullptr ? *t.row_multiplier : 1;
@@ -204,6 +283,10 @@ class Plan {
   int64_t num_barriers_ = 0, steps_ = 0, single_thread_steps_ = 0, slow_waits_ = 0;
   int64_t long_waits_ = 0;
   int64_t single_thread_left_ = 0, spin_ = 0;
+  bool timing_ = false;
+  int64_t timed_threads_ = 0;  // the thread count of the timed steps (the layout of the clocks)
+  std::vector<int64_t> work_ns_, wait_ns_;  // [task, thread]
+  std::vector<std::atomic<int64_t>> next_item_ = {};  // kDynamic tasks' counters, per task
 };
 
 }  // namespace
@@ -213,5 +296,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const py::list&>())
       .def("run", &Plan::run, py::arg("rows"), py::arg("num_threads") = 0,
            py::arg("spin") = 4000, "run every task for a step of `rows` rows")
+      .def("set_timing", &Plan::set_timing, "per-task clocks on (profiling) or off; resets them")
+      .def("task_times", &Plan::task_times, "(work_ns, wait_ns) per task and thread")
       .def("stats", &Plan::stats, "steps, steps on one thread, barrier waits that slept, and slept past 2 ms");
 }

@@ -42,6 +42,7 @@ SOURCE = Path(__file__).with_name("decode_step.cpp")
 # and 64 rows the fused step's bits are our kernel's, not that path's (both round to bf16 once).
 MAX_ROWS_QUANT = 64
 SPIN = 4000  # barrier: pause rounds (~100 us) before a waiting thread sleeps
+TASK_EVERY_THREAD, TASK_DYNAMIC = 1, 2  # decode_step.cpp's task modes (kSplit is the default)
 
 
 def extension_name() -> str:
@@ -144,6 +145,7 @@ class FusedDecode:
         self.context_lens = torch.ones(m, dtype=i64)
         self.slot_mapping = torch.zeros(m, dtype=i64)
         self.num_partitions = torch.ones(1, dtype=i64)
+        self.merge_multiplier = torch.zeros(1, dtype=i64)  # 0 in steps of one partition
         group = heads // kv_heads
         self.partials = torch.zeros(m * kv_heads * max_partitions * group * (head_dim + 2))
         # The lm_head too where it is a GEMV task (int4/int8, or bf16 on our GEMV): the logits
@@ -163,12 +165,14 @@ class FusedDecode:
         )
         norm_fn, rope_fn, silu_fn = fo.norm_task_fn(), fo.rotary_task_fn(), fo.silu_mul_task_fn()
         attn_fn, merge_fn = pa.decode_task_fn(), pa.merge_task_fn()
-        gemv_fn = qg.gemv_task_fn() if qg is not None else None
+        prepare_fn = qg.gemv_prepare_task_fn() if qg is not None else None
+        blocks_fn = qg.gemv_blocks_task_fn() if qg is not None else None
         bf16_fn = bg.gemv_task_fn() if bg is not None else None
         rope_view = self.qkv.view(self.max_rows, heads + 2 * kv_heads, head_dim)[
             :, : heads + kv_heads
         ]
         tasks: list[tuple] = []
+        self.task_names: list[str] = []  # per task, for the profile's breakdown
         exp_lanes = (fused_ops.lanes() or (8, 0))[1]  # as engine/layers/pointwise.py passes it
 
         def norm(norm_module, x, residual):
@@ -176,20 +180,26 @@ class FusedDecode:
                 x, residual, norm_module.weight, self.normed, norm_module.eps, norm_module.lanes
             )
             tasks.append((norm_fn, args, 0, 1, True))
+            self.task_names.append("norm")
 
-        def gemv(linear, x, y):
+        def gemv(name, linear, x, y):
             if not isinstance(linear, QuantLinear):  # our bf16 GEMV (the "gemv" layout)
                 args, blocks = bg.make_gemv_task(
                     x, y, linear.weight, linear.bias, linear.out_features, linear._isa
                 )
                 tasks.append((bf16_fn, args, blocks, 0, True))
+                self.task_names.append(name)
                 return
             bits = 4 if linear.scheme == "int4" else 8
             args, blocks = qg.make_gemv_task(
                 x, y, linear.cpp_codes, linear.cpp_scales, bits,
                 linear.quant.group_size if bits == 4 else 0, linear.out_features, linear.cpp_isa,
             )  # fmt: skip
-            tasks.append((gemv_fn, args, blocks, 0, True))
+            # Each thread prepares the activations for itself (no barrier), then the threads
+            # take the blocks in chunks from a shared counter.
+            tasks.append((prepare_fn, args, 1, 0, False, None, TASK_EVERY_THREAD))
+            tasks.append((blocks_fn, args, blocks, 0, True, None, TASK_DYNAMIC))
+            self.task_names += ["gemv_prepare", name]
 
         for index, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -197,24 +207,28 @@ class FusedDecode:
                 norm(layer.input_layernorm, self.residual, None)
             else:  # residual += the last MLP output; normed = RMSNorm(residual)
                 norm(layer.input_layernorm, self.branch, self.residual)
-            gemv(attn.qkv_proj, self.normed, self.qkv)
+            gemv("qkv_proj", attn.qkv_proj, self.normed, self.qkv)
             tasks.append((rope_fn, fo.make_rotary_task(rope_view, self.cos, self.sin), 0, 1, True))
+            self.task_names.append("rotary")
             decode_args = pa.make_decode_task(
                 self.qkv, attn.kv_cache, self.block_table, self.context_lens, self.slot_mapping,
                 self.num_partitions, self.partials, self.attn, heads, self.partition_blocks,
                 head_dim**-0.5,
             )  # fmt: skip
             tasks.append((attn_fn, decode_args, 0, kv_heads, True, self.num_partitions))
-            tasks.append((merge_fn, decode_args, 0, kv_heads, True))
-            gemv(attn.o_proj, self.attn.view(self.max_rows, -1), self.branch)
+            # (skipped, with its barrier, in steps of one partition: the decode wrote the output)
+            tasks.append((merge_fn, decode_args, 0, kv_heads, True, self.merge_multiplier))
+            self.task_names += ["attention", "attention_merge"]
+            gemv("o_proj", attn.o_proj, self.attn.view(self.max_rows, -1), self.branch)
             norm(layer.post_attention_layernorm, self.branch, self.residual)
-            gemv(mlp.gate_up_proj, self.normed, self.gate_up)
+            gemv("gate_up_proj", mlp.gate_up_proj, self.normed, self.gate_up)
             silu = fo.make_silu_mul_task(self.gate_up, self.act, exp_lanes)
             tasks.append((silu_fn, silu, 0, 1, True))
-            gemv(mlp.down_proj, self.act, self.branch)
+            self.task_names.append("silu_mul")
+            gemv("down_proj", mlp.down_proj, self.act, self.branch)
         norm(model.model.norm, self.branch, self.residual)
         if self.has_lm_head:
-            gemv(model.lm_head, self.normed, self.logits)
+            gemv("lm_head", model.lm_head, self.normed, self.logits)
         return tasks
 
     def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
@@ -240,6 +254,7 @@ class FusedDecode:
         table = meta.decode_block_table
         self.block_table[:rows, : table.shape[1]].copy_(table)
         self.num_partitions[0] = -(-table.shape[1] // self.partition_blocks)
+        self.merge_multiplier[0] = int(self.num_partitions[0] > 1)
         self.context_lens[:rows].copy_(meta.decode_context_lens)
         self.slot_mapping[:rows].copy_(meta.slot_mapping)
         self.plan.run(rows, 0, SPIN)

@@ -5,7 +5,9 @@
 // lane is one output channel and the weight stream is read strictly in order:
 //   int4: codes uint8 [blocks, K/2, 16]: byte j of entry p holds channel 16b+j's codes for
 //         inputs 2p (low nibble) and 2p+1 (high nibble);
-//         scale_min float32 [blocks, K/group, 2, 16]: (scale, minimum) of each channel's group.
+//         scale_min float16 [blocks, K/group, 2, 16]: (scale, minimum) of each channel's group
+//         (fp16 as in GGUF's Q4_1: 0.625 bytes per weight instead of 0.75 with fp32 pairs;
+//         the quantizer rounds them to fp16, so the reference has the same values).
 //   int8: codes int8 [blocks, K, 16]; scale float32 [blocks * 16].
 // Out-of-range channels of the last block are zero codes with zero scales; their results are
 // never stored.
@@ -26,6 +28,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -33,7 +36,8 @@
 namespace {
 
 constexpr int64_t kBlock = 16;  // output channels per block (one AVX-512 vector of fp32)
-enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAvx512Vnni = 4 };
+constexpr int64_t kChunk = 32;  // activations quantized to int8 per chunk of 32 inputs (VNNI path)
 
 struct Problem {
   int64_t rows, in_features, out_features, num_blocks, group_size, num_groups;
@@ -42,7 +46,16 @@ struct Problem {
   const uint16_t* xbf;  // the bf16 activations [rows, K] when x is bf16 (else nullptr)
   void* y;            // [rows, out_features], float32 or bfloat16 (out_bf16)
   bool out_bf16;
+  // The VNNI path's quantized activations (quantize_rows): codes [rows, K], one scale and one
+  // code sum per row and chunk of 32 inputs.
+  const int8_t* xq = nullptr;
+  const float* xd = nullptr;
+  const int32_t* xqsum = nullptr;
 };
+
+inline float half_to_float(uint16_t bits) {
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
 
 // y[index] = value, rounded to nearest even when y is bf16.
 inline void put(const Problem& p, int64_t index, float value) {
@@ -50,15 +63,49 @@ inline void put(const Problem& p, int64_t index, float value) {
   else static_cast<float*>(p.y)[index] = value;
 }
 
+#define VNNI_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,fma")))
+
+// Activations to int8 for the VNNI path, per row and chunk of 32 inputs, symmetric:
+// d = max|x| / 127, q = round_half_even(x * (127 / max|x|)) (engine/kernels/cpu/quant_gemm.py's
+// `quantize_activations` is the reference). With `pair_order` (int4) each 8 inputs are stored
+// even ones first, [x0 x2 x4 x6 x1 x3 x5 x7], the order of the low and high nibbles of the
+// weights' bytes. xq [rows, K], xd and xqsum [rows, K / 32]. Vectorised: at 32 rows of 1536
+// inputs a scalar loop (nearbyintf calls) cost as much as the GEMV it feeds.
+VNNI_TARGET void quantize_rows(const float* x, int64_t rows, int64_t k, bool pair_order,
+                               int8_t* xq, float* xd, int32_t* xqsum) {
+  alignas(32) uint8_t order[32];
+  for (int i = 0; i < 32; ++i) order[i] = static_cast<uint8_t>((i & ~7) + ((i & 7) < 4 ? 2 * (i & 7) : 2 * (i & 7) - 7));
+  const __m256i permute = _mm256_load_si256(reinterpret_cast<const __m256i*>(order));
+  const int64_t num_chunks = k / kChunk;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const float* xc = x + r * k + c * kChunk;
+      const __m512 a = _mm512_loadu_ps(xc), b = _mm512_loadu_ps(xc + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      // Rounded to nearest even (the default MXCSR mode); |q| <= 127, so the narrowing is exact.
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
+      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+      __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(qa)),
+                                          _mm512_cvtepi32_epi8(qb), 1);
+      if (pair_order) q = _mm256_permutexvar_epi8(permute, q);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * k + c * kChunk), q);
+      xd[r * num_chunks + c] = amax / 127.f;
+      xqsum[r * num_chunks + c] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Portable scalar path.
 
-void int4_portable(const Problem& p, const uint8_t* codes, const float* scale_min, int64_t b0,
+void int4_portable(const Problem& p, const uint8_t* codes, const uint16_t* scale_min, int64_t b0,
                    int64_t b1) {
   const int64_t half_k = p.in_features / 2, gs2 = p.group_size / 2;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* cb = codes + b * half_k * kBlock;
-    const float* smb = scale_min + b * p.num_groups * 2 * kBlock;
+    const uint16_t* smb = scale_min + b * p.num_groups * 2 * kBlock;
     const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
     for (int64_t r = 0; r < p.rows; ++r) {
       const float* x = p.x + r * p.in_features;
@@ -71,8 +118,9 @@ void int4_portable(const Problem& p, const uint8_t* codes, const float* scale_mi
             acc += static_cast<float>(byte & 15) * x[2 * e];
             acc += static_cast<float>(byte >> 4) * x[2 * e + 1];
           }
-          const float* sm = smb + g * 2 * kBlock;
-          total += sm[j] * acc + sm[kBlock + j] * p.xsum[r * p.num_groups + g];
+          const uint16_t* sm = smb + g * 2 * kBlock;
+          total += half_to_float(sm[j]) * acc +
+                   half_to_float(sm[kBlock + j]) * p.xsum[r * p.num_groups + g];
         }
         put(p, r * p.out_features + b * kBlock + j, total);
       }
@@ -116,8 +164,13 @@ AVX512_TARGET inline void store16(const Problem& p, int64_t index, __mmask16 mas
                            _mm512_cvtepi32_epi16(rounded));
 }
 
+// 16 fp16 values (an int4 block's scales or minimums of one group) as fp32.
+AVX512_TARGET inline __m512 load_halves16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 template <int R>
-AVX512_TARGET void int4_block_avx512(const Problem& p, const uint8_t* cb, const float* smb,
+AVX512_TARGET void int4_block_avx512(const Problem& p, const uint8_t* cb, const uint16_t* smb,
                                      int64_t row0, int64_t col0, int64_t lanes) {
   constexpr int U = R <= 2 ? 4 : 2;
   const __m512i low4 = _mm512_set1_epi32(15);
@@ -149,8 +202,8 @@ AVX512_TARGET void int4_block_avx512(const Problem& p, const uint8_t* cb, const 
         }
       }
     }
-    const __m512 s = _mm512_loadu_ps(smb + g * 2 * kBlock);
-    const __m512 m = _mm512_loadu_ps(smb + g * 2 * kBlock + kBlock);
+    const __m512 s = load_halves16(smb + g * 2 * kBlock);
+    const __m512 m = load_halves16(smb + g * 2 * kBlock + kBlock);
     for (int r = 0; r < R; ++r) {
       __m512 a = acc[r][0];
       for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[r][u]);
@@ -210,7 +263,7 @@ AVX512_TARGET void int8_block_avx512(const Problem& p, const int8_t* cb, const f
 
 template <int R>
 AVX512BF16_TARGET void int4_block_avx512bf16(const Problem& p, const uint8_t* cb,
-                                             const float* smb, int64_t row0, int64_t col0,
+                                             const uint16_t* smb, int64_t row0, int64_t col0,
                                              int64_t lanes) {
   constexpr int U = R <= 2 ? 4 : 2;
   const __m512i mask = _mm512_set1_epi32(0x00780078);
@@ -244,8 +297,8 @@ AVX512BF16_TARGET void int4_block_avx512bf16(const Problem& p, const uint8_t* cb
         }
       }
     }
-    const __m512 s16 = _mm512_mul_ps(_mm512_loadu_ps(smb + g * 2 * kBlock), _mm512_set1_ps(16.f));
-    const __m512 m = _mm512_loadu_ps(smb + g * 2 * kBlock + kBlock);
+    const __m512 s16 = _mm512_mul_ps(load_halves16(smb + g * 2 * kBlock), _mm512_set1_ps(16.f));
+    const __m512 m = load_halves16(smb + g * 2 * kBlock + kBlock);
     for (int r = 0; r < R; ++r) {
       __m512 a = acc[r][0];
       for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[r][u]);
@@ -258,14 +311,133 @@ AVX512BF16_TARGET void int4_block_avx512bf16(const Problem& p, const uint8_t* cb
   for (int r = 0; r < R; ++r) store16(p, (row0 + r) * p.out_features + col0, mask16, out[r]);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 VNNI, bf16 activations quantized to int8 per chunk of 32 (quantize_rows), as
+// llama.cpp does: `vpdpbusd` multiplies 4 unsigned bytes of a lane by 4 signed bytes and adds
+// the 4 products to the lane's int32, 64 multiply-adds per instruction against vdpbf16ps's 32,
+// and the codes need no widening. The layout stays the one above: a 64-byte load holds 4
+// consecutive entries (16 bytes each, one per channel), and `vpermb` (AVX-512 VBMI) transposes
+// it so that lane j holds channel j's 4 bytes. int4: each byte's low nibbles are 4 even inputs
+// and its high nibbles the 4 odd ones, matched by the activations' pair order. int8: the codes
+// become unsigned with +128 (an xor), removed in the epilogue with the chunk's code sum:
+//   sum_k (q_k + 128) a_k = sum_k q_k a_k + 128 * sum_k a_k.
+// Integer sums are exact; each chunk's sum is scaled by its d in fp32.
+
+// vpermb indices: byte 4j + i of the result is byte 16i + j of the source.
+VNNI_TARGET inline __m512i transpose_4x16() {
+  alignas(64) uint8_t index[64];
+  for (int j = 0; j < 16; ++j)
+    for (int i = 0; i < 4; ++i) index[4 * j + i] = static_cast<uint8_t>(16 * i + j);
+  return _mm512_load_si512(index);
+}
+
+VNNI_TARGET inline __m512i sum_lanes_i32(const __m512i* acc, int n) {
+  __m512i s = acc[0];
+  for (int u = 1; u < n; ++u) s = _mm512_add_epi32(s, acc[u]);
+  return s;
+}
+
+template <int R>
+VNNI_TARGET void int4_block_vnni(const Problem& p, const uint8_t* cb, const uint16_t* smb,
+                                 int64_t row0, int64_t col0, int64_t lanes) {
+  constexpr int U = R == 1 ? 4 : R == 2 ? 2 : 1;
+  const __m512i perm = transpose_4x16();
+  const __m512i low4 = _mm512_set1_epi8(15);
+  const int64_t gs2 = p.group_size / 2, chunks_per_group = p.group_size / kChunk;
+  const int64_t num_chunks = p.in_features / kChunk, x_stride = p.in_features / 4;
+  const int32_t* xq = reinterpret_cast<const int32_t*>(p.xq + row0 * p.in_features);
+  const float* xd = p.xd + row0 * num_chunks;
+  const float* xsum = p.xsum + row0 * p.num_groups;
+  __m512 out[R];
+  for (int r = 0; r < R; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.num_groups; ++g) {
+    __m512 gacc[R];
+    for (int r = 0; r < R; ++r) gacc[r] = _mm512_setzero_ps();
+    for (int64_t cg = 0; cg < chunks_per_group; ++cg) {
+      const int64_t chunk = g * chunks_per_group + cg;
+      const uint8_t* c = cb + (g * gs2 + cg * (kChunk / 2)) * kBlock;
+      __m512i acc[R][U];
+      for (int r = 0; r < R; ++r)
+        for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int e = 0; e < 4; ++e) {  // 4 loads of 8 inputs x 16 channels
+        const __m512i v = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(c + e * 64));
+        const __m512i lo = _mm512_and_si512(v, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xr = xq + r * x_stride + chunk * 8 + e * 2;
+          acc[r][e % U] = _mm512_dpbusd_epi32(acc[r][e % U], lo, _mm512_set1_epi32(xr[0]));
+          acc[r][e % U] = _mm512_dpbusd_epi32(acc[r][e % U], hi, _mm512_set1_epi32(xr[1]));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        gacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_lanes_i32(acc[r], U)),
+                                  _mm512_set1_ps(xd[r * num_chunks + chunk]), gacc[r]);
+    }
+    const __m512 s = load_halves16(smb + g * 2 * kBlock);
+    const __m512 m = load_halves16(smb + g * 2 * kBlock + kBlock);
+    for (int r = 0; r < R; ++r) {
+      out[r] = _mm512_fmadd_ps(gacc[r], s, out[r]);
+      out[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * p.num_groups + g]), out[r]);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
+  for (int r = 0; r < R; ++r) store16(p, (row0 + r) * p.out_features + col0, mask, out[r]);
+}
+
+template <int R>
+VNNI_TARGET void int8_block_vnni(const Problem& p, const int8_t* cb, const float* scale,
+                                 int64_t row0, int64_t col0, int64_t lanes) {
+  constexpr int U = R == 1 ? 4 : R == 2 ? 2 : 1;
+  const __m512i perm = transpose_4x16();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t num_chunks = p.in_features / kChunk, x_stride = p.in_features / 4;
+  const int32_t* xq = reinterpret_cast<const int32_t*>(p.xq + row0 * p.in_features);
+  const float* xd = p.xd + row0 * num_chunks;
+  const int32_t* xqsum = p.xqsum + row0 * num_chunks;
+  __m512 out[R];
+  for (int r = 0; r < R; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
+    const int8_t* c = cb + chunk * kChunk * kBlock;
+    __m512i acc[R][U];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int e = 0; e < 8; ++e) {  // 8 loads of 4 inputs x 16 channels
+      const __m512i v = _mm512_xor_si512(
+          _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(c + e * 64)), flip);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        acc[r][e % U] = _mm512_dpbusd_epi32(
+            acc[r][e % U], v, _mm512_set1_epi32(xq[r * x_stride + chunk * 8 + e]));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i dot = _mm512_sub_epi32(sum_lanes_i32(acc[r], U),
+                                           _mm512_set1_epi32(128 * xqsum[r * num_chunks + chunk]));
+      out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xd[r * num_chunks + chunk]),
+                               out[r]);
+    }
+  }
+  const __m512 s = _mm512_loadu_ps(scale + col0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
+  for (int r = 0; r < R; ++r)
+    store16(p, (row0 + r) * p.out_features + col0, mask, _mm512_mul_ps(out[r], s));
+}
+
 // ---------------------------------------------------------------------------------------------
 // AVX2: a block is two 8-lane halves, each computed in its own pass over the block (the second
 // pass finds the block's codes in L1). At most 4 rows at a time (16 ymm registers).
 
-#define AVX2_TARGET __attribute__((target("avx2,fma")))
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+AVX2_TARGET inline __m256 load_halves8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 template <int R>
-AVX2_TARGET void int4_half_avx2(const Problem& p, const uint8_t* cb, const float* smb,
+AVX2_TARGET void int4_half_avx2(const Problem& p, const uint8_t* cb, const uint16_t* smb,
                                 int64_t row0, float* out_tmp /* [R, 8] */, int half) {
   constexpr int U = R <= 2 ? 4 : 2;
   const __m256i low4 = _mm256_set1_epi32(15);
@@ -297,8 +469,8 @@ AVX2_TARGET void int4_half_avx2(const Problem& p, const uint8_t* cb, const float
         }
       }
     }
-    const __m256 s = _mm256_loadu_ps(smb + g * 2 * kBlock + half * 8);
-    const __m256 m = _mm256_loadu_ps(smb + g * 2 * kBlock + kBlock + half * 8);
+    const __m256 s = load_halves8(smb + g * 2 * kBlock + half * 8);
+    const __m256 m = load_halves8(smb + g * 2 * kBlock + kBlock + half * 8);
     for (int r = 0; r < R; ++r) {
       __m256 a = acc[r][0];
       for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[r][u]);
@@ -363,7 +535,7 @@ void for_row_tiles(int64_t rows, int64_t max_tile, Fn&& fn) {
     default: CALL(8); break;          \
   }
 
-void int4_avx512(const Problem& p, const uint8_t* codes, const float* scale_min, int64_t b0,
+void int4_avx512(const Problem& p, const uint8_t* codes, const uint16_t* scale_min, int64_t b0,
                  int64_t b1) {
   const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
   for (int64_t b = b0; b < b1; ++b) {
@@ -377,7 +549,7 @@ void int4_avx512(const Problem& p, const uint8_t* codes, const float* scale_min,
   }
 }
 
-void int4_avx512bf16(const Problem& p, const uint8_t* codes, const float* scale_min,
+void int4_avx512bf16(const Problem& p, const uint8_t* codes, const uint16_t* scale_min,
                      int64_t b0, int64_t b1) {
   const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
   for (int64_t b = b0; b < b1; ++b) {
@@ -386,6 +558,32 @@ void int4_avx512bf16(const Problem& p, const uint8_t* codes, const float* scale_
 #define CALL(R)                                                                             \
   int4_block_avx512bf16<R>(p, codes + b * block_codes, scale_min + b * block_sm, r0, b * kBlock, \
                            lanes)
+      DISPATCH_ROWS(n, CALL)
+#undef CALL
+    });
+  }
+}
+
+void int4_vnni(const Problem& p, const uint8_t* codes, const uint16_t* scale_min, int64_t b0,
+               int64_t b1) {
+  const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
+    for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
+#define CALL(R) \
+  int4_block_vnni<R>(p, codes + b * block_codes, scale_min + b * block_sm, r0, b * kBlock, lanes)
+      DISPATCH_ROWS(n, CALL)
+#undef CALL
+    });
+  }
+}
+
+void int8_vnni(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
+               int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
+    for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
+#define CALL(R) int8_block_vnni<R>(p, codes + b * p.in_features * kBlock, scale, r0, b * kBlock, lanes)
       DISPATCH_ROWS(n, CALL)
 #undef CALL
     });
@@ -412,7 +610,7 @@ void store_half(const Problem& p, const float* tmp, int64_t r0, int64_t n, int64
     for (int64_t j = 0; j < lanes; ++j) put(p, (r0 + r) * p.out_features + col + j, tmp[r * 8 + j]);
 }
 
-void int4_avx2(const Problem& p, const uint8_t* codes, const float* scale_min, int64_t b0,
+void int4_avx2(const Problem& p, const uint8_t* codes, const uint16_t* scale_min, int64_t b0,
                int64_t b1) {
   const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
   float tmp[4 * 8];
@@ -461,7 +659,11 @@ void int8_avx2(const Problem& p, const int8_t* codes, const float* scale, int64_
 // Entry points.
 
 void check_isa(int64_t isa) {
-  TORCH_CHECK(isa >= kPortable && isa <= kAvx512Bf16, "quant_gemm: unknown isa ", isa);
+  TORCH_CHECK(isa >= kPortable && isa <= kAvx512Vnni, "quant_gemm: unknown isa ", isa);
+  if (isa == kAvx512Vnni) {
+    TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi"),
+                "quant_gemm: this CPU cannot run the avx512vnni path");
+  }
   if (isa == kAvx512Bf16) {
     TORCH_CHECK(__builtin_cpu_supports("avx512bf16"),
                 "quant_gemm: this CPU cannot run the avx512bf16 path");
@@ -471,7 +673,8 @@ void check_isa(int64_t isa) {
                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"),
                 "quant_gemm: this CPU cannot run the avx512 paths");
   } else if (isa == kAvx2) {
-    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c"),
                 "quant_gemm: this CPU cannot run the avx2 path");
   }
 }
@@ -519,6 +722,38 @@ at::Tensor output(const at::Tensor& x, int64_t out_features, const c10::optional
   return y;
 }
 
+// The VNNI path's int8 activations (quantize_rows), owned by the caller.
+struct QuantizedActivations {
+  std::vector<int8_t> xq;
+  std::vector<float> xd;
+  std::vector<int32_t> xqsum;
+
+  void quantize(const float* x, int64_t rows, int64_t k, bool pair_order, Problem& p) {
+    xq.resize(rows * k);
+    xd.resize(rows * (k / kChunk));
+    xqsum.resize(rows * (k / kChunk));
+    quantize_rows(x, rows, k, pair_order, xq.data(), xd.data(), xqsum.data());
+    p.xq = xq.data();
+    p.xd = xd.data();
+    p.xqsum = xqsum.data();
+  }
+};
+
+// The VNNI path takes bf16 activations (fp32 ones asked for the reference's math), whole
+// chunks of 32 inputs (int4 groups always are), and at least kVnniMinRows rows. One row is a
+// GEMV bound by the memory bandwidth: there the VNNI path was no faster in the engine (W1 on
+// the 2-core Zen 4 VM, 119 against 117 tok/s), and the exact path's perplexity is better
+// (SmolLM2 int4 +0.34% over fp32 against +1.79%; loadtest/README.md). From 2 rows on the
+// multiply-adds count: 2.1x at 32 rows. Otherwise the exact path of the same CPU.
+constexpr int64_t kVnniMinRows = 2;
+
+int64_t effective_isa(int64_t isa, bool x_is_bf16, int64_t in_features, int64_t rows) {
+  if (isa != kAvx512Vnni) return isa;
+  if (x_is_bf16 && in_features % kChunk == 0 && rows >= kVnniMinRows) return isa;
+  static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
+  return x_is_bf16 && has_bf16 ? kAvx512Bf16 : kAvx512;
+}
+
 // Blocks per parallel task: at least ~32 KiB of weights, so tiny layers run on one thread.
 int64_t grain(int64_t block_bytes) { return std::max<int64_t>(1, (32 << 10) / block_bytes); }
 
@@ -538,9 +773,9 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                   codes.sizes() == at::IntArrayRef({num_blocks, in_features / 2, kBlock}),
               "quant_gemm: int4 codes must be contiguous uint8 [", num_blocks, ", ",
               in_features / 2, ", 16], got ", codes.sizes());
-  TORCH_CHECK(scale_min.scalar_type() == at::kFloat && scale_min.is_contiguous() &&
+  TORCH_CHECK(scale_min.scalar_type() == at::kHalf && scale_min.is_contiguous() &&
                   scale_min.sizes() == at::IntArrayRef({num_blocks, num_groups, 2, kBlock}),
-              "quant_gemm: int4 scale_min must be contiguous float32 [", num_blocks, ", ",
+              "quant_gemm: int4 scale_min must be contiguous float16 [", num_blocks, ", ",
               num_groups, ", 2, 16], got ", scale_min.sizes());
   // Per-group activation sums (the minimum's term), once per call.
   std::vector<float> xsum(rows * num_groups, 0.f);
@@ -550,13 +785,17 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   // vdpbf16ps takes bf16 activations as they are; fp32 ones would have to be rounded (not the
   // reference's math), so they take the FMA path.
   if (isa == kAvx512Bf16 && a.bf16 == nullptr) isa = kAvx512;
-  const Problem p{rows, in_features, out_features, num_blocks, group_size, num_groups,
-                  a.f32, xsum.data(), a.bf16, y.data_ptr(), y.scalar_type() == at::kBFloat16};
+  isa = effective_isa(isa, a.bf16 != nullptr, in_features, rows);
+  Problem p{rows, in_features, out_features, num_blocks, group_size, num_groups,
+            a.f32, xsum.data(), a.bf16, y.data_ptr(), y.scalar_type() == at::kBFloat16};
+  QuantizedActivations qa;
+  if (isa == kAvx512Vnni) qa.quantize(a.f32, rows, in_features, true, p);
   const uint8_t* c = codes.data_ptr<uint8_t>();
-  const float* sm = scale_min.data_ptr<float>();
-  const int64_t block_bytes = in_features / 2 * kBlock + num_groups * 2 * kBlock * 4;
+  const auto* sm = reinterpret_cast<const uint16_t*>(scale_min.data_ptr());
+  const int64_t block_bytes = in_features / 2 * kBlock + num_groups * 2 * kBlock * 2;
   at::parallel_for(0, num_blocks, grain(block_bytes), [&](int64_t b0, int64_t b1) {
-    if (isa == kAvx512Bf16) int4_avx512bf16(p, c, sm, b0, b1);
+    if (isa == kAvx512Vnni) int4_vnni(p, c, sm, b0, b1);
+    else if (isa == kAvx512Bf16) int4_avx512bf16(p, c, sm, b0, b1);
     else if (isa == kAvx512) int4_avx512(p, c, sm, b0, b1);
     else if (isa == kAvx2) int4_avx2(p, c, sm, b0, b1);
     else int4_portable(p, c, sm, b0, b1);
@@ -579,12 +818,16 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                   scale.numel() == num_blocks * kBlock,
               "quant_gemm: int8 scale must be contiguous float32 [", num_blocks * kBlock, "]");
   at::Tensor y = output(x, out_features, out);
-  const Problem p{rows, in_features, out_features, num_blocks, 0,      0,
-                  a.f32, nullptr,      nullptr,      y.data_ptr(), y.scalar_type() == at::kBFloat16};
+  Problem p{rows, in_features, out_features, num_blocks, 0,      0,
+            a.f32, nullptr,      nullptr,      y.data_ptr(), y.scalar_type() == at::kBFloat16};
+  isa = effective_isa(isa, a.bf16 != nullptr, in_features, rows);
+  QuantizedActivations qa;
+  if (isa == kAvx512Vnni) qa.quantize(a.f32, rows, in_features, false, p);
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
   at::parallel_for(0, num_blocks, grain(in_features * kBlock), [&](int64_t b0, int64_t b1) {
-    if (isa >= kAvx512) int8_avx512(p, c, s, b0, b1);  // no bf16 variant for int8
+    if (isa == kAvx512Vnni) int8_vnni(p, c, s, b0, b1);
+    else if (isa >= kAvx512) int8_avx512(p, c, s, b0, b1);  // no bf16 variant for int8
     else if (isa == kAvx2) int8_avx2(p, c, s, b0, b1);
     else int8_portable(p, c, s, b0, b1);
   });
@@ -599,40 +842,83 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 struct GemvTask {
   int64_t bits;  // 4 or 8
   const void* codes;
-  const float* scales;  // int4: scale_min; int8: per-channel scale
+  const void* scales;  // int4: scale_min (fp16); int8: per-channel scale (fp32)
   int64_t group_size, in_features, out_features, num_blocks, isa;
   const at::BFloat16* x;  // [rows, in_features], contiguous
   at::BFloat16* y;        // [rows, out_features], contiguous
 };
 
-void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
-  const GemvTask& t = *static_cast<const GemvTask*>(raw);
+// The activations of one GEMV as this thread's kernels take them: widened, group sums and (VNNI)
+// int8 codes. Prepared by each thread for itself (cheaper than a barrier), once per GEMV of a
+// step (gemv_prepare_task), then used by every share of blocks the thread takes.
+struct PreparedActivations {
+  const void* task = nullptr;  // the GemvTask prepared for
+  int64_t rows = 0, isa = 0;
+  std::vector<float> widened, xsum;
+  QuantizedActivations quantized;
+  Problem problem{};
+};
+
+thread_local PreparedActivations prepared;
+
+void prepare(const GemvTask& t, int64_t rows) {
+  PreparedActivations& a = prepared;
   const int64_t k = t.in_features, num_groups = t.bits == 4 ? k / t.group_size : 0;
-  // Each thread widens the (few) activation rows itself: cheaper than a barrier.
-  thread_local std::vector<float> widened, xsum;
-  widened.resize(rows * k);
+  a.widened.resize(rows * k);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(t.x);
   for (int64_t i = 0; i < rows * k; ++i) {
     const uint32_t bits = static_cast<uint32_t>(xb[i]) << 16;
-    std::memcpy(&widened[i], &bits, sizeof(float));
+    std::memcpy(&a.widened[i], &bits, sizeof(float));
   }
-  xsum.assign(rows * num_groups, 0.f);
+  a.xsum.assign(rows * num_groups, 0.f);
   for (int64_t r = 0; r < rows && num_groups > 0; ++r)
-    for (int64_t i = 0; i < k; ++i) xsum[r * num_groups + i / t.group_size] += widened[r * k + i];
-  const Problem p{rows, k, t.out_features, t.num_blocks, t.group_size, num_groups,
-                  widened.data(), xsum.data(), xb, t.y, true};
+    for (int64_t i = 0; i < k; ++i) a.xsum[r * num_groups + i / t.group_size] += a.widened[r * k + i];
+  a.problem = Problem{rows, k, t.out_features, t.num_blocks, t.group_size, num_groups,
+                      a.widened.data(), a.xsum.data(), xb, t.y, true};
+  a.isa = effective_isa(t.isa, true, k, rows);
+  if (a.isa == kAvx512Vnni) a.quantized.quantize(a.widened.data(), rows, k, t.bits == 4, a.problem);
+  a.task = &t;
+  a.rows = rows;
+}
+
+void run_blocks(const GemvTask& t, int64_t b0, int64_t b1) {
+  const Problem& p = prepared.problem;
+  const int64_t isa = prepared.isa;
   if (t.bits == 4) {
     const auto* c = static_cast<const uint8_t*>(t.codes);
-    if (t.isa == kAvx512Bf16) int4_avx512bf16(p, c, t.scales, b0, b1);
-    else if (t.isa == kAvx512) int4_avx512(p, c, t.scales, b0, b1);
-    else if (t.isa == kAvx2) int4_avx2(p, c, t.scales, b0, b1);
-    else int4_portable(p, c, t.scales, b0, b1);
+    const auto* sm = static_cast<const uint16_t*>(t.scales);
+    if (isa == kAvx512Vnni) int4_vnni(p, c, sm, b0, b1);
+    else if (isa == kAvx512Bf16) int4_avx512bf16(p, c, sm, b0, b1);
+    else if (isa == kAvx512) int4_avx512(p, c, sm, b0, b1);
+    else if (isa == kAvx2) int4_avx2(p, c, sm, b0, b1);
+    else int4_portable(p, c, sm, b0, b1);
   } else {
     const auto* c = static_cast<const int8_t*>(t.codes);
-    if (t.isa >= kAvx512) int8_avx512(p, c, t.scales, b0, b1);
-    else if (t.isa == kAvx2) int8_avx2(p, c, t.scales, b0, b1);
-    else int8_portable(p, c, t.scales, b0, b1);
+    const auto* s = static_cast<const float*>(t.scales);
+    if (isa == kAvx512Vnni) int8_vnni(p, c, s, b0, b1);
+    else if (isa >= kAvx512) int8_avx512(p, c, s, b0, b1);
+    else if (isa == kAvx2) int8_avx2(p, c, s, b0, b1);
+    else int8_portable(p, c, s, b0, b1);
   }
+}
+
+// Task functions (fn(args, rows, begin, end)). gemv_task: prepare, then blocks [b0, b1).
+// gemv_prepare_task (every thread, items ignored) then gemv_blocks_task (any shares of blocks,
+// e.g. taken dynamically): the same bits, one preparation per thread.
+void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
+  const GemvTask& t = *static_cast<const GemvTask*>(raw);
+  prepare(t, rows);
+  run_blocks(t, b0, b1);
+}
+
+void gemv_prepare_task(const void* raw, int64_t rows, int64_t, int64_t) {
+  prepare(*static_cast<const GemvTask*>(raw), rows);
+}
+
+void gemv_blocks_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
+  const GemvTask& t = *static_cast<const GemvTask*>(raw);
+  if (prepared.task != &t || prepared.rows != rows) prepare(t, rows);  // not prepared: do it now
+  run_blocks(t, b0, b1);
 }
 
 // (task arguments capsule, number of blocks): y = x @ W^T for the rows of each run, x and y
@@ -650,16 +936,30 @@ py::tuple make_gemv_task(const at::Tensor& x, const at::Tensor& y, const at::Ten
   const int64_t code_width = bits == 4 ? in_features / 2 : in_features;
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() &&
                   codes.sizes() == at::IntArrayRef({num_blocks, code_width, kBlock}) &&
-                  scales.scalar_type() == at::kFloat,
+                  scales.scalar_type() == (bits == 4 ? at::kHalf : at::kFloat),
               "quant_gemm task: packed codes/scales do not match x and out_features");
   TORCH_CHECK(bits == 8 || (group_size > 0 && in_features % group_size == 0),
               "quant_gemm task: in_features must be a multiple of group_size");
-  auto* task = new GemvTask{bits, codes.data_ptr(), scales.data_ptr<float>(), group_size,
+  auto* task = new GemvTask{bits, codes.data_ptr(), scales.data_ptr(), group_size,
                             in_features, out_features, num_blocks, isa,
                             x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>()};
   py::capsule args(task, "mini_infer.task_args",
                    [](void* p) { delete static_cast<GemvTask*>(p); });
   return py::make_tuple(args, num_blocks);
+}
+
+// The VNNI path's activation codes and scales, for the tests: (codes int8 [rows, K] in input
+// order, scales float32 [rows, K / 32]).
+py::tuple quantize_activations(const at::Tensor& x) {
+  check_isa(kAvx512Vnni);
+  const Activations a = activations(x);
+  TORCH_CHECK(a.cols % kChunk == 0, "quant_gemm: K must be a multiple of ", kChunk);
+  at::Tensor codes = at::empty({a.rows, a.cols}, at::kChar);
+  at::Tensor scales = at::empty({a.rows, a.cols / kChunk}, at::kFloat);
+  std::vector<int32_t> sums(a.rows * (a.cols / kChunk));
+  quantize_rows(a.f32, a.rows, a.cols, false, codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                sums.data());
+  return py::make_tuple(codes, scales);
 }
 
 }  // namespace
@@ -671,7 +971,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm", &int8_gemm, "y = x @ W^T, W int8 per output channel (blocked layout)",
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("out_features"),
         py::arg("isa"), py::arg("out") = py::none());
+  m.def("quantize_activations", &quantize_activations, "the VNNI path's int8 activations");
   m.def("gemv_task_fn", [] { return py::capsule(reinterpret_cast<void*>(&gemv_task), "mini_infer.task_fn"); },
         "the fused decode step's GEMV task (a function pointer)");
+  m.def("gemv_prepare_task_fn", [] {
+    return py::capsule(reinterpret_cast<void*>(&gemv_prepare_task), "mini_infer.task_fn");
+  }, "a GEMV's activations prepared by each thread (run on every thread)");
+  m.def("gemv_blocks_task_fn", [] {
+    return py::capsule(reinterpret_cast<void*>(&gemv_blocks_task), "mini_infer.task_fn");
+  }, "a GEMV's blocks, on the activations the thread prepared");
   m.def("make_gemv_task", &make_gemv_task, "(task arguments, blocks) for one GEMV of a fused step");
 }

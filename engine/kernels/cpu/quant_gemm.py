@@ -9,18 +9,22 @@ Layout (packed once at load, `pack_int4` / `pack_int8`): output channels in bloc
 block's 16 codes for one input position side by side, so one AVX-512 vector lane is one output
 channel and the weight stream is read in order, once, whatever the row count (rows reuse the
 block's codes from L1). int4 keeps two inputs per byte (low nibble: even input) and a
-(scale, minimum) float32 pair per channel and group; int8 keeps the per-channel scale. The math
+(scale, minimum) float16 pair per channel and group (as GGUF's Q4_1: 0.625 bytes per weight;
+fp32 pairs made it 0.75); int8 keeps the per-channel scale. The math
 is the reference's (engine/quant/primitives.py), summed in another order: codes are widened to
-fp32 in registers and multiplied with fp32 activations (llama.cpp instead quantizes the
-activations to int8 per block of 32 and uses integer dot products; that is faster per
-instruction but adds an activation rounding error the reference does not have, so it is not
-used here).
+fp32 in registers and multiplied with fp32 activations. The exception is "avx512vnni": like
+llama.cpp, it quantizes bf16 activations to int8 per chunk of 32 inputs and multiplies with
+integer dot products (`vpdpbusd`, 64 multiply-adds an instruction), adding an activation
+rounding error the reference does not have (`quantize_activations` is its reference). It runs
+from INT8_ACTIVATION_MIN_ROWS rows: one row is bound by the memory bandwidth, where it gained
+nothing in the engine. QuantConfig kernel "exact" keeps the other paths.
 
-Paths: "avx512bf16" (int4 with bf16 activations: `vdpbf16ps` on codes turned into bf16 by bit
-operations, see the .cpp; 1.5x the FMA path at 8 rows, even at 1), "avx512", "avx2" and
-"portable" are all compiled into one library (function-level target attributes) and chosen per
-call, so each is forced and tested on any CPU that can run it
-(tests/engine/kernels/test_quant_gemm.py); `best_isa()` picks the widest this CPU has.
+Paths: "avx512vnni" (AVX-512 VNNI + VBMI: Ice Lake, Sapphire Rapids, Zen 4), "avx512bf16"
+(int4 with bf16 activations: `vdpbf16ps` on codes turned into bf16 by bit operations, see the
+.cpp; 1.5x the FMA path at 8 rows, even at 1), "avx512", "avx2" and "portable" are all
+compiled into one library (function-level target attributes) and chosen per call, so each is
+forced and tested on any CPU that can run it (tests/engine/kernels/test_quant_gemm.py);
+`best_isa()` picks the widest this CPU has.
 Multithreaded over blocks of output channels with at::parallel_for (a layer under ~32 KiB of
 weights per task runs on one thread).
 
@@ -63,13 +67,20 @@ from engine.platform import cpu_info
 
 SOURCE = Path(__file__).with_name("quant_gemm.cpp")
 BLOCK = 16  # output channels per block of the packed layout
-ISAS = ("portable", "avx2", "avx512", "avx512bf16")
+ISAS = ("portable", "avx2", "avx512", "avx512bf16", "avx512vnni")
+# Paths that quantize the activations to int8 (the others compute the reference's math).
+INT8_ACTIVATION_ISAS = ("avx512vnni",)
+CHUNK = 32  # inputs per activation scale on those paths
+# ... from this many rows; fewer take the exact path (quant_gemm.cpp, kVnniMinRows: one row is
+# bound by the memory bandwidth, where the integer path gains nothing and costs accuracy).
+INT8_ACTIVATION_MIN_ROWS = 2
 _ISA_CODE = {name: code for code, name in enumerate(ISAS)}
 _ISA_FLAGS = {  # what the CPU must report for each path (Linux /proc/cpuinfo names)
     "portable": (),
-    "avx2": ("avx2", "fma"),
+    "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
     "avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+    "avx512vnni": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi"),
 }
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -97,8 +108,25 @@ def can_run(isa: str) -> bool:
 
 
 @functools.cache
-def best_isa() -> str:
-    return next(isa for isa in reversed(ISAS) if can_run(isa))
+def best_isa(int8_activations: bool = True) -> str:
+    """The fastest path this CPU runs; `int8_activations=False` keeps to the paths that compute
+    the reference's math."""
+    allowed = [isa for isa in ISAS if int8_activations or isa not in INT8_ACTIVATION_ISAS]
+    return next(isa for isa in reversed(allowed) if can_run(isa))
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the int8-activation paths make of x [rows, K] (K a multiple of CHUNK), as float32:
+    per row and chunk of 32 inputs, d = max|x| / 127 and x ~ d * round(x * 127 / max|x|)
+    (round half to even, fp32 arithmetic as in the kernel). The reference of the tests."""
+    rows, k = x.shape
+    chunks = x.float().reshape(rows, k // CHUNK, CHUNK)
+    amax = chunks.abs().amax(dim=-1, keepdim=True)
+    # A tensor divided by a tensor: torch computes `127.0 / amax` as 127 * (1 / amax), which
+    # is not the kernel's correctly rounded quotient.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    codes = torch.round(chunks * inv)
+    return (codes * (amax / 127.0)).reshape(rows, k)
 
 
 def isa_code(isa: str | None = None) -> int:
@@ -122,14 +150,16 @@ def pack_int4(
     codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Canonical int4 (codes uint8 [out, in] in 0..15, scale/minimum float32 [out, groups]) ->
-    (codes uint8 [blocks, in/2, 16], scale_min float32 [blocks, groups, 2, 16])."""
+    (codes uint8 [blocks, in/2, 16], scale_min float16 [blocks, groups, 2, 16]). The scales and
+    minimums are rounded to fp16: exact for what `quantize_int4_groupwise` and GGUF's Q4_1
+    make (they are fp16 values already)."""
     out_features, in_features = codes.shape
     if in_features % 2 or scale.shape != minimum.shape or scale.shape[0] != out_features:
         raise ValueError(f"bad int4 tensors: {codes.shape}, {scale.shape}, {minimum.shape}")
     c = _pad_blocks(codes.to(torch.uint8))
     pairs = (c[:, 0::2] & 15) | ((c[:, 1::2] & 15) << 4)  # [out, in/2]
     packed = pairs.reshape(-1, BLOCK, in_features // 2).transpose(1, 2).contiguous()
-    sm = torch.stack([_pad_blocks(scale.float()), _pad_blocks(minimum.float())], dim=-1)
+    sm = torch.stack([_pad_blocks(scale.half()), _pad_blocks(minimum.half())], dim=-1)
     sm = sm.reshape(-1, BLOCK, scale.shape[1], 2).permute(0, 2, 3, 1).contiguous()
     return packed, sm
 

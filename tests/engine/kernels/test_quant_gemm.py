@@ -8,6 +8,10 @@ below 512 * 2^-24 * 3 ~ 1e-4 of it only in pathological cancellations; a wrong c
 scale moves an output by about |x_k w_k| / sum, >= 1/512 of it). bf16 outputs are rounded
 once from the fp32 result, so add half a bf16 ulp (2^-8 relative) of the reference.
 Outputs are written into a NaN-poisoned buffer: an element the kernel forgot stays NaN.
+
+The int8-activation path ("avx512vnni", bf16 inputs) is held to the same bound against the
+reference computed on what it makes of the activations (`quant_gemm.quantize_activations`;
+int4's minimum term uses the activations as they are, as the kernel does).
 """
 
 from __future__ import annotations
@@ -43,10 +47,27 @@ def _isa(name: str) -> str:
 ISAS = [pytest.param(name, id=name) for name in quant_gemm.ISAS]
 
 
-def _check(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-    """y against x @ weight^T in fp32, with the bound of the module docstring."""
-    reference = x.float() @ weight.t()
-    magnitude = x.float().abs() @ weight.abs().t()
+def _check(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    isa: str = "portable",
+    minimum: torch.Tensor | None = None,
+) -> None:
+    """y against x @ weight^T in fp32, with the bound of the module docstring. `minimum`
+    (int4: [out, in], each weight's group minimum) is the part of the weight the
+    int8-activation path multiplies with the unquantized activations."""
+    x_scaled = x.float()
+    if (
+        isa in quant_gemm.INT8_ACTIVATION_ISAS
+        and x.dtype == torch.bfloat16
+        and x.shape[1] % quant_gemm.CHUNK == 0
+        and x.shape[0] >= quant_gemm.INT8_ACTIVATION_MIN_ROWS
+    ):
+        x_scaled = quant_gemm.quantize_activations(x)
+    rest = torch.zeros_like(weight) if minimum is None else minimum
+    reference = x_scaled @ (weight - rest).t() + x.float() @ rest.t()
+    magnitude = x_scaled.abs() @ (weight - rest).abs().t() + x.float().abs() @ rest.abs().t()
     bound = 1e-5 * magnitude + 1e-6
     if y.dtype == torch.bfloat16:
         bound = bound + 2.0**-8 * reference.abs()
@@ -54,6 +75,11 @@ def _check(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
     assert torch.isfinite(y).all(), "an output was left unwritten (still NaN)"
     excess = (y.float() - reference).abs() - bound
     assert excess.max() <= 0, f"worst excess over the bound: {excess.max().item()}"
+
+
+def _spread(minimum: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[out, groups] -> [out, in]: each weight's group minimum."""
+    return minimum.repeat_interleave(group_size, dim=1)
 
 
 def _poisoned(rows: int, out_features: int, dtype: torch.dtype) -> torch.Tensor:
@@ -86,7 +112,7 @@ def test_int4_matches_the_dequantizing_reference(
     y = _poisoned(rows, out_features, dtype)
     result = quant_gemm.int4_gemm(ext, x, packed, scale_min, group_size, out_features, isa, y)
     assert result.data_ptr() == y.data_ptr()
-    _check(y, x, dequantize_int4(codes, scale, minimum))
+    _check(y, x, dequantize_int4(codes, scale, minimum), isa, _spread(minimum, group_size))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -109,12 +135,13 @@ def test_int8_matches_the_dequantizing_reference(
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
     y = _poisoned(rows, out_features, dtype)
     quant_gemm.int8_gemm(ext, x, packed, packed_scale, out_features, isa, y)
-    _check(y, x, dequantize_int8(codes, scale))
+    _check(y, x, dequantize_int8(codes, scale), isa)
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", [9, 17])
-def test_more_rows_than_one_tile_and_extreme_codes(ext, isa, rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_more_rows_than_one_tile_and_extreme_codes(ext, isa, rows, dtype):
     """Row counts past the 8-row (AVX2: 4-row) tile, SmolLM2's widths, and the code extremes
     (int4 0 and 15, int8 -127 and 127) that a wrong nibble or sign extension would break."""
     isa = _isa(isa)
@@ -123,18 +150,59 @@ def test_more_rows_than_one_tile_and_extreme_codes(ext, isa, rows):
     codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
     codes[:, :64] = torch.tensor([0, 15]).repeat(32)
     codes = codes.to(torch.uint8)
-    scale = torch.rand(out_features, in_features // 32, generator=generator) * 0.1
-    minimum = torch.randn(out_features, in_features // 32, generator=generator) * 0.1
+    # fp16 values, as the quantizer makes them (the layout keeps them in fp16)
+    scale = (torch.rand(out_features, in_features // 32, generator=generator) * 0.1).half().float()
+    minimum = (torch.randn(out_features, in_features // 32, generator=generator) * 0.1).half().float()
     codes8 = torch.randint(-127, 128, (out_features, in_features), generator=generator)
     codes8[:, :64] = torch.tensor([-127, 127]).repeat(32)
     codes8 = codes8.to(torch.int8)
     scale8 = torch.rand(out_features, generator=generator) * 0.01
-    x = torch.randn(rows, in_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    x[0, :32] = 0.0  # an all-zero activation chunk (scale 0 on the int8-activation path)
     y = quant_gemm.int4_gemm(ext, x, *quant_gemm.pack_int4(codes, scale, minimum), 32,
                              out_features, isa)  # fmt: skip
-    _check(y, x, dequantize_int4(codes, scale, minimum))
+    _check(y, x, dequantize_int4(codes, scale, minimum), isa, _spread(minimum, 32))
     y8 = quant_gemm.int8_gemm(ext, x, *quant_gemm.pack_int8(codes8, scale8), out_features, isa)
-    _check(y8, x, dequantize_int8(codes8, scale8))
+    _check(y8, x, dequantize_int8(codes8, scale8), isa)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    num_chunks=st.integers(1, 6),
+    scale=st.sampled_from([1e-3, 1.0, 300.0]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_the_kernel_quantizes_activations_as_the_reference(ext, rows, num_chunks, scale, seed):
+    """The int8-activation paths' codes and scales, exactly: the GEMV tests above build their
+    reference on `quantize_activations`, so it must be what the kernel computes (ties at .5
+    included: round half to even, and a correctly rounded 127 / max)."""
+    _isa("avx512vnni")
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, num_chunks * quant_gemm.CHUNK, generator=generator) * scale).bfloat16()
+    x[0, : quant_gemm.CHUNK] = 0.0
+    codes, scales = ext.quantize_activations(x)
+    assert codes.abs().max() <= 127
+    ours = codes.float().reshape(rows, num_chunks, -1) * scales.unsqueeze(-1)
+    assert torch.equal(ours.reshape(rows, -1), quant_gemm.quantize_activations(x))
+
+
+def test_one_row_takes_the_exact_path_on_the_int8_activation_isa(ext):
+    """Below INT8_ACTIVATION_MIN_ROWS the VNNI path hands the call to the exact path of the same
+    CPU: the same bits as that path, not the quantized-activation reference's."""
+    _isa("avx512vnni")
+    exact = "avx512bf16" if quant_gemm.can_run("avx512bf16") else "avx512"
+    generator = torch.Generator().manual_seed(3)
+    codes, scale, minimum = quantize_int4_groupwise(torch.randn(48, 128, generator=generator), 32)
+    packed4 = quant_gemm.pack_int4(codes, scale, minimum)
+    codes8, scale8 = quantize_int8_per_channel(torch.randn(48, 128, generator=generator))
+    packed8 = quant_gemm.pack_int8(codes8, scale8)
+    for rows in range(1, quant_gemm.INT8_ACTIVATION_MIN_ROWS + 1):
+        x = torch.randn(rows, 128, generator=generator).bfloat16()
+        same = rows < quant_gemm.INT8_ACTIVATION_MIN_ROWS
+        y4 = [quant_gemm.int4_gemm(ext, x, *packed4, 32, 48, isa) for isa in ("avx512vnni", exact)]
+        y8 = [quant_gemm.int8_gemm(ext, x, *packed8, 48, isa) for isa in ("avx512vnni", "avx512")]
+        assert torch.equal(*y4) == same and torch.equal(*y8) == same
 
 
 def test_a_strided_input_gives_the_same_result(ext):
