@@ -28,6 +28,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -523,85 +524,68 @@ void for_row_tiles(int64_t rows, int64_t max_tile, Fn&& fn) {
   for (int64_t r0 = 0; r0 < rows; r0 += max_tile) fn(r0, std::min(max_tile, rows - r0));
 }
 
-#define DISPATCH_ROWS(n, CALL)        \
-  switch (n) {                        \
-    case 1: CALL(1); break;           \
-    case 2: CALL(2); break;           \
-    case 3: CALL(3); break;           \
-    case 4: CALL(4); break;           \
-    case 5: CALL(5); break;           \
-    case 6: CALL(6); break;           \
-    case 7: CALL(7); break;           \
-    default: CALL(8); break;          \
-  }
-
-void int4_avx512(const Problem& p, const uint8_t* codes, const uint16_t* scale_min, int64_t b0,
-                 int64_t b1) {
-  const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
+// The AVX-512 paths' driver: for each block of [b0, b1) and each tile of up to 8 rows,
+// block(std::integral_constant<int, R>, block index, first row, lanes) with R the tile's rows.
+template <typename Block>
+void over_blocks(const Problem& p, int64_t b0, int64_t b1, Block&& block) {
+  using std::integral_constant;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
     for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
-#define CALL(R) \
-  int4_block_avx512<R>(p, codes + b * block_codes, scale_min + b * block_sm, r0, b * kBlock, lanes)
-      DISPATCH_ROWS(n, CALL)
-#undef CALL
+      switch (n) {
+        case 1: block(integral_constant<int, 1>{}, b, r0, lanes); break;
+        case 2: block(integral_constant<int, 2>{}, b, r0, lanes); break;
+        case 3: block(integral_constant<int, 3>{}, b, r0, lanes); break;
+        case 4: block(integral_constant<int, 4>{}, b, r0, lanes); break;
+        case 5: block(integral_constant<int, 5>{}, b, r0, lanes); break;
+        case 6: block(integral_constant<int, 6>{}, b, r0, lanes); break;
+        case 7: block(integral_constant<int, 7>{}, b, r0, lanes); break;
+        default: block(integral_constant<int, 8>{}, b, r0, lanes); break;
+      }
     });
   }
+}
+
+// The int4 paths' per-block pointers: codes and (scale, minimum) pairs of block b.
+#define INT4_BLOCK_ARGS \
+  codes + b * (p.in_features / 2 * kBlock), scale_min + b * (p.num_groups * 2 * kBlock)
+
+void int4_avx512(const Problem& p, const uint8_t* codes, const uint16_t* scale_min, int64_t b0,
+                 int64_t b1) {
+  over_blocks(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+    int4_block_avx512<rows()>(p, INT4_BLOCK_ARGS, r0, b * kBlock, lanes);
+  });
 }
 
 void int4_avx512bf16(const Problem& p, const uint8_t* codes, const uint16_t* scale_min,
                      int64_t b0, int64_t b1) {
-  const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
-    for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
-#define CALL(R)                                                                             \
-  int4_block_avx512bf16<R>(p, codes + b * block_codes, scale_min + b * block_sm, r0, b * kBlock, \
-                           lanes)
-      DISPATCH_ROWS(n, CALL)
-#undef CALL
-    });
-  }
+  over_blocks(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+    int4_block_avx512bf16<rows()>(p, INT4_BLOCK_ARGS, r0, b * kBlock, lanes);
+  });
 }
 
 void int4_vnni(const Problem& p, const uint8_t* codes, const uint16_t* scale_min, int64_t b0,
                int64_t b1) {
-  const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
-    for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
-#define CALL(R) \
-  int4_block_vnni<R>(p, codes + b * block_codes, scale_min + b * block_sm, r0, b * kBlock, lanes)
-      DISPATCH_ROWS(n, CALL)
-#undef CALL
-    });
-  }
-}
-
-void int8_vnni(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
-               int64_t b1) {
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
-    for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
-#define CALL(R) int8_block_vnni<R>(p, codes + b * p.in_features * kBlock, scale, r0, b * kBlock, lanes)
-      DISPATCH_ROWS(n, CALL)
-#undef CALL
-    });
-  }
+  over_blocks(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+    int4_block_vnni<rows()>(p, INT4_BLOCK_ARGS, r0, b * kBlock, lanes);
+  });
 }
 
 void int8_avx512(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
                  int64_t b1) {
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
-    for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
-#define CALL(R) \
-  int8_block_avx512<R>(p, codes + b * p.in_features * kBlock, scale, r0, b * kBlock, lanes)
-      DISPATCH_ROWS(n, CALL)
-#undef CALL
-    });
-  }
+  over_blocks(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+    int8_block_avx512<rows()>(p, codes + b * p.in_features * kBlock, scale, r0, b * kBlock, lanes);
+  });
 }
+
+void int8_vnni(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
+               int64_t b1) {
+  over_blocks(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+    int8_block_vnni<rows()>(p, codes + b * p.in_features * kBlock, scale, r0, b * kBlock, lanes);
+  });
+}
+
+#undef INT4_BLOCK_ARGS
 
 // Copies an AVX2 half's [n, 8] results into y, dropping lanes past out_features.
 void store_half(const Problem& p, const float* tmp, int64_t r0, int64_t n, int64_t col) {
