@@ -1,7 +1,8 @@
 """The composition root: builds a worker from its settings and owns its start-up and shutdown.
 
 Start-up, in dependency order: topics, producer, engine (its thread; the model loads), prompt
-tokenizer, pipeline, cancel listener, request consumer (joins the group), ready.
+tokenizer, batcher and the pipeline it feeds, cancel listener, request consumer (joins the group),
+ready.
 
 Shutdown, in the order that loses nothing (at-least-once), all of it within `stop_budget_s`
 (below the pod's grace period: a stop that overruns it is a SIGKILL that commits nothing):
