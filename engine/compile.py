@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from engine.layers.attention import AttentionMetadata
+from engine.kernels.attention_types import AttentionMetadata
 
 log = structlog.get_logger(__name__)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from engine.attention_backends import REQUESTABLE
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -28,7 +30,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0  # seeds requests that give no seed of their own
-    attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton"
+    # "auto" | "torch" | "cpu" | "triton"; resolved with the device and KV cache dtype in
+    # engine/attention_backends.py ("auto": the C++ kernels on CPU, Triton on CUDA)
+    attention_backend: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     # "auto": per shape, plain F.linear, oneDNN-packed weights or (bf16) our GEMV, whichever a
     # calibration on this machine found faster (cached under the cache dir); "plain" | "packed"
@@ -81,9 +85,9 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
-        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+        if self.attention_backend not in REQUESTABLE:  # the rest: engine/attention_backends.py
             raise ValueError(
-                "attention_backend must be 'auto', 'torch', 'cpu' or 'triton', "
+                f"attention_backend must be one of {', '.join(REQUESTABLE)}, "
                 f"got {self.attention_backend!r}"
             )
 

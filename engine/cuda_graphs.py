@@ -31,7 +31,7 @@ from typing import Protocol
 import structlog
 import torch
 
-from engine.layers.attention import AttentionMetadata
+from engine.kernels.attention_types import AttentionMetadata
 
 log = structlog.get_logger(__name__)
 

@@ -3,8 +3,8 @@
 ModelRunner builds everything on the CPU. This subclass changes only where tensors live and how
 a decode step is launched: the weights and the KV pool move to the GPU, each step's inputs are
 built on the host as before and copied over (a few kilobytes), attention "auto" resolves to the
-Triton backend, and decode-only steps replay a captured CUDA graph (engine/cuda_graphs.py)
-when `use_cuda_graphs`. Graphs are captured in the constructor, so start-up (and the worker's
+Triton backend (engine/attention_backends.py, device "cuda"), and decode-only steps replay a
+captured CUDA graph (engine/cuda_graphs.py) when `use_cuda_graphs`. Graphs are captured in the constructor, so start-up (and the worker's
 readiness) includes them; their capture time is logged.
 
 Sampling runs on host copies of the sampled rows' logits ([num_samples, vocab]): the sampler's
@@ -26,8 +26,8 @@ from engine.cuda_graphs import (
     decode_context_lens,
     graph_batch_sizes,
 )
+from engine.kernels.attention_types import AttentionMetadata
 from engine.kv_cache_manager import cdiv
-from engine.layers.attention import AttentionMetadata
 from engine.layers.linear import Linear
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_runner import ModelRunner, StepBatch
@@ -57,6 +57,8 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
 
 
 class CudaModelRunner(ModelRunner):
+    device_kind = "cuda"  # "auto" attention is Triton, even on CPU tensors under its interpreter
+
     def __init__(
         self,
         model_path: Path,
@@ -69,12 +71,10 @@ class CudaModelRunner(ModelRunner):
         graph_capture: GraphCapture | None = None,
     ):
         self.device = torch.device(device)
-        if config.attention_backend == "auto":
-            config = dataclasses.replace(config, attention_backend="triton")
         super().__init__(model_path, config, dtype, quantization)
         self.graphs: DecodeGraphs | None = None
         if use_cuda_graphs:
-            if config.attention_backend != "triton":
+            if self.attention.name != "triton":
                 raise ValueError("CUDA graphs need attention_backend='triton' (or 'auto')")
             self.graphs = DecodeGraphs(
                 self.model,

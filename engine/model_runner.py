@@ -30,18 +30,14 @@ import torch
 from transformers import AutoConfig
 
 from engine import openmp
+from engine.attention_backends import attention_backend
 from engine.compile import CompiledModel
 from engine.config import EngineConfig
+from engine.kernels.attention_types import AttentionMetadata, PrefillChunk, decode_mask
 from engine.kernels.cpu import decode_step
 from engine.kernels.cpu.linear_choice import choose_linear_kernels
 from engine.kernels.cpu.paged_attention import compiler
 from engine.kv_cache_manager import cdiv
-from engine.layers.attention import (
-    AttentionMetadata,
-    PrefillChunk,
-    decode_mask,
-    get_attention_backend,
-)
 from engine.layers.linear import Linear
 from engine.layers.pointwise import use_cpu_ops
 from engine.logprobs import StepLogprobs, add_sample_logprobs, prompt_logprobs_for_step
@@ -129,6 +125,8 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
+    device_kind = "cpu"  # the attention backend's device (engine/attention_backends.py)
+
     def __init__(
         self,
         model_path: Path,
@@ -154,18 +152,16 @@ class ModelRunner:
         self.block_size = config.block_size
         model_class = get_model_class(self.hf_config)
         self.max_model_len = self._max_model_len(config, self.hf_config, model_class)
-        backend = self.attention = get_attention_backend(config.attention_backend)
-        if config.kv_cache_dtype == "int8" and backend.name != "triton":
-            # The Triton backend quantizes on store and reads int8 itself; the C++ one has an
-            # int8 decode kernel (prefills by the reference); "torch" is the reference.
-            backend = self.attention = kv_int8.backend_for(backend)
+        self.is_compiled = self._should_compile(config.compile)
+        if self.is_compiled and not getattr(model_class, "supports_compile", True):
+            log.warning("model_runner.compile_unsupported", model=model_class.__name__)
+            self.is_compiled = False
+        backend = self.attention = attention_backend(
+            self.device_kind, config.kv_cache_dtype, config.attention_backend, self.is_compiled
+        )
         self.model = model_class(
             self.hf_config, self.dtype, self.max_model_len, backend, quant=self.quant
         ).eval()
-        self.is_compiled = self._should_compile(config.compile)
-        if self.is_compiled and not getattr(self.model, "supports_compile", True):
-            log.warning("model_runner.compile_unsupported", model=type(self.model).__name__)
-            self.is_compiled = False
         # Quantized layers are packed by load_model_weights (torch's layout too when compiled:
         # the C++ kernel's pybind call cannot be traced); the plain ones here, per shape.
         load_model_weights(

@@ -25,8 +25,9 @@ NEW_TOKENS = (2, 8, 32, 128, 512)
 def cell(extension, prefix: int, new: int, dtype, rounds: int) -> dict:
     import torch
 
+    from engine.kernels.attention_types import PrefillChunk
     from engine.kernels.cpu import paged_attention
-    from engine.layers.attention import PrefillChunk, TorchPagedAttention
+    from engine.layers.attention import TorchPagedAttention
 
     num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
     num_ctx = prefix + new

@@ -13,58 +13,18 @@ causal mask shifted by their start position, since they may follow cached prefix
 Masks are additive float masks in the model dtype, built once per step by the runner (a bool
 mask would be converted inside SDPA in every layer).
 
-Backends share one interface (`forward(q, kv, kv_cache, meta)`) and are picked at run time by
-name; the torch one is the reference that any kernel backend is tested against. On CPU, "auto"
-takes the C++ kernels that read the cache in place, for decode rows and for prefill chunks
-after cached tokens (engine/kernels/cpu/paged_attention.py), when they build on this machine,
-else this reference.
+Backends share one interface (`forward(q, kv, kv_cache, meta)`); the torch one here is the
+reference that any kernel backend is tested against. Which one a runner uses is decided in one
+place, engine/attention_backends.py. The step's metadata types live below both the layers and
+the kernels (engine/kernels/attention_types.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class PrefillChunk:
-    """One multi-token chunk of a request, tokens [token_start, token_start + num_tokens) of the
-    flattened batch, at positions [start_position, start_position + num_tokens)."""
-
-    token_start: int
-    num_tokens: int
-    start_position: int
-    # [num_blocks] blocks covering positions [0, start_position + num_tokens); None when
-    # start_position == 0, where the chunk attends to its own fresh K/V with a plain causal mask.
-    block_ids: torch.Tensor | None = None
-    # [num_tokens, start_position + num_tokens], 0 = may attend, -inf = may not; None when
-    # a plain causal mask suffices.
-    mask: torch.Tensor | None = None
-
-
-@dataclass
-class AttentionMetadata:
-    """Everything attention needs for one step; built once per step by the model runner."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot written by each new token
-    num_decodes: int = 0  # the first num_decodes tokens are single-token requests
-    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_num_blocks] int64
-    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64, >= 1
-    # [num_decodes, 1, 1, max_num_blocks * block_size] additive (0 / -inf), model dtype; built
-    # only for backends that ask for it (`needs_decode_mask`)
-    decode_mask: torch.Tensor | None = None
-    prefills: list[PrefillChunk] = field(default_factory=list)
-
-
-def decode_mask(context_lens: torch.Tensor, max_context: int, dtype: torch.dtype) -> torch.Tensor:
-    """[num_decodes] lengths -> additive mask [num_decodes, 1, 1, max_context] (0 where a key
-    position is inside the context, -inf past it), broadcast over KV heads and query rows."""
-    allowed = torch.arange(max_context)[None, :] < context_lens[:, None]
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))[
-        :, None, None
-    ]
+from engine.kernels.attention_types import AttentionMetadata, PrefillChunk
 
 
 def softcapped_attention(
@@ -184,8 +144,11 @@ class TorchPagedAttention:
             buffer is None
             or buffer.numel() < num_blocks * block_numel
             or buffer.dtype != kv_cache.dtype
+            or buffer.device != kv_cache.device
         ):
-            buffer = self._buffer = torch.empty(num_blocks * block_numel, dtype=kv_cache.dtype)
+            buffer = self._buffer = torch.empty(
+                num_blocks * block_numel, dtype=kv_cache.dtype, device=kv_cache.device
+            )
         out = buffer[: num_blocks * block_numel].view(num_blocks, *kv_cache.shape[1:])
         torch.index_select(kv_cache, 0, block_ids.reshape(-1), out=out)
         return out.view(*block_ids.shape[:-1], -1, *kv_cache.shape[2:])
@@ -211,25 +174,3 @@ class TorchPagedAttention:
         if chunk.block_ids is not None:
             kv = self._gather(kv_cache, chunk.block_ids)[: chunk.start_position + chunk.num_tokens]
         return prefill_sdpa(q, kv, chunk.mask, self.scale, self.softcap)
-
-
-def get_attention_backend(name: str) -> TorchPagedAttention:
-    """Resolve EngineConfig.attention_backend ("auto" | "torch" | "cpu" | "triton").
-
-    "cpu" asks for the C++ kernel; where it cannot be built (no compiler) the reference is used
-    with a warning, never an error. "auto" on a CPU-only machine is "cpu"."""
-    if name == "torch":
-        return TorchPagedAttention()
-    if name in ("auto", "cpu"):
-        from engine.kernels.cpu.paged_attention import CpuPagedAttention, load
-
-        extension = load()
-        return CpuPagedAttention(extension) if extension is not None else TorchPagedAttention()
-    if name == "triton":
-        # Imported here: Triton is needed only when asked for (CUDA, or its CPU interpreter).
-        from engine.kernels.triton.backend import TritonPagedAttention
-
-        return TritonPagedAttention()
-    raise ValueError(
-        f"unknown attention backend {name!r}; expected 'auto', 'torch', 'cpu' or 'triton'"
-    )

@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from engine.layers.attention import AttentionMetadata, PrefillChunk, decode_mask
+from engine.kernels.attention_types import AttentionMetadata, PrefillChunk, decode_mask
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.attention import AttentionMetadata, TorchPagedAttention
+from engine.kernels.attention_types import AttentionMetadata
+from engine.layers.attention import TorchPagedAttention
 from engine.layers.linear import make_linear, make_merged_linear
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.sliding_window import full_attention_metadata, sliding_window_metadata

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.attention import AttentionMetadata, TorchPagedAttention
+from engine.kernels.attention_types import AttentionMetadata
+from engine.layers.attention import TorchPagedAttention
 from engine.layers.linear import make_linear, make_merged_linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.attention import AttentionMetadata
+from engine.kernels.attention_types import AttentionMetadata
 from engine.layers.norm import RMSNorm
 from engine.models.llama import (
     LlamaAttention,

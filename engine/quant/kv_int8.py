@@ -12,7 +12,7 @@ bf16 and 1536 in fp32: the same pool holds 1.88x the tokens of bf16 (3.8x fp32).
 Reading: the attention backend here (`Int8PagedAttention`, the torch reference) gathers a
 request's blocks, dequantizes them into the compute dtype and runs the same SDPA as
 engine/layers/attention.py. On the C++ backend, decode rows instead go through its int8
-kernel (`CpuInt8PagedAttention`, engine/kernels/cpu/paged_attention.py), which reads codes
+kernel (`CpuInt8PagedAttention`, engine/layers/cpu_attention.py), which reads codes
 and scales in place and dequantizes each row in fp32 as it reads it (no rounding to the
 compute dtype between the two: bf16 results differ from the reference by bf16 rounding); the
 Triton kernels read it too (engine/kernels/triton). Measured in the engine
@@ -26,19 +26,10 @@ recomputed, or served from shared prefix blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from engine.layers.attention import AttentionMetadata, PrefillChunk, decode_sdpa, prefill_sdpa
-
-
-@dataclass
-class Int8KVCache:
-    """One layer's view of the int8 pool."""
-
-    codes: torch.Tensor  # [num_kv_blocks, block_size, 2, num_kv_heads, head_dim] int8
-    scales: torch.Tensor  # [num_kv_blocks, block_size, 2, num_kv_heads] float32
+from engine.kernels.attention_types import AttentionMetadata, Int8KVCache, PrefillChunk
+from engine.layers.attention import decode_sdpa, prefill_sdpa
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
@@ -122,13 +113,3 @@ class Int8PagedAttention:
             flat_scales = kv_cache.scales.view(-1, *kv_cache.scales.shape[2:])
             kv = dequantize_kv(flat_codes[slots], flat_scales[slots], q.dtype)
         return prefill_sdpa(q, kv, chunk.mask)
-
-
-def backend_for(float_backend) -> Int8PagedAttention:
-    """The int8-pool backend standing in for a float one: the C++ decode kernel where the
-    float backend is the C++ one (its built extension is reused), else the torch reference."""
-    if float_backend.name == "cpu":
-        from engine.kernels.cpu.paged_attention import CpuInt8PagedAttention
-
-        return CpuInt8PagedAttention(float_backend.extension)
-    return Int8PagedAttention()

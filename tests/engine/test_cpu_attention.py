@@ -14,15 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.attention_backends import attention_backend
+from engine.kernels.attention_types import AttentionMetadata, PrefillChunk, decode_mask
 from engine.kernels.cpu import paged_attention
-from engine.kernels.cpu.paged_attention import CpuPagedAttention
-from engine.layers.attention import (
-    AttentionMetadata,
-    PrefillChunk,
-    TorchPagedAttention,
-    decode_mask,
-    get_attention_backend,
-)
+from engine.layers.attention import TorchPagedAttention
+from engine.layers.cpu_attention import CpuPagedAttention
 from engine.model_runner import prepare_step
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest
@@ -153,8 +149,9 @@ def test_no_compiler_falls_back_to_the_reference(tmp_path, monkeypatch):
     assert paged_attention.compiler() is None
     assert paged_attention.build(tmp_path) is None
     monkeypatch.setattr(paged_attention, "load", lambda: None)
-    assert get_attention_backend("cpu").name == "torch"
-    assert get_attention_backend("auto").name == "torch"
+    assert attention_backend("cpu", "auto", "auto", False).name == "torch"  # says why, in the log
+    with pytest.raises(RuntimeError, match="did not build"):  # asked for: no silent substitute
+        attention_backend("cpu", "auto", "cpu", False)
 
 
 def test_failed_build_falls_back_to_the_reference(tmp_path, monkeypatch):

@@ -66,8 +66,12 @@ on AVX-512, `-mavx2 -mfma` on AVX2, none otherwise), into a directory under the 
 by the instruction set and a hash of the source: compiled once (40 s of CPU on the 2-core Zen 4
 VM; 1.5-4 minutes of wall time while other jobs share it), then loaded in about a second by
 every later start; a changed source or another CPU gets its own directory (shared with the other
-kernels: engine/kernels/cpu/extension.py). No C++ compiler (or a failed build) means the torch
-reference, with one warning; the engine never fails for want of it.
+kernels: engine/kernels/cpu/extension.py). No C++ compiler (or a failed build): `load()` is
+None, with one warning; attention_backend "auto" then takes the torch reference, an explicit
+"cpu" is an error (engine/attention_backends.py).
+
+The backend adapters over these calls (`CpuPagedAttention`, `CpuInt8PagedAttention`) live in
+engine/layers/cpu_attention.py, beside the torch reference they fall back to per step.
 """
 
 from __future__ import annotations
@@ -78,17 +82,11 @@ from types import ModuleType
 
 import torch
 
+from engine.kernels.attention_types import Int8KVCache, PrefillChunk
 from engine.kernels.cpu import extension
 from engine.kernels.cpu.extension import compiler  # noqa: F401  (re-exported)
 from engine.kernels.cpu.extension import remove_stale_lock as _remove_stale_lock  # noqa: F401
-from engine.layers.attention import (
-    AttentionMetadata,
-    PrefillChunk,
-    TorchPagedAttention,
-    decode_mask,
-)
 from engine.platform import cpu_info
-from engine.quant.kv_int8 import Int8KVCache, Int8PagedAttention
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 PARTITION_TOKENS = 512  # context tokens per work item before a long context is split
@@ -197,72 +195,3 @@ def use_extend_kernel(chunk: PrefillChunk, dtype: torch.dtype) -> bool:
     if chunk.block_ids is None or dtype not in SUPPORTED_DTYPES:
         return False
     return dtype == torch.bfloat16 or chunk.num_tokens <= EXTEND_MAX_TOKENS_FP32
-
-
-class CpuPagedAttention(TorchPagedAttention):
-    """The C++ kernels on the decode rows and on prefill chunks that follow cached tokens
-    (`use_extend_kernel`); fresh prompts (and dtypes the kernels lack, fp16) go through the
-    torch reference it subclasses. Needs no decode mask: the kernels stop at each request's
-    context length."""
-
-    name = "cpu"
-    needs_decode_mask = False
-
-    def __init__(self, extension: ModuleType):
-        super().__init__()
-        self.extension = extension
-
-    def _decode(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if q.dtype not in SUPPORTED_DTYPES:
-            _ensure_decode_mask(meta, kv_cache.shape[1], q.dtype)
-            return super()._decode(q, kv_cache, meta)
-        args = (self.extension, q, kv_cache, meta.decode_block_table, meta.decode_context_lens)
-        return _profiled("mini_infer::paged_attention_decode", decode, *args)
-
-    def _prefills(self, q, kv, kv_cache, chunks: list[PrefillChunk], out: torch.Tensor) -> None:
-        in_place, gathered = [], []
-        for chunk in chunks:
-            kernel = use_extend_kernel(chunk, q.dtype)
-            (in_place if kernel else gathered).append(chunk)
-        if gathered:
-            super()._prefills(q, kv, kv_cache, gathered, out)
-        if not in_place:
-            return
-        _profiled("mini_infer::paged_attention_extend", extend, self.extension, q, kv_cache,
-                  in_place, out)  # fmt: skip
-
-
-class CpuInt8PagedAttention(Int8PagedAttention):
-    """The int8 KV cache with the C++ decode kernel reading codes and scales in place (no
-    gather, no dequantized copy); prefill chunks go through the torch reference it subclasses
-    (the extend kernel reads float caches only)."""
-
-    name = "cpu-int8kv"
-    needs_decode_mask = False
-
-    def __init__(self, extension: ModuleType):
-        self.extension = extension
-
-    def _decode(self, q, kv_cache: Int8KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        if q.dtype not in SUPPORTED_DTYPES:
-            _ensure_decode_mask(meta, kv_cache.codes.shape[1], q.dtype)
-            return super()._decode(q, kv_cache, meta)
-        args = (self.extension, q, kv_cache, meta.decode_block_table, meta.decode_context_lens)
-        return _profiled("mini_infer::paged_attention_decode_int8", decode_int8, *args)
-
-
-def _ensure_decode_mask(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> None:
-    """The reference's decode mask, which the kernels do not need (so the runner skips it),
-    built here for a step that falls back to the reference (a dtype the kernels lack)."""
-    if meta.decode_mask is None:
-        width = meta.decode_block_table.shape[1] * block_size
-        meta.decode_mask = decode_mask(meta.decode_context_lens, width, dtype)
-
-
-def _profiled(name: str, kernel, *args):
-    """kernel(*args), under a named profiler range when one records: a pybind call is
-    invisible to the profiler otherwise."""
-    if torch.autograd._profiler_enabled():
-        with torch.profiler.record_function(name):
-            return kernel(*args)
-    return kernel(*args)

@@ -3,8 +3,8 @@
 - attention.py: paged decode attention (GQA, split-K + reduction), paged prefill/extend.
 - kv_store.py: scatter a step's K/V into their cache slots (slot < 0: skipped).
 - pointwise.py: fused residual add + RMSNorm, RoPE in place on q and k, SiLU * mul.
-- backend.py: `TritonPagedAttention`, the attention-backend adapter
-  (`get_attention_backend("triton")`; the CUDA runner resolves "auto" to it).
+- backend.py: `TritonPagedAttention`, the attention-backend adapter (attention_backend
+  "triton", and "auto" on the CUDA runner: engine/attention_backends.py).
 
 Dispatch: engine/layers (norm, rotary) and the Llama MLP call the pointwise kernels for CUDA
 tensors and keep their torch code for CPU ones; attention goes through Triton when the backend
@@ -43,11 +43,19 @@ def check_device(*tensors: torch.Tensor) -> None:
         )
 
 
-def require_usable() -> None:
-    """Fail at start-up, not at the first step, where the kernels cannot run at all."""
+def unusable_reason() -> str | None:
+    """Why the kernels cannot run in this process at all (None: they can)."""
     if not torch.cuda.is_available() and not is_interpreted():
-        raise RuntimeError(
+        return (
             "attention_backend='triton' needs a CUDA GPU; on CPU the Triton kernels run only in "
             "Triton's interpreter: set TRITON_INTERPRET=1 before the engine is imported (slow, "
             "for tests), or use attention_backend='torch'"
         )
+    return None
+
+
+def require_usable() -> None:
+    """Fail at start-up, not at the first step, where the kernels cannot run at all."""
+    reason = unusable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)

@@ -3,7 +3,7 @@ as TorchPagedAttention) over the Triton kernels.
 
 A step is three launches at most: the KV store, one decode launch for every single-token
 request (plus its split reduction), one prefill launch for every multi-token chunk. With the
-int8 KV cache (`Int8KVCache`, engine/quant/kv_int8.py) the store quantizes and the attention
+int8 KV cache (`Int8KVCache`, engine/quant/kv_int8.py; the type in attention_types.py) the store quantizes and the attention
 kernels dequantize as they read: the same launches, half the bytes of bf16.
 
 The kernels take plain tensors (block tables, context lengths, chunk offsets); this adapter
@@ -21,11 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.attention_types import AttentionMetadata, Int8KVCache
 from engine.kernels.triton import require_usable
 from engine.kernels.triton.attention import paged_decode_attention, paged_prefill_attention
 from engine.kernels.triton.kv_store import store_kv, store_kv_int8
-from engine.layers.attention import AttentionMetadata
-from engine.quant.kv_int8 import Int8KVCache
 
 
 @dataclass

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
+from engine.kernels.attention_types import AttentionMetadata, PrefillChunk
 from engine.kernels.cpu import bf16_gemm, decode_step, quant_gemm
-from engine.layers.attention import AttentionMetadata, PrefillChunk
 from engine.layers.linear import Linear
 from engine.quant.linear import QuantLinear
 from tests.tiny_model import make_tiny_llama

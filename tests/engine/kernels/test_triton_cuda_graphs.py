@@ -98,7 +98,7 @@ def test_cuda_runner_on_cpu_matches_plain_runner(tiny_model_dir, runner):
     cuda_like = CudaModelRunner(
         tiny_model_dir, config, torch.float32, device="cpu", graph_capture=capture
     )
-    assert cuda_like.config.attention_backend == "triton"
+    assert cuda_like.attention.name == "triton"  # "auto" on the CUDA runner
     plain = ModelRunner(tiny_model_dir, config, torch.float32)
     steps = [
         [req("a", [5, 6, 7], 0, [0]), req("b", [8, 9, 10, 11, 12], 0, [1, 2])],

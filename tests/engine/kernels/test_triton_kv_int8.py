@@ -12,6 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
+from engine.kernels.attention_types import Int8KVCache
 from engine.kernels.triton.attention import (
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -20,7 +21,7 @@ from engine.kernels.triton.attention import (
 )
 from engine.kernels.triton.backend import TritonPagedAttention
 from engine.kernels.triton.kv_store import store_kv_int8
-from engine.quant.kv_int8 import Int8KVCache, Int8PagedAttention, quantize_kv
+from engine.quant.kv_int8 import Int8PagedAttention, quantize_kv
 from tests.engine.kernels.triton_cases import (
     DEVICE,
     TOLERANCES,

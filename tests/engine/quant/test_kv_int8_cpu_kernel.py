@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
+from engine.kernels.attention_types import Int8KVCache
 from engine.kernels.cpu import paged_attention
-from engine.quant.kv_int8 import Int8KVCache, dequantize_kv, quantize_kv
+from engine.quant.kv_int8 import dequantize_kv, quantize_kv
 from tests.engine.test_cpu_attention import decode_case, reference_decode
 
 

@@ -1,0 +1,91 @@
+"""The attention backends over the C++ paged-attention kernels (engine/kernels/cpu/
+paged_attention.py): `CpuPagedAttention` for the float pool, `CpuInt8PagedAttention` for the
+int8 one. Each subclasses its torch reference and hands it what the kernels do not cover (fresh
+prompts, fp16, int8 prefill chunks), so a step never fails for want of a kernel path."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from engine.kernels.attention_types import (
+    AttentionMetadata,
+    Int8KVCache,
+    PrefillChunk,
+    decode_mask,
+)
+from engine.kernels.cpu import paged_attention  # its functions looked up per call (tests patch)
+from engine.layers.attention import TorchPagedAttention
+from engine.quant.kv_int8 import Int8PagedAttention
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """The C++ kernels on the decode rows and on prefill chunks that follow cached tokens
+    (`use_extend_kernel`); fresh prompts (and dtypes the kernels lack, fp16) go through the
+    torch reference it subclasses. Needs no decode mask: the kernels stop at each request's
+    context length."""
+
+    name = "cpu"
+    needs_decode_mask = False
+
+    def __init__(self, extension: ModuleType):
+        super().__init__()
+        self.extension = extension
+
+    def _decode(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if q.dtype not in paged_attention.SUPPORTED_DTYPES:
+            _ensure_decode_mask(meta, kv_cache.shape[1], q.dtype)
+            return super()._decode(q, kv_cache, meta)
+        args = (self.extension, q, kv_cache, meta.decode_block_table, meta.decode_context_lens)
+        return _profiled("mini_infer::paged_attention_decode", paged_attention.decode, *args)
+
+    def _prefills(self, q, kv, kv_cache, chunks: list[PrefillChunk], out: torch.Tensor) -> None:
+        in_place, gathered = [], []
+        for chunk in chunks:
+            kernel = paged_attention.use_extend_kernel(chunk, q.dtype)
+            (in_place if kernel else gathered).append(chunk)
+        if gathered:
+            super()._prefills(q, kv, kv_cache, gathered, out)
+        if not in_place:
+            return
+        _profiled("mini_infer::paged_attention_extend", paged_attention.extend, self.extension, q,
+                  kv_cache, in_place, out)  # fmt: skip
+
+
+class CpuInt8PagedAttention(Int8PagedAttention):
+    """The int8 KV cache with the C++ decode kernel reading codes and scales in place (no
+    gather, no dequantized copy); prefill chunks go through the torch reference it subclasses
+    (the extend kernel reads float caches only)."""
+
+    name = "cpu-int8kv"
+    needs_decode_mask = False
+
+    def __init__(self, extension: ModuleType):
+        self.extension = extension
+
+    def _decode(self, q, kv_cache: Int8KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        if q.dtype not in paged_attention.SUPPORTED_DTYPES:
+            _ensure_decode_mask(meta, kv_cache.codes.shape[1], q.dtype)
+            return super()._decode(q, kv_cache, meta)
+        args = (self.extension, q, kv_cache, meta.decode_block_table, meta.decode_context_lens)
+        return _profiled(
+            "mini_infer::paged_attention_decode_int8", paged_attention.decode_int8, *args
+        )
+
+
+def _ensure_decode_mask(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> None:
+    """The reference's decode mask, which the kernels do not need (so the runner skips it),
+    built here for a step that falls back to the reference (a dtype the kernels lack)."""
+    if meta.decode_mask is None:
+        width = meta.decode_block_table.shape[1] * block_size
+        meta.decode_mask = decode_mask(meta.decode_context_lens, width, dtype)
+
+
+def _profiled(name: str, kernel, *args):
+    """kernel(*args), under a named profiler range when one records: a pybind call is
+    invisible to the profiler otherwise."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(name):
+            return kernel(*args)
+    return kernel(*args)
