@@ -18,6 +18,7 @@ from schemas.codec import JSON, MSGPACK, UndecodableError, decode_reply, encode
 from schemas.headers import read_content_type, read_traceparent, request_headers
 from schemas.messages import FinalReply, Request, TokenReply
 from tests.conftest import unique_name
+from worker.topic_reader import TopicReader
 
 PREFIX = "mini-infer.replies."
 SMALL_ENGINE = {"kv_cache_memory_bytes": 32 << 20, "max_num_seqs": 8}
@@ -130,41 +131,28 @@ class ReplyReader:
         self.messages: dict[str, list[TokenReply | FinalReply]] = defaultdict(list)
         self.traceparents: dict[str, set[str | None]] = defaultdict(set)
         self.raw_ids: set[str | None] = set()  # keys of every record read, replies or not
-        self._consumer: AIOKafkaConsumer | None = None
-        self._task: asyncio.Task | None = None
+        self._reader = TopicReader(
+            bootstrap_servers, self._on_record, partitions=[TopicPartition(self.topic, 0)]
+        )
         self._changed = asyncio.Event()
 
     async def __aenter__(self) -> ReplyReader:
         await create_topic(self.bootstrap_servers, self.topic, 1)
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap_servers,
-            group_id=None,
-            auto_offset_reset="earliest",
-            enable_auto_commit=False,
-        )
-        await self._consumer.start()
-        self._consumer.assign([TopicPartition(self.topic, 0)])
-        self._task = asyncio.create_task(self._read())
+        await self._reader.__aenter__()
         return self
 
     async def __aexit__(self, *exc_info) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.wait_for(self._consumer.stop(), 10)
+        await self._reader.__aexit__(*exc_info)
 
-    async def _read(self) -> None:
-        while True:
-            batches = await self._consumer.getmany(timeout_ms=200)
-            for records in batches.values():
-                for record in records:
-                    self.raw_ids.add(record.key.decode() if record.key else None)
-                    try:
-                        reply = decode_reply(record.value, read_content_type(record.headers))
-                    except UndecodableError:  # a marker the test wrote
-                        continue
-                    self.messages[reply.id].append(reply)
-                    self.traceparents[reply.id].add(read_traceparent(record.headers))
-            self._changed.set()
+    def _on_record(self, record) -> None:
+        self.raw_ids.add(record.key.decode() if record.key else None)
+        self._changed.set()
+        try:
+            reply = decode_reply(record.value, read_content_type(record.headers))
+        except UndecodableError:  # a marker the test wrote
+            return
+        self.messages[reply.id].append(reply)
+        self.traceparents[reply.id].add(read_traceparent(record.headers))
 
     def finals(self, request_id: str) -> list[FinalReply]:
         return [m for m in self.messages.get(request_id, ()) if isinstance(m, FinalReply)]

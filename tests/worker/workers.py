@@ -1,6 +1,7 @@
 """Workers for real-broker tests, started one way and always stopped: `running_worker` (a
-`Worker` in this process) and `serve_process` (`mini-infer serve`, or the gated variant, as a
-process with a JSON log)."""
+`Worker` in this process), `running_workers` (several, in one group, the partitions split
+between them) and `serve_process` (`mini-infer serve`, or the gated variant, as a process with
+a JSON log)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,32 @@ async def running_worker(
     finally:
         if worker.consumer is not None:  # not stopped yet
             await worker.stop(grace_s=grace_s)
+
+
+def is_split(workers, num_partitions: int) -> bool:
+    """Every worker holds partitions, and together they hold all `num_partitions`, each once
+    (a settled rebalance)."""
+    held = [w.consumer.assignment if w.consumer is not None else set() for w in workers]
+    return all(held) and sum(map(len, held)) == num_partitions == len(set().union(*held))
+
+
+async def wait_for_split(workers, num_partitions: int, timeout_s: float = 60.0) -> None:
+    from tests.worker.kafka_helpers import wait_for
+
+    await wait_for(lambda: is_split(workers, num_partitions), timeout_s, "a settled split")
+
+
+@contextlib.asynccontextmanager
+async def running_workers(workers: list, num_partitions: int, *, grace_s: float = 5.0):
+    """`workers` (built, not started) started together and holding the `num_partitions`
+    partitions between them, every one some; on exit each still running is stopped by the
+    ordered stop, draining for `grace_s`, even when the body failed."""
+    try:
+        await asyncio.gather(*(w.start() for w in workers))
+        await wait_for_split(workers, num_partitions)
+        yield workers
+    finally:
+        await asyncio.gather(*(w.stop(grace_s=grace_s) for w in workers if w.consumer is not None))
 
 
 def start_serve(

@@ -95,18 +95,19 @@ def select_batch(
 class Batcher:
     """Async front of `select_batch`. `release` receives each batch (in order) on the event loop;
     `queued_tokens(priority)` tells how many released prompt tokens of requests at least as
-    urgent as `priority` the engine has not started yet."""
+    urgent as `priority` the engine has not started yet. Built without `release` (the worker
+    builds it before the pipeline that takes its batches), it is given one by `connect`."""
 
     def __init__(
         self,
         settings: BatcherSettings,
-        release: Callable[[list[Any]], None],
+        release: Callable[[list[Any]], None] | None = None,
         queued_tokens: Callable[[int], int] = lambda priority: 0,
         clock: Callable[[], float] = time.monotonic,
         on_error: Callable[[Any, BaseException], None] | None = None,
     ) -> None:
         self._settings = settings
-        self._release = release
+        self._release = release or _unconnected
         # Told about an item whose release raised; that item is out of the batcher, its batch
         # neighbours are released all the same, and the batcher task lives on.
         self._on_error = on_error
@@ -115,6 +116,14 @@ class Batcher:
         self._pending: list[PendingItem] = []
         self._num_arrivals = 0
         self._wakeup = asyncio.Event()
+
+    def connect(
+        self,
+        release: Callable[[list[Any]], None],
+        on_error: Callable[[Any, BaseException], None] | None = None,
+    ) -> None:
+        """Where released batches go, and who is told about an item whose release raised."""
+        self._release, self._on_error = release, on_error
 
     @property
     def num_pending(self) -> int:
@@ -205,3 +214,7 @@ class Batcher:
         # Whatever is left waits for the engine to start something (the bridge wakes us), unless
         # nothing reached the engine (all released items expired): then look again at once.
         return 0.0 if self._pending and self._queued_tokens(LEAST_URGENT) == 0 else None
+
+
+def _unconnected(items: list[Any]) -> None:
+    raise RuntimeError("the batcher released a batch before it was connected")

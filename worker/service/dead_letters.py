@@ -17,6 +17,7 @@ A dead letter must never wedge its partition, so it degrades in two steps:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -65,10 +66,9 @@ class DeadLetterWriter:
         self._num_retries = num_retries
         self._max_message_bytes = max_message_bytes
         self._on_unwritable = on_unwritable
+        self._settling: set[asyncio.Task] = set()  # dead letters awaiting their outcome
 
-    def write(
-        self, partition: Any, record: Any, reason: str, message: str, *, epoch: Any
-    ) -> None:
+    def write(self, partition: Any, record: Any, reason: str, message: str, *, epoch: Any) -> None:
         """Set `record` (consumed from `partition` in assignment `epoch`) aside; finishes its
         offset once acked."""
         log.warning("request.dead_lettered", reason=reason, error=message)
@@ -97,23 +97,26 @@ class DeadLetterWriter:
     def _send(
         self, letter: Outgoing, fallback: Outgoing | None, partition: Any, offset: int, epoch: Any
     ) -> None:
-        outcome = deliver(
+        delivery = deliver(
             self._publisher,
             lambda: Outgoing(letter.topic, letter.key, letter.value, letter.headers),
             self._num_retries,
             "dead_letter",
-        )
+        )  # queued now, in order; its outcome is awaited below
+        task = asyncio.ensure_future(self._settle(delivery, fallback, partition, offset, epoch))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
 
-        def done(_) -> None:
-            error = outcome.exception()
-            if error is None:
-                self._tracker.finish(partition, offset, epoch)
-            elif fallback is not None:
-                log.warning("request.dead_letter_stubbed", offset=offset, error=repr(error))
-                self._send(fallback, None, partition, offset, epoch)
-            else:  # left unfinished: never committed, so it is redelivered after a restart
-                log.error("dlq.unwritable", offset=offset, error=repr(error))
-                if self._on_unwritable is not None:
-                    self._on_unwritable(error)
-
-        outcome.add_done_callback(done)
+    async def _settle(self, delivery, fallback, partition: Any, offset: int, epoch: Any) -> None:
+        """Acknowledged: the offset is done. Failed: the stub, if there is one still to try;
+        else the offset is left unfinished (never committed, so redelivered after a restart)."""
+        error = await delivery
+        if error is None:
+            self._tracker.finish(partition, offset, epoch)
+        elif fallback is not None:
+            log.warning("request.dead_letter_stubbed", offset=offset, error=repr(error))
+            self._send(fallback, None, partition, offset, epoch)
+        else:
+            log.error("dlq.unwritable", offset=offset, error=repr(error))
+            if self._on_unwritable is not None:
+                self._on_unwritable(error)

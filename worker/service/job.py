@@ -53,9 +53,10 @@ class Job:
     prefill_s: float | None = None  # that step's duration
     stop_reason: str | None = None  # "cancelled" | "expired" once an engine abort was asked for
     deadline_timer: asyncio.TimerHandle | None = None
-    # The final's delivery outcome once it is on its way (FINISHING); None before: a job that
-    # fails between FINISHING and this has nothing that will ever finish its offset.
-    final_outcome: asyncio.Future | None = None
+    # Awaits the final's delivery and ends the job, once the final is on its way (FINISHING);
+    # None before: a job that fails between FINISHING and this has nothing that will ever
+    # finish its offset.
+    final_outcome: asyncio.Task | None = None
     rendering: asyncio.Future | None = None  # its prompt being tokenized (off the event loop)
     # The consumed record (key, value, headers): dead-lettered as it came if the final can never
     # be delivered, so that its offset is still committed and the request is not lost.

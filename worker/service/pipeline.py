@@ -81,6 +81,7 @@ class Pipeline:
         tracker: OffsetTracker,
         telemetry: Telemetry,
         renderer: PromptRenderer,
+        batcher: Batcher,
     ) -> None:
         self._bridge = bridge
         self._replies = replies
@@ -96,12 +97,8 @@ class Pipeline:
         self._jobs = JobRegistry(telemetry)  # until DONE or DROPPED
         # Cancels seen for requests not (yet) here: a cancel can overtake its request.
         self._cancelled_ids: OrderedDict[str, None] = OrderedDict()
-        self.batcher = Batcher(
-            settings.batcher,
-            self._release,
-            bridge.queued_tokens_at_least_as_urgent_as,
-            on_error=self.fail,
-        )
+        self.batcher = batcher  # built with the engine's queue as its budget (the worker)
+        batcher.connect(self._release, on_error=self.fail)
 
     @property
     def num_running(self) -> int:
@@ -505,9 +502,8 @@ class Pipeline:
         timing = request_metrics.timing_of(job, now_s)
         usage = Usage(prompt_tokens=job.num_prompt_tokens, completion_tokens=job.num_output_tokens)
         for message in job.stream.finish(finish_reason, usage, timing, error):
-            outcome = self._replies.send(job, message)
-        outcome.add_done_callback(lambda _: self._on_final_done(job, outcome.exception()))
-        job.final_outcome = outcome
+            delivery = self._replies.send(job, message)  # the last one is the final
+        job.final_outcome = asyncio.ensure_future(self._acknowledge(job, delivery))
         self._record(job, finish_reason, timing, error)
 
     def _record(
@@ -533,10 +529,12 @@ class Pipeline:
             trace_id=trace_id_of(job.span),
         )
 
-    def _on_final_done(self, job: Job, error: BaseException | None) -> None:
-        """The final's outcome. Acknowledged: the offset is done. Every try failed: left
-        unfinished, the offset would hold back its partition's commits until a restart;
-        dead-lettered, the request is kept (replayable from the DLQ) and the partition moves on."""
+    async def _acknowledge(self, job: Job, delivery: asyncio.Future) -> None:
+        """The end of a job, once its final's delivery is known. Acknowledged: the offset is
+        done. Every try failed: left unfinished, the offset would hold back its partition's
+        commits until a restart; dead-lettered, the request is kept (replayable from the DLQ)
+        and the partition moves on."""
+        error = await delivery
         job.state = JobState.DONE
         request_metrics.record_stages(self._telemetry, job, time.monotonic())
         end_span(job.span, "error" if error else (job.stream.finish_reason or "stop"))

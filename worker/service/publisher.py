@@ -27,8 +27,11 @@ every other topic's batches included. A topic that keeps refusing writes thus th
 topic of the producer to one request per backoff. So per-client reply topics (under the reply
 topic prefix, other than the shared one) go through producers of their own
 (`num_private_producers`, a topic always to the same one, so its order holds): the shared reply
-topic and the DLQ never wait on a client's topic, and a refused client topic slows only the
-client topics that share its producer.
+topic and the DLQ never wait on a client's topic. A refused client topic would still slow the
+client topics that share its producer: so once one of its messages passed the delivery deadline
+inside a private producer, that topic stays on it (its order holds) and the producer's slot gets
+a fresh producer, which takes the other topics from then on (`MAX_NUM_RETIRED_PRODUCERS` at
+most; retired ones close with the publisher).
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ log = structlog.get_logger(__name__)
 
 # Room for the record and batch framing around a message of `max_message_bytes`.
 _FRAMING_BYTES = 64 * 1024
+# Private producers set aside because a topic stuck them; past this many, no more are replaced
+# (each holds connections and, on Kafka, the stuck topic's batches retried for good).
+MAX_NUM_RETIRED_PRODUCERS = 8
 
 
 @dataclass
@@ -62,6 +68,7 @@ class Outgoing:
     is_done: bool = field(default=False, compare=False)
     deadline: asyncio.TimerHandle | None = field(default=None, compare=False, repr=False)
     partition: int | None = None  # None: aiokafka's partitioner picks one by key
+    producer: object = field(default=None, compare=False, repr=False)  # once handed to one
 
 
 class DeliveryTimeout(TimeoutError):
@@ -83,6 +90,9 @@ class Publisher:
         self._max_num_lane_messages = settings.publisher.max_num_lane_messages
         self._producer: AIOKafkaProducer | None = None  # the shared reply topic, the DLQ, ...
         self._private_producers: list[AIOKafkaProducer] = []  # per-client reply topics
+        self._pinned: dict[str, AIOKafkaProducer] = {}  # a stuck topic -> the producer it stuck
+        self._retired: list[AIOKafkaProducer] = []  # replaced in their slot: closed at stop
+        self._replacements: set[asyncio.Task] = set()
         self._num_unacked = 0
         self._all_acked = asyncio.Event()
         self._all_acked.set()
@@ -139,7 +149,40 @@ class Publisher:
         )
         if not is_private or not self._private_producers:
             return self._producer
+        pinned = self._pinned.get(topic)
+        if pinned is not None:
+            return pinned
         return self._private_producers[zlib.crc32(topic.encode()) % len(self._private_producers)]
+
+    def _isolate(self, message: Outgoing) -> None:
+        """`message` passed its deadline inside a private producer: that producer is stuck on
+        its topic (aiokafka holds the producer's other topics behind the refused batch's
+        retries). The topic stays pinned to it; its slot is given a fresh producer."""
+        stuck = message.producer
+        if stuck is None or stuck not in self._private_producers:
+            return  # never sent (its lane waited), the shared producer's, or replaced already
+        if len(self._retired) + len(self._replacements) >= MAX_NUM_RETIRED_PRODUCERS:
+            log.warning("producer.isolation_exhausted", topic=message.topic)
+            return
+        self._pinned[message.topic] = stuck
+        task = asyncio.create_task(self._replace(stuck), name="publisher-replace")
+        self._replacements.add(task)
+        task.add_done_callback(self._replacements.discard)
+
+    async def _replace(self, stuck: AIOKafkaProducer) -> None:
+        fresh = self._make_producer(self.is_idempotent)
+        try:
+            await fresh.start()
+        except KafkaError as error:
+            log.warning("producer.replace_failed", error=repr(error))
+            return
+        slot = self._private_producers.index(stuck) if stuck in self._private_producers else None
+        if slot is None:  # the publisher is stopping
+            await fresh.stop()
+            return
+        self._private_producers[slot] = fresh
+        self._retired.append(stuck)
+        log.warning("producer.replaced", slot=slot, num_retired=len(self._retired))
 
     def publish(self, message: Outgoing) -> None:
         """Queue `message` on its topic's lane; `on_done` is called exactly once."""
@@ -181,11 +224,13 @@ class Publisher:
         own stop flushes too, and waits forever on a batch a broker keeps refusing: bounded."""
         deadline_s = time.monotonic() + timeout_s
         await self.flush(timeout_s)
-        tasks = list(self._lane_tasks)
+        tasks = [*self._lane_tasks, *self._replacements]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        producers = [p for p in (self._producer, *self._private_producers) if p is not None]
+        producers = [
+            p for p in (self._producer, *self._private_producers, *self._retired) if p is not None
+        ]
         try:
             await asyncio.wait_for(
                 asyncio.gather(*(p.stop() for p in producers)),
@@ -213,10 +258,12 @@ class Publisher:
     def _expire(self, message: Outgoing) -> None:
         error = DeliveryTimeout(f"not acknowledged within {self._delivery_timeout_s} s")
         self._done(message, error)
+        self._isolate(message)
 
     async def _send(self, message: Outgoing) -> None:
+        message.producer = self._producer_for(message.topic)
         try:
-            delivery = await self._producer_for(message.topic).send(
+            delivery = await message.producer.send(
                 message.topic, message.value, key=message.key, headers=message.headers,
                 partition=message.partition,
             )  # fmt: skip

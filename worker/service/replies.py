@@ -3,8 +3,9 @@
 A final is the one message whose acknowledgement matters: only then may the request's offset be
 committed. So a failed final is sent again (same `seq`: a client drops the duplicate if both
 land), and a final too large for the broker is replaced by a small error final. `send` returns
-the final's outcome as a future; when every try failed, the pipeline dead-letters the request
-(reason `final_undeliverable`) so that its partition's commits can move on.
+the final's delivery (awaited: None, or the last error); when every try failed, the pipeline
+dead-letters the request (reason `final_undeliverable`) so that its partition's commits can
+move on.
 
 Token messages are resent on failure too (same `seq`), so a transient failure leaves no gap in
 an attempt's stream. A resent token can land after later ones; clients order by `seq` (the SDK
@@ -44,7 +45,9 @@ class ReplyWriter:
         self._max_message_bytes = max_message_bytes
         self._num_final_retries = num_final_retries
 
-    def send(self, job: Job, message: TokenReply | FinalReply) -> asyncio.Future[None] | None:
+    def send(
+        self, job: Job, message: TokenReply | FinalReply
+    ) -> asyncio.Task[BaseException | None] | None:
         """Publish one reply. For a final, returns its delivery outcome (see `deliver`)."""
         value = encode(message, MSGPACK)
         if isinstance(message, TokenReply):
@@ -74,9 +77,9 @@ def _outgoing(job: Job, value: bytes) -> Outgoing:
     )  # fmt: skip
 
 
-def _read_outcome(outcome: asyncio.Future[None]) -> None:
-    if outcome.exception() is not None:
-        log.warning("reply.token_lost", error=repr(outcome.exception()))
+def _read_outcome(outcome: asyncio.Task[BaseException | None]) -> None:
+    if not outcome.cancelled() and outcome.result() is not None:
+        log.warning("reply.token_lost", error=repr(outcome.result()))
 
 
 def _too_large(final: FinalReply, num_bytes: int, max_bytes: int) -> FinalReply:

@@ -1,7 +1,8 @@
 """The composition root: builds a worker from its settings and owns its start-up and shutdown.
 
 Start-up, in dependency order: topics, producer, engine (its thread; the model loads), prompt
-tokenizer, pipeline, cancel listener, request consumer (joins the group), ready.
+tokenizer, batcher and the pipeline it feeds, cancel listener, request consumer (joins the group),
+ready.
 
 Shutdown, in the order that loses nothing (at-least-once), all of it within `stop_budget_s`
 (below the pod's grace period: a stop that overruns it is a SIGKILL that commits nothing):
@@ -37,6 +38,7 @@ from aiokafka.errors import KafkaError
 
 from schemas.codec import Limits
 from worker.broker import BrokerError, EmbeddedBroker
+from worker.service.batcher import Batcher
 from worker.service.bridge import EngineBridge
 from worker.service.consumer import RequestConsumer
 from worker.service.control import CancelListener
@@ -167,9 +169,10 @@ class Worker:
             self.publisher, self.tracker, self.telemetry, kafka.dlq_topic,
             s.publisher.num_final_retries, s.limits.max_message_bytes, self._fail,
         )  # fmt: skip
+        batcher = Batcher(s.batcher, queued_tokens=self.bridge.queued_tokens_at_least_as_urgent_as)
         self.pipeline = Pipeline(
             s, self.worker_id, self.bridge, replies, dead_letters, self.tracker, self.telemetry,
-            renderer,
+            renderer, batcher,
         )  # fmt: skip
         names = served_model_names(s.model, info.model_path, s.served_model_name)
         policy = RoutingPolicy(limits, kafka.reply_topic_prefix, names)
@@ -187,7 +190,7 @@ class Worker:
             self.tracker,
         )
         await self.consumer.start()
-        self._spawn(self.pipeline.batcher.run(), "batcher")
+        self._spawn(batcher.run(), "batcher")
         self._spawn(self.pipeline.run_events(), "engine-events")
         self._spawn(self._watch_engine(), "engine-watch")
         self._spawn(self.cancels.run(), "cancels")

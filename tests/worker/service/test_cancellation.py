@@ -3,7 +3,6 @@ in the batcher) on every worker of the group, and free its KV blocks."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -19,7 +18,7 @@ from tests.worker.kafka_helpers import (
     wait_for,
     worker_settings,
 )
-from tests.worker.service.test_redelivery import wait_for_split
+from tests.worker.workers import running_workers
 from worker.client import ClientOptions, MiniInferClient
 from worker.service.job import JobState
 from worker.service.worker import Worker
@@ -68,37 +67,33 @@ async def test_cancels_and_deadlines_reach_requests_everywhere_on_every_worker(
         Producer(broker.bootstrap_servers) as producer,
         ReplyReader(broker.bootstrap_servers) as replies,
         MiniInferClient(broker.bootstrap_servers, options) as client,
+        running_workers(workers, NUM_PARTITIONS, grace_s=2),
     ):
-        await asyncio.gather(*(w.start() for w in workers))
-        try:
-            await wait_for_split(workers, NUM_PARTITIONS)
-            long = {"max_tokens": 2000, "ignore_eos": True}
-            requests = [make_request(replies.topic, f"long {i}", **long) for i in range(12)]
-            soon_ms = int(time.time() * 1000) + 1500
-            expiring = [
-                make_request(replies.topic, f"expiring {i}", deadline_ms=soon_ms, **long)
-                for i in range(4)
-            ]
-            for request in [*requests, *expiring]:
-                await producer.send(topic, request)
-            # Both workers hold some: one decoding, one waiting in the engine, the rest held.
-            where = {"decoding", "engine queue", "batcher"}
-            await wait_for(lambda: all(placed(w) == where for w in workers))
-            for request in requests:
-                await client.cancel(request.id)
-            for request in requests:
-                assert (await replies.final_of(request.id)).finish_reason == "cancelled"
-            for request in expiring:
-                assert (await replies.final_of(request.id)).finish_reason == "expired"
-            answered_by = {replies.finals(r.id)[0].attempt.split(":")[0] for r in requests}
-            assert answered_by == {"c0", "c1"}
-            await wait_for(lambda: all(w.pipeline.num_unacked == 0 for w in workers))
-            for engine in engines:  # idle now: every block is back in the pool
-                await wait_for(lambda e=engine: not e.has_unfinished_requests())
-                stats = engine.get_stats()
-                assert stats.num_blocks_free == stats.num_blocks_total
-        finally:
-            await asyncio.gather(*(w.stop(grace_s=2) for w in workers))
+        long = {"max_tokens": 2000, "ignore_eos": True}
+        requests = [make_request(replies.topic, f"long {i}", **long) for i in range(12)]
+        soon_ms = int(time.time() * 1000) + 1500
+        expiring = [
+            make_request(replies.topic, f"expiring {i}", deadline_ms=soon_ms, **long)
+            for i in range(4)
+        ]
+        for request in [*requests, *expiring]:
+            await producer.send(topic, request)
+        # Both workers hold some: one decoding, one waiting in the engine, the rest held.
+        where = {"decoding", "engine queue", "batcher"}
+        await wait_for(lambda: all(placed(w) == where for w in workers))
+        for request in requests:
+            await client.cancel(request.id)
+        for request in requests:
+            assert (await replies.final_of(request.id)).finish_reason == "cancelled"
+        for request in expiring:
+            assert (await replies.final_of(request.id)).finish_reason == "expired"
+        answered_by = {replies.finals(r.id)[0].attempt.split(":")[0] for r in requests}
+        assert answered_by == {"c0", "c1"}
+        await wait_for(lambda: all(w.pipeline.num_unacked == 0 for w in workers))
+        for engine in engines:  # idle now: every block is back in the pool
+            await wait_for(lambda e=engine: not e.has_unfinished_requests())
+            stats = engine.get_stats()
+            assert stats.num_blocks_free == stats.num_blocks_total
 
 
 def placed(worker: Worker) -> set[str]:

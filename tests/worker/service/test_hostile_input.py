@@ -23,6 +23,7 @@ from schemas.codec import JSON, MSGPACK, Limits
 from schemas.contract import MAX_DEADLINE_MS, MAX_SEED, MAX_TEMPERATURE, MAX_TOKEN_ID
 from schemas.headers import request_headers
 from schemas.messages import ErrorCode
+from worker.service.batcher import Batcher
 from worker.service.job import JobState
 from worker.service.offsets import OffsetTracker
 from worker.service.pipeline import Pipeline
@@ -139,7 +140,7 @@ def admission(tiny_model_dir):
             settings_, "w", FakeBridge(), replies,
             SimpleNamespace(write=lambda *a, **k: dead.append(a)), tracker,
             Telemetry(settings_.observability, "w"),
-            PromptRenderer(load_tokenizer(str(tiny_model_dir))),
+            PromptRenderer(load_tokenizer(str(tiny_model_dir))), Batcher(settings_.batcher),
         )  # fmt: skip
 
     pipeline = loop.run_until_complete(build())

@@ -28,6 +28,7 @@ from tests.worker.kafka_helpers import (
     worker_settings,
 )
 from tests.worker.kafka_proxy import KafkaProxy
+from tests.worker.workers import wait_for_split
 from worker.service.worker import Worker
 
 pytestmark = pytest.mark.kafka
@@ -89,10 +90,7 @@ async def test_records_of_gained_partitions_are_answered_while_the_listener_awai
         await survivor.start()
         try:
             await leaver.start()
-            await wait_for(
-                lambda: len(survivor.consumer.assignment) == len(leaver.consumer.assignment) == 2,
-                60, "the two workers to share the partitions",
-            )  # fmt: skip
+            await wait_for_split([survivor, leaver], NUM_PARTITIONS)
             gained = {p for p in leaver.consumer.assignment}
             hold_listener_until_fetched(survivor, gained)
             await leaver.stop(grace_s=0)
@@ -104,9 +102,7 @@ async def test_records_of_gained_partitions_are_answered_while_the_listener_awai
                     request = make_request(replies.topic, id=f"p{partition}-{i}", max_tokens=2)
                     await producer.send(topic, request, partition=partition)
                     ids.append(request.id)
-            await wait_for(
-                lambda: len(survivor.consumer.assignment) == NUM_PARTITIONS, 60, "the rebalance"
-            )
+            await wait_for_split([survivor], NUM_PARTITIONS)  # the rebalance
             await replies.wait_until(
                 lambda: all(replies.finals(i) for i in ids), 30, "a final for every request"
             )

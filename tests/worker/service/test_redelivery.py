@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -17,6 +16,7 @@ from tests.worker.kafka_helpers import (
     stream_of,
     worker_settings,
 )
+from tests.worker.workers import running_workers
 from worker.service.worker import Worker
 
 pytestmark = pytest.mark.kafka
@@ -104,16 +104,12 @@ async def test_two_workers_share_the_partitions_and_answer_each_request_once(
         Producer(broker.bootstrap_servers) as producer,
         ReplyReader(broker.bootstrap_servers) as replies,
     ):
-        await asyncio.gather(*(w.start() for w in workers))
-        try:
-            await wait_for_split(workers, num_partitions)
+        async with running_workers(workers, num_partitions):
             requests = [make_request(replies.topic, f"prompt {i}", max_tokens=6) for i in range(16)]
             for request in requests:
                 await producer.send(topic, request)
             for request in requests:
                 await replies.final_of(request.id)
-        finally:
-            await asyncio.gather(*(w.stop(grace_s=5) for w in workers))
         # Everything the workers sent is flushed now; a marker shows the reader has read it all.
         await producer.send(replies.topic, make_request(replies.topic, id="end-marker"))
         await replies.wait_until(lambda: "end-marker" in replies.raw_ids, what="the end marker")
@@ -121,19 +117,6 @@ async def test_two_workers_share_the_partitions_and_answer_each_request_once(
     assert set(finals_per_id.values()) == {1}, finals_per_id
     answered_by = {replies.finals(r.id)[0].attempt.split(":")[0] for r in requests}
     assert answered_by == {"pool-0", "pool-1"}
-
-
-async def wait_for_split(
-    workers: list[Worker], num_partitions: int, timeout_s: float = 60.0
-) -> None:
-    """Until every worker has partitions and together they hold all of them (a settled rebalance)."""
-    deadline_s = time.monotonic() + timeout_s
-    while True:
-        assignments = [w.consumer.assignment for w in workers]
-        if all(assignments) and sum(len(a) for a in assignments) == num_partitions:
-            return
-        assert time.monotonic() < deadline_s, f"no settled split: {assignments}"
-        await asyncio.sleep(0.05)
 
 
 async def test_a_rebalance_mid_generation_hands_unfinished_work_to_the_new_owner(

@@ -1,0 +1,58 @@
+"""Reading topics from their start in the background, outside any consumer group: the start,
+read and bounded stop that tools watching replies share (the load tests' and the tests' reply
+readers). aiokafka only, no torch.
+
+Every record goes to `on_record` on the event loop, in order per partition, until the reader
+is closed. The stop is bounded: aiokafka's `stop()` can hang on a broker that went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+POLL_TIMEOUT_MS = 200
+STOP_TIMEOUT_S = 10.0
+
+
+class TopicReader:
+    """`async with TopicReader(servers, on_record, topics=[...])` (whole topics) or
+    `partitions=[...]` (those alone); extra keyword arguments go to `AIOKafkaConsumer`."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        on_record: Callable[[object], None],
+        *,
+        topics: Iterable[str] = (),
+        partitions: Iterable[TopicPartition] = (),
+        **consumer_options,
+    ) -> None:
+        self._on_record = on_record
+        self._partitions = list(partitions)
+        self._consumer = AIOKafkaConsumer(
+            *topics, bootstrap_servers=bootstrap_servers, group_id=None,
+            auto_offset_reset="earliest", enable_auto_commit=False, **consumer_options,
+        )  # fmt: skip
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> TopicReader:
+        await self._consumer.start()
+        if self._partitions:
+            self._consumer.assign(self._partitions)
+        self._task = asyncio.create_task(self._read(), name="topic-reader")
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.wait_for(self._consumer.stop(), STOP_TIMEOUT_S)
+
+    async def _read(self) -> None:
+        while True:
+            batches = await self._consumer.getmany(timeout_ms=POLL_TIMEOUT_MS)
+            for records in batches.values():
+                for record in records:
+                    self._on_record(record)
