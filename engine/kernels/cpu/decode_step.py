@@ -28,8 +28,8 @@ from types import ModuleType
 import structlog
 import torch
 
-from engine.kernels.cpu import bf16_gemm, extension, fused_ops, paged_attention, quant_gemm
 from engine.kernels.attention_types import AttentionMetadata
+from engine.kernels.cpu import bf16_gemm, extension, fused_ops, paged_attention, quant_gemm
 from engine.layers.linear import Linear
 from engine.quant.linear import QuantLinear
 
