@@ -64,8 +64,9 @@ LINEAR_KERNELS = ("auto", "plain", "packed", "gemv")
 CALIBRATION_ROWS = (1, 4, 16, 64)
 _ROUNDS = 15
 # Bumped when what a cached entry means changes: entries from before are measured again (v2:
-# decisions taken under load or from implausible samples are no longer cached).
-CALIBRATION_VERSION = 2
+# decisions taken under load or from implausible samples are no longer cached; v3: "gemv" timed
+# as our kernel at every bucket).
+CALIBRATION_VERSION = 3
 MIN_PLAUSIBLE_SAMPLES = 5  # of _ROUNDS, per path and rows bucket, for a decision to be cached
 MIN_CALL_US = 0.5  # one torch call never returns faster (dispatch alone is ~1-2 us)
 # An upper bound on what one core reads from its own L2 (64 B/cycle at 5 GHz): 320 GB/s.
@@ -177,9 +178,13 @@ def calibrate_shape(in_features: int, out_features: int, dtype: torch.dtype) -> 
             "packed": lambda x=x: torch.ops.mkldnn._linear_pointwise(
                 x, weights["packed"], None, "none", [], ""
             ),
-            "gemv": lambda x=x: bf16_gemm.linear(
-                gemv, isa, x, weights["gemv"], None, out_features, in_features
-            ),
+            # Our kernel itself at every bucket: the fused decode step runs it up to
+            # bf16_gemm.FUSED_MAX_ROWS (64) decode rows. (A prefill chunk past GEMV_MAX_ROWS
+            # takes F.linear on an unpacked copy instead, for HF's rounding: a per-prompt cost
+            # this per-token choice does not weigh. Timing that path at 64 rows chose oneDNN
+            # for every SmolLM2 linear, which kept the fused step off: W1 bf16 33 tok/s
+            # against 77.)
+            "gemv": lambda x=x: gemv(x, weights["gemv"], None, out_features, isa, None),
         }
         calls = {name: calls[name] for name in paths}
         times = samples[rows] = {name: [] for name in calls}
