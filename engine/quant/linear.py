@@ -300,13 +300,33 @@ class QuantLinear(nn.Module):
             x, self.cpp_codes, self.cpp_scales, self.out_features, self.cpp_isa, None
         )
 
+    def _kernel_quantizes_activations(self, x: torch.Tensor) -> bool:
+        """Whether packing will give this layer the C++ kernel's int8-activation path for x
+        (quant_gemm.py: "auto" kernel on a VNNI CPU, bf16 rows, at least its minimum rows)."""
+        return (
+            self.quant.kernel == "auto"
+            and x.dtype == torch.bfloat16 == self.dtype
+            and x.shape[0] >= quant_gemm.INT8_ACTIVATION_MIN_ROWS
+            and self.in_features % quant_gemm.CHUNK == 0
+            and quant_gemm.best_isa() in quant_gemm.INT8_ACTIVATION_ISAS
+            and quant_gemm.load() is not None
+        )
+
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        """Dequantize-then-matmul in float32 (w8a8 also quantizes the activations where its
-        kernel does), cast to the input dtype: what the kernels are tested against."""
+        """Dequantize-then-matmul in float32 (w8a8, and the C++ kernel's int8-activation path,
+        also quantize the activations where the kernel does), cast to the input dtype: what the
+        kernels are tested against."""
         weight = self.dequantized_weight()
         if self.scheme == "w8a8" and x.shape[0] >= W8A8_INT_MM_MIN_ROWS:
             codes, token_scale = quantize_per_token_int8(x)
             y = (codes.float() @ self.weight.data.float().t()) * token_scale * self.scale
+        elif self._kernel_quantizes_activations(x):
+            # As the kernel's int8-activation path: the activations as it quantizes them; an
+            # int4 group's minimum multiplies them unquantized.
+            minimum = torch.zeros_like(weight)
+            if self.scheme == "int4":
+                minimum = self.minimum.repeat_interleave(self.quant.group_size, dim=1)
+            y = quant_gemm.quantize_activations(x) @ (weight - minimum).t() + x.float() @ minimum.t()
         else:
             y = x.float() @ weight.t()
         if self.bias is not None:
