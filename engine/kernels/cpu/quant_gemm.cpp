@@ -721,10 +721,7 @@ Activations activations(const at::Tensor& x) {
   }
   a.bf16 = reinterpret_cast<const uint16_t*>(a.contiguous.data_ptr());
   a.widened.resize(a.rows * a.cols);
-  for (int64_t i = 0; i < a.rows * a.cols; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(a.bf16[i]) << 16;
-    std::memcpy(&a.widened[i], &bits, sizeof(float));
-  }
+  for (int64_t i = 0; i < a.rows * a.cols; ++i) a.widened[i] = to_f32(a.bf16[i]);
   a.f32 = a.widened.data();
   return a;
 }
@@ -920,15 +917,9 @@ void run_blocks(const GemvTask& t, int64_t b0, int64_t b1) {
   }
 }
 
-// Task functions (fn(args, rows, begin, end)). gemv_task: prepare, then blocks [b0, b1).
-// gemv_prepare_task (every thread, items ignored) then gemv_blocks_task (any shares of blocks,
-// e.g. taken dynamically): the same bits, one preparation per thread.
-void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
-  const GemvTask& t = *static_cast<const GemvTask*>(raw);
-  prepare(t, rows);
-  run_blocks(t, b0, b1);
-}
-
+// Task functions (fn(args, rows, begin, end)): gemv_prepare_task (every thread, items ignored)
+// then gemv_blocks_task (any shares of blocks, e.g. taken dynamically): one preparation per
+// thread and GEMV.
 void gemv_prepare_task(const void* raw, int64_t rows, int64_t, int64_t) {
   prepare(*static_cast<const GemvTask*>(raw), rows);
 }
@@ -990,8 +981,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("out_features"),
         py::arg("isa"), py::arg("out") = py::none());
   m.def("quantize_activations", &quantize_activations, "the VNNI path's int8 activations");
-  m.def("gemv_task_fn", [] { return py::capsule(reinterpret_cast<void*>(&gemv_task), "mini_infer.task_fn"); },
-        "the fused decode step's GEMV task (a function pointer)");
   m.def("gemv_prepare_task_fn", [] {
     return py::capsule(reinterpret_cast<void*>(&gemv_prepare_task), "mini_infer.task_fn");
   }, "a GEMV's activations prepared by each thread (run on every thread)");
