@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -44,6 +45,52 @@ inline float to_float(scalar_t v) { return static_cast<float>(v); }
 
 template <typename scalar_t>
 inline scalar_t from_float(float v) { return static_cast<scalar_t>(v); }  // c10: round to nearest even
+
+// float -> scalar_t -> float, the rounding c10 does on a cast, in a form the vectoriser takes:
+// for bf16, round to nearest even on the bits (NaN -> the canonical quiet NaN, as c10 does).
+template <typename scalar_t>
+inline float round_like(float v) { return to_float(from_float<scalar_t>(v)); }
+
+inline float bf16_bits_to_float(uint32_t bits) {
+  const uint32_t widened = bits << 16;
+  float value;
+  std::memcpy(&value, &widened, sizeof(value));
+  return value;
+}
+
+inline uint32_t float_to_bf16_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return v != v ? 0x7FC0u : rounded;
+}
+
+template <>
+inline float round_like<at::BFloat16>(float v) { return bf16_bits_to_float(float_to_bf16_bits(v)); }
+
+template <typename scalar_t>
+inline void widen(const scalar_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+template <>
+inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_float(bits[i]);
+}
+
+template <typename scalar_t>
+inline void narrow(const float* src, scalar_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = from_float<scalar_t>(src[i]);
+}
+
+template <>
+inline void narrow(const float* src, at::BFloat16* dst, int64_t n) {
+  uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) bits[i] = static_cast<uint16_t>(float_to_bf16_bits(src[i]));
+}
 
 int64_t ceil_log2(int64_t x) {  // c10::utils::CeilLog2
   if (x <= 2) return 1;
@@ -116,22 +163,22 @@ void rms_norm_rows(const scalar_t* x, scalar_t* residual, const scalar_t* weight
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* xr = x + r * x_stride;
       scalar_t* rr = residual != nullptr ? residual + r * n : nullptr;
-      for (int64_t i = 0; i < n; ++i) {
-        scalar_t v = xr[i];
-        if (rr != nullptr) {  // x + residual, rounded to the model dtype, is the new residual
-          v = from_float<scalar_t>(to_float(v) + to_float(rr[i]));
-          rr[i] = v;
-        }
-        value[i] = to_float(v);
-        square[i] = value[i] * value[i];
+      widen(xr, value.data(), n);
+      if (rr != nullptr) {  // x + residual, rounded to the model dtype, is the new residual
+        widen(rr, square.data(), n);
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) value[i] = round_like<scalar_t>(value[i] + square[i]);
+        narrow(value.data(), rr, n);
       }
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) square[i] = value[i] * value[i];
       const float variance = torch_row_sum<L>(square.data(), n) / static_cast<float>(n);
       const float inv = 1.0f / std::sqrt(variance + eps);
-      scalar_t* o = out + r * out_stride;
-      for (int64_t i = 0; i < n; ++i) {
-        const scalar_t normed = from_float<scalar_t>(value[i] * inv);
-        o[i] = from_float<scalar_t>(to_float(weight[i]) * to_float(normed));
-      }
+      widen(weight, square.data(), n);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i)
+        value[i] = round_like<scalar_t>(square[i] * round_like<scalar_t>(value[i] * inv));
+      narrow(value.data(), out + r * out_stride, n);
     }
   });
 }
@@ -191,19 +238,26 @@ void rotary_rows(scalar_t* x, const scalar_t* cos, const scalar_t* sin, int64_t 
   const int64_t grain =
       std::max<int64_t>(1, kGrainElements / std::max<int64_t>(num_heads * head_dim, 1));
   at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(head_dim);
+    // One head's values in fp32 and its result, rounded as torch rounds each of its three ops.
+    // roll(x, half)[i] = x[(i + half) % head_dim], written as two loops: no division per
+    // element, and loops the vectoriser takes (measured: 7 ns an element with the modulo and
+    // c10's scalar rounding, 32 rows x 12 heads of 64 taking 170 us a layer).
+    std::vector<float> row(head_dim), rolled(head_dim), cf(head_dim), sf(head_dim);
     for (int64_t t = begin; t < end; ++t) {
-      const scalar_t* c = cos + t * head_dim;
-      const scalar_t* s = sin + t * head_dim;
+      widen(cos + t * head_dim, cf.data(), head_dim);
+      widen(sin + t * head_dim, sf.data(), head_dim);  // its first half negated already
       for (int64_t h = 0; h < num_heads; ++h) {
         scalar_t* xh = x + t * token_stride + h * head_stride;
-        for (int64_t i = 0; i < head_dim; ++i) row[i] = to_float(xh[i]);
+        widen(xh, row.data(), head_dim);
+        std::copy(row.begin() + half, row.end(), rolled.begin());
+        std::copy(row.begin(), row.begin() + half, rolled.begin() + (head_dim - half));
+#pragma omp simd
         for (int64_t i = 0; i < head_dim; ++i) {
-          // roll(x, half)[i] = x[(i + half) % head_dim]; sin's first half is negated already
-          const scalar_t a = from_float<scalar_t>(row[i] * to_float(c[i]));
-          const scalar_t b = from_float<scalar_t>(row[(i + half) % head_dim] * to_float(s[i]));
-          xh[i] = from_float<scalar_t>(to_float(a) + to_float(b));
+          const float a = round_like<scalar_t>(row[i] * cf[i]);
+          const float b = round_like<scalar_t>(rolled[i] * sf[i]);
+          row[i] = round_like<scalar_t>(a + b);
         }
+        narrow(row.data(), xh, head_dim);
       }
     }
   });
