@@ -756,12 +756,14 @@ struct QuantizedActivations {
 };
 
 // The VNNI path takes bf16 activations (fp32 ones asked for the reference's math), whole
-// chunks of 32 inputs (int4 groups always are), and at least kVnniMinRows rows. One row is a
-// GEMV bound by the memory bandwidth: there the VNNI path was no faster in the engine (W1 on
-// the 2-core Zen 4 VM, 119 against 117 tok/s), and the exact path's perplexity is better
-// (SmolLM2 int4 +0.34% over fp32 against +1.79%; loadtest/README.md). From 2 rows on the
-// multiply-adds count: 2.1x at 32 rows. Otherwise the exact path of the same CPU.
-constexpr int64_t kVnniMinRows = 2;
+// chunks of 32 inputs (int4 groups always are), and at least kVnniMinRows rows; otherwise the
+// exact path of the same CPU. One row included: there the exact int4 path is bound by its
+// instructions, not the memory (widening codes to bf16 costs ~4 instructions per 16 bytes
+// against VNNI's ~1.5): SmolLM2's int4 layers at one row on the 2-core Zen 4 VM, in-process
+// A/B, exact 12-14 GB/s, VNNI 15-29 GB/s (1.2-2.2x). It was 2 while the engine measured no gain
+// at one row (on a shared machine); the accuracy figures were always the VNNI ones, since
+// perplexity runs many rows a step (loadtest/README.md).
+constexpr int64_t kVnniMinRows = 1;
 
 int64_t effective_isa(int64_t isa, bool x_is_bf16, int64_t in_features, int64_t rows) {
   if (isa != kAvx512Vnni) return isa;

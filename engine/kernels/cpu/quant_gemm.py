@@ -16,8 +16,8 @@ fp32 in registers and multiplied with fp32 activations. The exception is "avx512
 llama.cpp, it quantizes bf16 activations to int8 per chunk of 32 inputs and multiplies with
 integer dot products (`vpdpbusd`, 64 multiply-adds an instruction), adding an activation
 rounding error the reference does not have (`quantize_activations` is its reference). It runs
-from INT8_ACTIVATION_MIN_ROWS rows: one row is bound by the memory bandwidth, where it gained
-nothing in the engine. QuantConfig kernel "exact" keeps the other paths.
+from INT8_ACTIVATION_MIN_ROWS rows (one: at one row the exact int4 path is bound by its
+instructions, 2x slower than VNNI's). QuantConfig kernel "exact" keeps the other paths.
 
 Paths: "avx512vnni" (AVX-512 VNNI + VBMI: Ice Lake, Sapphire Rapids, Zen 4), "avx512bf16"
 (int4 with bf16 activations: `vdpbf16ps` on codes turned into bf16 by bit operations, see the
@@ -71,9 +71,9 @@ ISAS = ("portable", "avx2", "avx512", "avx512bf16", "avx512vnni")
 # Paths that quantize the activations to int8 (the others compute the reference's math).
 INT8_ACTIVATION_ISAS = ("avx512vnni",)
 CHUNK = 32  # inputs per activation scale on those paths
-# ... from this many rows; fewer take the exact path (quant_gemm.cpp, kVnniMinRows: one row is
-# bound by the memory bandwidth, where the integer path gains nothing and costs accuracy).
-INT8_ACTIVATION_MIN_ROWS = 2
+# ... from this many rows; fewer take the exact path (quant_gemm.cpp, kVnniMinRows: every row
+# count since the exact int4 path was measured bound by its instructions at one row).
+INT8_ACTIVATION_MIN_ROWS = 1
 _ISA_CODE = {name: code for code, name in enumerate(ISAS)}
 _ISA_FLAGS = {  # what the CPU must report for each path (Linux /proc/cpuinfo names)
     "portable": (),

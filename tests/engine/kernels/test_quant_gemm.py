@@ -187,9 +187,10 @@ def test_the_kernel_quantizes_activations_as_the_reference(ext, rows, num_chunks
     assert torch.equal(ours.reshape(rows, -1), quant_gemm.quantize_activations(x))
 
 
-def test_one_row_takes_the_exact_path_on_the_int8_activation_isa(ext):
+def test_rows_below_the_minimum_take_the_exact_path_on_the_int8_activation_isa(ext):
     """Below INT8_ACTIVATION_MIN_ROWS the VNNI path hands the call to the exact path of the same
-    CPU: the same bits as that path, not the quantized-activation reference's."""
+    CPU (the same bits as that path, not the quantized-activation reference's); from it on, it
+    quantizes (bits of its own)."""
     _isa("avx512vnni")
     exact = "avx512bf16" if quant_gemm.can_run("avx512bf16") else "avx512"
     generator = torch.Generator().manual_seed(3)
