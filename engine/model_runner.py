@@ -26,7 +26,8 @@ from engine.kernels.cpu.linear_choice import choose_linear_kernels
 from engine.kernels.cpu.paged_attention import compiler
 from engine.kv_cache_manager import cdiv
 from engine.layers.linear import Linear
-from engine.layers.pointwise import use_cpu_ops
+from engine.layers.ops import build as build_ops
+from engine.layers.ops import cpu_ops, use_ops
 from engine.logprobs import StepLogprobs, add_sample_logprobs, prompt_logprobs_for_step
 from engine.model_config import load_config
 from engine.models import get_model_class
@@ -61,6 +62,7 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     device_kind = "cpu"  # the attention backend's device (engine/attention_backends.py)
+    device = torch.device("cpu")  # where the model and the pool live (CudaModelRunner: its GPU)
 
     def __init__(
         self,
@@ -72,60 +74,75 @@ class ModelRunner:
         tune_process(config.num_threads)
         self.config = config
         self._is_trim_due = False  # the last step was large: trim before this one
-        self.hf_config = load_config(model_path)
-        device = getattr(self, "device", torch.device("cpu")).type  # CudaModelRunner sets it
-        self.dtype, self.quant = resolve_precision(
-            Path(model_path), self.hf_config, dtype, quantization, device
-        )
-        self.block_size = config.block_size
-        model_class = get_model_class(self.hf_config)
-        self.max_model_len = self._max_model_len(config, self.hf_config, model_class)
-        self.is_compiled = self._should_compile(config.compile)
-        if self.is_compiled and not getattr(model_class, "supports_compile", True):
-            log.warning("model_runner.compile_unsupported", model=model_class.__name__)
-            self.is_compiled = False
-        backend = self.attention = attention_backend(
-            self.device_kind, config.kv_cache_dtype, config.attention_backend, self.is_compiled
-        )
-        self.model = model_class(
-            self.hf_config, self.dtype, self.max_model_len, backend, quant=self.quant
-        ).eval()
-        # Quantized layers are packed by load_model_weights (torch's layout too when compiled:
-        # the C++ kernel's pybind call cannot be traced); the plain ones here, per shape.
-        load_model_weights(
-            self.model, Path(model_path), self.quant, keep_torch_layout=self.is_compiled,
-            embedding_from_head=self._embedding_from_head(device, fused_decode_known=False),
-        )  # fmt: skip
-        # Compiled: Inductor's freezing lays the weights out itself, from plain ones.
-        linear_kernel = "plain" if self.is_compiled else config.linear_kernel
-        self.linear_kernels = self._pack_linears(linear_kernel)
-        trim_heap()  # what loading freed: RSS 639 -> 588 MiB (SmolLM2 int4 + int8 KV)
+        self._load(Path(model_path), dtype, quantization)
         self._place_model()
         self._allocate_kv_cache()
-        self.pointwise_ops = None  # compiled, or not on the CPU: per-call choice by device
-        if not self.is_compiled and self.kv_cache.device.type == "cpu":
-            self.pointwise_ops = use_cpu_ops(self.model, config.fused_ops)
-        self._forward = self.model
-        self.fused_decode = None  # why the fused decode step does not apply; None when it does
-        if self.pointwise_ops is not None:
-            self._forward, self.fused_decode = decode_step.resolve(
-                self.model, config.fused_decode, self.kv_cache.dtype, self.max_model_len
-            )
-        self.embedding = self._share_embedding()
+        self._choose_step()
         if self.is_compiled:
-            self._forward = CompiledModel(self.model, backend, self._layer_caches)
+            self._forward = CompiledModel(self.model, self.attention, self._layer_caches)
             self._warm_up()
         self.sampler = Sampler()
         log.info(
             "model_runner.ready", model=str(model_path), dtype=str(self.dtype).split(".")[-1],
             max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
-            kv_cache_bytes=self.kv_cache_bytes, attention_backend=backend.name,
+            kv_cache_bytes=self.kv_cache_bytes, attention_backend=self.attention.name,
             linear_kernels=self.linear_kernels, compiled=self.is_compiled,
             pointwise_ops=self.pointwise_ops,
             fused_decode=self.fused_decode or "on", embedding=self.embedding,
             cpu=cpu_info().model_name,
             cpu_isa=cpu_info().vector_isa,
         )  # fmt: skip
+
+    def _load(self, model_path: Path, dtype: torch.dtype | str, quantization: str | None) -> None:
+        """The model, built for its dtype, quantization and attention backend, with its weights
+        in and its linears packed for this CPU."""
+        self.hf_config = load_config(model_path)
+        device = self.device.type
+        self.dtype, self.quant = resolve_precision(
+            model_path, self.hf_config, dtype, quantization, device
+        )
+        self.block_size = self.config.block_size
+        model_class = get_model_class(self.hf_config)
+        self.max_model_len = self._max_model_len(self.config, self.hf_config, model_class)
+        self.is_compiled = self._should_compile(self.config.compile)
+        if self.is_compiled and not getattr(model_class, "supports_compile", True):
+            log.warning("model_runner.compile_unsupported", model=model_class.__name__)
+            self.is_compiled = False
+        self.attention = attention_backend(
+            self.device_kind, self.config.kv_cache_dtype, self.config.attention_backend,
+            self.is_compiled,
+        )  # fmt: skip
+        self.model = model_class(
+            self.hf_config, self.dtype, self.max_model_len, self.attention, quant=self.quant
+        ).eval()
+        # Quantized layers are packed by load_model_weights (torch's layout too when compiled:
+        # the C++ kernel's pybind call cannot be traced); the plain ones here, per shape.
+        load_model_weights(
+            self.model, model_path, self.quant, keep_torch_layout=self.is_compiled,
+            embedding_from_head=self._embedding_from_head(device, fused_decode_known=False),
+        )  # fmt: skip
+        # Compiled: Inductor's freezing lays the weights out itself, from plain ones.
+        linear_kernel = "plain" if self.is_compiled else self.config.linear_kernel
+        self.linear_kernels = self._pack_linears(linear_kernel)
+        trim_heap()  # what loading freed: RSS 639 -> 588 MiB (SmolLM2 int4 + int8 KV)
+
+    def _choose_step(self) -> None:
+        """How a step runs, once the model sits on its device: the elementwise chains
+        (engine/layers/ops.py), the fused decode step (eager CPU only) and the embedding."""
+        device = self.kv_cache.device.type
+        is_eager_cpu = device == "cpu" and not self.is_compiled
+        if is_eager_cpu:
+            ops = cpu_ops(self.dtype, self.config.fused_ops)
+        else:  # compiled: the torch chains, for Inductor to fuse; a GPU: Triton
+            ops = build_ops(device, self.dtype)
+        self.pointwise_ops = use_ops(self.model, ops)
+        self._forward = self.model
+        self.fused_decode = None  # why the fused decode step does not apply; None when it does
+        if is_eager_cpu:
+            self._forward, self.fused_decode = decode_step.resolve(
+                self.model, self.config.fused_decode, self.kv_cache.dtype, self.max_model_len
+            )
+        self.embedding = self._share_embedding()
 
     def _embedding_from_head(self, device: str, fused_decode_known: bool) -> bool:
         """Whether a tied embedding is looked up in the int8 lm_head's codes, its float table
@@ -235,8 +252,9 @@ class ModelRunner:
         shape = kv_pool.KVPoolShape(
             hf.num_hidden_layers, self.block_size, hf.num_key_value_heads, head_dim_of(hf)
         )
-        device = getattr(self, "device", torch.device("cpu"))
-        self.kv_pool = kv_pool.allocate(shape, self.config, self.max_model_len, self.dtype, device)
+        self.kv_pool = kv_pool.allocate(
+            shape, self.config, self.max_model_len, self.dtype, self.device
+        )
         kv_pool.attach(self.model, self.kv_pool)
         self.kv_cache, self.kv_cache_scales = self.kv_pool.cache, self.kv_pool.scales
         self.num_kv_blocks, self.kv_cache_bytes = self.kv_pool.num_kv_blocks, self.kv_pool.num_bytes
