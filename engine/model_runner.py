@@ -45,7 +45,7 @@ log = structlog.get_logger(__name__)
 
 MAX_DEFAULT_MODEL_LEN = 8192
 # After a step of this many tokens (a large prefill), the next step first hands the heap's free
-# pages back (`trim_heap`): glibc keeps freed memory for speed (`_keep_freed_memory`), so a
+# pages back (`trim_heap`): glibc keeps freed memory for speed (platform.keep_freed_memory), so a
 # burst of prompts left its activations resident while decoding filled the KV pool, both on
 # the peak RSS (W2: 17 MiB). Decode steps keep their pages: they re-fault them once after such
 # a step, not every step.
