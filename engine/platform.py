@@ -137,12 +137,18 @@ def trim_heap() -> None:
 
 
 def tune_process(num_threads: int | None) -> None:
-    """The process-wide settings the model runner relies on, set in this one place: torch's
-    thread count (when configured), glibc keeping freed memory (`keep_freed_memory`), and a
-    warning when the OpenMP wait policy could not be applied (engine/openmp.py)."""
+    """The process-wide settings the engine relies on, set in this one place (the engine calls
+    it before loading, the model runner again for when it is built alone): torch's thread count
+    (when configured), glibc keeping freed memory (`keep_freed_memory`), and one warning when
+    the OpenMP wait policy could not be applied (engine/openmp.py)."""
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     keep_freed_memory()
+    _warn_if_openmp_spins()
+
+
+@functools.cache
+def _warn_if_openmp_spins() -> None:
     if not openmp.APPLIED_AT_IMPORT and "OMP_WAIT_POLICY" not in os.environ:
         log.warning(
             "model_runner.openmp_spinning",
