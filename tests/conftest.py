@@ -16,6 +16,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# A kernel that fails to compile where a compiler exists fails its tests instead of skipping
+# them as "no compiler" (engine/kernels/cpu/extension.py).
+os.environ.setdefault("MINI_INFER_KERNEL_BUILD_STRICT", "1")
+
 from tests.tiny_model import make_tiny_llama
 from worker.broker import EmbeddedBroker
 

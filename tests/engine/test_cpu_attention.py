@@ -161,7 +161,11 @@ def test_failed_build_falls_back_to_the_reference(tmp_path, monkeypatch):
         raise RuntimeError("Error building extension")
 
     monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.delenv("MINI_INFER_KERNEL_BUILD_STRICT", raising=False)
     assert paged_attention.build(tmp_path) is None
+    monkeypatch.setenv("MINI_INFER_KERNEL_BUILD_STRICT", "1")  # the suite's setting: it raises
+    with pytest.raises(RuntimeError, match="Error building extension"):
+        paged_attention.build(tmp_path)
 
 
 def test_build_flags_follow_the_instruction_set():

@@ -103,7 +103,7 @@ def start_serve(
 
 
 async def wait_for_file(
-    path: Path, process: subprocess.Popen, log_path: Path, timeout_s: float = 90.0
+    path: Path, process: subprocess.Popen, log_path: Path, timeout_s: float = 180.0
 ) -> None:
     """Until `serve` wrote its ready file; kills it and fails with its log if it died first."""
     deadline_s = time.monotonic() + timeout_s

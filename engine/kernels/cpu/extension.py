@@ -6,7 +6,9 @@ the compile once (tens of seconds of CPU; minutes of wall time on a loaded 2-cor
 later start imports the cached library in about a second; a changed source or another CPU gets
 its own directory. The source is compiled from a copy inside that directory, so checkouts at
 different paths holding the same source share one build instead of rebuilding it in turn. No C++ compiler, or a build that fails, gives None with one warning: callers
-fall back to their torch path, the engine never fails for want of a compiler.
+fall back to their torch path, the engine never fails for want of a compiler. Where a compiler
+is present, the test suite sets MINI_INFER_KERNEL_BUILD_STRICT=1 (tests/conftest.py): a kernel that
+fails to compile there raises instead of falling back, so its tests fail rather than skip.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from types import ModuleType
 import structlog
 
 log = structlog.get_logger(__name__)
+
+STRICT_ENV = "MINI_INFER_KERNEL_BUILD_STRICT"
 
 
 def compiler() -> str | None:
@@ -74,6 +78,8 @@ def build(
             verbose=False,
         )
     except Exception as error:  # a compiler that fails is the same as none: fall back
+        if os.environ.get(STRICT_ENV) == "1":  # the test suite: a broken kernel is a failure
+            raise
         log.warning(f"{event}.build_failed", fallback=fallback, error=str(error)[-2000:])
         return None
 

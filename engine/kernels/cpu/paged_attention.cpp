@@ -85,6 +85,103 @@ inline void scale(float alpha, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= alpha;
 }
 
+// exp(v[i]) in place, in a form the vectoriser takes (std::exp is a call per element: at 32
+// rows it was most of the decode's time). Cody-Waite range reduction, x = n ln2 + r with
+// |r| <= ln2 / 2, and a degree-6 polynomial for e^r (Cephes' expf coefficients): within 2 ulp of
+// std::exp; below -87.3 (e^x denormal or 0, and -inf: a running max not yet set) it is 0.
+inline void exp_inplace(float* v, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = std::min(std::max(v[i], -87.3f), 88.3f);
+    const float k = std::nearbyint(x * 1.44269504088896341f);
+    const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k, k in [-126, 127]
+    float two_k;
+    std::memcpy(&two_k, &bits, sizeof(two_k));
+    v[i] = v[i] < -87.3f ? 0.0f : p * two_k;
+  }
+}
+
+#if defined(__AVX512F__)
+// e^x for x <= 0 (scores minus their running max), 16 lanes: 2^(x log2 e) split into an
+// integer power (applied exactly by scalef) and 2^f, f in [-1/2, 1/2], by its degree-6 Taylor
+// polynomial (relative error ~1e-7, fp32's own rounding). Replaces 16 calls of scalar expf.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AVX512F__)
+// out[i] = the sum of v[i]'s 16 lanes, for 16 vectors: four levels of shuffles and adds (45
+// instructions) where 16 horizontal sums cost a serial chain of 15 scalar adds each. It is
+// how the decode scores a block: a dot product of 64 ended in such a chain per token and
+// query head, and that chain was the decode's largest cost at 32 rows.
+inline __m512 lane_sums16(const __m512* v) {
+  __m512 pairs[8], quads[4], octets[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v2i (0+2), v2i+1 (0+2), v2i (1+3), v2i+1 (1+3)]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of v4i .. v4i+3
+    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  constexpr int kEven = _MM_SHUFFLE(2, 0, 2, 0), kOdd = _MM_SHUFFLE(3, 1, 3, 1);
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes: v8i..+3 (halves 0, 1), v8i+4..+7 (halves 0, 1)
+    octets[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], kEven),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], kOdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(octets[0], octets[1], kEven),
+                       _mm512_shuffle_f32x4(octets[0], octets[1], kOdd));
+}
+
+#endif
+
+// Online-softmax step of one row over one block's first n scores (in place: scores become
+// weights): returns the correction for the row's accumulator and updates its max and sum.
+inline float softmax_step(float* sr, int64_t n, int64_t B, float& m, float& l) {
+#if defined(__AVX512F__)
+  if (B == 16) {
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
+    const __m512 scores = _mm512_loadu_ps(sr);
+    const float new_max = std::max(m, _mm512_mask_reduce_max_ps(keep, scores));
+    const __m512 weights =
+        _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+    _mm512_storeu_ps(sr, weights);
+    const float correction = std::exp(m - new_max);  // 0 on the first block (m = -inf)
+    l = l * correction + _mm512_reduce_add_ps(weights);
+    m = new_max;
+    return correction;
+  }
+#endif
+  const float new_max = std::max(m, *std::max_element(sr, sr + n));
+  const float correction = std::exp(m - new_max);
+  for (int64_t t = 0; t < n; ++t) sr[t] -= new_max;
+  exp_inplace(sr, n);
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) sum += sr[t];
+  l = l * correction + sum;
+  m = new_max;
+  return correction;
+}
+
 // Blocks lie anywhere in the pool, so the hardware prefetcher cannot follow the block table:
 // fetch one block's K and V rows of one head (`rows`: its first K row) while the previous
 // block is computed. Strides in elements of the cache.
@@ -98,6 +195,82 @@ inline void prefetch_block(const cache_t* rows, int64_t block_size, int64_t head
       __builtin_prefetch(base + t * token_stride * sizeof(cache_t) + offset);
       __builtin_prefetch(base + (t * token_stride + v_offset) * sizeof(cache_t) + offset);
     }
+  }
+}
+
+// scores [G, B]: the G query rows of a group (qf [G, D], scaled) against the block's first
+// num_tokens K rows (the rest of each row of scores is left undefined).
+template <typename cache_t, int HEAD_DIM>
+inline void group_block_scores(const float* qf, int64_t G, int64_t D, int64_t B, const cache_t* block,
+                         const float* block_scales, int64_t num_tokens, int64_t token_stride,
+                         int64_t num_kv_heads, float* row, float* scores) {
+#if defined(__AVX512F__)
+  constexpr int64_t kMaxGroup = 8;
+  if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
+    if (B == 16 && G <= kMaxGroup) {  // each row's products in one vector per token; sums at the end
+      __m512 partial[kMaxGroup][16];
+      for (int64_t t = 0; t < 16; ++t) {
+        if (t >= num_tokens) {
+          for (int64_t g = 0; g < G; ++g) partial[g][t] = _mm512_setzero_ps();
+          continue;
+        }
+        const float k_scale = block_scales ? block_scales[t * 2 * num_kv_heads] : 1.f;
+        const float* k = load_kv_row(block + t * token_stride, k_scale, row, HEAD_DIM);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* q = qf + g * HEAD_DIM;
+          __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+          for (int64_t d = 16; d < HEAD_DIM; d += 16)
+            sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), sum);
+          partial[g][t] = sum;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * B, lane_sums16(partial[g]));
+      return;
+    }
+  }
+#endif
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const float k_scale = block_scales ? block_scales[t * 2 * num_kv_heads] : 1.f;
+    const float* k = load_kv_row(block + t * token_stride, k_scale, row, D);
+    for (int64_t g = 0; g < G; ++g) scores[g * B + t] = dot(qf + g * D, k, D);
+  }
+}
+
+// acc [G, D] += weights [G, B] (first num_tokens of each row) times the block's V rows
+// (`values`: the first V row; `value_scales`: int8 caches' per-row scales, else null).
+template <typename cache_t, int HEAD_DIM>
+inline void group_block_values(const float* weights, int64_t G, int64_t D, int64_t B,
+                               const cache_t* values, const float* value_scales,
+                               int64_t num_tokens, int64_t token_stride, int64_t num_kv_heads,
+                               float* rows, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 128) {
+    if (num_tokens <= 16) {  // each query row's accumulator in registers across the block
+      constexpr int kChunks = HEAD_DIM / 16;
+      const float* v[16];
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        const float scale = value_scales ? value_scales[t * 2 * num_kv_heads] : 1.f;
+        v[t] = load_kv_row(values + t * token_stride, scale, rows + t * HEAD_DIM, HEAD_DIM);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* a = acc + g * HEAD_DIM;
+        __m512 sum[kChunks];
+        for (int c = 0; c < kChunks; ++c) sum[c] = _mm512_loadu_ps(a + 16 * c);
+        for (int64_t t = 0; t < num_tokens; ++t) {
+          const __m512 w = _mm512_set1_ps(weights[g * B + t]);
+          for (int c = 0; c < kChunks; ++c)
+            sum[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v[t] + 16 * c), sum[c]);
+        }
+        for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(a + 16 * c, sum[c]);
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const float scale = value_scales ? value_scales[t * 2 * num_kv_heads] : 1.f;
+    const float* v = load_kv_row(values + t * token_stride, scale, rows, D);
+    for (int64_t g = 0; g < G; ++g) axpy(weights[g * B + t], v, acc + g * D, D);
   }
 }
 
@@ -120,7 +293,11 @@ void attend_partition(const scalar_t* q, const cache_t* cache, const float* scal
                       const Shapes& s, float* m, float* l, float* acc) {
   const int64_t G = s.group, B = s.block_size;
   const int64_t D = HEAD_DIM > 0 ? HEAD_DIM : s.head_dim;
-  std::vector<float> qf(G * D), row(D), scores(G * B);
+  // Per-thread scratch, grown once: an allocation per item cost more than a short partition.
+  thread_local std::vector<float> qf, row, scores;
+  qf.resize(G * D);
+  row.resize(B * D);
+  scores.resize(G * B);
   for (int64_t g = 0; g < G; ++g) {
     const float* q_row = load_row(q + (kv_head * G + g) * s.q_head_stride, row.data(), D);
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = q_row[d] * softmax_scale;
@@ -141,31 +318,17 @@ void attend_partition(const scalar_t* q, const cache_t* cache, const float* scal
       prefetch_block(cache + table[b + 1] * B * token_stride + kv_head * D, B, D, token_stride,
                      v_offset);
     }
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      const float k_scale = block_scales ? block_scales[t * 2 * s.num_kv_heads] : 1.f;
-      const float* k = load_kv_row(block + t * token_stride, k_scale, row.data(), D);
-      for (int64_t g = 0; g < G; ++g) scores[g * B + t] = dot(qf.data() + g * D, k, D);
-    }
+    group_block_scores<cache_t, HEAD_DIM>(qf.data(), G, D, B, block, block_scales, num_tokens,
+                                    token_stride, s.num_kv_heads, row.data(), scores.data());
     for (int64_t g = 0; g < G; ++g) {
       float* sg = scores.data() + g * B;
-      float block_max = *std::max_element(sg, sg + num_tokens);
-      float new_max = std::max(m[g], block_max);
-      float correction = std::exp(m[g] - new_max);  // 0 on the first block (m = -inf)
-      float sum = 0.f;
-      for (int64_t t = 0; t < num_tokens; ++t) {
-        sg[t] = std::exp(sg[t] - new_max);
-        sum += sg[t];
-      }
-      l[g] = l[g] * correction + sum;
-      m[g] = new_max;
+      const float correction = softmax_step(sg, num_tokens, B, m[g], l[g]);
       if (correction != 1.f) scale(correction, acc + g * D, D);
     }
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      const float v_scale =
-          block_scales ? block_scales[t * 2 * s.num_kv_heads + s.num_kv_heads] : 1.f;
-      const float* v = load_kv_row(block + t * token_stride + v_offset, v_scale, row.data(), D);
-      for (int64_t g = 0; g < G; ++g) axpy(scores[g * B + t], v, acc + g * D, D);
-    }
+    group_block_values<cache_t, HEAD_DIM>(scores.data(), G, D, B, block + v_offset,
+                                          block_scales ? block_scales + s.num_kv_heads : nullptr,
+                                          num_tokens, token_stride, s.num_kv_heads, row.data(),
+                                          acc);
   }
 }
 
@@ -276,24 +439,6 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& kv_cache,
 
 
 #if defined(__AVX512F__)
-// e^x for x <= 0 (scores minus their running max), 16 lanes: 2^(x log2 e) split into an
-// integer power (applied exactly by scalef) and 2^f, f in [-1/2, 1/2], by its degree-6 Taylor
-// polynomial (relative error ~1e-7, fp32's own rounding). Replaces 16 calls of scalar expf.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Scores of four query rows against one 16-token block (kt [D, 16]): four independent FMA
 // chains sharing each load of kt, so the FMA latency is hidden.
 template <int HEAD_DIM>
@@ -313,35 +458,6 @@ inline void block_scores4(const float* q, int64_t D, const float* kt, float* s) 
   _mm512_storeu_ps(s + 48, s3);
 }
 #endif
-
-// Online-softmax step of one row over one block's first n scores (in place: scores become
-// weights): returns the correction for the row's accumulator and updates its max and sum.
-inline float softmax_step(float* sr, int64_t n, int64_t B, float& m, float& l) {
-#if defined(__AVX512F__)
-  if (B == 16) {
-    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
-    const __m512 scores = _mm512_loadu_ps(sr);
-    const float new_max = std::max(m, _mm512_mask_reduce_max_ps(keep, scores));
-    const __m512 weights =
-        _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-    _mm512_storeu_ps(sr, weights);
-    const float correction = std::exp(m - new_max);  // 0 on the first block (m = -inf)
-    l = l * correction + _mm512_reduce_add_ps(weights);
-    m = new_max;
-    return correction;
-  }
-#endif
-  const float new_max = std::max(m, *std::max_element(sr, sr + n));
-  const float correction = std::exp(m - new_max);
-  float sum = 0.f;
-  for (int64_t t = 0; t < n; ++t) {
-    sr[t] = std::exp(sr[t] - new_max);
-    sum += sr[t];
-  }
-  l = l * correction + sum;
-  m = new_max;
-  return correction;
-}
 
 // Scores of one query row against one block: s[t] = q . k_t for t < B, with the block's K
 // transposed to kt [D, B] (zero past the block's tokens), so the loop is a broadcast-FMA over

@@ -128,3 +128,34 @@ def test_engine_tokens_are_the_same_with_fused_ops_on_and_off(tiny_model_dir, dt
     # the norm stays torch's fused F.rms_norm in fp32
     assert fused_names["rms_norm"] == ("torch" if dtype == "float32" else "fused")
     assert fused_tokens == torch_tokens
+
+
+SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 1.0, -1.0]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.integers(1, 9), n=st.integers(1, 700), dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    seed=st.integers(0, 2**16), levels=st.integers(1, 6),
+    specials=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(SPECIAL)), max_size=6),
+)  # fmt: skip
+def test_argmax_rows_gives_torch_max_indices(rows, n, dtype, seed, levels, specials):
+    # Few distinct levels make ties common (the first index must win); signed zeros, infinities
+    # and NaNs of either sign are planted at random places.
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-levels, levels, (rows, n), generator=g).float().to(dtype)
+    for position, value in specials:
+        x.view(-1)[position % x.numel()] = value
+    assert torch.equal(kernels.argmax_rows(x), x.max(dim=-1).indices)
+    wide = torch.zeros(rows, n + 5, dtype=dtype)  # a row stride wider than the row
+    wide[:, :n] = x
+    assert torch.equal(kernels.argmax_rows(wide[:, :n]), x.max(dim=-1).indices)
+
+
+def test_argmax_rows_rejects_what_it_cannot_read():
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.argmax_rows(torch.zeros(2, 3, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="unit last stride"):
+        kernels.argmax_rows(torch.zeros(3, 2).t())
+    with pytest.raises(RuntimeError, match="n >= 1"):
+        kernels.argmax_rows(torch.zeros(2, 0))
