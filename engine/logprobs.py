@@ -149,7 +149,7 @@ def prompt_logprobs_for_step(
                     request.token_ids,
                     request.start_position,
                     request.params.prompt_logprobs,
-                )  # fmt: skip
+                )
             )
     return out
 
