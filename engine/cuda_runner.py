@@ -1,9 +1,11 @@
 """`CudaModelRunner`: the model runner on a CUDA GPU, with the Triton kernels and CUDA graphs.
 
 ModelRunner builds everything on the CPU. This subclass changes only where tensors live and how
-a decode step is launched: the weights and the KV pool move to the GPU, each step's inputs are
-built on the host as before and copied over (a few kilobytes), attention "auto" resolves to the
-Triton backend (engine/attention_backends.py, device "cuda"), and decode-only steps replay a
+a decode step is launched: the weights move to the GPU (`_place_model`) and the KV pool is
+allocated there (engine/kv_pool.py: the CPU's sizing rule), the elementwise chains take the
+Triton kernels (engine/layers/ops.py), each step's inputs are built on the host as before and
+copied over (a few kilobytes), attention "auto" resolves to the Triton backend
+(engine/attention_backends.py, device "cuda"), and decode-only steps replay a
 captured CUDA graph (engine/cuda_graphs.py) when `use_cuda_graphs`. Graphs are captured in the constructor, so start-up (and the worker's
 readiness) includes them; their capture time is logged.
 
