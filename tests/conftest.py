@@ -19,6 +19,9 @@ if not torch.cuda.is_available():
 # A kernel that fails to compile where a compiler exists fails its tests instead of skipping
 # them as "no compiler" (engine/kernels/cpu/extension.py).
 os.environ.setdefault("MINI_INFER_KERNEL_BUILD_STRICT", "1")
+# Workers started in-process would lower the test runner's own thread (worker/service/worker.py,
+# event_loop_nice; tested on its own in tests/worker/service/test_loop_priority.py).
+os.environ.setdefault("MINI_INFER_EVENT_LOOP_NICE", "0")
 
 from tests.tiny_model import make_tiny_llama
 from worker.broker import EmbeddedBroker

@@ -71,6 +71,11 @@ class EmbeddedBroker:
         return f"{HOST}:{self.port}"
 
     @property
+    def pid(self) -> int | None:
+        """The broker process's id while it runs (benchmarks read its CPU time)."""
+        return self._process.pid if self.is_running else None
+
+    @property
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 

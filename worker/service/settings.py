@@ -346,6 +346,14 @@ class WorkerSettings(BaseSettings):
     limits: LimitSettings = Field(default_factory=LimitSettings)
     publisher: PublisherSettings = Field(default_factory=PublisherSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    # The event loop's thread runs at this nice value once the engine has started (Linux; the
+    # engine's threads keep the process's). On a machine whose cores the engine's threads fill,
+    # each time the loop preempted one of them, the other waited at the step's next barrier:
+    # W2 through Kafka on 2 cores ran at 0.54x the direct engine with 0, 0.79x with 10 and 0.85x
+    # with 19 (loadtest/README.md). 0 leaves it as it is.
+    event_loop_nice: int = Field(
+        default=19, ge=0, le=19, description="the loop thread's nice value"
+    )
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="to finish in-flight work")
     # The whole stop (drain, commit, flush, leave the group, close) ends within this; keep it
     # below the pod's terminationGracePeriodSeconds (45 s in deploy/k8s) minus a margin. The

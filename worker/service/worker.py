@@ -31,6 +31,7 @@ import secrets
 import signal
 import socket
 import sys
+import threading
 import time
 
 import structlog
@@ -150,6 +151,7 @@ class Worker:
         started_s = time.monotonic()
         self.bridge = EngineBridge(self._engine_factory, s.limits.max_consecutive_step_failures)
         info = await self.bridge.start()
+        lower_thread_priority(s.event_loop_nice)  # after the engine's threads were started
         if info.stats is not None:
             self.telemetry.observe_engine(info.stats)  # KV blocks known before any request
         log_.info(
@@ -435,3 +437,16 @@ async def _run_until_stopped(worker: Worker, stop: asyncio.Event) -> int:
     log.info("worker.stopping", reason="signal" if stop.is_set() else "task failure")
     await worker.stop()
     return 1 if worker.failed.is_set() else 0
+
+
+def lower_thread_priority(niceness: int) -> None:
+    """The calling thread (not the process: Linux nice values are per thread) at `niceness`;
+    threads it starts later inherit it, the engine's already-running ones keep theirs."""
+    if niceness <= 0 or sys.platform != "linux":
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except OSError as error:  # e.g. already nicer than that, without the right to go back
+        log.warning("worker.loop_priority_unchanged", niceness=niceness, error=str(error))
+    else:
+        log.info("worker.loop_priority", niceness=niceness)

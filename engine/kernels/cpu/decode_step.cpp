@@ -168,12 +168,14 @@ class Plan {
       threads = 1;
     }
     py::gil_scoped_release no_gil;
+    const int64_t started = now_ns();
     if (threads == 1) {
       ++single_thread_steps_;
       for (const Task& t : tasks_) {
         const int64_t total = items(t, rows);
         if (total > 0) t.fn(t.args, rows, 0, total);
       }
+      if (num_threads != 1) record(single_ns_per_row_, now_ns() - started, rows);
       return;
     }
     // The spin learnt by earlier steps; it grows back towards `spin` while waits stay short.
@@ -201,14 +203,30 @@ class Plan {
         wait_ns_[i * kMaxTimedThreads + me] += now_ns() - worked;
       }
     }
+    record(multi_ns_per_row_, now_ns() - started, rows);
     slow_waits_ += barrier.slow_waits();
     long_waits_ += barrier.long_waits();
     spin_ = barrier.spin();
     // A step where most waits outlasted the spin (the partner was not running: cores shared
     // with other work, each wake-up a trip through the scheduler) or where the partner was
-    // preempted past a tick more than once in 16 waits is better run on one thread for a while.
-    if (barrier.slow_waits() * 2 > num_barriers_ || barrier.long_waits() * 16 > num_barriers_)
-      single_thread_left_ = kSingleThreadSteps;
+    // preempted past a tick more than once in 16 waits may be better run on one thread for a
+    // while. Whether it is, is measured: the first such step starts a short one-thread period,
+    // which times one thread; later ones start a longer one only while this many threads, waits
+    // included, are not clearly faster than that. (Light, bursty load beside the step, as a
+    // worker's event loop, broker and clients on the same 2 cores, tripped these tests while
+    // two threads stayed ~1.5x faster, 1.45 against 2.15 ms a row at W2: falling back each
+    // time had the worker run half its steps on one thread.)
+    const bool waits_bad =
+        barrier.slow_waits() * 2 > num_barriers_ || barrier.long_waits() * 16 > num_barriers_;
+    const bool threads_pay =
+        single_ns_per_row_ > 0 && multi_ns_per_row_ < single_ns_per_row_ * kMultiMustWin;
+    if (waits_bad && !threads_pay) {
+      // With no one-thread time yet, a short period measures it; the decision comes after.
+      single_thread_left_ = single_ns_per_row_ > 0 ? kSingleThreadSteps : kProbeSteps;
+      ++fallbacks_;
+    } else if (waits_bad) {
+      ++fallbacks_declined_;
+    }
   }
 
   // Per-task clocks (profiling): each thread's time in each task and in the barrier after it.
@@ -244,11 +262,24 @@ class Plan {
     d["tasks"] = static_cast<int64_t>(tasks_.size());
     d["barriers"] = num_barriers_;
     d["spin"] = spin_;
+    d["fallbacks"] = fallbacks_;
+    d["fallbacks_declined"] = fallbacks_declined_;
+    d["single_ns_per_row"] = static_cast<int64_t>(single_ns_per_row_);
+    d["multi_ns_per_row"] = static_cast<int64_t>(multi_ns_per_row_);
     return d;
   }
 
  private:
-  static constexpr int64_t kSingleThreadSteps = 64;
+  static constexpr int64_t kSingleThreadSteps = 64, kProbeSteps = 8;
+  // Threads must be this much faster than one (their time per row over its) to be kept when
+  // their waits look bad: a margin for the two being measured at different moments.
+  static constexpr double kMultiMustWin = 0.9;
+
+  // An exponential moving average of step time per row (0: none measured yet).
+  static void record(double& average, int64_t ns, int64_t rows) {
+    const double per_row = static_cast<double>(ns) / static_cast<double>(rows);
+    average = average > 0 ? 0.75 * average + 0.25 * per_row : per_row;
+  }
   static constexpr int64_t kMaxTimedThreads = 64;
 
   // Thread `me` of `n` does its items of task `t` (the index `i` of the plan).
@@ -282,7 +313,8 @@ class Plan {
   std::vector<Task> tasks_;
   int64_t num_barriers_ = 0, steps_ = 0, single_thread_steps_ = 0, slow_waits_ = 0;
   int64_t long_waits_ = 0;
-  int64_t single_thread_left_ = 0, spin_ = 0;
+  int64_t single_thread_left_ = 0, spin_ = 0, fallbacks_ = 0, fallbacks_declined_ = 0;
+  double single_ns_per_row_ = 0, multi_ns_per_row_ = 0;  // step time per row, each mode
   bool timing_ = false;
   int64_t timed_threads_ = 0;  // the thread count of the timed steps (the layout of the clocks)
   std::vector<int64_t> work_ns_, wait_ns_;  // [task, thread]

@@ -1,0 +1,59 @@
+"""The worker lowers its event loop's thread, and only that thread (Linux nice is per thread)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import pytest
+
+from worker.service.settings import WorkerSettings
+from worker.service.worker import lower_thread_priority
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice is Linux's")
+
+
+def _in_fresh_thread(niceness: int) -> tuple[int, int, int]:
+    """(own nice after the call, nice of a thread it starts after, the caller's nice)."""
+    result = {}
+
+    def body():
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        lower_thread_priority(niceness)
+        result["own"] = os.getpriority(os.PRIO_PROCESS, tid) - before
+        child = threading.Thread(
+            target=lambda: result.update(
+                child=os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) - before
+            )
+        )
+        child.start()
+        child.join()
+
+    caller_before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) - caller_before
+    return result["own"], result["child"], caller
+
+
+def test_the_calling_thread_is_lowered_and_the_process_is_not():
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    target = min(19, base + 5)
+    own, child, caller = _in_fresh_thread(target)
+    assert own == target - base  # this thread
+    assert child == target - base  # threads it starts later inherit it
+    assert caller == 0  # the others keep theirs
+
+
+def test_zero_leaves_the_thread_alone():
+    assert _in_fresh_thread(0) == (0, 0, 0)
+
+
+def test_the_setting_defaults_to_19_and_is_bounded(monkeypatch):
+    monkeypatch.delenv("MINI_INFER_EVENT_LOOP_NICE", raising=False)
+    assert WorkerSettings().event_loop_nice == 19
+    with pytest.raises(ValueError):
+        WorkerSettings(event_loop_nice=20)
