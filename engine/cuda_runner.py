@@ -1,9 +1,11 @@
 """`CudaModelRunner`: the model runner on a CUDA GPU, with the Triton kernels and CUDA graphs.
 
 ModelRunner builds everything on the CPU. This subclass changes only where tensors live and how
-a decode step is launched: the weights and the KV pool move to the GPU, each step's inputs are
-built on the host as before and copied over (a few kilobytes), attention "auto" resolves to the
-Triton backend (engine/attention_backends.py, device "cuda"), and decode-only steps replay a
+a decode step is launched: the weights move to the GPU (`_place_model`) and the KV pool is
+allocated there (engine/kv_pool.py: the CPU's sizing rule), the elementwise chains take the
+Triton kernels (engine/layers/ops.py), each step's inputs are built on the host as before and
+copied over (a few kilobytes), attention "auto" resolves to the Triton backend
+(engine/attention_backends.py, device "cuda"), and decode-only steps replay a
 captured CUDA graph (engine/cuda_graphs.py) when `use_cuda_graphs`. Graphs are captured in the constructor, so start-up (and the worker's
 readiness) includes them; their capture time is logged.
 
@@ -30,10 +32,9 @@ from engine.kernels.attention_types import AttentionMetadata
 from engine.kv_cache_manager import cdiv
 from engine.layers.linear import Linear
 from engine.layers.rotary import RotaryEmbedding
-from engine.model_runner import ModelRunner, StepBatch
-from engine.models.llama import head_dim_of
-from engine.quant import kv_int8
+from engine.model_runner import ModelRunner
 from engine.scheduler_output import ScheduledRequest
+from engine.step_batch import StepBatch
 
 
 def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
@@ -86,9 +87,9 @@ class CudaModelRunner(ModelRunner):
             with torch.inference_mode():
                 self.graphs.capture_all()
 
-    def _allocate_kv_cache(self) -> None:
-        # Called by ModelRunner.__init__ after loading and packing: undo the CPU-only packing,
-        # move the model, then allocate the pool on the device.
+    def _place_model(self) -> None:
+        # Called by ModelRunner.__init__ after loading and packing, before the pool is allocated
+        # (on self.device, engine/kv_pool.py): undo the CPU-only packing, move the model.
         for module in self.model.modules():
             if isinstance(module, Linear):
                 module.unpack()
@@ -99,42 +100,6 @@ class CudaModelRunner(ModelRunner):
             if isinstance(module, RotaryEmbedding) and module.cos_table is not None:
                 module.cos_table = module.cos_table.to(self.device)
                 module.sin_table = module.sin_table.to(self.device)
-        hf = self.hf_config
-        if self.config.kv_cache_dtype == "int8":  # codes + scales; the Triton store quantizes
-            self._allocate_int8_kv_cache_on_device()
-            return
-        shape_per_block = (self.block_size, 2, hf.num_key_value_heads, head_dim_of(hf))
-        bytes_per_block = hf.num_hidden_layers * self.dtype.itemsize
-        for n in shape_per_block:
-            bytes_per_block *= n
-        self.num_kv_blocks = self.config.num_kv_blocks or max(
-            1, self.config.kv_cache_memory_bytes // bytes_per_block
-        )
-        self.kv_cache = torch.zeros(
-            (hf.num_hidden_layers, self.num_kv_blocks, *shape_per_block),
-            dtype=self.dtype,
-            device=self.device,
-        )
-        self.kv_cache_bytes = self.kv_cache.numel() * self.dtype.itemsize
-        attention_layers = [m for m in self.model.modules() if hasattr(m, "kv_cache")]
-        for layer_index, attention in enumerate(attention_layers):
-            attention.kv_cache = self.kv_cache[layer_index]
-
-    def _allocate_int8_kv_cache_on_device(self) -> None:
-        hf = self.hf_config
-        num_layers, num_kv_heads, head_dim = (
-            hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf)
-        )  # fmt: skip
-        bytes_per_block = kv_int8.bytes_per_block(
-            num_layers, self.block_size, num_kv_heads, head_dim
-        )
-        self.num_kv_blocks = self.config.num_kv_blocks or max(
-            1, self.config.kv_cache_memory_bytes // bytes_per_block
-        )
-        self._allocate_int8_kv_cache(
-            num_layers, num_kv_heads, head_dim, bytes_per_block,
-            zeros=lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=self.device),
-        )  # fmt: skip
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> StepBatch:
         batch = super()._prepare(scheduled)

@@ -24,6 +24,7 @@ from engine.loader import load_tokenizer, resolve_model
 from engine.logprobs import PromptLogprobsAccumulator, StepLogprobs
 from engine.model_runner import ModelRunner
 from engine.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineStats, RequestDelta
+from engine.platform import tune_process
 from engine.request import Request
 from engine.sampling_params import SamplingParams, derive_seed, sample_seed
 from engine.scheduler import Scheduler
@@ -64,8 +65,7 @@ class LLMEngine:
         **engine_config,
     ) -> None:
         self.config = EngineConfig.from_kwargs(**engine_config)
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
+        tune_process(self.config.num_threads)  # before a GGUF is converted, too
         self.model_path = resolve_model(model, revision=revision)
         self.tokenizer = load_tokenizer(self.model_path)
         # The runner resolves dtype ("auto": from the checkpoint's config and this CPU).

@@ -14,10 +14,14 @@ the last row's log-softmax until the engine scores it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import MAX_LOGPROBS
+
+if TYPE_CHECKING:
+    from engine.step_batch import StepBatch
 
 __all__ = ["MAX_LOGPROBS", "Logprob", "PromptLogprobsChunk", "StepLogprobs"]
 
@@ -48,7 +52,9 @@ def _ranks(log_probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
 
 
 def _entry(ids, values, token: int, logprob: float, rank: int) -> dict[int, Logprob]:
-    out = {int(t): Logprob(float(v), r + 1) for r, (t, v) in enumerate(zip(ids, values, strict=True))}
+    out = {
+        int(t): Logprob(float(v), r + 1) for r, (t, v) in enumerate(zip(ids, values, strict=True))
+    }
     if token not in out:
         out[token] = Logprob(logprob, rank)
     else:
@@ -125,30 +131,26 @@ class StepLogprobs:
 
 
 def prompt_logprobs_for_step(
-    model, hidden: torch.Tensor, scheduled: list
+    model, hidden: torch.Tensor, batch: StepBatch
 ) -> dict[str, StepLogprobs]:
-    """Prompt logprob chunks of the scheduled requests that ask for them and are still in their
+    """Prompt logprob chunks of the batch's requests that ask for them and are still in their
     prompt (no output yet: a request preempted later has its prompt logprobs already).
-    hidden [num_tokens, hidden] is the step's flat batch, in the runner's row order: single-token
-    requests first, then multi-token chunks (engine/model_runner.py `prepare_step`)."""
+    hidden [num_tokens, hidden] is the step's flat batch; which rows are whose, the batch says."""
     out: dict[str, StepLogprobs] = {}
-    if not any(r.params.prompt_logprobs is not None for r in scheduled):
+    if not any(r.params.prompt_logprobs is not None for r in batch.requests):
         return out
-    ordered = [r for r in scheduled if len(r.token_ids) == 1]
-    ordered += [r for r in scheduled if len(r.token_ids) > 1]
-    row = 0
-    for request in ordered:
-        num_rows = len(request.token_ids)
+    for request, rows in batch.request_rows():
         if request.params.prompt_logprobs is not None and request.num_output_tokens == 0:
             # On the CPU: the scoring below builds CPU index tensors (a GPU runner's hidden too).
-            logits = model.compute_logits(hidden[row : row + num_rows]).cpu()
+            logits = model.compute_logits(hidden[rows]).cpu()
             out[request.request_id] = StepLogprobs(
                 prompt_chunk=prompt_chunk_logprobs(
-                    logits, request.token_ids, request.start_position,
+                    logits,
+                    request.token_ids,
+                    request.start_position,
                     request.params.prompt_logprobs,
-                )  # fmt: skip
+                )
             )
-        row += num_rows
     return out
 
 

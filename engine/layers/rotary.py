@@ -82,43 +82,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens] -> cos, signed sin [num_tokens, 1, head_dim] (broadcast over
-        heads), computed once per step for all layers."""
+        heads), computed once per step for all layers; applied by `ops.rotary_`
+        (engine/layers/ops.py)."""
         if self.is_seq_len_dependent:
             cos, sin = self._compute(positions)
         else:
             cos, sin = self.cos_table[positions], self.sin_table[positions]
         return cos.unsqueeze(1), sin.unsqueeze(1)
-
-
-def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [num_tokens, num_heads, head_dim] in place (x may be a view into the fused
-    q/k/v projection output); cos/signed_sin [num_tokens, 1, head_dim] from forward().
-
-    HF computes x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1); here
-    roll(x) = cat(x2, x1) meets the negated first half of sin instead. (-a) * b == -(a * b)
-    exactly, so fp32 and bf16 results are bit-identical to HF's. On CUDA one Triton kernel
-    does the same arithmetic with the same roundings.
-    """
-    if x.is_cuda:
-        from engine.kernels.triton.pointwise import rotary_
-
-        return rotary_(x, cos, signed_sin)
-    return apply_rotary_cpu_(x, cos, signed_sin)
-
-
-def apply_rotary_cpu_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """apply_rotary_ in torch on the CPU (the fused C++ op's reference: `fused_rotary_`)."""
-    rotated = x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-    if torch.compiler.is_compiling():  # dynamo has no out= into a strided view; Inductor fuses
-        return x.copy_(x * cos + rotated)  # the copy into the same single loop anyway
-    return torch.add(x * cos, rotated, out=x)
-
-
-def fused_rotary_(kernels):
-    """apply_rotary_ as one C++ call (engine/kernels/cpu/fused_ops.cpp: the same roundings)."""
-
-    def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        kernels.rotary_(x, cos, signed_sin)
-        return x
-
-    return rotary_

@@ -12,19 +12,14 @@ projection. Only attention knows which tokens belong to which request (via Atten
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.attention_types import AttentionMetadata
 from engine.layers.attention import TorchPagedAttention
 from engine.layers.linear import make_linear, make_merged_linear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import (
-    RotaryEmbedding,
-    apply_rotary_,
-    apply_rotary_cpu_,
-    fused_rotary_,
-)
+from engine.layers.ops import TORCH_OPS, PointwiseOps
+from engine.layers.rotary import RotaryEmbedding
 
 
 def head_dim_of(hf_config) -> int:
@@ -58,19 +53,14 @@ class LlamaAttention(nn.Module):
         self.backend = backend
         # This layer's view of the runner's pool: [num_kv_blocks, block_size, 2, kv, head_dim].
         self.kv_cache: torch.Tensor | None = None
-        self.rotary_ = apply_rotary_  # by device per call, until use_cpu resolves it
-
-    def use_cpu(self, kernels, lanes: tuple[int, int]) -> bool:
-        """RoPE on the CPU, resolved once: the fused C++ op if `kernels`, else torch's."""
-        self.rotary_ = fused_rotary_(kernels) if kernels is not None else apply_rotary_cpu_
-        return kernels is not None
+        self.ops: PointwiseOps = TORCH_OPS  # RoPE's implementation (engine/layers/ops.py)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         heads = qkv.view(num_tokens, -1, self.head_dim)
         # q and k are rotated together and in place, leaving k next to v for the cache write.
-        self.rotary_(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        self.ops.rotary_(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)
         q = heads[:, : self.num_heads]
         kv = heads[:, self.num_heads :].view(num_tokens, 2, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, kv, self.kv_cache, meta)
@@ -92,36 +82,11 @@ class LlamaMLP(nn.Module):
             size, hf_config.hidden_size, bias, dtype, _layer_quant(quant, "down_proj")
         )
         self.intermediate_size = size
-        self.act = self._act_by_device  # silu(gate) * up from [num_tokens, 2 * intermediate]
-
-    def use_cpu(self, kernels, lanes: tuple[int, int]) -> bool:
-        """SiLU * up on the CPU, resolved once: the fused C++ op if `kernels` (following torch's
-        exp width, lanes[1]), else torch's two calls."""
-        if kernels is None:
-            self.act = self._act_torch
-            return False
-
-        def fused(gate_up: torch.Tensor) -> torch.Tensor:
-            out = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
-            kernels.silu_mul(gate_up, out, lanes[1])
-            return out
-
-        self.act = fused
-        return True
-
-    def _act_torch(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(gate_up)  # 2 x [num_tokens, intermediate]
-        return F.silu(gate) * up
-
-    def _act_by_device(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if gate_up.is_cuda:  # one Triton kernel instead of silu, mul and their round trips
-            from engine.kernels.triton.pointwise import silu_and_mul
-
-            return silu_and_mul(*self.gate_up_proj.split(gate_up))
-        return self._act_torch(gate_up)
+        self.ops: PointwiseOps = TORCH_OPS  # SiLU * up's implementation (engine/layers/ops.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        # [num_tokens, 2 * intermediate] (gate, then up) -> [num_tokens, intermediate]
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

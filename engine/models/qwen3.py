@@ -37,7 +37,7 @@ class Qwen3Attention(LlamaAttention):
         q, k = heads[:, :num_heads], heads[:, num_heads : num_heads + num_kv_heads]
         q.copy_(self.q_norm(q.reshape(-1, self.head_dim)).view_as(q))
         k.copy_(self.k_norm(k.reshape(-1, self.head_dim)).view_as(k))
-        self.rotary_(heads[:, : num_heads + num_kv_heads], cos, sin)  # LlamaAttention.use_cpu
+        self.ops.rotary_(heads[:, : num_heads + num_kv_heads], cos, sin)
         kv = heads[:, num_heads:].view(num_tokens, 2, num_kv_heads, self.head_dim)
         out = self.backend.forward(heads[:, :num_heads], kv, self.kv_cache, meta)
         return self.o_proj(out.view(num_tokens, num_heads * self.head_dim))

@@ -27,46 +27,9 @@ Kernels (no dequantize-then-matmul):
     kernel on unquantized activations is used instead (faster there, and more accurate): the
     same int8 weight serves both.
 
-Measured, torch's kernels (loadtest/bench_quant_kernels.py, 2-core AMD EPYC Zen 4, bf16
-activations, 3 alternating rounds, time of bf16 oneDNN-packed / time of the kernel, > 1 =
-faster than bf16):
-
-    shape (in->out)      rows  int8   int4   w8a8(_int_mm)
-    576->960   qkv       1     2.40   2.16   1.16
-                         8     0.69   0.78   0.54
-                         64    0.37   0.47   0.78
-    576->3072  gate_up   1     1.03   0.89   0.81
-                         32    0.40   0.42   1.11
-                         64    0.32   0.36   1.04
-    1536->576  down      1     1.58   1.39   0.89
-                         64    0.41   0.44   1.09
-    576->49152 lm_head   1     1.33   3.29   1.86
-                         8     0.61   1.05   1.09
-                         64    0.22   0.47   0.83
-
-The C++ kernel against torch's, same benchmark (5 alternating rounds, the machine loaded by
-other jobs: load average 5, so single cells are noisy; torch's time / ours, > 1 = ours faster;
-results/quant-kernels-bf16.json):
-
-    rows   int8: qkv  o     gate_up down  lm_head   int4: qkv  o     gate_up down  lm_head
-    1          1.24  1.16  1.68    1.19  3.33          1.57  1.15  1.52    1.22  1.34
-    8          1.28  1.15  1.74    1.02  2.40          2.01  1.09  2.01    0.74  2.21
-    16         1.95  1.13  0.81    1.17  2.42          1.26  1.39  2.54    1.13  2.17
-    32         1.28  1.06  5.04    1.04  2.21          0.34  1.23  2.41    1.03  1.88
-    64         2.30  3.63  1.63    1.34  2.59          0.51  0.62  1.26    1.22  2.03
-
-And against bf16 oneDNN-packed (same run; bf16 time / ours, > 1 = faster than bf16):
-
-    rows   int8: qkv  o     gate_up down  lm_head   int4: qkv  o     gate_up down  lm_head
-    1          2.00  2.87  1.85    2.30  3.65          1.77  2.52  2.26    2.43  4.04
-    8          1.22  1.57  1.02    0.98  1.09          1.31  1.74  1.47    0.94  1.91
-    32         0.87  0.73  1.50    0.62  0.53          0.17  0.85  1.61    0.64  0.92
-    64         0.34  0.56  0.38    1.00  0.54          0.26  0.35  0.38    0.63  0.90
-
-That run routed ours up to 16 rows only (from 32 rows int4 looked mixed on the small shapes);
-the later run quoted at the top (32-512 rows) found ours ahead at every row count, so it now
-serves all of them and torch's second copy of the codes is gone. Past a few rows bf16 (not
-kept once quantized) beats every weight-only kernel anyway.
+Measured against torch's kernels and bf16 at 1-64 rows (tables: loadtest/README.md, "Kernel
+measurements moved out of the code"): past a few rows bf16 beats every weight-only kernel.
+Ours now serves every row count (the later 32-512-row run found it ahead at each).
 
 `_weight_int8pack_mm` with float32 activations takes a slow path here (576->3072: 2.4 s for
 512 rows against 86 ms in bf16, 224 vs 16 ms at 64 rows), so quantized models should be loaded

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from engine.attention_backends import attention_backend
 from engine.layers.attention import TorchPagedAttention
-from engine.model_runner import prepare_step
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest
+from engine.step_batch import prepare_step
 
 
 def dense_attention(q, keys, values, start_position):

@@ -19,9 +19,9 @@ from engine.kernels.attention_types import AttentionMetadata, PrefillChunk, deco
 from engine.kernels.cpu import paged_attention
 from engine.layers.attention import TorchPagedAttention
 from engine.layers.cpu_attention import CpuPagedAttention
-from engine.model_runner import prepare_step
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest
+from engine.step_batch import prepare_step
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,9 @@ import engine.platform as platform
 from engine.config import EngineConfig
 from engine.kernels.cpu import bf16_gemm
 from engine.layers.linear import Linear
-from engine.model_runner import ModelRunner, resolve_dtype
+from engine.model_runner import ModelRunner
 from engine.platform import CpuInfo, auto_dtype, has_native, parse_cpuinfo
+from engine.precision import resolve_dtype
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from tests.tiny_model import make_tiny_llama

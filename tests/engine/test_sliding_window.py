@@ -15,9 +15,9 @@ from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
 from engine.layers.attention import TorchPagedAttention
 from engine.layers.sliding_window import full_attention_metadata, sliding_window_metadata
-from engine.model_runner import prepare_step
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest
+from engine.step_batch import prepare_step
 
 HEAD_DIM = 8
 

@@ -173,7 +173,7 @@ class FusedDecode:
         ]
         tasks: list[tuple] = []
         self.task_names: list[str] = []  # per task, for the profile's breakdown
-        exp_lanes = (fused_ops.lanes() or (8, 0))[1]  # as engine/layers/pointwise.py passes it
+        exp_lanes = (fused_ops.lanes() or (8, 0))[1]  # as engine/layers/ops.py passes it
 
         def norm(norm_module, x, residual):
             args = fo.make_norm_task(

@@ -28,30 +28,9 @@ forced and tested on any CPU that can run it (tests/engine/kernels/test_quant_ge
 Multithreaded over blocks of output channels with at::parallel_for (a layer under ~32 KiB of
 weights per task runs on one thread).
 
-Measured on the 2-core AMD EPYC Zen 4 VM (avx512_bf16), 2 threads, one bf16 row, 60 calls each,
-fastest / median call (the machine was loaded by other jobs, load average 5, hence the spread;
-weight bytes = the packed layout, scales included; the same weight is read call after call, so
-the 21-28 MB lm_head layouts partly stay in the 32 MB L3 at the fastest call):
-
-    shape (in->out)     torch int8 (`_weight_int8pack_mm`)   ours int8       ours int4
-    576->49152 lm_head  12.8 / 3.4 GB/s                        53.2 / 16.7     39.6 / 15.4
-    576->3072  gate_up  21.9 / 20.0                            24.9 / 21.9     19.9 / 15.0
-    1536->576  down     25.0 / 10.7                            18.9 / 14.6     12.6 / 11.2
-
-Unloaded (an earlier quiet minute): the int4 lm_head GEMV at 32.6 GB/s on 2 threads (one
-thread: 21 GB/s), so one row is at the memory bandwidth; what remains is bytes: the float32
-(scale, minimum) pairs are a third of the int4 layout (GGUF's Q4_1 keeps them in fp16).
-Per-layer ratios against torch's kernels and bf16 at 1-64 rows: engine/quant/linear.py.
-
-In the engine (loadtest/bench_quant_kernels.py --engine, SmolLM2 bf16, W1 = one request of 128
-tokens, each setting in its own process, 3 alternating rounds, medians, machine shared with
-other jobs: load average 2-4; loadtest/results/quant-engine-w1-*-final.json):
-
-    bf16 20.8 tok/s   int4 53.9   int4 with torch's kernel 40.7   int8 50.9   llama.cpp Q4_1 49.3
-
-int4 / torch's int4 1.32x, int4 / bf16 2.59x, int4 / llama.cpp 1.09 (target 1.2: not met),
-int8 / llama.cpp 1.03 (target 1.0: met). An earlier run under heavier load (load average 5)
-gave 1.18x, 1.02 and 1.14 for the same ratios (int8 with torch's kernel: 0.47 of llama.cpp).
+One row reaches the memory bandwidth (the int4 lm_head at ~33 GB/s on 2 Zen 4 threads, against
+13 GB/s for torch's int8 kernel); the per-shape and in-engine numbers are in loadtest/README.md,
+"Kernel measurements moved out of the code".
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@
 - backend.py: `TritonPagedAttention`, the attention-backend adapter (attention_backend
   "triton", and "auto" on the CUDA runner: engine/attention_backends.py).
 
-Dispatch: engine/layers (norm, rotary) and the Llama MLP call the pointwise kernels for CUDA
-tensors and keep their torch code for CPU ones; attention goes through Triton when the backend
-is "triton", which works anywhere Triton can run (a GPU, or the interpreter on CPU for tests).
+Dispatch: engine/layers/ops.py hands the pointwise kernels to a model on CUDA (the CPU keeps
+the torch chains or the fused C++ ops); attention goes through Triton when the backend is
+"triton", which works anywhere Triton can run (a GPU, or the interpreter on CPU for tests).
 
 Importing this package does not import Triton: the kernel modules are imported where they are
 used, because `triton.jit` decides at decoration time whether a kernel is compiled for the GPU

@@ -104,7 +104,7 @@ def rotary_(
     cos: torch.Tensor,  # [num_tokens, 1, head_dim] (or [num_tokens, head_dim])
     signed_sin: torch.Tensor,  # same shape as cos: sin with its first half negated
 ) -> torch.Tensor:
-    """apply_rotary_ (engine/layers/rotary.py) in one kernel, in place; returns x."""
+    """rotary_torch_ (engine/layers/ops.py) in one kernel, in place; returns x."""
     check_device(x, cos, signed_sin)
     num_tokens, num_heads, head_dim = x.shape
     if head_dim % 2 or x.stride(-1) != 1 or cos.stride(-1) != 1 or signed_sin.stride(-1) != 1:
@@ -121,7 +121,7 @@ def rotary_(
 
 
 def rotary_ref_(x, cos, signed_sin):
-    """The torch path (engine.layers.rotary.apply_rotary_), restated."""
+    """The torch path (engine.layers.ops.rotary_torch_), restated."""
     if cos.dim() == 2:
         cos, signed_sin = cos[:, None], signed_sin[:, None]
     rotated = x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -10,9 +10,10 @@ import torch
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, EagerReplayCapture, bucket_for, graph_batch_sizes
 from engine.cuda_runner import CudaModelRunner
-from engine.model_runner import ModelRunner, prepare_step
+from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.step_batch import prepare_step
 
 
 def test_batch_sizes_and_buckets():

@@ -70,9 +70,9 @@ def mixed_step(generator, block_size=16, num_heads=6, num_kv_heads=2, head_dim=6
     """(batch, q, kv, num_blocks) of one step of MIXED_STEP with the runner's own metadata
     (`prepare_step`) over shuffled blocks; q and kv are strided views of one fused projection
     output, as the model passes them."""
-    from engine.model_runner import prepare_step
     from engine.sampling_params import SamplingParams
     from engine.scheduler_output import ScheduledRequest
+    from engine.step_batch import prepare_step
 
     num_blocks = sum(-(-(s + n) // block_size) for s, n in MIXED_STEP) + 2
     free = torch.randperm(num_blocks, generator=generator).tolist()
