@@ -144,8 +144,11 @@ class FusedDecode:
         self.block_table = torch.zeros(m, self.max_blocks, dtype=i64)
         self.context_lens = torch.ones(m, dtype=i64)
         self.slot_mapping = torch.zeros(m, dtype=i64)
-        self.num_partitions = torch.ones(1, dtype=i64)
-        self.merge_multiplier = torch.zeros(1, dtype=i64)  # 0 in steps of one partition
+        # [num_partitions, merge multiplier (0 in steps of one partition)]: the plan reads
+        # both through pointers; set per step through a numpy view of the same memory.
+        scalars = torch.tensor([1, 0], dtype=i64)
+        self.num_partitions, self.merge_multiplier = scalars[0:1], scalars[1:2]
+        self._step_scalars = scalars.numpy()
         group = heads // kv_heads
         self.partials = torch.zeros(m * kv_heads * max_partitions * group * (head_dim + 2))
         # The lm_head too where it is a GEMV task (int4/int8, or bf16 on our GEMV): the logits
@@ -248,17 +251,28 @@ class FusedDecode:
         torch.index_select(
             self.model.model.embed_tokens.weight, 0, input_ids, out=self.residual[:rows]
         )
-        cos, sin = self.model.model.rotary_emb(positions)
-        self.cos[:rows].copy_(cos.view(rows, -1))
-        self.sin[:rows].copy_(sin.view(rows, -1))
+        self._rope_tables(positions, rows)
         table = meta.decode_block_table
         self.block_table[:rows, : table.shape[1]].copy_(table)
-        self.num_partitions[0] = -(-table.shape[1] // self.partition_blocks)
-        self.merge_multiplier[0] = int(self.num_partitions[0] > 1)
+        num_partitions = -(-table.shape[1] // self.partition_blocks)
+        self._step_scalars[:] = (num_partitions, int(num_partitions > 1))  # no torch dispatch
         self.context_lens[:rows].copy_(meta.decode_context_lens)
         self.slot_mapping[:rows].copy_(meta.slot_mapping)
         self.plan.run(rows, 0, SPIN)
         return self.normed[:rows]
+
+    def _rope_tables(self, positions: torch.Tensor, rows: int) -> None:
+        """cos and signed sin of the step's positions into the step's buffers: gathered straight
+        from the rotary embedding's tables where it keeps them in the model dtype (one op each,
+        no temporaries), else from its forward."""
+        rope = self.model.model.rotary_emb
+        if rope.cos_table is not None and rope.cos_table.dtype == self.cos.dtype:
+            torch.index_select(rope.cos_table, 0, positions, out=self.cos[:rows])
+            torch.index_select(rope.sin_table, 0, positions, out=self.sin[:rows])
+            return
+        cos, sin = rope(positions)
+        self.cos[:rows].copy_(cos.view(rows, -1))
+        self.sin[:rows].copy_(sin.view(rows, -1))
 
     def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
         """The step's logits [rows, vocab] if `hidden` is this step's output and `rows` are all
