@@ -29,6 +29,7 @@ from pathlib import Path
 
 from loadtest.bench_engine import run_engine
 from loadtest.llamacpp_peer import peak_rss_of
+from loadtest.loadgen_service import wait_ready
 from loadtest.report import emit, percentile, summarize
 from loadtest.workloads import ENGINE_OPTIONS, chat_messages, chat_prompts
 
@@ -133,18 +134,6 @@ def start_worker(
     return subprocess.Popen(cmd, env={**os.environ, **engine_env, "PYTHONUNBUFFERED": "1"})
 
 
-def wait_until_ready(worker: subprocess.Popen, ready_file: Path, timeout_s: float = 600) -> None:
-    """Until the worker wrote its ready file: it has created its topics, the shared reply topic
-    among them, which the client needs before its first request (and loaded its model)."""
-    deadline = time.monotonic() + timeout_s
-    while not ready_file.exists():
-        if worker.poll() is not None:
-            raise RuntimeError(f"the worker exited with {worker.returncode} before it was ready")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the worker was not ready after {timeout_s:.0f} s")
-        time.sleep(0.1)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument(
@@ -187,7 +176,7 @@ def run_pair(args, model: str, engine_options: dict) -> dict:
             broker.bootstrap_servers, model, args.dtype, Path(tmp) / "ready", engine_options
         )
         try:
-            wait_until_ready(worker, Path(tmp) / "ready")
+            asyncio.run(wait_ready(worker, Path(tmp) / "ready"))
             pids = {"worker": worker.pid, "broker": broker.pid, "client": os.getpid()}
             if args.nice_harness:  # the broker and the client take what the worker leaves
                 lower_priority(broker.pid)

@@ -67,7 +67,7 @@ async def embedded_service(model: str, dtype: str, num_threads: int | None):
                        "--ready-file", str(ready_file)]  # fmt: skip
             worker = subprocess.Popen(command, env={**os.environ, **env})
             try:
-                await _wait_ready(worker, ready_file)
+                await wait_ready(worker, ready_file)
                 yield broker.bootstrap_servers
             finally:
                 worker.send_signal(signal.SIGTERM)
@@ -83,7 +83,9 @@ def default_num_threads() -> int:
     return max(1, (os.cpu_count() or 2) - 1)
 
 
-async def _wait_ready(worker: subprocess.Popen, ready_file: Path) -> None:
+async def wait_ready(worker: subprocess.Popen, ready_file: Path) -> None:
+    """Until the worker wrote its ready file (its topics created, the shared reply topic among
+    them, and its model loaded); fails if it exits first or takes READY_TIMEOUT_S."""
     deadline_s = time.monotonic() + READY_TIMEOUT_S
     while not ready_file.exists():
         if worker.poll() is not None:

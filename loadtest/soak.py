@@ -45,7 +45,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loadtest.loadgen_service import _wait_ready, default_num_threads, kafka_settings, make_client
+from loadtest.loadgen_service import default_num_threads, kafka_settings, make_client, wait_ready
 from loadtest.report import percentile
 from loadtest.workloads import ENGINE_OPTIONS
 
@@ -243,7 +243,7 @@ async def soak_service(args):
                        "--ready-file", str(ready_file), "--health-port", str(port)]  # fmt: skip
             worker = subprocess.Popen(command, env={**os.environ, **env})
             try:
-                await _wait_ready(worker, ready_file)
+                await wait_ready(worker, ready_file)
                 yield broker.bootstrap_servers, worker, port
             finally:
                 worker.send_signal(signal.SIGTERM)

@@ -85,30 +85,6 @@ inline void scale(float alpha, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= alpha;
 }
 
-// exp(v[i]) in place, in a form the vectoriser takes (std::exp is a call per element: at 32
-// rows it was most of the decode's time). Cody-Waite range reduction, x = n ln2 + r with
-// |r| <= ln2 / 2, and a degree-6 polynomial for e^r (Cephes' expf coefficients): within 2 ulp of
-// std::exp; below -87.3 (e^x denormal or 0, and -inf: a running max not yet set) it is 0.
-inline void exp_inplace(float* v, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = std::min(std::max(v[i], -87.3f), 88.3f);
-    const float k = std::nearbyint(x * 1.44269504088896341f);
-    const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k, k in [-126, 127]
-    float two_k;
-    std::memcpy(&two_k, &bits, sizeof(two_k));
-    v[i] = v[i] < -87.3f ? 0.0f : p * two_k;
-  }
-}
-
 #if defined(__AVX512F__)
 // e^x for x <= 0 (scores minus their running max), 16 lanes: 2^(x log2 e) split into an
 // integer power (applied exactly by scalef) and 2^f, f in [-1/2, 1/2], by its degree-6 Taylor
@@ -127,9 +103,7 @@ inline __m512 exp_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
-#endif
 
-#if defined(__AVX512F__)
 // out[i] = the sum of v[i]'s 16 lanes, for 16 vectors: four levels of shuffles and adds (45
 // instructions) where 16 horizontal sums cost a serial chain of 15 scalar adds each. It is
 // how the decode scores a block: a dot product of 64 ended in such a chain per token and
@@ -173,10 +147,11 @@ inline float softmax_step(float* sr, int64_t n, int64_t B, float& m, float& l) {
 #endif
   const float new_max = std::max(m, *std::max_element(sr, sr + n));
   const float correction = std::exp(m - new_max);
-  for (int64_t t = 0; t < n; ++t) sr[t] -= new_max;
-  exp_inplace(sr, n);
   float sum = 0.f;
-  for (int64_t t = 0; t < n; ++t) sum += sr[t];
+  for (int64_t t = 0; t < n; ++t) {
+    sr[t] = std::exp(sr[t] - new_max);
+    sum += sr[t];
+  }
   l = l * correction + sum;
   m = new_max;
   return correction;
@@ -201,9 +176,10 @@ inline void prefetch_block(const cache_t* rows, int64_t block_size, int64_t head
 // scores [G, B]: the G query rows of a group (qf [G, D], scaled) against the block's first
 // num_tokens K rows (the rest of each row of scores is left undefined).
 template <typename cache_t, int HEAD_DIM>
-inline void group_block_scores(const float* qf, int64_t G, int64_t D, int64_t B, const cache_t* block,
-                         const float* block_scales, int64_t num_tokens, int64_t token_stride,
-                         int64_t num_kv_heads, float* row, float* scores) {
+inline void group_block_scores(const float* qf, int64_t G, int64_t D, int64_t B,
+                               const cache_t* block, const float* block_scales,
+                               int64_t num_tokens, int64_t token_stride, int64_t num_kv_heads,
+                               float* row, float* scores) {
 #if defined(__AVX512F__)
   constexpr int64_t kMaxGroup = 8;
   if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
@@ -319,7 +295,8 @@ void attend_partition(const scalar_t* q, const cache_t* cache, const float* scal
                      v_offset);
     }
     group_block_scores<cache_t, HEAD_DIM>(qf.data(), G, D, B, block, block_scales, num_tokens,
-                                    token_stride, s.num_kv_heads, row.data(), scores.data());
+                                          token_stride, s.num_kv_heads, row.data(),
+                                          scores.data());
     for (int64_t g = 0; g < G; ++g) {
       float* sg = scores.data() + g * B;
       const float correction = softmax_step(sg, num_tokens, B, m[g], l[g]);
