@@ -50,6 +50,15 @@ def prepare_step(
     loop per token), and the decode mask, which only the torch reference reads, is built only
     when asked (measured: loadtest/README.md, "Step preparation").
     """
+    if scheduled and all(len(r.token_ids) == 1 for r in scheduled):
+        return _prepare_decodes(scheduled, block_size, dtype if build_decode_mask else None)
+    return _prepare_mixed(scheduled, block_size, dtype, build_decode_mask)
+
+
+def _prepare_mixed(
+    scheduled: list[ScheduledRequest], block_size: int, dtype: torch.dtype, build_decode_mask: bool
+) -> StepBatch:
+    """`prepare_step` for any step: decodes first, then each prefill chunk."""
     decodes = [r for r in scheduled if len(r.token_ids) == 1]
     prefills = [r for r in scheduled if len(r.token_ids) > 1]
     ordered = decodes + prefills
@@ -87,6 +96,38 @@ def prepare_step(
         sample_requests=[r for r in ordered if r.needs_sample],
         requests=ordered,
         row_starts=(token_ends - token_counts).tolist(),
+    )
+
+
+def _prepare_decodes(
+    scheduled: list[ScheduledRequest], block_size: int, mask_dtype: torch.dtype | None
+) -> StepBatch:
+    """`prepare_step` for a step of single-token requests only (every decode step), with a
+    third of its array operations: row i is request i, its position its start."""
+    num_rows = len(scheduled)
+    input_ids = np.fromiter((r.token_ids[0] for r in scheduled), np.int64, num_rows)
+    positions = np.fromiter((r.start_position for r in scheduled), np.int64, num_rows)
+    needed = positions // block_size + 1  # blocks up to and including the new token's
+    table = np.zeros((num_rows, int(needed.max())), np.int64)  # padding 0: never read
+    for row, (request, count) in enumerate(zip(scheduled, needed.tolist(), strict=True)):
+        table[row, :count] = request.block_ids[:count]
+    slots = table[np.arange(num_rows), needed - 1] * block_size + positions % block_size
+    meta = AttentionMetadata(slot_mapping=torch.from_numpy(slots))
+    meta.num_decodes = num_rows
+    meta.decode_block_table = torch.from_numpy(table)
+    meta.decode_context_lens = torch.from_numpy(positions + 1)
+    if mask_dtype is not None:
+        width = table.shape[1] * block_size
+        meta.decode_mask = decode_mask(meta.decode_context_lens, width, mask_dtype)
+    needs_sample = np.fromiter((r.needs_sample for r in scheduled), bool, num_rows)
+    return StepBatch(
+        input_ids=torch.from_numpy(input_ids),
+        positions=torch.from_numpy(positions),
+        meta=meta,
+        sample_rows=torch.from_numpy(np.flatnonzero(needs_sample)),
+        sample_requests=[r for r in scheduled if r.needs_sample],
+        requests=list(scheduled),
+        row_starts=list(range(num_rows)),
     )
 
 

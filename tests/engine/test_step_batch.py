@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest
-from engine.step_batch import prepare_step
+from engine.step_batch import _prepare_mixed, prepare_step
 
 BLOCK_SIZE = 4
 
@@ -52,3 +52,43 @@ def test_request_rows_partition_the_batch_decodes_first(scheduled):
     assert batch.sample_requests == [r for r, _ in rows if r.needs_sample]
     assert batch.meta.num_decodes == sum(1 for n in sizes if n == 1)
     assert isinstance(batch.sample_rows, torch.Tensor)
+
+
+@st.composite
+def decode_steps(draw):
+    """Decode-only steps: one token each, block ids in any order, some held past the need."""
+    scheduled = []
+    for i in range(draw(st.integers(1, 8))):
+        start = draw(st.integers(0, 40))
+        needed = start // BLOCK_SIZE + 1
+        extra = draw(st.integers(0, 2))
+        block_ids = draw(
+            st.lists(st.integers(0, 500), min_size=needed + extra, max_size=needed + extra)
+        )
+        scheduled.append(
+            ScheduledRequest(f"r{i}", [draw(st.integers(0, 49151))], start, block_ids,
+                             draw(st.booleans()), SamplingParams(), seed=0)
+        )  # fmt: skip
+    return scheduled
+
+
+@settings(max_examples=60, deadline=None)
+@given(scheduled=decode_steps(), with_mask=st.booleans())
+def test_decode_only_fast_path_equals_the_general_one(scheduled, with_mask):
+    """A decode-only step takes `_prepare_decodes`; its batch is what the general path builds."""
+    fast = prepare_step(scheduled, BLOCK_SIZE, torch.bfloat16, with_mask)
+    general = _prepare_mixed(scheduled, BLOCK_SIZE, torch.bfloat16, with_mask)
+    for name in ("input_ids", "positions", "sample_rows"):
+        a, b = getattr(fast, name), getattr(general, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert fast.requests == general.requests and fast.row_starts == general.row_starts
+    assert fast.sample_requests == general.sample_requests
+    for name in ("slot_mapping", "decode_block_table", "decode_context_lens"):
+        a, b = getattr(fast.meta, name), getattr(general.meta, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert fast.meta.num_decodes == general.meta.num_decodes == len(scheduled)
+    assert not fast.meta.prefills and not general.meta.prefills
+    if with_mask:
+        assert torch.equal(fast.meta.decode_mask, general.meta.decode_mask)
+    else:
+        assert getattr(fast.meta, "decode_mask", None) is None

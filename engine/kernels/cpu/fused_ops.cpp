@@ -437,6 +437,22 @@ void silu_mul_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
                       2 * t.n, t.lanes, t.num_threads, begin, rows);
 }
 
+// Row gather (an embedding lookup, the rotary tables' rows of the step's positions): row r of
+// `out` is row index[r] of `table`, copied bytewise, so the bits are those of index_select. The
+// indices are checked by the caller before the step runs (a task cannot raise).
+struct GatherTask {
+  const char* table;
+  const int64_t* index;  // [rows]
+  char* out;
+  int64_t row_bytes, table_stride, out_stride;  // bytes
+};
+
+void gather_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
+  const GatherTask& t = *static_cast<const GatherTask*>(raw);
+  for (int64_t r = begin; r < end; ++r)
+    std::memcpy(t.out + r * t.out_stride, t.table + t.index[r] * t.table_stride, t.row_bytes);
+}
+
 // Row-wise argmax as torch.max(x, dim=-1).indices gives it: the first index of the largest
 // value, -0.0 equal to +0.0, a NaN above everything (the first NaN wins). Values are compared
 // as integer keys that order as the floats do, in two vectorised passes (the largest key, then
@@ -552,6 +568,23 @@ py::capsule make_silu_mul_task(torch::Tensor gate_up, torch::Tensor out, int64_t
                                    static_cast<int64_t>(at::get_num_threads())});
 }
 
+// table [n, width...] and out [max_rows, width...] of one dtype, rows unit-strided inside;
+// index int64 [max_rows] contiguous: the step's buffers.
+py::capsule make_gather_task(torch::Tensor table, torch::Tensor index, torch::Tensor out) {
+  TORCH_CHECK(table.dim() == 2 && out.dim() == 2 && table.size(1) == out.size(1) &&
+                  table.scalar_type() == out.scalar_type() && table.stride(1) == 1 &&
+                  out.stride(1) == 1,
+              "gather task: table [n, width] and out [rows, width] of one dtype, unit last stride");
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 1 && index.is_contiguous() &&
+                  index.size(0) == out.size(0),
+              "gather task: index int64 [rows], contiguous");
+  const int64_t item = table.element_size();
+  return task_args(new GatherTask{static_cast<const char*>(table.data_ptr()),
+                                  index.data_ptr<int64_t>(), static_cast<char*>(out.data_ptr()),
+                                  table.size(1) * item, table.stride(0) * item,
+                                  out.stride(0) * item});
+}
+
 py::capsule task_fn(void (*fn)(const void*, int64_t, int64_t, int64_t)) {
   return py::capsule(reinterpret_cast<void*>(fn), "mini_infer.task_fn");
 }
@@ -568,6 +601,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm_task_fn", [] { return task_fn(&norm_task); });
   m.def("rotary_task_fn", [] { return task_fn(&rotary_task); });
   m.def("silu_mul_task_fn", [] { return task_fn(&silu_mul_task); });
+  m.def("gather_task_fn", [] { return task_fn(&gather_task); });
+  m.def("make_gather_task", &make_gather_task, "a fused decode step's row gather (index_select)");
   m.def("make_norm_task", &make_norm_task, "a fused decode step's (add +) RMSNorm over rows");
   m.def("make_rotary_task", &make_rotary_task, "a fused decode step's RoPE over rows");
   m.def("make_silu_mul_task", &make_silu_mul_task, "a fused decode step's SiLU * up over rows");

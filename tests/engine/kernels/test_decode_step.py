@@ -196,3 +196,36 @@ def test_unsupported_models_and_steps_take_the_per_operator_path(step_ext, tiny_
     assert not fused.accepts(2, meta(fused.max_blocks + 1))  # wider than max_model_len
     assert not fused.accepts(3, meta(1, [PrefillChunk(2, 1, 0)]))  # a prefill in the step
     assert not fused.accepts(fused.max_rows + 1, meta(1))
+
+
+def test_inputs_gathered_from_python_where_the_tables_do_not_allow(
+    step_ext, tiny_model_dir, monkeypatch
+):
+    """Without plain bf16 tables (an embedding that is not one, rotary tables computed per
+    step) the step's inputs come from the model's own modules: the same bits."""
+    engine = _engine(tiny_model_dir, "int4")
+    assert engine.runner._forward.fused.embedding_table is not None  # gathered in the step
+    monkeypatch.setattr(decode_step, "_plain_table", lambda table: None)
+    fused = decode_step.FusedDecode(engine.runner.model, step_ext, engine.runner.max_model_len)
+    assert fused.embedding_table is None and fused.rope_tables is None
+    engine.runner._forward.fused = fused
+    checker = _check(engine, PROMPTS, max_tokens=6)
+    assert checker.num_checked >= 5
+
+
+def test_indices_outside_the_tables_are_refused_before_the_step(step_ext, tiny_model_dir):
+    fused = _engine(tiny_model_dir, "int4").runner._forward.fused
+    vocab = fused.embedding_table.shape[0]
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(1, dtype=torch.int64), num_decodes=1,
+        decode_block_table=torch.zeros(1, 1, dtype=torch.int64),
+        decode_context_lens=torch.ones(1, dtype=torch.int64),
+    )  # fmt: skip
+    zero = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(IndexError, match="token id"):
+        fused.run(torch.tensor([vocab]), zero, meta)
+    with pytest.raises(IndexError, match="token id"):
+        fused.run(torch.tensor([-1]), zero, meta)
+    with pytest.raises(IndexError, match="position"):
+        fused.run(zero, torch.tensor([fused.rope_tables[0].shape[0]]), meta)
+    assert fused.run(zero, zero, meta).shape == (1, fused.normed.shape[1])  # and still runs
