@@ -16,7 +16,7 @@ import structlog
 from torch import nn
 
 from engine.quant.config import SCHEMES, QuantConfig
-from engine.quant.embedding import share_head_codes
+from engine.quant.embedding import can_share, share_head_codes
 
 __all__ = ["SCHEMES", "QuantConfig", "load_model_weights"]
 
@@ -55,7 +55,9 @@ def load_model_weights(
             model=model if embedding_from_head else None,
         )  # fmt: skip
         on_filled = on_filled if pack else None
-        _load_from_gguf(model, model_path, gguf_file, skip, on_filled)
+        # The tied table is read from the file straight into the head's codes, never loaded.
+        head_from_file = embedding_from_head and pack and can_share(model)
+        _load_from_gguf(model, model_path, gguf_file, skip, on_filled, head_from_file)
         origin = "gguf"
     else:
         origin = _load_through_cache(model, model_path, quant, cache_root, gguf_file, skip)
@@ -80,18 +82,21 @@ def _pack_and_trim(module: nn.Module, keep_torch_layout: bool, model=None) -> No
 
 
 def _load_from_gguf(
-    model: nn.Module, model_path: Path, gguf_file: Path, skip, on_filled=None
-) -> None:
+    model: nn.Module, model_path: Path, gguf_file: Path, skip, on_filled=None,
+    head_from_file: bool = False,
+) -> None:  # fmt: skip
     from engine.loader import load_weights
     from engine.model_config import load_config
     from engine.platform import trim_heap
     from engine.quant import gguf
 
+    if head_from_file:
+        skip = skip | {"model.embed_tokens"}
     load_weights(model, model_path, skip_modules=skip)  # embeddings, norms, biases
     if on_filled is not None:  # packing as it goes: trimming as it goes too
         trim_heap()
     hf_config = load_config(model_path)
-    gguf.load_quantized_layers(model, gguf_file, hf_config, on_filled)
+    gguf.load_quantized_layers(model, gguf_file, hf_config, on_filled, head_from_file)
 
 
 def _load_through_cache(

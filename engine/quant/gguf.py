@@ -138,21 +138,31 @@ def dequantize(tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     gguf package in chunks of rows (its temporaries are several times a chunk's float size),
     each chunk cast as it lands: a bf16 table never exists in float32 whole (SmolLM2's
     embedding: 113 MB of float32 on the load's peak RSS for a 56 MB bf16 parameter)."""
+    data = tensor.data
+    if data.ndim < 2 or data.shape[0] <= DEQUANTIZE_ROWS:
+        return next(dequantized_rows(tensor, dtype, data.shape[0] if data.ndim else 1))[1]
+    out = None
+    for start, chunk in dequantized_rows(tensor, dtype):
+        if out is None:
+            out = torch.empty((data.shape[0], *chunk.shape[1:]), dtype=dtype)
+        out[start : start + chunk.shape[0]] = chunk
+    return out
+
+
+def dequantized_rows(tensor, dtype: torch.dtype, rows: int = DEQUANTIZE_ROWS):
+    """(first row, rows [n, cols] in `dtype`) of a 2-d GGUF tensor, `rows` at a time (a 1-d
+    tensor: one chunk): the values `dequantize` gives, without the whole tensor at once."""
     from gguf.quants import dequantize as gguf_dequantize
 
     data = tensor.data
     try:
-        if data.ndim < 2 or data.shape[0] <= DEQUANTIZE_ROWS:
+        if data.ndim < 2:
             values = gguf_dequantize(np.asarray(data), tensor.tensor_type)
-            return torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).to(dtype)
-        out = None
-        for start in range(0, data.shape[0], DEQUANTIZE_ROWS):
-            chunk = gguf_dequantize(np.asarray(data[start : start + DEQUANTIZE_ROWS]),
-                                    tensor.tensor_type)  # fmt: skip
-            if out is None:
-                out = torch.empty((data.shape[0], *chunk.shape[1:]), dtype=dtype)
-            out[start : start + chunk.shape[0]] = torch.from_numpy(np.asarray(chunk, np.float32))
-        return out
+            yield 0, torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).to(dtype)
+            return
+        for start in range(0, data.shape[0], rows):
+            chunk = gguf_dequantize(np.asarray(data[start : start + rows]), tensor.tensor_type)
+            yield start, torch.from_numpy(np.array(chunk, dtype=np.float32, copy=True)).to(dtype)
     except NotImplementedError as error:
         raise ValueError(
             f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}: {_SUPPORTED_TEXT}"
@@ -242,11 +252,18 @@ def loads_as_is(gguf_path: Path, quant) -> bool:
 
 
 def load_quantized_layers(
-    model: nn.Module, gguf_path: Path, hf_config, on_filled: Callable | None = None
+    model: nn.Module,
+    gguf_path: Path,
+    hf_config,
+    on_filled: Callable | None = None,
+    head_from_file: bool = False,
 ) -> dict[str, int]:
     """Fill every quantized layer of `model` from the GGUF: Q4_0/Q4_1 blocks into int4 g32 as
     they are, other types dequantized and quantized by the layer. A tied lm_head is quantized
-    from the (already loaded) embedding table. Returns {"as_is": n, "requantized": n}.
+    from the (already loaded) embedding table, or with `head_from_file` from the file's table
+    rows, chunk by chunk in the table's dtype (the same values; the table itself was not
+    loaded: its 56 MB were on the load's peak for SmolLM2). Returns {"as_is": n,
+    "requantized": n}.
 
     `on_filled(module)` runs as soon as a layer has all its rows (all its shards): packing it
     there frees its canonical tensors before the next layer's are read, so the load's peak
@@ -292,7 +309,16 @@ def load_quantized_layers(
         rows_left[module_name] -= size
         if rows_left[module_name] == 0 and on_filled is not None:
             on_filled(module)
-    if _fill_tied_head(model, modules, filled) and on_filled is not None:
+    table_rows = None
+    if head_from_file:
+        table = next(
+            (t for t in reader.tensors if hf_name(t.name) == "model.embed_tokens.weight"), None
+        )
+        if table is None:
+            raise ValueError(f"GGUF {gguf_path} has no token embedding table")
+        dtype = model.get_submodule("model.embed_tokens").weight.dtype
+        table_rows = dequantized_rows(table, dtype)
+    if _fill_tied_head(model, modules, filled, table_rows) and on_filled is not None:
         on_filled(modules["lm_head"])
     missing = sorted(set(modules) - filled)
     if missing:
@@ -301,16 +327,21 @@ def load_quantized_layers(
     return counts
 
 
-def _fill_tied_head(model: nn.Module, modules: dict, filled: set[str]) -> bool:
-    """Quantize a tied lm_head from the embedding table; whether it did."""
+def _fill_tied_head(model: nn.Module, modules: dict, filled: set[str], table_rows=None) -> bool:
+    """Quantize a tied lm_head from the embedding table (or from `table_rows`: its (first row,
+    rows) chunks); whether it did."""
     head = modules.get("lm_head")
     if head is None or "lm_head" in filled or not getattr(model, "tie_word_embeddings", False):
         return False
-    # In chunks of rows (quantization is per row): whole, its float32 temporaries were several
-    # times the 113 MB of SmolLM2's table, all on the load's peak RSS.
-    table = model.get_submodule("model.embed_tokens").weight.data
-    for start in range(0, table.shape[0], DEQUANTIZE_ROWS):
-        rows = table[start : start + DEQUANTIZE_ROWS]
+    if table_rows is None:
+        # In chunks of rows (quantization is per row): whole, its float32 temporaries were
+        # several times the 113 MB of SmolLM2's table, all on the load's peak RSS.
+        table = model.get_submodule("model.embed_tokens").weight.data
+        table_rows = (
+            (start, table[start : start + DEQUANTIZE_ROWS])
+            for start in range(0, table.shape[0], DEQUANTIZE_ROWS)
+        )
+    for start, rows in table_rows:
         if head.scheme == "int4":
             head.load_quantized(start, *quantize_int4_groupwise(rows, head.quant.group_size))
         else:

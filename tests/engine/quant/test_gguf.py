@@ -283,3 +283,40 @@ def test_index_of_a_damaged_file_is_a_clear_error_or_a_consistent_index(
         except ValueError:  # numpy refuses a mapping past the end of the file
             continue
         assert data.nbytes <= len(raw)
+
+
+def test_tied_head_from_the_file_equals_the_head_from_the_loaded_table(tiny_dir, tmp_path):
+    """Where the embedding will be looked up in the int8 head's codes (an int8 KV cache), the
+    tied head is quantized from the file's table rows and the table is never loaded: the same
+    codes and scales as quantizing the loaded table."""
+    from engine import LLMEngine, SamplingParams
+    from engine.quant import gguf as gguf_module
+    from engine.quant.embedding import HeadEmbedding
+
+    model_dir = make_gguf_model(tiny_dir, tmp_path / "m", "Q4_1")
+    calls = []
+    real = gguf_module.dequantized_rows
+    gguf_module.dequantized_rows = lambda *a, **k: calls.append(a[0].name) or real(*a, **k)
+    try:
+        from_file = LLMEngine(
+            model_dir, dtype="bfloat16", quantization="int4", kv_cache_dtype="int8",
+            num_kv_blocks=32,
+        )  # fmt: skip
+    finally:
+        gguf_module.dequantized_rows = real
+    assert "token_embd.weight" in calls  # the head came from the file's rows
+    assert isinstance(from_file.runner.model.model.embed_tokens, HeadEmbedding)
+    # The reference: the table loaded, then the head quantized from it (the path before).
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    quant = from_file.runner.quant
+    model = get_model_class(hf_config)(hf_config, torch.bfloat16, 64, TorchPagedAttention(), quant)
+    load_model_weights(model, model_dir, quant, tmp_path / "qc")  # packed; the table kept
+    assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
+    head, reference = from_file.runner.model.lm_head, model.lm_head
+    assert torch.equal(head.cpp_codes, reference.cpp_codes)
+    assert torch.equal(head.cpp_scales, reference.cpp_scales)
+    from_file.add_request("r", [5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True))
+    tokens = []
+    while from_file.has_unfinished_requests():
+        tokens += [t for d in from_file.step() for t in d.token_ids]
+    assert len(tokens) == 6  # and it runs
