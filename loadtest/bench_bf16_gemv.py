@@ -11,7 +11,7 @@ lm_head 576->49152; a 1B Llama's (Llama-3.2-1B) qkv 2048->3072, gate_up 2048->16
 - plain: `F.linear` on the checkpoint layout (oneDNN repacks it inside every call);
 - read: `torch.sum` over the same weight bytes, the memory-read yardstick;
 - gemv_hp (with `--huge-pages`): our kernel on a copy of the packed weight in transparent huge
-  pages (madvise; MINI_INFER_HUGE_PAGES=1 makes the engine pack that way).
+  pages (madvise; the engine packs that way by default: engine/huge_pages.py).
 Each round times every column in turn (alternating; each sample is the mean of enough calls to
 last ~20 ms); the table gives medians over the rounds, GB/s of weight bytes (out * in * 2) per
 median call, and the ratios packed/gemv and plain/gemv (> 1: ours is faster). The same weight

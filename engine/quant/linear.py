@@ -50,6 +50,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from engine import huge_pages
 from engine.kernels.cpu import quant_gemm
 from engine.quant.config import QuantConfig
 from engine.quant.primitives import (
@@ -222,11 +223,11 @@ class QuantLinear(nn.Module):
             return None
         self.cpp_isa = quant_gemm.isa_code(quant_gemm.best_isa(self.quant.kernel == "auto"))
         if self.scheme == "int4":
-            self.cpp_codes, self.cpp_scales = quant_gemm.pack_int4(
-                self.weight.data, self.scale, self.minimum
-            )
+            codes, scales = quant_gemm.pack_int4(self.weight.data, self.scale, self.minimum)
         else:
-            self.cpp_codes, self.cpp_scales = quant_gemm.pack_int8(self.weight.data, self.scale)
+            codes, scales = quant_gemm.pack_int8(self.weight.data, self.scale)
+        # Streamed whole every decode step: from huge pages where the OS offers them.
+        self.cpp_codes, self.cpp_scales = huge_pages.adopt(codes), huge_pages.adopt(scales)
         return extension
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

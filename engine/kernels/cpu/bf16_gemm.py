@@ -17,15 +17,13 @@ into one library and chosen per call, so each is forced and tested on any CPU th
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import mmap
-import os
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from engine import huge_pages as weight_pages
 from engine.kernels.cpu import extension, quant_gemm
 
 SOURCE = Path(__file__).with_name("bf16_gemm.cpp")
@@ -40,9 +38,6 @@ BLOCK = 16  # output channels per block of the packed layout
 # packed layout 0.92-1.07x; at 1 row those were 2.4-3.4x and 1.8-2.1x.
 GEMV_MAX_ROWS = 16
 FUSED_MAX_ROWS = 64
-# Packed weights in transparent huge pages (madvise): fewer TLB misses while streaming them.
-HUGE_PAGES = os.environ.get("MINI_INFER_HUGE_PAGES", "0") == "1"
-_HUGE_PAGE_BYTES = 2 << 20
 # quant_gemm's paths but those that quantize activations (a bf16 weight has no integer codes)
 ISAS = tuple(isa for isa in quant_gemm.ISAS if isa not in quant_gemm.INT8_ACTIVATION_ISAS)
 can_run = quant_gemm.can_run
@@ -78,8 +73,8 @@ def load() -> ModuleType | None:
 
 def pack(weight: torch.Tensor, huge_pages: bool | None = None) -> torch.Tensor:
     """weight [out, in] (any float dtype) -> bf16 [ceil(out/16), ceil(in/2), 16, 2], zero
-    padded: packed[b, p, j, i] = weight[16b + j, 2p + i]. `huge_pages` (default HUGE_PAGES):
-    in memory advised for transparent huge pages, where the OS offers them."""
+    padded: packed[b, p, j, i] = weight[16b + j, 2p + i]. `huge_pages` (default: the setting
+    of engine/huge_pages.py): in memory advised for transparent huge pages."""
     if weight.dim() != 2:
         raise ValueError(f"weight must be [out_features, in_features], got {tuple(weight.shape)}")
     out_features, in_features = weight.shape
@@ -87,27 +82,7 @@ def pack(weight: torch.Tensor, huge_pages: bool | None = None) -> torch.Tensor:
     w = torch.nn.functional.pad(w, (0, in_features % 2, 0, -out_features % BLOCK))
     num_blocks, num_pairs = w.shape[0] // BLOCK, w.shape[1] // 2
     layout = w.reshape(num_blocks, BLOCK, num_pairs, 2).transpose(1, 2)
-    if huge_pages if huge_pages is not None else HUGE_PAGES:
-        target = _huge_page_empty(layout.shape, torch.bfloat16)
-        if target is not None:
-            return target.copy_(layout)
-    return layout.contiguous()
-
-
-def _huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """An uninitialised tensor in anonymous memory advised MADV_HUGEPAGE (the tensor keeps the
-    mapping alive); None where that is not available or the tensor is under one huge page."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * dtype.itemsize
-    if nbytes < _HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return None
-    size = -(-nbytes // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
-    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # a kernel without THP: ordinary pages, same memory
-        buffer.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+    return weight_pages.adopt(layout.contiguous(), huge_pages)
 
 
 def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
