@@ -83,6 +83,14 @@ class Arena:
 _ARENA = Arena()
 
 
+def empty(shape: tuple[int, ...], dtype: torch.dtype, on: bool | None = None):
+    """An uninitialised CPU tensor in huge-page memory where `on` (default: `enabled()`), else
+    None: for a layout written there directly (no contiguous copy first)."""
+    if not (enabled() if on is None else on) or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    return _ARENA.empty(tuple(shape), dtype)
+
+
 def adopt(tensor: torch.Tensor, on: bool | None = None) -> torch.Tensor:
     """A contiguous CPU copy of `tensor` in huge-page memory where `on` (default: `enabled()`),
     else `tensor` itself. For weights packed once and then only read."""

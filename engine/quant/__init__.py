@@ -15,6 +15,8 @@ from pathlib import Path
 import structlog
 from torch import nn
 
+from engine import huge_pages
+from engine.platform import trim_heap
 from engine.quant.config import SCHEMES, QuantConfig
 from engine.quant.embedding import can_share, share_head_codes
 
@@ -64,8 +66,10 @@ def load_model_weights(
     if embedding_from_head:
         share_head_codes(model)
     for module in cache.quant_modules(model).values():
-        if pack:
+        if pack and not module.is_packed:
             module.pack(keep_torch_layout)
+            if huge_pages.enabled():  # the packed copy went to huge pages, not into the freed
+                trim_heap()  # canonical codes' heap memory: hand that back layer by layer
     log.info("quant.loaded", scheme=quant.name, origin=origin)
     return origin
 
@@ -73,8 +77,6 @@ def load_model_weights(
 def _pack_and_trim(module: nn.Module, keep_torch_layout: bool, model=None) -> None:
     """Pack a layer as soon as it is filled and hand its canonical tensors' pages back; with
     `model`, its tied embedding table goes first once the head is filled (`share_head_codes`)."""
-    from engine.platform import trim_heap
-
     if model is not None and module is getattr(model, "lm_head", None):
         share_head_codes(model)
     module.pack(keep_torch_layout)
@@ -87,7 +89,6 @@ def _load_from_gguf(
 ) -> None:  # fmt: skip
     from engine.loader import load_weights
     from engine.model_config import load_config
-    from engine.platform import trim_heap
     from engine.quant import gguf
 
     if head_from_file:

@@ -52,6 +52,7 @@ from torch import nn
 
 from engine import huge_pages
 from engine.kernels.cpu import quant_gemm
+from engine.platform import trim_heap
 from engine.quant.config import QuantConfig
 from engine.quant.primitives import (
     check_group_size,
@@ -61,6 +62,8 @@ from engine.quant.primitives import (
     quantize_int8_per_channel,
     quantize_per_token_int8,
 )
+
+TRIM_BEFORE_ADOPT_BYTES = 8 << 20
 
 # w8a8 uses _int_mm from this many rows on; below, the int8 weight-only kernel (see above).
 W8A8_INT_MM_MIN_ROWS = 16
@@ -185,11 +188,18 @@ class QuantLinear(nn.Module):
         self.cpp = self._pack_cpp()
         self.has_torch_layout = self.cpp is None or keep_torch_layout or self.scheme == "w8a8"
         if not self.has_torch_layout:
-            # The canonical codes (1 byte per weight) and scales give way to the C++ layout.
+            # The canonical codes (1 byte per weight) and scales give way to the C++ layout,
+            # then that moves to huge pages where the OS offers them (streamed whole every
+            # decode step), once the canonical tensors are gone: two copies at a time, not three.
             self.weight = nn.Parameter(self.cpp_codes, requires_grad=False)
             del self.scale
             if self.scheme == "int4":
                 del self.minimum
+            if self.cpp_codes.nbytes >= TRIM_BEFORE_ADOPT_BYTES:  # the freed canonical codes
+                trim_heap()  # stay resident in the heap until trimmed (a head: 28 MB)
+            self.cpp_codes = huge_pages.adopt(self.cpp_codes)
+            self.cpp_scales = huge_pages.adopt(self.cpp_scales)
+            self.weight = nn.Parameter(self.cpp_codes, requires_grad=False)
         elif self.scheme == "int4":
             self._pack_torch_int4()
         else:
@@ -226,8 +236,7 @@ class QuantLinear(nn.Module):
             codes, scales = quant_gemm.pack_int4(self.weight.data, self.scale, self.minimum)
         else:
             codes, scales = quant_gemm.pack_int8(self.weight.data, self.scale)
-        # Streamed whole every decode step: from huge pages where the OS offers them.
-        self.cpp_codes, self.cpp_scales = huge_pages.adopt(codes), huge_pages.adopt(scales)
+        self.cpp_codes, self.cpp_scales = codes, scales
         return extension
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

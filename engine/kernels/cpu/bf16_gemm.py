@@ -82,7 +82,8 @@ def pack(weight: torch.Tensor, huge_pages: bool | None = None) -> torch.Tensor:
     w = torch.nn.functional.pad(w, (0, in_features % 2, 0, -out_features % BLOCK))
     num_blocks, num_pairs = w.shape[0] // BLOCK, w.shape[1] // 2
     layout = w.reshape(num_blocks, BLOCK, num_pairs, 2).transpose(1, 2)
-    return weight_pages.adopt(layout.contiguous(), huge_pages)
+    target = weight_pages.empty(layout.shape, torch.bfloat16, huge_pages)
+    return layout.contiguous() if target is None else target.copy_(layout)
 
 
 def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
