@@ -17,7 +17,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from engine import huge_pages, kv_pool
+from engine import kv_pool
 from engine.attention_backends import attention_backend
 from engine.compile import CompiledModel
 from engine.config import EngineConfig
@@ -222,11 +222,6 @@ class ModelRunner:
         for module in linears:
             module.pack(choices[(module.in_features, module.out_features)])
             counts[module.kernel] += 1
-            if module.kernel == "gemv" and huge_pages.enabled():
-                # The plain weight just freed stays resident in the heap until trimmed, and
-                # the packed one went to huge pages instead of reusing it: without this, every
-                # layer's plain weight was on the load's peak (SmolLM2 bf16: 807 -> 702 MiB).
-                trim_heap()
         return counts
 
     @staticmethod

@@ -15,7 +15,6 @@ from pathlib import Path
 import structlog
 from torch import nn
 
-from engine import huge_pages
 from engine.platform import trim_heap
 from engine.quant.config import SCHEMES, QuantConfig
 from engine.quant.embedding import can_share, share_head_codes
@@ -66,10 +65,8 @@ def load_model_weights(
     if embedding_from_head:
         share_head_codes(model)
     for module in cache.quant_modules(model).values():
-        if pack and not module.is_packed:
+        if pack:
             module.pack(keep_torch_layout)
-            if huge_pages.enabled():  # the packed copy went to huge pages, not into the freed
-                trim_heap()  # canonical codes' heap memory: hand that back layer by layer
     log.info("quant.loaded", scheme=quant.name, origin=origin)
     return origin
 

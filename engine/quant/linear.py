@@ -52,7 +52,6 @@ from torch import nn
 
 from engine import huge_pages
 from engine.kernels.cpu import quant_gemm
-from engine.platform import trim_heap
 from engine.quant.config import QuantConfig
 from engine.quant.primitives import (
     check_group_size,
@@ -62,8 +61,6 @@ from engine.quant.primitives import (
     quantize_int8_per_channel,
     quantize_per_token_int8,
 )
-
-TRIM_BEFORE_ADOPT_BYTES = 8 << 20
 
 # w8a8 uses _int_mm from this many rows on; below, the int8 weight-only kernel (see above).
 W8A8_INT_MM_MIN_ROWS = 16
@@ -195,8 +192,6 @@ class QuantLinear(nn.Module):
             del self.scale
             if self.scheme == "int4":
                 del self.minimum
-            if self.cpp_codes.nbytes >= TRIM_BEFORE_ADOPT_BYTES:  # the freed canonical codes
-                trim_heap()  # stay resident in the heap until trimmed (a head: 28 MB)
             self.cpp_codes = huge_pages.adopt(self.cpp_codes)
             self.cpp_scales = huge_pages.adopt(self.cpp_scales)
             self.weight = nn.Parameter(self.cpp_codes, requires_grad=False)
@@ -233,10 +228,11 @@ class QuantLinear(nn.Module):
             return None
         self.cpp_isa = quant_gemm.isa_code(quant_gemm.best_isa(self.quant.kernel == "auto"))
         if self.scheme == "int4":
-            codes, scales = quant_gemm.pack_int4(self.weight.data, self.scale, self.minimum)
+            self.cpp_codes, self.cpp_scales = quant_gemm.pack_int4(
+                self.weight.data, self.scale, self.minimum
+            )
         else:
-            codes, scales = quant_gemm.pack_int8(self.weight.data, self.scale)
-        self.cpp_codes, self.cpp_scales = codes, scales
+            self.cpp_codes, self.cpp_scales = quant_gemm.pack_int8(self.weight.data, self.scale)
         return extension
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
