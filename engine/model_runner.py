@@ -36,7 +36,7 @@ from engine.platform import cpu_info, trim_heap, tune_process
 from engine.precision import resolve_precision
 from engine.quant import load_model_weights
 from engine.quant.embedding import HeadEmbedding, share_head_codes
-from engine.sampler import Sampler
+from engine.sampler import Sampler, takes_argmax
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.step_batch import StepBatch, prepare_step
@@ -267,10 +267,10 @@ class ModelRunner:
         if self._is_trim_due:  # the last step's temporaries are freed by now
             trim_heap()
         self._is_trim_due = sum(len(r.token_ids) for r in out.scheduled) >= TRIM_AFTER_TOKENS
-        requests, logits, step_logprobs = self._run(out)
+        requests, logits, greedy_ids, step_logprobs = self._run(out)
         if not requests:
             return ModelRunnerOutput({}, step_logprobs)
-        token_ids = self.sampler(logits, requests)
+        token_ids = self.sampler(logits, requests, greedy_ids)
         add_sample_logprobs(step_logprobs, logits, requests, token_ids)
         sampled = {r.request_id: t for r, t in zip(requests, token_ids, strict=True)}
         return ModelRunnerOutput(sampled, step_logprobs)
@@ -279,26 +279,35 @@ class ModelRunner:
     def compute_logits(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Run one step exactly like `execute` (K/V are written) but return the float32 logits
         [vocab] of each sampling request instead of sampling. For tests and debugging."""
-        requests, logits, _ = self._run(out)
+        requests, logits, _, _ = self._run(out)
         return {r.request_id: logits[i].float() for i, r in enumerate(requests)}
 
     def _run(
         self, out: SchedulerOutput
-    ) -> tuple[list[ScheduledRequest], torch.Tensor | None, dict[str, StepLogprobs]]:
-        """schedule's output -> (requests that sample, their logits on the CPU, the step's
-        prompt logprob chunks). Device runners override only `_prepare`, `_forward_batch` and
-        `_logits` (copies, graph replay), not this."""
+    ) -> tuple[
+        list[ScheduledRequest], torch.Tensor | None, torch.Tensor | None, dict[str, StepLogprobs]
+    ]:
+        """schedule's output -> (requests that sample, their logits on the CPU, their greedy
+        ids where the step found them already (else None), the step's prompt logprob chunks).
+        Device runners override only `_prepare`, `_forward_batch` and `_logits` (copies,
+        graph replay), not this."""
         self.sampler.drop(out.finished_request_ids)
         if not out.scheduled:
-            return [], None, {}
+            return [], None, None, {}
         batch = self._prepare(out.scheduled)
         hidden = self._forward_batch(batch)  # [num_tokens, hidden]
         prompt_logprobs = prompt_logprobs_for_step(self.model, hidden, batch)
         if not batch.sample_requests:
-            return [], None, prompt_logprobs
-        return batch.sample_requests, self._logits(hidden, batch), prompt_logprobs
+            return [], None, None, prompt_logprobs
+        greedy_ids_for = getattr(self._forward, "greedy_ids_for", None)
+        greedy_ids = greedy_ids_for(hidden, batch.sample_rows) if greedy_ids_for else None
+        return batch.sample_requests, self._logits(hidden, batch), greedy_ids, prompt_logprobs
 
     def _forward_batch(self, batch: StepBatch) -> torch.Tensor:
+        if self.fused_decode is None:  # a StepForward (or a wrapper of one, profiling)
+            # The fused step finds the greedy ids itself where every row takes them.
+            greedy = all(takes_argmax(r) for r in batch.sample_requests)
+            return self._forward(batch.input_ids, batch.positions, batch.meta, greedy)
         return self._forward(batch.input_ids, batch.positions, batch.meta)
 
     def _logits(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:

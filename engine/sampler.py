@@ -36,9 +36,18 @@ class Sampler:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> list[int]:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        requests: list[ScheduledRequest],
+        greedy_ids: torch.Tensor | None = None,
+    ) -> list[int]:
         """logits [num_requests, vocab] (row i belongs to requests[i]; any float dtype: greedy
-        rows take the argmax as is, sampled rows are computed in float32) -> token ids."""
+        rows take the argmax as is, sampled rows are computed in float32) -> token ids.
+        `greedy_ids`: the argmax of every row of `logits`, found already (the fused decode
+        step's), used where every request takes it (`takes_argmax`)."""
+        if greedy_ids is not None and all(takes_argmax(r) for r in requests):
+            return greedy_ids.tolist()
         if any(r.params.has_logits_processing or r.grammar is not None for r in requests):
             logits = process_logits(logits, requests)
         random_rows = [i for i, r in enumerate(requests) if r.params.temperature >= MIN_TEMPERATURE]
@@ -87,6 +96,17 @@ class Sampler:
         if params.min_p > 0.0:  # values are sorted: min_p keeps a prefix, the top one at least
             num_kept = min(num_kept, max(int((values >= params.min_p * values[0]).sum()), 1))
         return int(indices[_draw(cdf[:num_kept], generator)])
+
+
+def takes_argmax(request: ScheduledRequest) -> bool:
+    """Whether the request's token is the argmax of its logits as the model gives them
+    (greedy, no logits processing, no grammar)."""
+    params = request.params
+    return (
+        params.temperature < MIN_TEMPERATURE
+        and not params.has_logits_processing
+        and request.grammar is None
+    )
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

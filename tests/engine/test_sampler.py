@@ -54,6 +54,20 @@ def test_greedy_is_argmax(rows):
     assert Sampler()(logits, requests) == logits.argmax(-1).tolist()
 
 
+def test_ids_found_already_are_taken_only_where_every_row_takes_the_argmax():
+    """`greedy_ids` (the fused step's argmax) stand for the argmax only where every request
+    takes it as is: a sampled row, a logits processor or a grammar makes the sampler work."""
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
+    found = torch.tensor([7, 8])  # not the argmax: shows which ids were used
+    greedy = [req("a", SamplingParams(temperature=0.0)), req("b", SamplingParams(temperature=0.0))]
+    assert Sampler()(logits, greedy, found) == [7, 8]
+    assert Sampler()(logits, greedy) == [1, 0]
+    sampled = [greedy[0], req("b", SamplingParams(temperature=0.7, top_k=1))]
+    assert Sampler()(logits, sampled, found) == [1, 0]
+    banned = [greedy[0], req("b", SamplingParams(temperature=0.0, logit_bias={0: -100.0}))]
+    assert Sampler()(logits, banned, found) == [1, 2]
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     logits=logits_arrays(),

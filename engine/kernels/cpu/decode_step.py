@@ -153,10 +153,12 @@ class FusedDecode:
             name: getattr(self, name).numpy()
             for name in ("block_table", "context_lens", "slot_mapping", "input_ids", "positions")
         }
-        # [num_partitions, merge multiplier (0 in steps of one partition)]: the plan reads
-        # both through pointers; set per step through a numpy view of the same memory.
-        scalars = torch.tensor([1, 0], dtype=i64)
+        # [num_partitions, merge multiplier (0 in steps of one partition), greedy multiplier
+        # (1 in steps whose rows all take the argmax)]: the plan reads them through pointers;
+        # set per step through a numpy view of the same memory.
+        scalars = torch.tensor([1, 0, 0], dtype=i64)
         self.num_partitions, self.merge_multiplier = scalars[0:1], scalars[1:2]
+        self.greedy_multiplier = scalars[2:3]
         self._step_scalars = scalars.numpy()
         group = heads // kv_heads
         self.partials = torch.zeros(m * kv_heads * max_partitions * group * (head_dim + 2))
@@ -165,6 +167,15 @@ class FusedDecode:
         self.has_lm_head = _linear_reason(model.lm_head) is None
         vocab = model.lm_head.out_features if self.has_lm_head else 0
         self.logits = torch.zeros(m, vocab, dtype=bf16)
+        # Greedy ids from the same call (`run(greedy=True)`): each row's logits in slices
+        # shared by the threads, then a merge; argmax_rows' indices, found while the logits
+        # are still in the caches of the threads that wrote them (the sampler's own pass
+        # over them cost 0.1-0.25 ms of a ~4 ms W1 step).
+        self.argmax_slices = max(1, torch.get_num_threads())
+        self.argmax_keys = torch.zeros(m, self.argmax_slices, dtype=torch.int32)
+        self.argmax_partial = torch.zeros(m, self.argmax_slices, dtype=i64)
+        self.greedy_ids = torch.zeros(m, dtype=i64)
+        self._greedy_rows = 0  # rows of the last run whose greedy ids are in greedy_ids
         self.model = model
         # Row gathers inside the step where the tables allow (a plain bf16 embedding table, the
         # rotary tables in bf16); else the step's first ops, from Python.
@@ -262,6 +273,13 @@ class FusedDecode:
         norm(model.model.norm, self.branch, self.residual)
         if self.has_lm_head:
             gemv("lm_head", model.lm_head, self.normed, self.logits)
+            args = fo.make_argmax_task(
+                self.logits, self.argmax_keys, self.argmax_partial, self.greedy_ids
+            )
+            slices = self.argmax_slices
+            tasks.append((fo.argmax_parts_task_fn(), args, 0, slices, True, self.greedy_multiplier))
+            tasks.append((fo.argmax_merge_task_fn(), args, 0, 1, False, self.greedy_multiplier))
+            self.task_names += ["argmax", "argmax_merge"]
         return tasks
 
     def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
@@ -274,9 +292,16 @@ class FusedDecode:
             and meta.decode_block_table.shape[1] <= self.max_blocks
         )
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        greedy: bool = False,
+    ):
         """input_ids, positions [rows] -> final hidden states [rows, hidden] (a view of a
-        buffer that the next step overwrites)."""
+        buffer that the next step overwrites). With `greedy` (every row takes the argmax of
+        its logits as they are) the step also finds the rows' greedy ids (`greedy_ids_of`)."""
         rows = input_ids.shape[0]
         inputs = self._inputs_np
         ids, pos = input_ids.numpy(), positions.numpy()
@@ -297,8 +322,11 @@ class FusedDecode:
         inputs["context_lens"][:rows] = meta.decode_context_lens.numpy()
         inputs["slot_mapping"][:rows] = meta.slot_mapping.numpy()
         num_partitions = -(-table.shape[1] // self.partition_blocks)
-        self._step_scalars[:] = (num_partitions, int(num_partitions > 1))
+        greedy = greedy and self.has_lm_head
+        self._step_scalars[:] = (num_partitions, int(num_partitions > 1), int(greedy))
+        self._greedy_rows = 0
         self.plan.run(rows, 0, SPIN)
+        self._greedy_rows = rows if greedy else 0
         return self.normed[:rows]
 
     def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
@@ -313,6 +341,14 @@ class FusedDecode:
         if rows.shape[0] != num_rows:
             return None
         return self.logits[:num_rows]
+
+    def greedy_ids_of(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """The greedy ids [rows] of the step whose output `hidden` is, where it found them
+        (`run(greedy=True)`) for all of `rows`; else None. A view of a buffer the next step
+        overwrites."""
+        if self.logits_of(hidden, rows) is None or self._greedy_rows != hidden.shape[0]:
+            return None
+        return self.greedy_ids[: hidden.shape[0]]
 
 
 def _plain_table(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -335,9 +371,13 @@ class StepForward:
     def __init__(self, model, fused: FusedDecode):
         self.model, self.fused = model, fused
 
-    def __call__(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(
+        self, input_ids, positions, meta: AttentionMetadata, greedy: bool = False
+    ) -> torch.Tensor:
+        """`greedy`: every row of a decode-only step takes its argmax (the fused step finds
+        the ids: `greedy_ids_for`)."""
         if self.fused.accepts(input_ids.shape[0], meta):
-            return self.fused.run(input_ids, positions, meta)
+            return self.fused.run(input_ids, positions, meta, greedy)
         return self.model(input_ids, positions, meta)
 
     def logits_for(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -346,6 +386,10 @@ class StepForward:
         if logits is None:
             logits = self.model.compute_logits(hidden.index_select(0, rows))
         return logits
+
+    def greedy_ids_for(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """The greedy ids of `rows` of `hidden` where the fused step found them, else None."""
+        return self.fused.greedy_ids_of(hidden, rows)
 
 
 def resolve(model, mode: str, kv_dtype: torch.dtype, max_model_len: int):

@@ -474,22 +474,30 @@ inline uint32_t float_bits(const at::BFloat16* row, int64_t i) {
   return static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(row)[i]) << 16;
 }
 
+// The largest key of row[begin, end) and the first index holding it (begin < end).
 template <typename scalar_t>
-int64_t argmax_row(const scalar_t* row, int64_t n) {
+int64_t argmax_range(const scalar_t* row, int64_t begin, int64_t end, uint32_t* key) {
   uint32_t best = 0;
 #pragma omp simd reduction(max : best)
-  for (int64_t i = 0; i < n; ++i) best = std::max(best, order_key(float_bits(row, i)));
+  for (int64_t i = begin; i < end; ++i) best = std::max(best, order_key(float_bits(row, i)));
+  *key = best;
   constexpr int64_t kChunk = 256;
-  for (int64_t begin = 0; begin < n; begin += kChunk) {
-    const int64_t end = std::min(n, begin + kChunk);
+  for (int64_t c = begin; c < end; c += kChunk) {
+    const int64_t c_end = std::min(end, c + kChunk);
     int found = 0;
 #pragma omp simd reduction(| : found)
-    for (int64_t i = begin; i < end; ++i) found |= order_key(float_bits(row, i)) == best;
+    for (int64_t i = c; i < c_end; ++i) found |= order_key(float_bits(row, i)) == best;
     if (!found) continue;
-    for (int64_t i = begin; i < end; ++i)
+    for (int64_t i = c; i < c_end; ++i)
       if (order_key(float_bits(row, i)) == best) return i;
   }
-  return 0;  // not reached: some element holds the largest key
+  return begin;  // not reached: some element holds the largest key
+}
+
+template <typename scalar_t>
+int64_t argmax_row(const scalar_t* row, int64_t n) {
+  uint32_t key;
+  return argmax_range(row, 0, n, &key);
 }
 
 // x [rows, n] (unit last stride), float32 or bfloat16, n >= 1 -> int64 [rows].
@@ -514,6 +522,49 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
     });
   }
   return out;
+}
+
+// The greedy ids of a fused decode step (decode_step.cpp), argmax_rows' indices: each row's
+// logits in `parts` slices (items row * parts + part, shared between the threads), then a
+// merge per row that keeps the first slice holding the largest key, so the first index wins
+// as in one pass.
+struct ArgmaxTask {
+  const at::BFloat16* logits;  // [max_rows, n], row stride `stride`
+  int64_t n, stride, parts;
+  uint32_t* keys;      // [max_rows, parts]
+  int64_t* partial;    // [max_rows, parts]
+  int64_t* out;        // [max_rows]
+};
+
+void argmax_parts_task(const void* raw, int64_t /*rows*/, int64_t begin, int64_t end) {
+  const ArgmaxTask& t = *static_cast<const ArgmaxTask*>(raw);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t r = item / t.parts, part = item % t.parts;
+    const int64_t lo = t.n * part / t.parts, hi = t.n * (part + 1) / t.parts;
+    if (lo == hi) {  // an empty slice (n < parts) loses to every other
+      t.keys[item] = 0;
+      t.partial[item] = -1;
+      continue;
+    }
+    t.partial[item] = argmax_range(t.logits + r * t.stride, lo, hi, &t.keys[item]);
+  }
+}
+
+void argmax_merge_task(const void* raw, int64_t /*rows*/, int64_t begin, int64_t end) {
+  const ArgmaxTask& t = *static_cast<const ArgmaxTask*>(raw);
+  for (int64_t r = begin; r < end; ++r) {
+    int64_t best = -1;
+    uint32_t best_key = 0;
+    for (int64_t part = 0; part < t.parts; ++part) {
+      const int64_t item = r * t.parts + part;
+      if (t.partial[item] < 0) continue;
+      if (best < 0 || t.keys[item] > best_key) {
+        best = t.partial[item];
+        best_key = t.keys[item];
+      }
+    }
+    t.out[r] = best;
+  }
 }
 
 template <typename T>
@@ -585,6 +636,26 @@ py::capsule make_gather_task(torch::Tensor table, torch::Tensor index, torch::Te
                                   out.stride(0) * item});
 }
 
+// logits [max_rows, n] bf16 (unit last stride), keys int32 and partial int64 [max_rows,
+// parts], out int64 [max_rows]: the step's buffers.
+py::capsule make_argmax_task(torch::Tensor logits, torch::Tensor keys, torch::Tensor partial,
+                             torch::Tensor out) {
+  check_bf16(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1, "argmax task: logits [rows, n >= 1]");
+  const int64_t rows = logits.size(0);
+  TORCH_CHECK(keys.scalar_type() == at::kInt && partial.scalar_type() == at::kLong &&
+                  keys.is_contiguous() && partial.is_contiguous() && keys.dim() == 2 &&
+                  keys.sizes() == partial.sizes() && keys.size(0) == rows && keys.size(1) >= 1,
+              "argmax task: keys int32 and partial int64, both [rows, parts], contiguous");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.dim() == 1 &&
+                  out.size(0) == rows,
+              "argmax task: out int64 [rows], contiguous");
+  return task_args(new ArgmaxTask{logits.data_ptr<at::BFloat16>(), logits.size(1),
+                                  logits.stride(0), keys.size(1),
+                                  reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>()),
+                                  partial.data_ptr<int64_t>(), out.data_ptr<int64_t>()});
+}
+
 py::capsule task_fn(void (*fn)(const void*, int64_t, int64_t, int64_t)) {
   return py::capsule(reinterpret_cast<void*>(fn), "mini_infer.task_fn");
 }
@@ -602,6 +673,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_task_fn", [] { return task_fn(&rotary_task); });
   m.def("silu_mul_task_fn", [] { return task_fn(&silu_mul_task); });
   m.def("gather_task_fn", [] { return task_fn(&gather_task); });
+  m.def("argmax_parts_task_fn", [] { return task_fn(&argmax_parts_task); });
+  m.def("argmax_merge_task_fn", [] { return task_fn(&argmax_merge_task); });
+  m.def("make_argmax_task", &make_argmax_task, "a fused decode step's greedy ids (argmax_rows)");
   m.def("make_gather_task", &make_gather_task, "a fused decode step's row gather (index_select)");
   m.def("make_norm_task", &make_norm_task, "a fused decode step's (add +) RMSNorm over rows");
   m.def("make_rotary_task", &make_rotary_task, "a fused decode step's RoPE over rows");

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import LLMEngine, SamplingParams
 from engine.kernels.attention_types import AttentionMetadata, PrefillChunk
@@ -39,16 +41,19 @@ class Checker:
     def __init__(self, forward: decode_step.StepForward):
         self.forward, self.num_checked, self.num_rows = forward, 0, set()
 
-    def __call__(self, input_ids, positions, meta):
+    def __call__(self, input_ids, positions, meta, greedy=False):
         fused, model = self.forward.fused, self.forward.model
         if not fused.accepts(input_ids.shape[0], meta):
             return model(input_ids, positions, meta)
-        got = fused.run(input_ids, positions, meta).clone()
+        got = fused.run(input_ids, positions, meta, greedy=True).clone()
         rows = torch.arange(input_ids.shape[0])
         got_logits = fused.logits_of(fused.normed[: rows.shape[0]], rows).clone()
+        got_ids = fused.greedy_ids_of(fused.normed[: rows.shape[0]], rows).clone()
         want = model(input_ids, positions, meta)
         assert torch.equal(got, want), (got - want).abs().max()
-        assert torch.equal(got_logits, model.compute_logits(want))  # the lm_head task too
+        want_logits = model.compute_logits(want)
+        assert torch.equal(got_logits, want_logits)  # the lm_head task too
+        assert torch.equal(got_ids, want_logits.max(dim=-1).indices)  # and the argmax
         self.num_checked += 1
         self.num_rows.add(input_ids.shape[0])
         return want
@@ -229,3 +234,81 @@ def test_indices_outside_the_tables_are_refused_before_the_step(step_ext, tiny_m
     with pytest.raises(IndexError, match="position"):
         fused.run(zero, torch.tensor([fused.rope_tables[0].shape[0]]), meta)
     assert fused.run(zero, zero, meta).shape == (1, fused.normed.shape[1])  # and still runs
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    vocab=st.integers(1, 700),
+    slices=st.integers(1, 5),
+    threads=st.sampled_from([1, 2]),
+    values=st.lists(
+        st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")]),
+        min_size=1,
+        max_size=8,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_the_steps_argmax_is_torchs(step_ext, rows, vocab, slices, threads, values, seed):
+    """The greedy ids the step finds (rows cut in slices shared by the threads, then merged)
+    are torch.max(dim=-1)'s indices: the first of tied maxima across slices, -0.0 equal to
+    +0.0, a NaN above everything."""
+    from engine.kernels.cpu import fused_ops
+
+    fo = fused_ops.load()
+    if fo is None:
+        pytest.skip("no fused_ops library here")
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, len(values), (rows, vocab), generator=generator)
+    logits = torch.tensor(values, dtype=torch.float32)[picks].to(torch.bfloat16)
+    keys = torch.zeros(rows, slices, dtype=torch.int32)
+    partial = torch.zeros(rows, slices, dtype=torch.int64)
+    ids = torch.full((rows,), -7, dtype=torch.int64)
+    multiplier = torch.ones(1, dtype=torch.int64)
+    args = fo.make_argmax_task(logits, keys, partial, ids)
+    plan = step_ext.Plan([
+        (fo.argmax_parts_task_fn(), args, 0, slices, True, multiplier),
+        (fo.argmax_merge_task_fn(), args, 0, 1, False, multiplier),
+    ])  # fmt: skip
+    plan.run(rows, threads, decode_step.SPIN)
+    assert torch.equal(ids, logits.max(dim=-1).indices)
+    assert torch.equal(ids, fo.argmax_rows(logits))
+    multiplier.zero_()  # a step that samples: the tasks are skipped
+    ids.fill_(-7)
+    plan.run(rows, threads, decode_step.SPIN)
+    assert (ids == -7).all()
+
+
+def test_greedy_steps_take_the_steps_ids_and_sampled_ones_do_not(
+    step_ext, tiny_model_dir, monkeypatch
+):
+    """Decode steps whose rows are all greedy sample nothing themselves: the fused step's ids
+    are the tokens (the sampler's argmax is never called). A step with a sampled row does not
+    ask the step for them."""
+    from engine import sampler
+
+    engine = _engine(tiny_model_dir, "int4")
+    calls = []
+    real_argmax = sampler._argmax
+
+    def counting_argmax(logits):
+        calls.append(logits.shape[0])
+        return real_argmax(logits)
+
+    monkeypatch.setattr(sampler, "_argmax", counting_argmax)
+    greedy = _run(engine, PROMPTS, max_tokens=6)
+    # Only the prefill steps (not fused) took the sampler's argmax.
+    assert len(calls) <= len(PROMPTS) and all(len(t) == 6 for t in greedy.values())
+    table = QuantConfig("int4", embedding_from_head=False)
+    off = _engine(tiny_model_dir, table, fused_decode="off")
+    assert greedy == _run(off, PROMPTS, max_tokens=6)
+
+    fused = engine.runner._forward.fused
+    runs = []
+    real_run = fused.run
+    monkeypatch.setattr(fused, "run", lambda *a: runs.append(a[-1]) or real_run(*a))
+    engine.add_request("hot", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
+    engine.add_request("cold", [8, 9], SamplingParams(max_tokens=4, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert runs and not any(runs)  # every fused step had a sampled row: greedy=False
