@@ -22,6 +22,7 @@ else takes the per-operator path, step by step (`accepts`).
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -118,8 +119,9 @@ class FusedDecode:
         inter = model.model.layers[0].mlp.intermediate_size
         cache = cfg.kv_cache
         self.block_size = cache.shape[1]
-        # As the per-operator decode splits a context: partitions of partition_blocks blocks,
-        # as many as the step's block table is wide (it must be the same split: same bits).
+        # As the per-operator decode splits a context: partitions of partition_blocks blocks
+        # (fewer in steps of few rows: `_partitions`), as many as the step's block table is
+        # wide (it must be the same split: same bits).
         self.partition_blocks = max(1, paged_attention.PARTITION_TOKENS // self.block_size)
         self.max_blocks = -(-max_model_len // self.block_size)
         max_partitions = -(-self.max_blocks // self.partition_blocks)
@@ -153,15 +155,21 @@ class FusedDecode:
             name: getattr(self, name).numpy()
             for name in ("block_table", "context_lens", "slot_mapping", "input_ids", "positions")
         }
-        # [num_partitions, merge multiplier (0 in steps of one partition), greedy multiplier
-        # (1 in steps whose rows all take the argmax)]: the plan reads them through pointers;
-        # set per step through a numpy view of the same memory.
-        scalars = torch.tensor([1, 0, 0], dtype=i64)
-        self.num_partitions, self.merge_multiplier = scalars[0:1], scalars[1:2]
-        self.greedy_multiplier = scalars[2:3]
+        # [num_partitions, blocks per partition, merge multiplier (0 in steps of one
+        # partition), greedy multiplier (1 in steps whose rows all take the argmax)]: the plan
+        # reads them through pointers; set per step through a numpy view of the same memory.
+        scalars = torch.tensor([1, self.partition_blocks, 0, 0], dtype=i64)
+        self.num_partitions, self.merge_multiplier = scalars[0:2], scalars[2:3]
+        self.greedy_multiplier = scalars[3:4]
         self._step_scalars = scalars.numpy()
         group = heads // kv_heads
-        self.partials = torch.zeros(m * kv_heads * max_partitions * group * (head_dim + 2))
+        self.kv_heads = kv_heads
+        # Partial results of every (row, KV head, partition): room for max_rows rows of long
+        # contexts, and for the small steps whose short contexts are split to share the
+        # threads (fewer than 4 x threads items: paged_attention.partition_blocks_for).
+        threads = max(torch.get_num_threads(), os.cpu_count() or 1)
+        self.max_items = max(m * kv_heads * max_partitions, 4 * threads)
+        self.partials = torch.zeros(self.max_items * group * (head_dim + 2))
         # The lm_head too where it is a GEMV task (int4/int8, or bf16 on our GEMV): the logits
         # of a decode-only step come out of the same call (every decode row samples).
         self.has_lm_head = _linear_reason(model.lm_head) is None
@@ -290,7 +298,20 @@ class FusedDecode:
             and 0 < num_tokens <= self.max_rows
             and meta.decode_block_table is not None
             and meta.decode_block_table.shape[1] <= self.max_blocks
+            and self._partitions(num_tokens, meta.decode_block_table.shape[1])[0] > 0
         )
+
+    def _partitions(self, rows: int, table_blocks: int) -> tuple[int, int]:
+        """(partitions, blocks per partition) of a step's attention, as the per-operator decode
+        splits it (paged_attention.partition_blocks_for); (0, 0) if the partials cannot hold
+        them (more threads than when the buffers were sized: that step runs per operator)."""
+        blocks = paged_attention.partition_blocks_for(
+            rows, self.kv_heads, table_blocks, self.block_size, torch.get_num_threads()
+        )
+        partitions = -(-table_blocks // blocks)
+        if rows * self.kv_heads * partitions > self.max_items:
+            return 0, 0
+        return partitions, blocks
 
     def run(
         self,
@@ -321,9 +342,9 @@ class FusedDecode:
         inputs["block_table"][:rows, : table.shape[1]] = table
         inputs["context_lens"][:rows] = meta.decode_context_lens.numpy()
         inputs["slot_mapping"][:rows] = meta.slot_mapping.numpy()
-        num_partitions = -(-table.shape[1] // self.partition_blocks)
+        num_partitions, blocks = self._partitions(rows, table.shape[1])
         greedy = greedy and self.has_lm_head
-        self._step_scalars[:] = (num_partitions, int(num_partitions > 1), int(greedy))
+        self._step_scalars[:] = (num_partitions, blocks, int(num_partitions > 1), int(greedy))
         self._greedy_rows = 0
         self.plan.run(rows, 0, SPIN)
         self._greedy_rows = rows if greedy else 0

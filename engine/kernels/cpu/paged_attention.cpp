@@ -630,7 +630,7 @@ struct DecodeTask {
   const int64_t* block_table;     // [max_rows, max_blocks]
   const int64_t* context_lens;    // [max_rows]
   const int64_t* slot_mapping;    // [max_rows]
-  const int64_t* num_partitions;  // [1]: this step's
+  const int64_t* num_partitions;  // [2]: this step's partitions, and blocks per partition
   float* partials;                // [max_rows, num_kv_heads, max_partitions, G * (D + 2)]
   bf16* out;                      // [rows, num_heads, head_dim]
   Shapes shapes;                  // num_partitions: the most a step may use
@@ -639,7 +639,8 @@ struct DecodeTask {
 
 Shapes step_shapes(const DecodeTask& t) {
   Shapes s = t.shapes;
-  s.num_partitions = *t.num_partitions;
+  s.num_partitions = t.num_partitions[0];
+  s.partition_blocks = t.num_partitions[1];
   return s;
 }
 
@@ -676,8 +677,10 @@ void merge_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
 
 // qkv [max_rows, (H + 2 KVH) * D] bf16 buffer; kv_cache the layer's pool; block_table
 // [max_rows, max_blocks], context_lens and slot_mapping [max_rows] int64 buffers;
-// num_partitions [1] int64 (set per step); partials float32 [max_rows * KVH * max_partitions *
-// G * (D + 2)]; out [max_rows, H, D]. Items per run: rows * KVH * partitions, then rows * KVH.
+// num_partitions [2] int64 (set per step: partitions, blocks per partition; the caller keeps
+// rows * KVH * partitions within the partials); partials float32 [max_rows * KVH *
+// max_partitions * G * (D + 2)], max_partitions those of `partition_blocks`; out [max_rows, H,
+// D]. Items per run: rows * KVH * partitions, then rows * KVH.
 py::capsule make_decode_task(torch::Tensor qkv, torch::Tensor kv_cache, torch::Tensor block_table,
                              torch::Tensor context_lens, torch::Tensor slot_mapping,
                              torch::Tensor num_partitions, torch::Tensor partials,
@@ -693,6 +696,8 @@ py::capsule make_decode_task(torch::Tensor qkv, torch::Tensor kv_cache, torch::T
     TORCH_CHECK(x->scalar_type() == at::kLong && x->is_contiguous(),
                 "decode task: block_table, context_lens, slot_mapping, num_partitions "
                 "contiguous int64");
+  TORCH_CHECK(num_partitions.numel() >= 2,
+              "decode task: num_partitions holds (partitions, blocks per partition)");
   Shapes s;
   s.num_seqs = out.size(0);
   s.num_heads = num_heads;

@@ -5,7 +5,9 @@ Why a kernel: the torch reference gathers every decoding request's whole context
 block pool (`index_select`) before SDPA, in every layer of every step, a copy that grows with
 context length. The kernel walks each request's block table and reads K/V in place, the query
 heads of one KV head together (GQA), with an online softmax across blocks and, for contexts
-longer than one partition (`PARTITION_TOKENS`), a split across threads with a final merge.
+longer than one partition (`PARTITION_TOKENS`), a split across threads with a final merge; a
+step with fewer (sequence, KV head) pairs than two per thread splits shorter contexts too, so
+every thread has work (`partition_blocks_for`).
 
 It runs 1.3-2.3x the reference's decode attention at SmolLM2 shapes (one thread; the table:
 loadtest/README.md, "Kernel measurements moved out of the code").
@@ -73,6 +75,9 @@ from engine.platform import cpu_info
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 PARTITION_TOKENS = 512  # context tokens per work item before a long context is split
+# A step with fewer (sequence, KV head) items than two per thread splits contexts of at least
+# 2 x this many tokens into partitions anyway (see partition_blocks_for).
+MIN_SPLIT_TOKENS = 32
 MAX_QUERY_TILE = 16  # extend: query tokens per work item (see choose_query_tile)
 # extend: longest new chunk sent to the kernel in fp32 (bf16: any length); see the docstring
 EXTEND_MAX_TOKENS_FP32 = 16
@@ -102,6 +107,27 @@ def load() -> ModuleType | None:
     return build()
 
 
+def partition_blocks_for(
+    num_seqs: int, num_kv_heads: int, table_blocks: int, block_size: int, threads: int
+) -> int:
+    """Blocks per partition of a decode step (`table_blocks`: its block table's width).
+
+    Partitions of PARTITION_TOKENS, unless the step has fewer (sequence, KV head) items than
+    two per thread: then contexts are cut in as many partitions as give every thread about two
+    items, of at least MIN_SPLIT_TOKENS. One W1 row of SmolLM2 is 3 KV heads: on 2 threads one
+    thread did two heads and the other one (attention 0.39 ms a step on the slower thread
+    against 0.33 on average); in 2 partitions each does 3 half-heads and a merge.
+    The fused decode step and the per-operator decode both take this, so their partitions,
+    and bits, are the same."""
+    default = max(1, PARTITION_TOKENS // block_size)
+    pairs = num_seqs * num_kv_heads
+    wanted = -(-2 * threads // max(pairs, 1))  # partitions per (sequence, KV head)
+    smallest = max(1, MIN_SPLIT_TOKENS // block_size)
+    if threads <= 1 or wanted <= 1 or table_blocks < 2 * smallest:
+        return default
+    return min(default, max(smallest, -(-table_blocks // wanted)))
+
+
 def decode(
     kernels: ModuleType,  # the built extension (load())
     q: torch.Tensor,  # [num_decodes, num_heads, head_dim], head_dim contiguous
@@ -112,7 +138,10 @@ def decode(
 ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype)
-    partition_blocks = max(1, PARTITION_TOKENS // kv_cache.shape[1])
+    partition_blocks = partition_blocks_for(
+        q.shape[0], kv_cache.shape[3], block_table.shape[1], kv_cache.shape[1],
+        torch.get_num_threads(),
+    )  # fmt: skip
     kernels.paged_attention_decode(
         q, kv_cache, block_table, context_lens, q.shape[-1] ** -0.5, partition_blocks, out
     )
@@ -128,7 +157,10 @@ def decode_int8(
 ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
     """Decode over the int8 KV cache: each K/V row dequantized (codes x scale) as it is read."""
     out = torch.empty(q.shape, dtype=q.dtype)
-    partition_blocks = max(1, PARTITION_TOKENS // kv_cache.codes.shape[1])
+    codes = kv_cache.codes
+    partition_blocks = partition_blocks_for(
+        q.shape[0], codes.shape[3], block_table.shape[1], codes.shape[1], torch.get_num_threads()
+    )
     kernels.paged_attention_decode_int8(
         q, kv_cache.codes, kv_cache.scales, block_table, context_lens, q.shape[-1] ** -0.5,
         partition_blocks, out,

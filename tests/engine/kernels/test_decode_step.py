@@ -156,6 +156,54 @@ def test_fused_step_splits_long_contexts_as_the_per_operator_decode_does(
     assert checker.num_checked >= 19 and int(fused.num_partitions[0]) >= 3
 
 
+def test_one_rows_context_is_split_to_share_the_threads_as_per_operator(step_ext, tiny_model_dir):
+    """One row over 2 KV heads is 2 items for 2 threads, 4 wanted: a context of 4+ blocks is
+    cut in 2 partitions, in the fused step and the per-operator decode alike (same bits)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        engine = _engine(tiny_model_dir, "int4")
+        fused = engine.runner._forward.fused
+        seen = []
+        real_run = fused.plan.run
+
+        class Plan:  # records each step's partitions (the C++ plan's run cannot be replaced)
+            def run(self, *args):
+                seen.append(int(fused.num_partitions[0]))
+                return real_run(*args)
+
+        fused.plan = Plan()
+        checker = _check(engine, [list(range(40, 180))], max_tokens=6)
+    finally:
+        torch.set_num_threads(threads)
+    assert checker.num_checked >= 5 and set(seen) == {2}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num_seqs=st.integers(1, 64),
+    num_kv_heads=st.integers(1, 8),
+    table_blocks=st.integers(1, 600),
+    block_size=st.sampled_from([8, 16, 32]),
+    threads=st.integers(1, 16),
+)
+def test_partitions_of_small_steps_give_every_thread_work(
+    num_seqs, num_kv_heads, table_blocks, block_size, threads
+):
+    from engine.kernels.cpu import paged_attention as pa
+
+    blocks = pa.partition_blocks_for(num_seqs, num_kv_heads, table_blocks, block_size, threads)
+    default = max(1, pa.PARTITION_TOKENS // block_size)
+    partitions = -(-table_blocks // blocks)
+    items = num_seqs * num_kv_heads * partitions
+    assert 1 <= blocks <= default
+    if blocks < default:  # split further only for steps of few items, never below the minimum
+        assert num_seqs * num_kv_heads < 2 * threads
+        assert blocks >= max(1, pa.MIN_SPLIT_TOKENS // block_size)
+        assert items < 4 * threads  # what FusedDecode's partials are sized for
+        assert partitions >= 2
+
+
 def test_fused_step_on_one_thread_and_with_an_unrolled_head_dim(step_ext, head_dim_64_dir):
     engine = _engine(head_dim_64_dir, "int4")
     threads = torch.get_num_threads()
