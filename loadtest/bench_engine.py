@@ -90,6 +90,19 @@ def run_engine(
     return result
 
 
+def _hf_model(auto_class, model_path: Path, torch_dtype):
+    """HF's model for the checkpoint; where the directory holds no weights of HF's own (the
+    default model keeps only its GGUF), transformers reads the GGUF (dequantized to torch_dtype:
+    the same values the engine's int4 path starts from)."""
+    from engine.loader import gguf_source
+
+    has_weights = any(model_path.glob("*.safetensors")) or any(model_path.glob("*.bin"))
+    gguf = None if has_weights else gguf_source(model_path)
+    if gguf is None:
+        return auto_class.from_pretrained(model_path, dtype=torch_dtype).eval()
+    return auto_class.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype).eval()
+
+
 def run_hf(
     model_path: str, dtype: str, prompts: list[list[int]], max_tokens: int | list[int]
 ) -> dict:
@@ -98,7 +111,7 @@ def run_hf(
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     load_start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
+    model = _hf_model(AutoModelForCausalLM, Path(model_path), torch_dtype)
     load_s = time.perf_counter() - load_start
     pad = model.generation_config.pad_token_id or 0
 
