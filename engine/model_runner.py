@@ -142,6 +142,8 @@ class ModelRunner:
             self._forward, self.fused_decode = decode_step.resolve(
                 self.model, self.config.fused_decode, self.kv_cache.dtype, self.max_model_len
             )
+        # The forward takes `greedy` (and finds the greedy ids itself): the fused step's.
+        self._forward_takes_greedy = isinstance(self._forward, decode_step.StepForward)
         self.embedding = self._share_embedding()
 
     def _embedding_from_head(self, device: str, fused_decode_known: bool) -> bool:
@@ -304,7 +306,7 @@ class ModelRunner:
         return batch.sample_requests, self._logits(hidden, batch), greedy_ids, prompt_logprobs
 
     def _forward_batch(self, batch: StepBatch) -> torch.Tensor:
-        if self.fused_decode is None:  # a StepForward (or a wrapper of one, profiling)
+        if self._forward_takes_greedy:
             # The fused step finds the greedy ids itself where every row takes them.
             greedy = all(takes_argmax(r) for r in batch.sample_requests)
             return self._forward(batch.input_ids, batch.positions, batch.meta, greedy)
