@@ -188,7 +188,7 @@ class QuantLinear(nn.Module):
             # The canonical codes (1 byte per weight) and scales give way to the C++ layout,
             # then that moves to huge pages where the OS offers them (streamed whole every
             # decode step), once the canonical tensors are gone: two copies at a time, not three.
-            self.weight = nn.Parameter(self.cpp_codes, requires_grad=False)
+            del self.weight
             del self.scale
             if self.scheme == "int4":
                 del self.minimum

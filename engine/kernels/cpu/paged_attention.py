@@ -162,7 +162,7 @@ def decode_int8(
         q.shape[0], codes.shape[3], block_table.shape[1], codes.shape[1], torch.get_num_threads()
     )
     kernels.paged_attention_decode_int8(
-        q, kv_cache.codes, kv_cache.scales, block_table, context_lens, q.shape[-1] ** -0.5,
+        q, codes, kv_cache.scales, block_table, context_lens, q.shape[-1] ** -0.5,
         partition_blocks, out,
     )  # fmt: skip
     return out
