@@ -59,6 +59,7 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
 
 class CudaModelRunner(ModelRunner):
     device_kind = "cuda"  # "auto" attention is Triton, even on CPU tensors under its interpreter
+    packs_linears = False  # the weights move to the device as they are
 
     def __init__(
         self,

@@ -63,6 +63,7 @@ class ModelRunnerOutput:
 class ModelRunner:
     device_kind = "cpu"  # the attention backend's device (engine/attention_backends.py)
     device = torch.device("cpu")  # where the model and the pool live (CudaModelRunner: its GPU)
+    packs_linears = True  # the plain linears are packed for this CPU's kernels
 
     def __init__(
         self,
@@ -88,7 +89,7 @@ class ModelRunner:
             kv_cache_bytes=self.kv_cache_bytes, attention_backend=self.attention.name,
             linear_kernels=self.linear_kernels, compiled=self.is_compiled,
             pointwise_ops=self.pointwise_ops,
-            fused_decode=self.fused_decode or "on", embedding=self.embedding,
+            fused_decode=self._fused_decode_state(), embedding=self.embedding,
             cpu=cpu_info().model_name,
             cpu_isa=cpu_info().vector_isa,
         )  # fmt: skip
@@ -121,8 +122,10 @@ class ModelRunner:
             self.model, model_path, self.quant, keep_torch_layout=self.is_compiled,
             embedding_from_head=self._embedding_from_head(device, fused_decode_known=False),
         )  # fmt: skip
-        # Compiled: Inductor's freezing lays the weights out itself, from plain ones.
-        linear_kernel = "plain" if self.is_compiled else self.config.linear_kernel
+        # Compiled: Inductor's freezing lays the weights out itself, from plain ones. A device
+        # runner moves plain weights (packing would calibrate CPU kernels it then undoes).
+        packs = self.packs_linears and not self.is_compiled
+        linear_kernel = self.config.linear_kernel if packs else "plain"
         self.linear_kernels = self._pack_linears(linear_kernel)
         trim_heap()  # what loading freed: RSS 639 -> 588 MiB (SmolLM2 int4 + int8 KV)
 
@@ -145,6 +148,14 @@ class ModelRunner:
         # The forward takes `greedy` (and finds the greedy ids itself): the fused step's.
         self._forward_takes_greedy = isinstance(self._forward, decode_step.StepForward)
         self.embedding = self._share_embedding()
+
+    def _fused_decode_state(self) -> str:
+        """For the ready log: "on", or why the fused decode step does not run."""
+        if self.kv_cache.device.type != "cpu":
+            return f"off: {self.kv_cache.device.type} runs the model's own forward"
+        if self.is_compiled:
+            return "off: compiled"
+        return self.fused_decode or "on"
 
     def _embedding_from_head(self, device: str, fused_decode_known: bool) -> bool:
         """Whether a tied embedding is looked up in the int8 lm_head's codes, its float table

@@ -46,8 +46,10 @@ def _store_kernel(
         dst = cache_ptr + slot * stride_slot + which * stride_ckv + h[:, None] * stride_ch
         if QUANTIZE:
             x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 127.0  # [HEADS_PAD]
-            q = x / scale[:, None]
+            # IEEE divisions (div_rn), as torch's: on CUDA `/` is the approximate division, and
+            # codes one off quantize_kv's were seen on an H200 (bf16 input).
+            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-12), 127.0)  # [HEADS_PAD]
+            q = tl.math.div_rn(x, scale[:, None])
             q = (q + ROUND_MAGIC) - ROUND_MAGIC
             q = tl.minimum(tl.maximum(q, -127.0), 127.0)
             tl.store(dst + d[None, :], q.to(tl.int8), mask=mask)

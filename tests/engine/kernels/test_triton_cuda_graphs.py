@@ -10,6 +10,7 @@ import torch
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, EagerReplayCapture, bucket_for, graph_batch_sizes
 from engine.cuda_runner import CudaModelRunner
+from engine.kernels.cpu.linear_choice import available_paths
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -142,3 +143,28 @@ def test_cuda_runner_returns_prompt_logprobs_like_the_plain_runner(tiny_model_di
     for name in ("topk_logprobs", "inner_logprobs", "last_row"):
         torch.testing.assert_close(getattr(mine, name), getattr(theirs, name), atol=1e-4, rtol=0)
     assert got["a"].sample is not None and set(got["a"].sample) == set(want["a"].sample)
+
+
+def test_cuda_runner_moves_plain_linears_without_packing_for_this_cpu(tiny_model_dir, monkeypatch):
+    """A device runner moves its weights as they are: it neither calibrates nor packs the CPU
+    kernels (it used to, then unpacked them), even where the config asks for packed ones."""
+    import engine.model_runner as model_runner
+
+    asked, choose = [], model_runner.choose_linear_kernels
+
+    def spy(shapes, dtype, requested="auto"):
+        asked.append(requested)
+        return choose(shapes, dtype, requested)
+
+    monkeypatch.setattr(model_runner, "choose_linear_kernels", spy)
+    config = EngineConfig(
+        num_kv_blocks=32, block_size=4, max_model_len=64, max_num_seqs=2, linear_kernel="packed"
+    )
+    cuda_like = CudaModelRunner(
+        tiny_model_dir, config, torch.float32, device="cpu", use_cuda_graphs=False
+    )
+    plain = ModelRunner(tiny_model_dir, config, torch.float32)
+    assert asked == ["plain", "packed"]  # the CUDA runner's, then the CPU runner's
+    assert cuda_like.linear_kernels["packed"] == cuda_like.linear_kernels["gemv"] == 0
+    assert cuda_like.linear_kernels["plain"] > 0
+    assert plain.linear_kernels["plain"] == 0 or "packed" not in available_paths(torch.float32)
