@@ -88,6 +88,7 @@ class RequestConsumer:
         self._is_polling = True
         self._admissions: set[asyncio.Task] = set()  # requests waiting for their reply topic
         self._is_paused = False
+        self.fetch_wait_ms = kafka.fetch_max_wait_ms  # what the fetches were last told to wait
         self._held: set[TopicPartition] = set()  # paused until the rebalance listener settles them
         self._in_flight_at_revoke: dict[TopicPartition, int] = {}
         self.last_poll_ok_s: float | None = None  # monotonic; readiness asks how recent it is
@@ -126,6 +127,7 @@ class RequestConsumer:
     async def run(self) -> None:
         while self._is_polling:
             self._apply_backpressure()
+            self._set_fetch_wait(fetch_wait_ms(self._settings.kafka, self.tracker.num_unfinished))
             room = self._room()
             try:
                 batches = await poll_lanes_first(
@@ -146,6 +148,27 @@ class RequestConsumer:
                     if not self._handle(partition, record):
                         break  # sought back: the rest of this batch comes again
             await self.commit()
+
+    def _set_fetch_wait(self, wait_ms: int) -> None:
+        """The wait aiokafka's next fetch requests carry. aiokafka takes it only at construction
+        (its fetcher's `_fetch_max_wait_ms`, read for each request: 0.14's Fetcher); where that
+        attribute is missing, the fetches keep the idle wait and this says so once. The poll's
+        own timeout stays the idle wait, so the loop still commits and checks its bounds at that
+        pace."""
+        if wait_ms == self.fetch_wait_ms:
+            return
+        fetcher = getattr(self._consumer, "_fetcher", None)
+        if not hasattr(fetcher, "_fetch_max_wait_ms"):
+            if self.fetch_wait_ms != -1:
+                log.warning("consumer.fetch_wait_fixed", reason="aiokafka's fetcher changed")
+            self.fetch_wait_ms = -1
+            return
+        fetcher._fetch_max_wait_ms = wait_ms
+        self.fetch_wait_ms = wait_ms
+
+    def fetcher_wait_ms(self) -> int | None:
+        """What aiokafka's next fetch request will carry (for tests and diagnostics)."""
+        return getattr(getattr(self._consumer, "_fetcher", None), "_fetch_max_wait_ms", None)
 
     def _handle(self, partition: TopicPartition, record) -> bool:
         """Track and route one record; False when it was not taken (the rest of its batch
@@ -431,6 +454,19 @@ class RequestConsumer:
             )
         except TimeoutError:
             log.warning("consumer.stop_timeout")
+
+
+def fetch_wait_ms(kafka, num_unfinished: int) -> int:
+    """How long the next fetch may wait for data: `fetch_max_wait_ms` while the worker has
+    nothing in flight, the longer `fetch_max_wait_busy_ms` while it works. A fetch that finds
+    nothing costs the event loop and the broker CPU on the cores the engine steps on, and an
+    empty fetch every 20 ms was half of both (W2 through the embedded broker); while the engine
+    is busy a request read later joins a later step anyway. Apache Kafka answers as soon as
+    data arrive, so there the longer wait costs no latency; the embedded broker holds an empty
+    fetch for the whole wait, so a request arriving while the worker works waits up to it."""
+    if num_unfinished == 0:
+        return kafka.fetch_max_wait_ms
+    return max(kafka.fetch_max_wait_ms, kafka.fetch_max_wait_busy_ms)
 
 
 async def poll_lanes_first(

@@ -132,6 +132,12 @@ class KafkaSettings(_Group):
     # embedded broker holds every fetch for the whole wait (measured: 500 ms put ~250 ms on each
     # hop), so this bounds the added latency there; an idle worker pays one fetch per wait.
     fetch_max_wait_ms: PositiveMs = 20
+    # The fetch wait while the worker has requests in flight (never below fetch_max_wait_ms).
+    # Fewer empty fetches beside a busy engine: W2 through the embedded broker went from 0.65x
+    # to 0.74-0.75x the direct engine (medians, 100 and 250 ms alike), the loop's and broker's
+    # CPU down by a third. Costs a request that arrives while the worker works up to this
+    # long on the embedded broker, nothing on Apache Kafka (which answers when data arrive).
+    fetch_max_wait_busy_ms: PositiveMs = 100
     consumer_stop_timeout_s: float = Field(default=10.0, gt=0)
     # TLS and/or SASL to the brokers (docs/OPERATIONS.md); the mechanism below for SASL_*.
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"

@@ -1,0 +1,80 @@
+"""The consumer's fetch wait: the short one while the worker has nothing in flight (an idle
+worker reads a new request within it on the embedded broker, which holds an empty fetch for the
+whole wait), the long one while it works (fewer empty fetches beside the engine; Apache Kafka
+answers a fetch as soon as data arrive, so it costs no latency there). Real broker; the engine
+is held at a gate, so "in flight" is a fact, not a race."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tests.worker.kafka_helpers import (
+    Producer,
+    ReplyReader,
+    create_topic,
+    fresh_topics,
+    make_request,
+    wait_for,
+    worker_settings,
+)
+from tests.worker.workers import running_worker
+from worker.service.consumer import fetch_wait_ms
+
+pytestmark = pytest.mark.kafka
+
+
+class HeldEngine:
+    """The real engine, whose steps wait for `gate` once a request is in."""
+
+    def __init__(self, engine, gate: threading.Event) -> None:
+        self._engine, self._gate = engine, gate
+
+    def step(self):
+        self._gate.wait(timeout=60)
+        return self._engine.step()
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
+def test_fetch_wait_is_the_long_one_only_with_work_in_flight() -> None:
+    from worker.service.settings import KafkaSettings
+
+    kafka = KafkaSettings(fetch_max_wait_ms=20, fetch_max_wait_busy_ms=250)
+    assert fetch_wait_ms(kafka, num_unfinished=0) == 20
+    assert fetch_wait_ms(kafka, num_unfinished=1) == 250
+    # never shorter than the idle wait, whatever is configured
+    assert fetch_wait_ms(KafkaSettings(fetch_max_wait_ms=300, fetch_max_wait_busy_ms=100), 5) == 300
+
+
+async def test_the_fetcher_waits_longer_while_a_request_is_in_flight(
+    broker, tiny_model_dir
+) -> None:
+    from engine import LLMEngine
+    from tests.worker.kafka_helpers import SMALL_ENGINE
+
+    topic, group_id = fresh_topics()
+    await create_topic(broker.bootstrap_servers, topic, 1)
+    settings = worker_settings(
+        tiny_model_dir, broker.bootstrap_servers, group_id, topic,
+        kafka={"num_partitions": 1, "fetch_max_wait_ms": 20, "fetch_max_wait_busy_ms": 300},
+    )  # fmt: skip
+    gate = threading.Event()
+    factory = lambda: HeldEngine(LLMEngine(str(tiny_model_dir), **SMALL_ENGINE), gate)  # noqa: E731
+    async with (
+        Producer(broker.bootstrap_servers) as producer,
+        ReplyReader(broker.bootstrap_servers) as replies,
+        running_worker(settings, factory, grace_s=10) as worker,
+    ):
+        consumer = worker.consumer
+        await wait_for(lambda: consumer.fetch_wait_ms == 20, what="the idle fetch wait")
+        request = make_request(replies.topic, "held", max_tokens=3)
+        await producer.send(topic, request)
+        await wait_for(lambda: consumer.fetch_wait_ms == 300, what="the busy fetch wait")
+        assert consumer.fetcher_wait_ms() == 300  # what aiokafka's next fetch request carries
+        gate.set()
+        await replies.wait_until(lambda: replies.finals(request.id), what="the final")
+        await wait_for(lambda: consumer.fetch_wait_ms == 20, what="the idle wait again")
+        assert consumer.fetcher_wait_ms() == 20
