@@ -6,12 +6,13 @@ takes a core and the GIL, as the worker's event loop does) or in another process
 core only). If the thread costs clearly more than the process, the GIL is the loss and moving
 the engine loop into a process of its own (vLLM's engine-core split) would win it back; if they
 cost the same, the loss is the cores the two share, and only less work beside the engine helps.
-Modes alternate in fresh processes for `--rounds` rounds; medians and ratios against the run
-with no competitor are printed, then the JSON. Not a test: the numbers go in
-loadtest/README.md.
+Each competitor runs at nice 0, and at nice 19 (`-nice19`: the worker's event loop's default,
+`event_loop_nice`). Modes alternate in fresh processes for `--rounds` rounds; medians and
+ratios against the run with no competitor are printed, then the JSON. Not a test: the numbers
+go in loadtest/README.md.
 
     python -m loadtest.bench_contention [--quantization int4] [--workload W2] [--duties 0.1,0.2]
-                                        [--rounds 3] [--out r.json]
+                                        [--modes thread,process] [--rounds 3] [--out r.json]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import subprocess
 import sys
@@ -27,11 +29,14 @@ import time
 from pathlib import Path
 
 PERIOD_S = 0.010
-MODES = ("thread", "process")
+MODES = ("thread", "process", "thread-nice19", "process-nice19")
 
 
-def compete(duty: float, stop: float) -> None:
-    """Pure Python arithmetic for `duty` of every PERIOD_S until the monotonic time `stop`."""
+def compete(duty: float, stop: float, niceness: int = 0) -> None:
+    """Pure Python arithmetic for `duty` of every PERIOD_S until the monotonic time `stop`, at
+    `niceness` (this thread only, as the worker lowers its event loop's thread)."""
+    if niceness:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
     work = duty * PERIOD_S
     while time.monotonic() < stop:
         start = time.perf_counter()
@@ -68,17 +73,19 @@ def child(mode: str, duty: float, workload: str, quantization: str | None) -> di
         result["tokens_per_s"] = num_tokens / (time.perf_counter() - start)
 
     stop = time.monotonic() + 600
+    kind, _, nice = mode.partition("-nice")
+    competing = (duty, stop, int(nice or 0))
     competitor = None
-    if mode == "thread":
-        competitor = threading.Thread(target=compete, args=(duty, stop), daemon=True)
-    elif mode == "process":
-        competitor = mp.get_context("spawn").Process(target=compete, args=(duty, stop))
+    if kind == "thread":
+        competitor = threading.Thread(target=compete, args=competing, daemon=True)
+    elif kind == "process":
+        competitor = mp.get_context("spawn").Process(target=compete, args=competing)
     if competitor is not None:
         competitor.start()
     runner = threading.Thread(target=decode, name="engine")
     runner.start()
     runner.join()
-    if mode == "process":
+    if kind == "process":
         competitor.terminate()
         competitor.join()
     return {"mode": mode, "duty": duty, **result}
@@ -98,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", choices=("W1", "W2"), default="W2")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--duties", default="0.1,0.2", help="competitor's busy fractions")
+    parser.add_argument("--modes", default=",".join(MODES), help="competitors, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", nargs=2, metavar=("MODE", "DUTY"), help=argparse.SUPPRESS)
@@ -107,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(mode, float(duty), args.workload, args.quantization)), flush=True)
         return 0
     duties = [float(d) for d in args.duties.split(",")]
-    sides = [("none", 0.0)] + [(m, d) for d in duties for m in MODES]
+    modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
+    sides = [("none", 0.0)] + [(m, d) for d in duties for m in modes]
     runs: dict[str, list[float]] = {f"{m}@{d}": [] for m, d in sides}
     for r in range(args.rounds):
         for mode, duty in sides:
@@ -117,11 +128,11 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)  # fmt: skip
     base = statistics.median(runs["none@0.0"])
     summary = {}
-    print(f"\n{'competitor':18s}{'median tok/s':>14s}{'vs none':>10s}")
+    print(f"\n{'competitor':24s}{'median tok/s':>14s}{'vs none':>10s}")
     for key, rates in runs.items():
         median = statistics.median(rates)
         summary[key] = {"median_tokens_per_s": round(median, 1), "vs_none": round(median / base, 3)}
-        print(f"{key:18s}{median:14.1f}{median / base:10.3f}")
+        print(f"{key:24s}{median:14.1f}{median / base:10.3f}")
     doc = {"workload": args.workload, "quantization": args.quantization,
            "period_s": PERIOD_S, "rounds": args.rounds, "runs": runs, "summary": summary}  # fmt: skip
     print(json.dumps(doc, indent=2))
