@@ -11,7 +11,8 @@ minutes of a lent GPU):
 3. prefill: the Triton paged kernel against SDPA (FlashAttention) on a contiguous chunk;
 4. the whole decode step (SmolLM2 shape, bf16), eager against CUDA-graph replay;
 5. W1 (1 request) and W2 (32 requests), 128 greedy tokens each, on the engine (bf16, CUDA
-   graphs on and off) against Hugging Face `generate` (static batch, bf16) on the same GPU.
+   graphs on and off, then the int8 KV cache under graphs) against Hugging Face `generate`
+   (static batch, bf16) on the same GPU.
 
 The model: `--model DIR` is a Hugging Face checkpoint directory; one without weights gets
 random weights of its config's shapes (throughput does not depend on the values), one
@@ -533,18 +534,22 @@ def check_throughput(c: Check, model_path: Path, dry_run: bool) -> None:
     for name, (num_tokens, elapsed) in hf.items():
         c.emit("throughput", impl="hf_generate", workload=name, tokens=num_tokens,
                elapsed_s=elapsed, tokens_per_s=num_tokens / elapsed)  # fmt: skip
-    for graphs in (True, False):
-        if c.out_of_time(f"engine_cuda_graphs_{graphs}"):
+    # The int8 KV cache last: its store and decode kernels in the engine, under graphs.
+    for graphs, kv_dtype in ((True, "auto"), (False, "auto"), (True, "int8")):
+        if c.out_of_time(f"engine_cuda_graphs_{graphs}_kv_{kv_dtype}"):
             return
-        eng = make_engine(model_path, graphs, dry_run, max_num_seqs=64, max_num_batched_tokens=2048)
+        eng = make_engine(
+            model_path, graphs, dry_run, max_num_seqs=64, max_num_batched_tokens=2048,
+            kv_cache_dtype=kv_dtype,
+        )  # fmt: skip
         for name, batch in _workloads(prompts):
             num_tokens, elapsed = run_workload(eng, batch, max_tokens)
             hf_tokens, hf_elapsed = hf[name]
             rate = num_tokens / elapsed
             c.emit(
-                "throughput", impl="engine", cuda_graphs=graphs, workload=name,
-                tokens=num_tokens, elapsed_s=elapsed, tokens_per_s=rate,
-                vs_hf=rate / (hf_tokens / hf_elapsed),
+                "throughput", impl="engine", cuda_graphs=graphs, kv_cache_dtype=kv_dtype,
+                workload=name, tokens=num_tokens, elapsed_s=elapsed, tokens_per_s=rate,
+                vs_hf=rate / (hf_tokens / hf_elapsed), ok=num_tokens == len(batch) * max_tokens,
             )  # fmt: skip
         del eng
 
