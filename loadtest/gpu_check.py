@@ -230,7 +230,8 @@ def _sweep_kv_store_int8(c: Check, dtype_name, rnd, g, trials: int) -> None:
         kv_store.store_kv_int8(kv, codes, scales, slots)
         want_codes, want_scales = quantize_kv(kv)
         got_codes, got_scales = codes.view(-1, 2, 3, 64)[slots], scales.view(-1, 2, 3)[slots]
-        exact = (kv.double().abs().amax(-1).clamp_min(1e-12) / 127.0).float()
+        amax = kv.float().abs().amax(-1).clamp_min(1e-12)
+        exact = (amax.double() / 127.0).float()  # the correctly rounded quotient
         codes_off += int((got_codes != want_codes).sum())
         scales_off += int((got_scales != want_scales).sum())
         scales_inexact += int((got_scales != exact).sum())

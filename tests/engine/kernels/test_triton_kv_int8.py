@@ -70,8 +70,9 @@ def test_store_int8_matches_quantize_kv(num_tokens, num_kv_heads, head_dim, dtyp
     written = slots[1:].to(DEVICE)
     assert torch.equal(codes.view(-1, 2, num_kv_heads, head_dim)[written], expected_codes)
     assert torch.equal(scales.view(-1, 2, num_kv_heads)[written], expected_scales)
-    # and that is amax / 127 correctly rounded, on every device (see test_quantize_kv_scales)
-    exact = (kv[1:].double().abs().amax(-1).clamp_min(1e-12) / 127.0).float()
+    # and that is amax / 127 correctly rounded, on every device (tests/engine/quant/test_kv_int8.py)
+    amax = kv[1:].float().abs().amax(-1).clamp_min(1e-12)  # the float32 amax, floored
+    exact = (amax.double() / 127.0).float()  # its quotient by 127, correctly rounded
     assert torch.equal(expected_scales, exact)
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots[1:]] = False

@@ -41,7 +41,8 @@ def test_quantize_kv_scales_are_amax_over_127_correctly_rounded(seed, log_magnit
     generator = torch.Generator().manual_seed(seed)
     kv = (torch.randn(32, 2, 3, 64, generator=generator) * 2.0**log_magnitude).to(dtype)
     _, scales = quantize_kv(kv)
-    exact = (kv.double().abs().amax(-1).clamp_min(1e-12) / 127.0).float()
+    amax = kv.float().abs().amax(-1).clamp_min(1e-12)  # the float32 amax, floored
+    exact = (amax.double() / 127.0).float()  # its quotient by 127, correctly rounded
     assert torch.equal(scales, exact)
 
 
