@@ -88,7 +88,8 @@ class RequestConsumer:
         self._is_polling = True
         self._admissions: set[asyncio.Task] = set()  # requests waiting for their reply topic
         self._is_paused = False
-        self.fetch_wait_ms = kafka.fetch_max_wait_ms  # what the fetches were last told to wait
+        # What the fetches were last told to wait; None: aiokafka's fetcher cannot be told.
+        self.fetch_wait_ms: int | None = kafka.fetch_max_wait_ms
         self._held: set[TopicPartition] = set()  # paused until the rebalance listener settles them
         self._in_flight_at_revoke: dict[TopicPartition, int] = {}
         self.last_poll_ok_s: float | None = None  # monotonic; readiness asks how recent it is
@@ -155,13 +156,12 @@ class RequestConsumer:
         attribute is missing, the fetches keep the idle wait and this says so once. The poll's
         own timeout stays the idle wait, so the loop still commits and checks its bounds at that
         pace."""
-        if wait_ms == self.fetch_wait_ms:
+        if self.fetch_wait_ms in (wait_ms, None):
             return
         fetcher = getattr(self._consumer, "_fetcher", None)
         if not hasattr(fetcher, "_fetch_max_wait_ms"):
-            if self.fetch_wait_ms != -1:
-                log.warning("consumer.fetch_wait_fixed", reason="aiokafka's fetcher changed")
-            self.fetch_wait_ms = -1
+            log.warning("consumer.fetch_wait_fixed", reason="aiokafka's fetcher changed")
+            self.fetch_wait_ms = None
             return
         fetcher._fetch_max_wait_ms = wait_ms
         self.fetch_wait_ms = wait_ms

@@ -49,6 +49,25 @@ def test_fetch_wait_is_the_long_one_only_with_work_in_flight() -> None:
     assert fetch_wait_ms(KafkaSettings(fetch_max_wait_ms=300, fetch_max_wait_busy_ms=100), 5) == 300
 
 
+def test_a_fetcher_without_the_attribute_keeps_its_wait() -> None:
+    """Where aiokafka's fetcher has no `_fetch_max_wait_ms` (another aiokafka), the consumer
+    stops trying (and logs it once); with it, the attribute is set."""
+    from types import SimpleNamespace
+
+    from worker.service.consumer import RequestConsumer
+
+    consumer = object.__new__(RequestConsumer)  # only the state _set_fetch_wait reads
+    consumer._consumer, consumer.fetch_wait_ms = SimpleNamespace(_fetcher=object()), 20
+    consumer._set_fetch_wait(100)
+    assert consumer.fetch_wait_ms is None
+    consumer._set_fetch_wait(20)
+    assert consumer.fetch_wait_ms is None
+    fetcher = SimpleNamespace(_fetch_max_wait_ms=20)
+    consumer._consumer, consumer.fetch_wait_ms = SimpleNamespace(_fetcher=fetcher), 20
+    consumer._set_fetch_wait(100)
+    assert fetcher._fetch_max_wait_ms == consumer.fetch_wait_ms == 100
+
+
 async def test_the_fetcher_waits_longer_while_a_request_is_in_flight(
     broker, tiny_model_dir
 ) -> None:
