@@ -30,7 +30,6 @@ from engine.cuda_graphs import (
 )
 from engine.kernels.attention_types import AttentionMetadata
 from engine.kv_cache_manager import cdiv
-from engine.layers.linear import Linear
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_runner import ModelRunner
 from engine.scheduler_output import ScheduledRequest
@@ -89,11 +88,9 @@ class CudaModelRunner(ModelRunner):
                 self.graphs.capture_all()
 
     def _place_model(self) -> None:
-        # Called by ModelRunner.__init__ after loading and packing, before the pool is allocated
-        # (on self.device, engine/kv_pool.py): undo the CPU-only packing, move the model.
-        for module in self.model.modules():
-            if isinstance(module, Linear):
-                module.unpack()
+        # Called by ModelRunner.__init__ after loading, before the pool is allocated (on
+        # self.device, engine/kv_pool.py): move the model; its plain linears were never packed
+        # (packs_linears).
         if getattr(self.model, "tie_word_embeddings", False):
             self.model.lm_head.weight = self.model.model.embed_tokens.weight
         self.model.to(self.device)

@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from loadtest.report import emit
+
 PERIOD_S = 0.010
 MODES = ("thread", "process", "thread-nice19", "process-nice19")
 
@@ -135,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key:24s}{median:14.1f}{median / base:10.3f}")
     doc = {"workload": args.workload, "quantization": args.quantization,
            "period_s": PERIOD_S, "rounds": args.rounds, "runs": runs, "summary": summary}  # fmt: skip
-    print(json.dumps(doc, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(doc, indent=2))
+    emit(doc, args.out, None, None)
     return 0
 
 

@@ -105,7 +105,7 @@ class Linear(nn.Module):
         self.kernel = kernel
 
     def unpack(self) -> None:
-        """Back to the plain layout (the CUDA runner moves plain weights to the GPU)."""
+        """Back to the plain layout (the inverse of `pack`)."""
         if self.kernel == "packed":
             plain = self.weight.to_dense()
         elif self.kernel == "gemv":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -245,13 +246,17 @@ async def dlq_records(
 
 
 class SlowEngine:
-    """The real engine, with a pause per step: slow enough to be caught mid-stream."""
+    """The real engine, with a pause per step: slow enough to be caught mid-stream. With
+    `gate`, each step first waits for it to be set (at most 60 s): held until the test says."""
 
-    def __init__(self, engine, step_s: float) -> None:
+    def __init__(self, engine, step_s: float, gate: threading.Event | None = None) -> None:
         self._engine = engine
         self._step_s = step_s
+        self._gate = gate
 
     def step(self):
+        if self._gate is not None:
+            self._gate.wait(timeout=60)
         time.sleep(self._step_s)
         return self._engine.step()
 

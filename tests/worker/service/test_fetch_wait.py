@@ -11,8 +11,10 @@ import threading
 import pytest
 
 from tests.worker.kafka_helpers import (
+    SMALL_ENGINE,
     Producer,
     ReplyReader,
+    SlowEngine,
     create_topic,
     fresh_topics,
     make_request,
@@ -23,20 +25,6 @@ from tests.worker.workers import running_worker
 from worker.service.consumer import fetch_wait_ms
 
 pytestmark = pytest.mark.kafka
-
-
-class HeldEngine:
-    """The real engine, whose steps wait for `gate` once a request is in."""
-
-    def __init__(self, engine, gate: threading.Event) -> None:
-        self._engine, self._gate = engine, gate
-
-    def step(self):
-        self._gate.wait(timeout=60)
-        return self._engine.step()
-
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
 
 
 def test_fetch_wait_is_the_long_one_only_with_work_in_flight() -> None:
@@ -72,7 +60,6 @@ async def test_the_fetcher_waits_longer_while_a_request_is_in_flight(
     broker, tiny_model_dir
 ) -> None:
     from engine import LLMEngine
-    from tests.worker.kafka_helpers import SMALL_ENGINE
 
     topic, group_id = fresh_topics()
     await create_topic(broker.bootstrap_servers, topic, 1)
@@ -81,7 +68,7 @@ async def test_the_fetcher_waits_longer_while_a_request_is_in_flight(
         kafka={"num_partitions": 1, "fetch_max_wait_ms": 20, "fetch_max_wait_busy_ms": 300},
     )  # fmt: skip
     gate = threading.Event()
-    factory = lambda: HeldEngine(LLMEngine(str(tiny_model_dir), **SMALL_ENGINE), gate)  # noqa: E731
+    factory = lambda: SlowEngine(LLMEngine(str(tiny_model_dir), **SMALL_ENGINE), 0.0, gate)  # noqa: E731
     async with (
         Producer(broker.bootstrap_servers) as producer,
         ReplyReader(broker.bootstrap_servers) as replies,
