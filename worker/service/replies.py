@@ -21,7 +21,7 @@ import structlog
 from schemas.codec import MSGPACK, encode
 from schemas.headers import CONTENT_TYPE, TRACEPARENT
 from schemas.messages import ErrorInfo, FinalReply, TokenReply
-from worker.service.delivery import deliver
+from worker.service.delivery import deliver, send_retrying
 from worker.service.job import Job
 from worker.service.publisher import Outgoing, Publisher
 
@@ -50,14 +50,11 @@ class ReplyWriter:
     ) -> asyncio.Task[BaseException | None] | None:
         """Publish one reply. For a final, returns its delivery outcome (see `deliver`)."""
         value = encode(message, MSGPACK)
-        if isinstance(message, TokenReply):
-            outcome = deliver(
-                self._publisher,
-                lambda: _outgoing(job, value),
-                self._num_final_retries,
-                "token",
-            )
-            outcome.add_done_callback(_read_outcome)  # a lost token is logged, never raised
+        if isinstance(message, TokenReply):  # a lost token is logged, never raised
+            send_retrying(
+                self._publisher, lambda: _outgoing(job, value), self._num_final_retries, "token",
+                _token_lost,
+            )  # fmt: skip
             return None
         if len(value) > self._max_message_bytes:
             message = _too_large(message, len(value), self._max_message_bytes)
@@ -77,9 +74,8 @@ def _outgoing(job: Job, value: bytes) -> Outgoing:
     )  # fmt: skip
 
 
-def _read_outcome(outcome: asyncio.Task[BaseException | None]) -> None:
-    if not outcome.cancelled() and outcome.result() is not None:
-        log.warning("reply.token_lost", error=repr(outcome.result()))
+def _token_lost(error: BaseException) -> None:
+    log.warning("reply.token_lost", error=repr(error))
 
 
 def _too_large(final: FinalReply, num_bytes: int, max_bytes: int) -> FinalReply:

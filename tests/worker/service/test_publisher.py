@@ -205,3 +205,78 @@ async def test_a_refused_client_topic_moves_the_topics_sharing_its_producer_to_a
         for task in publisher._lane_tasks:
             task.cancel()
         await asyncio.gather(*publisher._lane_tasks, return_exceptions=True)
+
+
+class HeldProducer:
+    """Takes every send; the test acknowledges them, by index, when it likes."""
+
+    def __init__(self) -> None:
+        self.futures: list[asyncio.Future] = []
+
+    async def send(self, topic, value, key=None, headers=None, partition=None):
+        future = asyncio.get_running_loop().create_future()
+        self.futures.append(future)
+        return future
+
+
+operations = st.lists(
+    st.one_of(
+        st.just(("publish", 0)),
+        st.tuples(st.just("ack"), st.integers(0, 30)),  # of the messages sent so far, modulo
+        st.tuples(st.just("advance"), st.integers(1, 15)),  # tenths of the timeout
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(operations)
+def test_every_message_ends_once_acknowledged_or_at_its_own_deadline(ops) -> None:
+    """One timer serves every message's deadline: whatever the order of publishes, acks and
+    time passing, a message fails with DeliveryTimeout exactly when its own deadline passed
+    unacknowledged, and each is told once. The loop's clock is the test's, so nothing races."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        now = [loop.time()]
+        loop.time = lambda: now[0]  # timers fire when the test moves the clock
+        producer = HeldProducer()
+        publisher = make_publisher(producer, delivery_timeout_s=1.0)
+        outcomes: list[list] = []  # per message: what it was told
+        published_at: list[float] = []
+        acked_at: dict[int, float] = {}
+
+        async def settle() -> None:
+            for _ in range(5):
+                await asyncio.sleep(0)
+
+        try:
+            for op, arg in ops:
+                if op == "publish":
+                    told: list = []
+                    outcomes.append(told)
+                    published_at.append(now[0])
+                    publisher.publish(Outgoing("t", None, b"m", [], told.append))
+                elif op == "ack" and producer.futures:
+                    index = arg % len(producer.futures)
+                    if not producer.futures[index].done():
+                        producer.futures[index].set_result(None)
+                        acked_at[index] = now[0]
+                else:
+                    now[0] += arg / 10
+                await settle()
+            now[0] += 1.5  # every deadline passes
+            await settle()
+            for i, told in enumerate(outcomes):
+                assert len(told) == 1, (i, told)
+                if i in acked_at and acked_at[i] < published_at[i] + 1.0:
+                    assert told[0] is None
+                else:
+                    assert isinstance(told[0], DeliveryTimeout)
+            assert publisher._num_unacked == 0
+        finally:
+            for task in publisher._lane_tasks:
+                task.cancel()
+            await asyncio.gather(*publisher._lane_tasks, return_exceptions=True)
+
+    asyncio.run(run())

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 
 from opentelemetry.trace import INVALID_SPAN
+from structlog.testing import capture_logs
 
 from schemas.codec import decode_reply
 from schemas.headers import Urgency
 from schemas.messages import Choice, FinalReply, Timing, TokenReply, Usage
 from worker.service.job import Job
+from worker.service.publisher import DeliveryTimeout
 from worker.service.replies import REPLY_TOO_LARGE, ReplyWriter, reply_headers
 from worker.service.reply_stream import ReplyStream
 
@@ -90,6 +92,25 @@ async def test_a_failed_token_message_is_resent_with_its_seq() -> None:
     publisher.sent[-1].on_done(None)
     await settle()
     assert len(publisher.sent) == 2  # acknowledged: nothing more
+
+
+async def test_a_token_message_is_given_up_after_its_retries_and_a_stuck_topic_at_once() -> None:
+    """Tokens are retried from the publisher's callback (no task): the same rule as finals."""
+    publisher = RecordingPublisher()
+    writer = ReplyWriter(publisher, max_message_bytes=10_000, num_final_retries=2)
+    job = make_job()
+    with capture_logs() as logs:
+        writer.send(job, TokenReply(id="r1", attempt="w:1", seq=4, text="b"))
+        for attempt in range(3):
+            assert len(publisher.sent) == attempt + 1
+            publisher.sent[-1].on_done(TimeoutError(f"blip {attempt}"))
+        assert len(publisher.sent) == 3  # the first try and two retries: then given up
+        writer.send(job, TokenReply(id="r1", attempt="w:1", seq=5, text="c"))
+        publisher.sent[-1].on_done(DeliveryTimeout("stuck"))  # final: not tried again
+        assert len(publisher.sent) == 4
+    lost = [e for e in logs if e["event"] == "reply.token_lost"]
+    assert [e["error"] for e in lost] == [repr(TimeoutError("blip 2")), repr(DeliveryTimeout("stuck"))]
+    assert len({decode_reply(m.value).seq for m in publisher.sent[:3]}) == 1
 
 
 async def test_a_final_too_large_for_the_broker_becomes_a_small_error_final() -> None:

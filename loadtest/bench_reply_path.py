@@ -1,0 +1,210 @@
+"""What one streamed token costs the worker's event loop: the reply path alone, on the real broker.
+
+`mini-infer bench e2e` showed the worker's loop thread spending ~0.45 CPU seconds on W2's 4096
+tokens (about 110 us a token) on the two cores the engine computes on. This bench isolates that
+path: the worker's own `Pipeline.on_deltas` (metrics, the reply stream, encoding), `ReplyWriter`,
+`Publisher` and aiokafka's producer, against the embedded broker, fed W2's shape of engine output
+(32 streaming requests, 128 tokens each, one delta per request per step, a step every
+`--step-ms`) by this process instead of an engine. It reports the process's CPU time (the loop
+and aiokafka: nothing else runs here) per token, and the broker's, until every final is
+acknowledged.
+
+Each side runs in a fresh process, alternating for `--rounds`; `--baseline DIR` runs the same
+bench against another checkout's worker code (its `worker/` and `schemas/` are imported), so a
+change to the path is measured against the code before it in the same run.
+
+    python -m loadtest.bench_reply_path [--rounds 5] [--baseline DIR] [--out r.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from loadtest.bench_e2e import cpu_seconds_by_thread
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Bridge:
+    """The pipeline's engine side, idle: the bench hands it deltas itself."""
+
+    def __init__(self) -> None:
+        self.events: asyncio.Queue = asyncio.Queue()
+
+    def queued_tokens_at_least_as_urgent_as(self, priority: int) -> int:
+        return 0
+
+    def submit(self, requests) -> None:
+        pass
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+
+async def _run(num_requests: int, num_tokens: int, step_s: float, broker_pid: int,
+               bootstrap: str) -> dict:  # fmt: skip
+    from aiokafka import TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from engine.outputs import RequestDelta
+    from schemas.codec import MSGPACK, Limits, encode
+    from schemas.headers import request_headers
+    from schemas.messages import Request
+    from worker.service.batcher import Batcher
+    from worker.service.job import JobState
+    from worker.service.offsets import OffsetTracker
+    from worker.service.pipeline import Pipeline
+    from worker.service.publisher import Publisher
+    from worker.service.replies import ReplyWriter
+    from worker.service.routing import Accepted, RoutingPolicy, route
+    from worker.service.settings import WorkerSettings
+    from worker.service.telemetry import Telemetry
+    from worker.topics import create_topics
+
+    settings = WorkerSettings()
+    reply_topic = settings.kafka.shared_reply_topic_name
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    await create_topics(admin, {reply_topic: 4}, 1)
+    await admin.close()
+    publisher = Publisher(settings, bootstrap)
+    await publisher.start()
+    replies = ReplyWriter(
+        publisher, settings.limits.max_message_bytes, settings.publisher.num_final_retries
+    )
+    tracker = OffsetTracker()
+    partition = TopicPartition("requests", 0)
+    tracker.assign([partition])
+    dead = SimpleNamespace(write=lambda *a, **k: None)
+    pipeline = Pipeline(
+        settings, "bench", _Bridge(), replies, dead, tracker,
+        Telemetry(settings.observability, "bench"), SimpleNamespace(), Batcher(settings.batcher),
+    )  # fmt: skip
+    policy = RoutingPolicy(Limits(), settings.kafka.reply_topic_prefix, frozenset())
+    jobs = []
+    for i in range(num_requests):
+        value = encode(
+            Request(id=f"r{i}", reply_to=reply_topic, prompt="x", stream=True,
+                    max_tokens=num_tokens, reply_partition=i % 4),
+            MSGPACK,
+        )  # fmt: skip
+        decision = route(value, request_headers(MSGPACK), policy)
+        assert isinstance(decision, Accepted), decision
+        epoch = tracker.add(partition, i)
+        record = SimpleNamespace(offset=i, key=None, value=value, headers=[], timestamp=None)
+        job = pipeline._new_job(decision, partition, record, time.monotonic(), epoch)
+        job.state = JobState.RUNNING
+        jobs.append(job)
+    words = [" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog."]
+    broker_before = sum(cpu_seconds_by_thread(broker_pid).values())
+    cpu_before, wall_before = time.process_time(), time.perf_counter()
+    for step in range(num_tokens):
+        is_last = step == num_tokens - 1
+        pipeline.on_deltas([
+            RequestDelta(
+                request_id=job.attempt, text=words[(step + i) % len(words)],
+                token_ids=[1000 + step], finished=is_last,
+                finish_reason="length" if is_last else None, num_prompt_tokens=32,
+                num_output_tokens=step + 1,
+            )
+            for i, job in enumerate(jobs)
+        ])  # fmt: skip
+        await asyncio.sleep(step_s)  # the engine's step, during which the loop sends
+    while any(job.state is not JobState.DONE for job in jobs):  # every final acknowledged
+        await asyncio.sleep(0.005)
+    cpu_s = time.process_time() - cpu_before
+    wall_s = time.perf_counter() - wall_before
+    broker_s = sum(cpu_seconds_by_thread(broker_pid).values()) - broker_before
+    await publisher.stop()
+    num_messages = num_requests * num_tokens
+    return {
+        "messages": num_messages,
+        "wall_s": round(wall_s, 3),
+        "loop_cpu_s": round(cpu_s, 3),
+        "loop_us_per_token": round(cpu_s / num_messages * 1e6, 1),
+        "broker_us_per_token": round(broker_s / num_messages * 1e6, 1),
+    }
+
+
+def _child(args) -> None:
+    from worker.broker import EmbeddedBroker
+
+    with EmbeddedBroker() as broker:
+        result = asyncio.run(
+            _run(args.num_requests, args.num_tokens, args.step_ms / 1000, broker.pid,
+                 broker.bootstrap_servers)
+        )  # fmt: skip
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _side(tree: Path, args) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child",
+           "--num-requests", str(args.num_requests), "--num-tokens", str(args.num_tokens),
+           "--step-ms", str(args.step_ms)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}",
+           "MINI_INFER_OBSERVABILITY__LOG_LEVEL": "warning"}  # fmt: skip
+    out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{tree}: no result\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--baseline", type=Path, help="another checkout to compare with")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--num-tokens", type=int, default=128)
+    parser.add_argument("--step-ms", type=float, default=30.0, help="the simulated engine step")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        _child(args)
+        return 0
+    sides = {"this": ROOT}
+    if args.baseline is not None:
+        sides["baseline"] = args.baseline.resolve()
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
+    for round_ in range(args.rounds):
+        for name, tree in sides.items():
+            runs[name].append(_side(tree, args))
+            print(f"round {round_ + 1}/{args.rounds} {name}: {runs[name][-1]}", file=sys.stderr)
+    medians = {
+        name: {k: statistics.median(r[k] for r in rs) for k in ("loop_us_per_token",
+                                                                "broker_us_per_token")}
+        for name, rs in runs.items()
+    }  # fmt: skip
+    print(f"\n{'side':10} {'loop us/token':>14} {'broker us/token':>16}   (medians of {args.rounds})")
+    for name, m in medians.items():
+        print(f"{name:10} {m['loop_us_per_token']:14.1f} {m['broker_us_per_token']:16.1f}")
+    doc = {
+        "workload": f"{args.num_requests} streams x {args.num_tokens} tokens, a step every "
+                    f"{args.step_ms} ms",  # fmt: skip
+        "load_average": os.getloadavg()[0],
+        "medians": medians,
+        "rounds": runs,
+    }
+    if "baseline" in medians:
+        doc["loop_ratio_this_over_baseline"] = round(
+            medians["this"]["loop_us_per_token"] / medians["baseline"]["loop_us_per_token"], 3
+        )
+        print(f"loop CPU per token, this / baseline: {doc['loop_ratio_this_over_baseline']}")
+    print(json.dumps(doc, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(doc, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
