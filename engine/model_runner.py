@@ -147,6 +147,9 @@ class ModelRunner:
             )
         # The forward takes `greedy` (and finds the greedy ids itself): the fused step's.
         self._forward_takes_greedy = isinstance(self._forward, decode_step.StepForward)
+        # ... and runs decode-only steps from the requests themselves (`_run_decodes`).
+        max_rows = self._forward.fused.max_rows if self._forward_takes_greedy else 0
+        self._all_rows = torch.arange(max_rows)
         self.embedding = self._share_embedding()
 
     def _fused_decode_state(self) -> str:
@@ -307,6 +310,12 @@ class ModelRunner:
         self.sampler.drop(out.finished_request_ids)
         if not out.scheduled:
             return [], None, None, {}
+        if self._forward_takes_greedy:
+            if out.finished_request_ids or out.preempted_request_ids:
+                self._forward.forget_rows()  # their blocks were freed
+            decoded = self._run_decodes(out.scheduled)
+            if decoded is not None:
+                return decoded
         batch = self._prepare(out.scheduled)
         hidden = self._forward_batch(batch)  # [num_tokens, hidden]
         prompt_logprobs = prompt_logprobs_for_step(self.model, hidden, batch)
@@ -315,6 +324,23 @@ class ModelRunner:
         greedy_ids_for = getattr(self._forward, "greedy_ids_for", None)
         greedy_ids = greedy_ids_for(hidden, batch.sample_rows) if greedy_ids_for else None
         return batch.sample_requests, self._logits(hidden, batch), greedy_ids, prompt_logprobs
+
+    def _run_decodes(self, scheduled: list[ScheduledRequest]):
+        """`_run` for a step of sampling decodes only, on the fused decode step, its inputs
+        written from the requests (`FusedDecode.run_decodes`: no StepBatch, and the checks on
+        what changed); None where that does not apply (then `_run` goes the general way)."""
+        for request in scheduled:
+            if len(request.token_ids) != 1 or not request.needs_sample:
+                return None
+            if request.params.prompt_logprobs is not None and request.num_output_tokens == 0:
+                return None  # a one-token prompt that wants its prompt logprobs
+        greedy = all(takes_argmax(r) for r in scheduled)
+        forward = self._forward
+        hidden = forward.run_decodes(scheduled, greedy, self.num_kv_blocks, self.max_model_len)
+        if hidden is None:
+            return None
+        rows = self._all_rows[: len(scheduled)]  # every row samples, in order
+        return scheduled, forward.logits_for(hidden, rows), forward.greedy_ids_for(hidden, rows), {}
 
     def _forward_batch(self, batch: StepBatch) -> torch.Tensor:
         if self._forward_takes_greedy:

@@ -5,7 +5,9 @@ For W1 (1 request) and W2 (32 requests), once every request decodes, two passes:
    preparation, the model forward, the logits (lm_head), the sampler, the scheduler's update,
    post-processing (detokenizer, stop checks, deltas), the rest of the step; and inside the
    forward around every linear (GEMV/GEMM: the module call, our int4/int8 kernels included)
-   and every attention call (cache store + paged attention);
+   and every attention call (cache store + paged attention). A decode-only step on the fused
+   step has no batch preparation: the runner writes its inputs from the requests inside the
+   same call (`ModelRunner._run_decodes`), timed as the forward;
 2. torch.profiler over the forward: how many operators a step runs, and the self time of those
    that are neither a linear nor attention ("other operators": norms, rotary, SiLU, adds...).
 "Python in forward" is what is left of the forward: the model's own Python and the dispatch
@@ -51,6 +53,9 @@ def _instrument(eng, totals: dict[str, float]) -> None:
     eng._postprocess = _Timed(eng._postprocess, totals, "postprocess")
     runner._prepare = _Timed(runner._prepare, totals, "prepare")
     runner._forward = _Timed(runner._forward, totals, "forward")
+    # A decode-only step on the fused step skips both: its inputs are written from the
+    # requests and the step run in one call, counted as the forward (no "prepare").
+    runner._run_decodes = _Timed(runner._run_decodes, totals, "forward")
     runner.model.compute_logits = _Timed(runner.model.compute_logits, totals, "logits")
     runner.sampler = _Timed(runner.sampler, totals, "sampler")
 
@@ -112,17 +117,27 @@ def _operator_split(eng, num_steps: int) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     runner = eng.runner
-    forward = runner._forward
+    forward, run_decodes = runner._forward, runner._run_decodes
 
-    def recorded(*args, **kwargs):
-        with torch.profiler.record_function("mini_infer::forward"):
-            return forward(*args, **kwargs)
+    class Recorded:
+        """`fn` under the forward's profiler range; its other attributes as they are (the
+        runner asks the fused step's forward for its logits and greedy ids)."""
 
-    runner._forward = recorded
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __call__(self, *args, **kwargs):
+            with torch.profiler.record_function("mini_infer::forward"):
+                return self.fn(*args, **kwargs)
+
+        def __getattr__(self, attr):
+            return getattr(self.fn, attr)
+
+    runner._forward, runner._run_decodes = Recorded(forward), Recorded(run_decodes)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(num_steps):
             eng.step()
-    runner._forward = forward
+    runner._forward, runner._run_decodes = forward, run_decodes
     num_ops, other_us, forward_us, kernel_us = 0, 0.0, 0.0, 0.0
     for event in prof.events():
         if event.name == "mini_infer::forward":

@@ -195,6 +195,9 @@ class FusedDecode:
             else None
         )
         self.plan = step_ext.Plan(self._tasks(model, heads, kv_heads, head_dim))
+        # `run_decodes`: per row of the block table, whose block ids it holds and how many
+        # (None: nothing known, the row is written whole next time).
+        self._row_owners: list[tuple[str, int] | None] = [None] * m
 
     def _tasks(self, model, heads: int, kv_heads: int, head_dim: int) -> list[tuple]:
         fo, pa, qg, bg = (
@@ -313,6 +316,79 @@ class FusedDecode:
             return 0, 0
         return partitions, blocks
 
+    def forget_rows(self) -> None:
+        """What `run_decodes` knows of the table's rows is void: requests left or were
+        preempted (their blocks freed, so an id may come back with other blocks)."""
+        self._row_owners = [None] * self.max_rows
+
+    def run_decodes(
+        self, scheduled: list, greedy: bool, num_kv_blocks: int, max_model_len: int
+    ) -> torch.Tensor | None:
+        """A decode-only step (every request one token at `start_position`) written from the
+        scheduler's requests straight into the step's inputs, with no flat batch in between:
+        each row's token, position, context length and slot, and of its block table only the
+        ids the row lacks (a running request's block ids only grow, and `forget_rows` is called
+        whenever blocks were freed). The checks are the runner's, on scalars, and the new
+        block ids only. Then as `run`. None, with nothing run, if the step does not fit (more
+        rows than the buffers, or partials too small for its attention split).
+
+        Why: the step's Python runs after the weights have streamed through the caches, so
+        each array operation costs 5-8x its warm time (loadtest/README.md, "Python on cold
+        caches"); this path does a handful instead of ~25 (prepare_step, then `run`'s copies)."""
+        rows = len(scheduled)
+        if rows > self.max_rows:
+            return None
+        inputs = self._inputs_np
+        ids, pos, ctx = inputs["input_ids"], inputs["positions"], inputs["context_lens"]
+        slots, table, owners = inputs["slot_mapping"], inputs["block_table"], self._row_owners
+        block_size, width = self.block_size, 0
+        vocab = self.embedding_table.shape[0] if self.embedding_table is not None else None
+        num_positions = self.rope_tables[0].shape[0] if self.rope_tables is not None else None
+        for row, request in enumerate(scheduled):
+            position, blocks, token = request.start_position, request.block_ids, request.token_ids[0]
+            request_id = request.request_id
+            if position < 0:
+                raise ValueError(f"request {request_id}: nothing to compute")
+            if position >= max_model_len:
+                raise ValueError(f"request {request_id}: {position + 1} tokens > max_model_len")
+            needed = position // block_size + 1
+            if len(blocks) < needed:
+                raise ValueError(
+                    f"request {request_id}: block_ids do not cover {position + 1} tokens"
+                )
+            owner = owners[row]
+            known = owner[1] if owner is not None and owner[0] == request_id else 0
+            if known > needed:
+                known = 0  # fewer blocks than before: not the same blocks (never, but cheap)
+            if known < needed:
+                new = blocks[known:needed]
+                if min(new) < 0 or max(new) >= num_kv_blocks:
+                    raise ValueError(f"request {request_id}: block id outside the pool")
+                table[row, known:needed] = new
+                owners[row] = (request_id, needed)
+            if vocab is not None and not 0 <= token < vocab:
+                raise IndexError(f"fused decode step: a token id outside [0, {vocab})")
+            if num_positions is not None and position >= num_positions:
+                raise IndexError(f"fused decode step: a position outside [0, {num_positions})")
+            ids[row], pos[row], ctx[row] = token, position, position + 1
+            slots[row] = blocks[needed - 1] * block_size + position % block_size
+            width = max(width, needed)
+        num_partitions, blocks_per = self._partitions(rows, width)
+        if num_partitions == 0:
+            return None
+        if self.embedding_table is None:
+            self.residual[:rows].copy_(self.model.model.embed_tokens(self.input_ids[:rows]))
+        if self.rope_tables is None:
+            cos, sin = self.model.model.rotary_emb(self.positions[:rows])
+            self.cos[:rows].copy_(cos.view(rows, -1))
+            self.sin[:rows].copy_(sin.view(rows, -1))
+        greedy = greedy and self.has_lm_head
+        self._step_scalars[:] = (num_partitions, blocks_per, int(num_partitions > 1), int(greedy))
+        self._greedy_rows = 0
+        self.plan.run(rows, 0, SPIN)
+        self._greedy_rows = rows if greedy else 0
+        return self.normed[:rows]
+
     def run(
         self,
         input_ids: torch.Tensor,
@@ -340,6 +416,7 @@ class FusedDecode:
             self.sin[:rows].copy_(sin.view(rows, -1))
         table = meta.decode_block_table.numpy()
         inputs["block_table"][:rows, : table.shape[1]] = table
+        self.forget_rows()  # rows written whole: what run_decodes knew of them is void
         inputs["context_lens"][:rows] = meta.decode_context_lens.numpy()
         inputs["slot_mapping"][:rows] = meta.slot_mapping.numpy()
         num_partitions, blocks = self._partitions(rows, table.shape[1])
@@ -400,6 +477,16 @@ class StepForward:
         if self.fused.accepts(input_ids.shape[0], meta):
             return self.fused.run(input_ids, positions, meta, greedy)
         return self.model(input_ids, positions, meta)
+
+    def run_decodes(
+        self, scheduled: list, greedy: bool, num_kv_blocks: int, max_model_len: int
+    ) -> torch.Tensor | None:
+        """A step of one-token sampling decodes straight from the scheduler's requests
+        (`FusedDecode.run_decodes`); None, with nothing run, where the step does not fit."""
+        return self.fused.run_decodes(scheduled, greedy, num_kv_blocks, max_model_len)
+
+    def forget_rows(self) -> None:
+        self.fused.forget_rows()
 
     def logits_for(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Logits of `rows` of `hidden`: the fused step's own where it computed them."""

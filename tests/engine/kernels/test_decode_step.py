@@ -15,6 +15,7 @@ from engine.kernels.cpu import bf16_gemm, decode_step, quant_gemm
 from engine.layers.linear import Linear
 from engine.quant.config import QuantConfig
 from engine.quant.linear import QuantLinear
+from engine.step_batch import prepare_step
 from tests.tiny_model import make_tiny_llama
 
 
@@ -40,6 +41,7 @@ class Checker:
 
     def __init__(self, forward: decode_step.StepForward):
         self.forward, self.num_checked, self.num_rows = forward, 0, set()
+        self.num_decode_steps = 0  # of them, steps through the runner's `_run_decodes`
 
     def __call__(self, input_ids, positions, meta, greedy=False):
         fused, model = self.forward.fused, self.forward.model
@@ -57,6 +59,38 @@ class Checker:
         self.num_checked += 1
         self.num_rows.add(input_ids.shape[0])
         return want
+
+    def run_decodes(self, scheduled, greedy, num_kv_blocks, max_model_len):
+        """The runner's decode-only steps (inputs written from the requests, block table rows
+        kept between steps) against the per-operator path on the flat batch of the same
+        requests."""
+        fused, model = self.forward.fused, self.forward.model
+        got = fused.run_decodes(scheduled, True, num_kv_blocks, max_model_len)
+        if got is None:
+            return None
+        got, rows = got.clone(), torch.arange(len(scheduled))
+        got_logits = fused.logits_of(fused.normed[: len(scheduled)], rows).clone()
+        got_ids = fused.greedy_ids_of(fused.normed[: len(scheduled)], rows).clone()
+        batch = prepare_step(scheduled, fused.block_size, torch.bfloat16, False)
+        want = model(batch.input_ids, batch.positions, batch.meta)
+        assert torch.equal(got, want), (got - want).abs().max()
+        want_logits = model.compute_logits(want)
+        assert torch.equal(got_logits, want_logits)
+        assert torch.equal(got_ids, want_logits.max(dim=-1).indices)
+        self.num_checked += 1
+        self.num_decode_steps += 1
+        self.num_rows.add(len(scheduled))
+        self.last = want
+        return want
+
+    def forget_rows(self):
+        self.forward.forget_rows()
+
+    def logits_for(self, hidden, rows):
+        return self.forward.model.compute_logits(hidden.index_select(0, rows))
+
+    def greedy_ids_for(self, hidden, rows):
+        return None  # the sampler finds them (its argmax is what the step's is checked against)
 
 
 def _engine(model_dir, quantization: str | QuantConfig, **kwargs) -> LLMEngine:
@@ -105,6 +139,7 @@ def test_fused_step_is_bit_identical_to_the_per_operator_path(
     checker = _check(engine, PROMPTS, max_tokens=10)
     # Rows 4 down to 1 as the requests finish... all decode steps ran fused, and were checked.
     assert checker.num_checked >= 9 and 4 in checker.num_rows
+    assert checker.num_decode_steps == checker.num_checked  # the runner's decode-only path
 
 
 @pytest.mark.parametrize("isa", bf16_gemm.ISAS)
@@ -131,6 +166,48 @@ def test_fused_step_takes_w2_sized_batches_with_quantized_weights(step_ext, tiny
     assert 20 in checker.num_rows
     bf16 = _engine(tiny_model_dir, None, linear_kernel="gemv").runner._forward.fused
     assert bf16.max_rows == bf16_gemm.FUSED_MAX_ROWS  # our kernel up to 64 decode rows
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_rows_kept_between_steps_follow_preemption_aborts_and_reused_ids(
+    step_ext, tiny_model_dir, seed, prefix_caching
+):
+    """The runner's decode-only steps keep each block table row between steps and write only
+    the block ids it lacks. Requests that move between rows, grow into new blocks, are
+    preempted (their blocks freed, given back to others, then recomputed into other blocks),
+    aborted, or replaced by a new request under the same id must never leave a stale row:
+    every decode step is checked bit for bit against the per-operator path on a flat batch
+    built afresh from the same requests."""
+    import random
+
+    rng = random.Random(seed)
+    # 12 blocks of 16 slots for up to 5 requests of up to ~110 tokens: preemption is certain.
+    engine = LLMEngine(
+        tiny_model_dir, dtype="bfloat16", quantization="int4", num_kv_blocks=12,
+        enable_prefix_caching=prefix_caching,
+    )  # fmt: skip
+    checker = engine.runner._forward = Checker(engine.runner._forward)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    live: set[str] = set()
+    for _ in range(200):
+        roll = rng.random()
+        if roll < 0.25 and len(live) < 5:
+            request_id = f"r{rng.randrange(6)}"  # ids come back after an abort or a finish
+            if request_id not in live:
+                prompt = [rng.randrange(3, 100) for _ in range(rng.randrange(2, 45))]
+                # Priorities move the running requests between rows from step to step.
+                engine.add_request(request_id, prompt, params, priority=rng.randrange(3))
+                live.add(request_id)
+        elif roll < 0.29 and live:
+            request_id = rng.choice(sorted(live))
+            engine.abort_request(request_id)
+            live.discard(request_id)
+        for delta in engine.step():
+            if delta.finished:
+                live.discard(delta.request_id)
+    assert engine.scheduler.num_preemptions > 0
+    assert checker.num_decode_steps > 20 and max(checker.num_rows) >= 3
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
@@ -353,8 +430,8 @@ def test_greedy_steps_take_the_steps_ids_and_sampled_ones_do_not(
 
     fused = engine.runner._forward.fused
     runs = []
-    real_run = fused.run
-    monkeypatch.setattr(fused, "run", lambda *a: runs.append(a[-1]) or real_run(*a))
+    real_run = fused.run_decodes  # (scheduled, greedy, num_kv_blocks, max_model_len)
+    monkeypatch.setattr(fused, "run_decodes", lambda *a: runs.append(a[1]) or real_run(*a))
     engine.add_request("hot", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
     engine.add_request("cold", [8, 9], SamplingParams(max_tokens=4, temperature=0.0))
     while engine.has_unfinished_requests():
