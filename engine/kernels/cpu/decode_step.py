@@ -334,7 +334,10 @@ class FusedDecode:
 
         Why: the step's Python runs after the weights have streamed through the caches, so
         each array operation costs 5-8x its warm time (loadtest/README.md, "Python on cold
-        caches"); this path does a handful instead of ~25 (prepare_step, then `run`'s copies)."""
+        caches"); this path does a handful instead of ~25 (prepare_step, then `run`'s copies).
+        Every id the table holds was checked when written, and the new token's slot is read
+        from the table, so whatever a request's list says, the step writes and reads only
+        blocks of the pool."""
         rows = len(scheduled)
         if rows > self.max_rows:
             return None
@@ -358,8 +361,8 @@ class FusedDecode:
                 )
             owner = owners[row]
             known = owner[1] if owner is not None and owner[0] == request_id else 0
-            if known > needed:
-                known = 0  # fewer blocks than before: not the same blocks (never, but cheap)
+            if known > needed or (known == needed and table[row, needed - 1] != blocks[needed - 1]):
+                known = 0  # not the blocks the row holds (never from our scheduler): all again
             if known < needed:
                 new = blocks[known:needed]
                 if min(new) < 0 or max(new) >= num_kv_blocks:
@@ -371,7 +374,8 @@ class FusedDecode:
             if num_positions is not None and position >= num_positions:
                 raise IndexError(f"fused decode step: a position outside [0, {num_positions})")
             ids[row], pos[row], ctx[row] = token, position, position + 1
-            slots[row] = blocks[needed - 1] * block_size + position % block_size
+            # From the row (every id in it was checked), never from the request's own list.
+            slots[row] = table[row, needed - 1] * block_size + position % block_size
             width = max(width, needed)
         num_partitions, blocks_per = self._partitions(rows, width)
         if num_partitions == 0:
