@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from loadtest.report import emit
+
 CHILD = """
 import json, sys
 from engine.loader import load_tokenizer, resolve_model
@@ -46,9 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'backend':10} {'W1':>8} {'W2':>8}  (tok/s, medians)", file=sys.stderr)
     for backend, med in medians.items():
         print(f"{backend:10} {med['W1']:8.1f} {med['W2']:8.1f}", file=sys.stderr)
-    print(json.dumps(doc, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(doc, indent=2))
+    emit(doc, args.out, None, None)
     return 0
 
 

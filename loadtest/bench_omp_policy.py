@@ -15,7 +15,6 @@ go in loadtest/README.md and the choice in engine/openmp.py.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from engine.openmp import OPT_OUT_VAR, POLICY_VARS, SET_BY_ENGINE_VAR
 from loadtest.bench_engine import measure
+from loadtest.report import emit
 
 POLICIES: dict[str, dict[str, str]] = {
     "default": {OPT_OUT_VAR: "off"},
@@ -95,9 +95,7 @@ def main(argv: list[str] | None = None) -> int:
            "tokens_per_s": {k: [[r[w]["tokens_per_s"] for w in names] for r in results]
                             for k, results in runs.items()},
            "medians": medians}  # fmt: skip
-    print(json.dumps(doc, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(doc, indent=2))
+    emit(doc, args.out, None, None)
     return 0
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from loadtest.bench_e2e import cpu_seconds_by_thread
+from loadtest.report import emit
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -200,9 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             medians["this"]["loop_us_per_token"] / medians["baseline"]["loop_us_per_token"], 3
         )
         print(f"loop CPU per token, this / baseline: {doc['loop_ratio_this_over_baseline']}")
-    print(json.dumps(doc, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(doc, indent=2))
+    emit(doc, args.out, None, None)
     return 0
 
 

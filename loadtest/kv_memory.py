@@ -15,9 +15,10 @@ sequence up front (HF's static cache, a fixed-slot server) fits in the same byte
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from loadtest.report import emit
 
 # (label, model dtype, kv_cache_dtype): the float caches hold the model's dtype.
 KV_DTYPES = (("float32", "float32", "auto"), ("bfloat16", "bfloat16", "auto"),
@@ -77,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['kv_dtype']:9} {r['bytes_per_token']:>11.0f} {r['pool_tokens']:>11} "
               f"{'':17} {r['paged_sequences']:>6} {r['contiguous_sequences']:>10} "
               f"(max_model_len {r['max_model_len']})", file=sys.stderr)  # fmt: skip
-    print(json.dumps(doc, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(doc, indent=2))
+    emit(doc, args.out, None, None)
     return 0
 
 
