@@ -386,12 +386,7 @@ class FusedDecode:
             cos, sin = self.model.model.rotary_emb(self.positions[:rows])
             self.cos[:rows].copy_(cos.view(rows, -1))
             self.sin[:rows].copy_(sin.view(rows, -1))
-        greedy = greedy and self.has_lm_head
-        self._step_scalars[:] = (num_partitions, blocks_per, int(num_partitions > 1), int(greedy))
-        self._greedy_rows = 0
-        self.plan.run(rows, 0, SPIN)
-        self._greedy_rows = rows if greedy else 0
-        return self.normed[:rows]
+        return self._run_plan(rows, num_partitions, blocks_per, greedy)
 
     def run(
         self,
@@ -423,7 +418,11 @@ class FusedDecode:
         self.forget_rows()  # rows written whole: what run_decodes knew of them is void
         inputs["context_lens"][:rows] = meta.decode_context_lens.numpy()
         inputs["slot_mapping"][:rows] = meta.slot_mapping.numpy()
-        num_partitions, blocks = self._partitions(rows, table.shape[1])
+        return self._run_plan(rows, *self._partitions(rows, table.shape[1]), greedy)
+
+    def _run_plan(self, rows: int, num_partitions: int, blocks: int, greedy: bool) -> torch.Tensor:
+        """The plan over inputs already in the buffers: [rows, hidden] final hidden states
+        (and, with `greedy` where the step runs the lm_head, the rows' greedy ids)."""
         greedy = greedy and self.has_lm_head
         self._step_scalars[:] = (num_partitions, blocks, int(num_partitions > 1), int(greedy))
         self._greedy_rows = 0
