@@ -5,8 +5,12 @@
 // (with OMP_WAIT_POLICY=PASSIVE, through the kernel: tens of microseconds in a VM) or kept
 // spinning (which costs 10-40x when the cores are shared). Here the threads are woken once per
 // step and pass from one operator to the next through a barrier that spins briefly and then
-// sleeps, so a partner that was preempted gets the core back; where the cores are shared so
-// that the waits keep sleeping, the step runs on one thread for a while.
+// sleeps, so a partner that was preempted gets the core back.
+//
+// Threads or one thread: on an idle machine the step's threads win; where other work shares the
+// cores (a worker's event loop, a co-located broker and clients), a preempted thread holds its
+// partner at the next barrier, and one thread that waits for no one can be the faster. Which is
+// faster is measured, not assumed (ThreadChoice below), for each size of step.
 //
 // The plan is a list of tasks built once by engine/kernels/cpu/decode_step.py. A task is a
 // function exported by one of the kernel libraries (quant_gemm, fused_ops, paged_attention;
@@ -120,6 +124,143 @@ class Barrier {
   std::atomic<int64_t> long_waits_{0};
 };
 
+// Whether a step runs on one thread or on all, chosen by measurement for each size of step (rows
+// in powers of two), as a two-armed bandit: steps run on the arm that measured faster, and a
+// probe of a few steps runs on the other one (its first step, which may wake sleeping threads,
+// not counted); the faster of the probe's mean and the current arm's recent average (an
+// exponential moving average of its steps) takes the next period. The first probe comes after
+// kFirstPeriod steps. After it, on threads, a probe needs a reason: the threads' average rose
+// kSlowdown above their best (other work took the cores), or a step's barrier waits mostly
+// slept; an idle machine pays nothing. On one thread, threads are probed every period, the
+// only way to see the cores free again. The further apart the two arms, the longer the period
+// before the next probe, so probing costs about 1% of the steps' time whichever arm is slower.
+// Step time is per row, in nanoseconds.
+class ThreadChoice {
+ public:
+  static constexpr int kBuckets = 7;            // rows 1, 2-3, 4-7, ..., 64 and more
+  static constexpr int64_t kFirstPeriod = 32;   // steps before the first probe, and the least
+  static constexpr int64_t kMaxPeriod = 2048;   // the most steps between two probes
+  static constexpr int64_t kProbeSteps = 5;     // the first one not counted
+  static constexpr double kSwitchMargin = 0.05; // the other arm must be this much faster
+  static constexpr double kSlowdown = 1.3;      // threads this much slower than their best
+  static constexpr double kBestDrift = 1.001;   // the best creeps up per step (longer contexts)
+  // A period long enough that a probe of a slower arm costs ~1% of it: a probe's extra time is
+  // about (kProbeSteps - 1) * gap steps, for the other arm `gap` slower than this one.
+  static constexpr double kPeriodPerGap = 100.0 * (kProbeSteps - 1);
+
+  // Whether the next step of `rows` rows runs on one thread.
+  bool single(int64_t rows) const {
+    const Bucket& b = buckets_[bucket_of(rows)];
+    return b.single != b.probing;
+  }
+
+  // Records a step of `rows` rows that ran (on one thread: `single`) for `ns` nanoseconds;
+  // `waits_bad`: a multi-thread step whose barrier waits mostly slept.
+  void record(int64_t rows, bool single, int64_t ns, bool waits_bad) {
+    Bucket& b = buckets_[bucket_of(rows)];
+    const double per_row =
+        static_cast<double>(ns) / static_cast<double>(std::max<int64_t>(rows, 1));
+    const int arm = single ? 1 : 0;
+    ++b.steps;
+    b.single_steps += single;
+    if (b.probing) {
+      if (b.probe_seen++ > 0) {
+        b.probe_sum += per_row;
+        ++b.probe_count;
+      }
+      if (--b.left > 0) return;
+      b.estimate[arm] = b.probe_count > 0 ? b.probe_sum / b.probe_count : per_row;
+      b.probing = false;
+      decide(b);
+      return;
+    }
+    double& average = b.estimate[arm];
+    average = average > 0 ? 0.75 * average + 0.25 * per_row : per_row;
+    if (!single)
+      b.best_multi = b.best_multi > 0 ? std::min(average, b.best_multi * kBestDrift) : average;
+    if (waits_bad && !single) b.left = std::min<int64_t>(b.left, 1);
+    if (--b.left > 0) return;
+    if (!single && b.probes > 0 && !waits_bad && average <= kSlowdown * b.best_multi) {
+      b.left = 1;  // threads as fast as they were: no probe (look again next step)
+      return;
+    }
+    b.probing = true;  // the other arm, for kProbeSteps steps
+    b.left = kProbeSteps;
+    b.probe_sum = 0;
+    b.probe_count = 0;
+    b.probe_seen = 0;
+    ++b.probes;
+  }
+
+  int64_t probes() const { return sum(&Bucket::probes); }
+  int64_t switches() const { return sum(&Bucket::switches); }
+
+  // Per size of step that has run: its rows, the arm it is on, each arm's ns per row (0: not
+  // measured), steps and steps on one thread, probes and switches.
+  py::list state() const {
+    py::list out;
+    for (int i = 0; i < kBuckets; ++i) {
+      const Bucket& b = buckets_[i];
+      if (b.steps == 0) continue;
+      py::dict d;
+      d["min_rows"] = int64_t{1} << i;
+      d["single"] = b.single;
+      d["multi_ns_per_row"] = static_cast<int64_t>(b.estimate[0]);
+      d["single_ns_per_row"] = static_cast<int64_t>(b.estimate[1]);
+      d["steps"] = b.steps;
+      d["single_thread_steps"] = b.single_steps;
+      d["probes"] = b.probes;
+      d["switches"] = b.switches;
+      d["period"] = b.period;
+      out.append(d);
+    }
+    return out;
+  }
+
+ private:
+  struct Bucket {
+    double estimate[2] = {0, 0};  // ns per row: [all threads, one thread]; 0: not measured
+    double best_multi = 0;        // the threads' best average (ns per row), creeping up
+    bool single = false;          // the arm steps run on outside probes
+    bool probing = false;
+    int64_t left = kFirstPeriod;  // steps left in the current period or probe
+    int64_t period = kFirstPeriod;
+    double probe_sum = 0;
+    int64_t probe_count = 0, probe_seen = 0;
+    int64_t steps = 0, single_steps = 0, probes = 0, switches = 0;
+  };
+
+  static int bucket_of(int64_t rows) {
+    int i = 0;
+    while (i + 1 < kBuckets && (int64_t{2} << i) <= rows) ++i;
+    return i;
+  }
+
+  // After a probe: the faster arm, and a period that grows with how much slower the other is.
+  static void decide(Bucket& b) {
+    int chosen = b.single ? 1 : 0;
+    const double here = b.estimate[chosen], other = b.estimate[1 - chosen];
+    if (here > 0 && other > 0 && other < here * (1.0 - kSwitchMargin)) {
+      b.single = !b.single;
+      chosen = 1 - chosen;
+      ++b.switches;
+    }
+    const double a = b.estimate[chosen], c = b.estimate[1 - chosen];
+    const double gap = a > 0 && c > a ? c / a - 1.0 : 0.0;
+    b.period = std::clamp<int64_t>(static_cast<int64_t>(kPeriodPerGap * gap), kFirstPeriod,
+                                   kMaxPeriod);
+    b.left = b.period;
+  }
+
+  int64_t sum(int64_t Bucket::*field) const {
+    int64_t total = 0;
+    for (const Bucket& b : buckets_) total += b.*field;
+    return total;
+  }
+
+  Bucket buckets_[kBuckets];
+};
+
 class Plan {
  public:
   // tasks: (fn capsule, args capsule, fixed_items, items_per_row, barrier_after[, multiplier])
@@ -152,21 +293,18 @@ class Plan {
     next_item_ = std::vector<std::atomic<int64_t>>(tasks_.size());
   }
 
-  // Runs every task for a step of `rows` rows on `num_threads` threads (<= 0: torch's count).
-  // When more than half of a step's barrier waits outlasted the spin, or more than one in 16
-  // slept past a scheduler tick (the partner was preempted: the cores are shared), the next
-  // kSingleThreadSteps steps run on one thread, which waits for no one; then it tries again.
-  // On an idle machine a few waits a step sleep (a partner with more work: rows of different
-  // context lengths); measured under other processes' load, every wait slept ~0.1 ms and a
-  // one-stream step took 6x its idle time on two threads.
+  // Runs every task for a step of `rows` rows on `num_threads` threads (<= 0: torch's count,
+  // or one thread where ThreadChoice measured that faster for steps of this size; profiling
+  // steps always take the threads). Measured under other processes' load, every barrier wait
+  // slept ~0.1 ms and a one-stream step took 6x its idle time on two threads; with a worker's
+  // event loop, broker and client on the same 2 cores, a one-stream step took 1.4x its idle
+  // time, ~2.5 of its ~300 waits a step sleeping for a preempted partner.
   void run(int64_t rows, int64_t num_threads, int64_t spin) {
     TORCH_CHECK(rows > 0, "decode_step: rows must be positive");
     int threads = static_cast<int>(num_threads > 0 ? num_threads : at::get_num_threads());
+    const bool chosen = num_threads <= 0 && threads > 1 && !timing_;
+    if (chosen && choice_.single(rows)) threads = 1;
     ++steps_;
-    if (threads > 1 && single_thread_left_ > 0) {
-      --single_thread_left_;
-      threads = 1;
-    }
     py::gil_scoped_release no_gil;
     const int64_t started = now_ns();
     if (threads == 1) {
@@ -175,7 +313,7 @@ class Plan {
         const int64_t total = items(t, rows);
         if (total > 0) t.fn(t.args, rows, 0, total);
       }
-      if (num_threads != 1) record(single_ns_per_row_, now_ns() - started, rows);
+      if (chosen) choice_.record(rows, true, now_ns() - started, false);
       return;
     }
     // The spin learnt by earlier steps; it grows back towards `spin` while waits stay short.
@@ -203,30 +341,15 @@ class Plan {
         wait_ns_[i * kMaxTimedThreads + me] += now_ns() - worked;
       }
     }
-    record(multi_ns_per_row_, now_ns() - started, rows);
+    const int64_t elapsed = now_ns() - started;
     slow_waits_ += barrier.slow_waits();
     long_waits_ += barrier.long_waits();
     spin_ = barrier.spin();
-    // A step where most waits outlasted the spin (the partner was not running: cores shared
-    // with other work, each wake-up a trip through the scheduler) or where the partner was
-    // preempted past a tick more than once in 16 waits may be better run on one thread for a
-    // while. Whether it is, is measured: the first such step starts a short one-thread period,
-    // which times one thread; later ones start a longer one only while this many threads, waits
-    // included, are not clearly faster than that. (Light, bursty load beside the step, as a
-    // worker's event loop, broker and clients on the same 2 cores, tripped these tests while
-    // two threads stayed ~1.5x faster, 1.45 against 2.15 ms a row at W2: falling back each
-    // time had the worker run half its steps on one thread.)
+    // Most waits outlasted the spin (the partner was not running), or more than one in 16
+    // slept past a scheduler tick: the cores just became busy, so measure one thread now.
     const bool waits_bad =
         barrier.slow_waits() * 2 > num_barriers_ || barrier.long_waits() * 16 > num_barriers_;
-    const bool threads_pay =
-        single_ns_per_row_ > 0 && multi_ns_per_row_ < single_ns_per_row_ * kMultiMustWin;
-    if (waits_bad && !threads_pay) {
-      // With no one-thread time yet, a short period measures it; the decision comes after.
-      single_thread_left_ = single_ns_per_row_ > 0 ? kSingleThreadSteps : kProbeSteps;
-      ++fallbacks_;
-    } else if (waits_bad) {
-      ++fallbacks_declined_;
-    }
+    if (chosen) choice_.record(rows, false, elapsed, waits_bad);
   }
 
   // Per-task clocks (profiling): each thread's time in each task and in the barrier after it.
@@ -262,24 +385,13 @@ class Plan {
     d["tasks"] = static_cast<int64_t>(tasks_.size());
     d["barriers"] = num_barriers_;
     d["spin"] = spin_;
-    d["fallbacks"] = fallbacks_;
-    d["fallbacks_declined"] = fallbacks_declined_;
-    d["single_ns_per_row"] = static_cast<int64_t>(single_ns_per_row_);
-    d["multi_ns_per_row"] = static_cast<int64_t>(multi_ns_per_row_);
+    d["probes"] = choice_.probes();
+    d["switches"] = choice_.switches();
+    d["by_rows"] = choice_.state();
     return d;
   }
 
  private:
-  static constexpr int64_t kSingleThreadSteps = 64, kProbeSteps = 8;
-  // Threads must be this much faster than one (their time per row over its) to be kept when
-  // their waits look bad: a margin for the two being measured at different moments.
-  static constexpr double kMultiMustWin = 0.9;
-
-  // An exponential moving average of step time per row (0: none measured yet).
-  static void record(double& average, int64_t ns, int64_t rows) {
-    const double per_row = static_cast<double>(ns) / static_cast<double>(rows);
-    average = average > 0 ? 0.75 * average + 0.25 * per_row : per_row;
-  }
   static constexpr int64_t kMaxTimedThreads = 64;
 
   // Thread `me` of `n` does its items of task `t` (the index `i` of the plan).
@@ -312,9 +424,8 @@ class Plan {
   py::list owners_;
   std::vector<Task> tasks_;
   int64_t num_barriers_ = 0, steps_ = 0, single_thread_steps_ = 0, slow_waits_ = 0;
-  int64_t long_waits_ = 0;
-  int64_t single_thread_left_ = 0, spin_ = 0, fallbacks_ = 0, fallbacks_declined_ = 0;
-  double single_ns_per_row_ = 0, multi_ns_per_row_ = 0;  // step time per row, each mode
+  int64_t long_waits_ = 0, spin_ = 0;
+  ThreadChoice choice_;
   bool timing_ = false;
   int64_t timed_threads_ = 0;  // the thread count of the timed steps (the layout of the clocks)
   std::vector<int64_t> work_ns_, wait_ns_;  // [task, thread]
@@ -330,5 +441,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("spin") = 4000, "run every task for a step of `rows` rows")
       .def("set_timing", &Plan::set_timing, "per-task clocks on (profiling) or off; resets them")
       .def("task_times", &Plan::task_times, "(work_ns, wait_ns) per task and thread")
-      .def("stats", &Plan::stats, "steps, steps on one thread, barrier waits that slept, and slept past 2 ms");
+      .def("stats", &Plan::stats,
+           "steps, steps on one thread, barrier waits that slept and slept past 2 ms, and the "
+           "thread choice (probes, switches, by_rows)");
+  // The thread choice on its own, for tests: they feed it step times.
+  py::class_<ThreadChoice>(m, "ThreadChoice")
+      .def(py::init<>())
+      .def("single", &ThreadChoice::single, py::arg("rows"))
+      .def("record", &ThreadChoice::record, py::arg("rows"), py::arg("single"), py::arg("ns"),
+           py::arg("waits_bad") = false)
+      .def("state", &ThreadChoice::state);
 }

@@ -6,9 +6,10 @@ parallel region. With OMP_WAIT_POLICY=PASSIVE (the engine's default, engine/open
 costs 10-40x when the cores are shared) every region wakes the second thread through the
 kernel, and on the 2-core Zen 4 VM that was most of a W1 step (one stream: 37 tok/s with
 PASSIVE, 89 with libgomp's spinning default on an idle machine). Here the threads are woken
-once per step and meet at barriers that spin briefly and then sleep on a futex (where the
-cores are shared and the waits keep sleeping, the step runs on one thread for a while: see
-decode_step.cpp); Python runs once per step instead of ~25 times per layer.
+once per step and meet at barriers that spin briefly and then sleep on a futex; where other
+work shares the cores and one thread measures faster for steps of a size, those steps run on
+one thread (decode_step.cpp's ThreadChoice). Python runs once per step instead of ~25 times
+per layer.
 
 The tasks are the kernels the per-operator path calls (quant_gemm's int4/int8 GEMV, fused_ops'
 RMSNorm, RoPE and SiLU * up, paged_attention's decode), so the step's bits equal that path's

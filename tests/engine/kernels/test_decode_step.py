@@ -498,3 +498,121 @@ def test_greedy_steps_take_the_steps_ids_and_sampled_ones_do_not(
     while engine.has_unfinished_requests():
         engine.step()
     assert runs and not any(runs)  # every fused step had a sampled row: greedy=False
+
+
+# -- one thread or all: decode_step.cpp's ThreadChoice ------------------------------------------
+FIRST_PERIOD, MAX_PERIOD, PROBE_STEPS = 32, 2048, 5  # decode_step.cpp's constants
+
+
+def _drive(choice, rows: int, costs, num_steps: int, rng) -> list[bool]:
+    """Runs `num_steps` steps of `rows` rows through `choice`; a step on one thread costs
+    costs(step)[1] ns per row, on all costs(step)[0], each times a noise factor in [0.95, 1.05].
+    Returns, per step, whether it ran on one thread."""
+    arms = []
+    for step in range(num_steps):
+        single = choice.single(rows)
+        per_row = costs(step)[int(single)] * rng.uniform(0.95, 1.05)
+        choice.record(rows, single, int(per_row * rows), False)
+        arms.append(single)
+    return arms
+
+
+def _longest_run_on_one_thread(arms: list[bool]) -> int:
+    longest = run = 0
+    for arm in arms:
+        run = run + 1 if arm else 0
+        longest = max(longest, run)
+    return longest
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    multi=st.integers(1_000, 10_000),
+    ratio=st.floats(0.2, 5.0),  # one thread's cost over the threads'
+    rows=st.integers(1, 100),
+    seed=st.integers(0, 2**16),
+)
+def test_the_thread_choice_settles_on_the_faster_arm_and_keeps_probing(
+    step_ext, multi, ratio, rows, seed
+):
+    """Whichever arm is faster (threads or one thread), the steps end up on it: apart from the
+    first period and the probes, the slower arm gets few steps, and the time lost to probing
+    stays about 1% of the faster arm's (arms within a few percent may stay on either: the
+    margin for a switch is 5%, the noise +-5%). Threads that stay as fast as they were are
+    never probed against one thread again (an idle machine pays nothing); one thread keeps
+    probing threads, so a change of conditions is seen."""
+    import random
+
+    single = int(multi * ratio)
+    choice = step_ext.ThreadChoice()
+    arms = _drive(choice, rows, lambda step: (multi, single), 4000, random.Random(seed))
+    fast, slow = min(multi, single), max(multi, single)
+    spent = sum((single if arm else multi) for arm in arms)
+    # The first period runs on threads whatever they cost; after it, probes of 5 steps (4 of
+    # them a slower arm's) at most every 32 steps, and fewer the larger the gap.
+    assert spent <= fast * 1.08 * len(arms) + (slow - fast) * (FIRST_PERIOD + 2 * PROBE_STEPS)
+    on_one_thread = [arm for arm in arms if arm]
+    assert _longest_run_on_one_thread(arms) <= MAX_PERIOD + PROBE_STEPS  # threads re-tried
+    [state] = choice.state()
+    if single > multi * 1.15:  # threads clearly faster: one probe, the first
+        assert state["probes"] == 1 and len(on_one_thread) == PROBE_STEPS
+    if multi > single * 1.15:  # one thread clearly faster: threads only in probes
+        assert len(arms) - len(on_one_thread) <= FIRST_PERIOD + 0.12 * len(arms)
+        assert sum(arms[-MAX_PERIOD:]) > 0.9 * MAX_PERIOD
+    assert state["steps"] == len(arms) and state["single_thread_steps"] == len(on_one_thread)
+    assert state["min_rows"] <= rows < 2 * state["min_rows"] or state["min_rows"] == 64
+
+
+def test_the_thread_choice_follows_a_change_of_conditions(step_ext):
+    """Threads faster (an idle machine), then slower (other work took the cores: their average
+    rises above their best, which starts a probe), then faster again (one thread's periodic
+    probe of threads sees it): the steps follow within a period of the change."""
+    import random
+
+    choice = step_ext.ThreadChoice()
+    rng = random.Random(0)
+    idle, busy = (1000, 1500), (1800, 1500)  # ns per row: (threads, one thread)
+    phases = [idle] * 3000 + [busy] * 3000 + [idle] * 3000
+    arms = _drive(choice, 1, lambda step: phases[step], len(phases), rng)
+    for start, on_one_thread in ((0, False), (3000, True), (6000, False)):
+        # A few hundred steps to notice (the period for a gap of 0.5 is 200 steps), then the
+        # phase's faster arm, but for probes.
+        settled = arms[start + 600 : start + 3000]
+        assert sum(arm == on_one_thread for arm in settled) > 0.9 * len(settled), start
+    assert sum(state["switches"] for state in choice.state()) >= 2
+
+
+def test_waits_that_slept_end_the_period_and_sizes_are_chosen_apart(step_ext):
+    """A threaded step whose barrier waits mostly slept (the cores just became busy) starts a
+    probe of one thread at the next step, however long the period; each size of step (rows in
+    powers of two) has its own choice."""
+    choice = step_ext.ThreadChoice()
+    for _ in range(FIRST_PERIOD):  # threads 10x faster: the next period is the longest
+        choice.record(1, choice.single(1), 1_000, False)
+    for _ in range(PROBE_STEPS):
+        assert choice.single(1)
+        choice.record(1, True, 10_000, False)
+    assert not choice.single(1)
+    [state] = choice.state()
+    assert not state["single"] and state["period"] == MAX_PERIOD
+    choice.record(1, False, 1_000, False)
+    assert not choice.single(1)
+    choice.record(1, False, 9_000, True)  # waits slept
+    assert choice.single(1)  # a probe now, not MAX_PERIOD steps later
+    assert not choice.single(32)  # 32 rows: a size of its own, still on threads
+    choice.record(32, False, 32_000, False)
+    assert [s["min_rows"] for s in choice.state()] == [1, 32]
+
+
+def test_steps_on_one_thread_are_the_same_bits(step_ext, tiny_model_dir):
+    """The fused step's choice of one thread or all changes who computes what, not the bits:
+    a run long enough for the probes (one thread, in the steps after the first period of a
+    size) is checked step by step against the per-operator path."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread only here: there is no choice to make")
+    engine = _engine(tiny_model_dir, "int4")
+    checker = _check(engine, [[5, 6, 7]], max_tokens=FIRST_PERIOD + 2 * PROBE_STEPS + 4)
+    stats = checker.forward.fused.plan.stats()
+    [one_row] = [s for s in stats["by_rows"] if s["min_rows"] == 1]
+    assert one_row["probes"] >= 1 and one_row["single_thread_steps"] >= PROBE_STEPS - 1
+    assert checker.num_decode_steps == one_row["steps"] >= FIRST_PERIOD + PROBE_STEPS
