@@ -307,6 +307,7 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler
+        fused_steps, one_thread = self.runner.fused_step_counters()
         return EngineStats(
             num_blocks_total=s.kv.num_blocks,
             num_blocks_free=s.kv.num_free_blocks,
@@ -318,6 +319,8 @@ class LLMEngine:
             num_prefix_hits=s.num_prefix_hits,
             num_tokens_computed=s.num_tokens_computed,
             num_tokens_reused=s.num_tokens_reused,
+            num_fused_steps=fused_steps,
+            num_fused_steps_one_thread=one_thread,
         )
 
 

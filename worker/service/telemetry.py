@@ -246,6 +246,12 @@ class Telemetry:
         self.preemptions = _Bound(
             meter.create_counter("mini_infer.engine.preemptions", unit="{event}"), model
         )
+        # The fused CPU decode step, by threads: "one" where one thread measured faster than all
+        # (other work on the engine's cores: the loop, a co-located broker or clients).
+        self.fused_steps = _Bound(meter.create_counter(
+            "mini_infer.engine.fused_steps", unit="{step}",
+            description="fused CPU decode steps, by threads (all, or one: the cores were busy)",
+        ), model)  # fmt: skip
         # Steps sized by urgency: how long steps take (against step_time_target_ms), and the
         # requests answered `expired` at admission because their deadline could not be met.
         self.step_s = _Bound(meter.create_histogram(
@@ -308,6 +314,11 @@ class Telemetry:
         ):
             if now > before:
                 counter.add(now - before)
+        one_thread = stats.num_fused_steps_one_thread - previous.num_fused_steps_one_thread
+        all_threads = stats.num_fused_steps - previous.num_fused_steps - one_thread
+        for threads, count in (("one", one_thread), ("all", all_threads)):
+            if count > 0:
+                self.fused_steps.add(count, {"threads": threads})
         if stats.num_tokens_computed > previous.num_tokens_computed:
             self.step_tokens.record(stats.num_tokens_computed - previous.num_tokens_computed)
 

@@ -127,8 +127,9 @@ class Barrier {
 // Whether a step runs on one thread or on all, chosen by measurement for each size of step (rows
 // in powers of two), as a two-armed bandit: steps run on the arm that measured faster, and a
 // probe of a few steps runs on the other one (its first step, which may wake sleeping threads,
-// not counted); the faster of the probe's mean and the current arm's recent average (an
-// exponential moving average of its steps) takes the next period. The first probe comes after
+// not counted; it ends after one counted step where that was clearly slower); the faster of
+// the probe's mean and the current arm's recent average (an exponential moving average of its
+// steps) takes the next period. The first probe comes after
 // kFirstPeriod steps. After it, on threads, a probe needs a reason: the threads' average rose
 // kSlowdown above their best (other work took the cores), or a step's barrier waits mostly
 // slept; an idle machine pays nothing. On one thread, threads are probed every period, the
@@ -141,6 +142,7 @@ class ThreadChoice {
   static constexpr int64_t kFirstPeriod = 32;   // steps before the first probe, and the least
   static constexpr int64_t kMaxPeriod = 2048;   // the most steps between two probes
   static constexpr int64_t kProbeSteps = 5;     // the first one not counted
+  static constexpr double kClearlySlower = 1.3; // a probe this much slower ends at once
   static constexpr double kSwitchMargin = 0.05; // the other arm must be this much faster
   static constexpr double kSlowdown = 1.3;      // threads this much slower than their best
   static constexpr double kBestDrift = 1.001;   // the best creeps up per step (longer contexts)
@@ -168,7 +170,12 @@ class ThreadChoice {
         b.probe_sum += per_row;
         ++b.probe_count;
       }
-      if (--b.left > 0) return;
+      // A probed arm clearly slower than the current one after one counted step (threads at
+      // W2's 32 rows are ~1.5x one thread) is not run further: the probe costs less.
+      const double current = b.estimate[1 - arm];
+      const bool clearly_slower = b.probe_count > 0 && current > 0 &&
+                                  b.probe_sum / b.probe_count > kClearlySlower * current;
+      if (--b.left > 0 && !clearly_slower) return;
       b.estimate[arm] = b.probe_count > 0 ? b.probe_sum / b.probe_count : per_row;
       b.probing = false;
       decide(b);
@@ -376,6 +383,9 @@ class Plan {
     return py::make_tuple(work, wait);
   }
 
+  // (steps, steps on one thread): cheap enough to read after every step.
+  py::tuple counters() const { return py::make_tuple(steps_, single_thread_steps_); }
+
   py::dict stats() const {
     py::dict d;
     d["steps"] = steps_;
@@ -441,6 +451,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("spin") = 4000, "run every task for a step of `rows` rows")
       .def("set_timing", &Plan::set_timing, "per-task clocks on (profiling) or off; resets them")
       .def("task_times", &Plan::task_times, "(work_ns, wait_ns) per task and thread")
+      .def("counters", &Plan::counters, "(steps, steps on one thread) so far")
       .def("stats", &Plan::stats,
            "steps, steps on one thread, barrier waits that slept and slept past 2 ms, and the "
            "thread choice (probes, switches, by_rows)");

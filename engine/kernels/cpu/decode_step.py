@@ -492,6 +492,10 @@ class StepForward:
     def forget_rows(self) -> None:
         self.fused.forget_rows()
 
+    def step_counters(self) -> tuple[int, int]:
+        """(fused steps, of which on one thread) so far: the thread choice at work."""
+        return tuple(self.fused.plan.counters())
+
     def logits_for(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Logits of `rows` of `hidden`: the fused step's own where it computed them."""
         logits = self.fused.logits_of(hidden, rows)

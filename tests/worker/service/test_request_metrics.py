@@ -63,18 +63,23 @@ def stats(**counts) -> SimpleNamespace:
     base = dict(
         num_running=0, num_waiting=0, num_blocks_total=100, num_blocks_free=100,
         num_preemptions=0, num_prefix_queries=0, num_prefix_hits=0, num_tokens_computed=0,
+        num_fused_steps=0, num_fused_steps_one_thread=0,
     )  # fmt: skip
     return SimpleNamespace(**{**base, **counts})
 
 
 def test_engine_counters_count_from_the_start_up_baseline() -> None:
     t = Telemetry(ObservabilitySettings(), "w", model_name="smol")
-    t.observe_engine(stats(num_prefix_queries=40, num_prefix_hits=16, num_tokens_computed=64))
+    t.observe_engine(stats(num_prefix_queries=40, num_prefix_hits=16, num_tokens_computed=64,
+                           num_fused_steps=10, num_fused_steps_one_thread=2))  # fmt: skip
     t.observe_engine(
         stats(num_running=2, num_waiting=1, num_blocks_free=75, num_preemptions=1,
-              num_prefix_queries=100, num_prefix_hits=46, num_tokens_computed=96)
+              num_prefix_queries=100, num_prefix_hits=46, num_tokens_computed=96,
+              num_fused_steps=50, num_fused_steps_one_thread=12)
     )  # fmt: skip
     series = scrape(t)
+    fused = {labels["threads"]: n for labels, n in series["mini_infer_engine_fused_steps_total"]}
+    assert fused == {"all": 30, "one": 10}  # 40 steps since start-up, 10 of them on one thread
 
     def value(name: str) -> float:
         ((labels, number),) = series[name]
