@@ -125,17 +125,16 @@ class Barrier {
 };
 
 // Whether a step runs on one thread or on all, chosen by measurement for each size of step (rows
-// in powers of two), as a two-armed bandit: steps run on the arm that measured faster, and a
-// probe of a few steps runs on the other one (its first step, which may wake sleeping threads,
-// not counted; it ends after one counted step where that was clearly slower); the faster of
-// the probe's mean and the current arm's recent average (an exponential moving average of its
-// steps) takes the next period. The first probe comes after
-// kFirstPeriod steps. After it, on threads, a probe needs a reason: the threads' average rose
-// kSlowdown above their best (other work took the cores), or a step's barrier waits mostly
-// slept; an idle machine pays nothing. On one thread, threads are probed every period, the
-// only way to see the cores free again. The further apart the two arms, the longer the period
-// before the next probe, so probing costs about 1% of the steps' time whichever arm is slower.
-// Step time is per row, in nanoseconds.
+// in powers of two), as a two-armed bandit. Steps run on the arm that measured faster; a probe
+// of a few steps runs on the other one (its first step, which may wake sleeping threads, not
+// counted; it ends after one counted step where that was clearly slower); the faster of the
+// probe's mean and the current arm's recent average (an exponential moving average of its
+// steps) takes the next period. The first probe comes after kFirstPeriod steps. After it, on
+// threads, a probe needs a reason: the threads' average rose kSlowdown above their best (other
+// work took the cores), or a step's barrier waits mostly slept; an idle machine pays nothing.
+// On one thread, threads are probed every period, the only way to see the cores free again.
+// The further apart the two arms, the longer the period before the next probe, so probing
+// costs about 1% of the steps' time whichever arm is slower. Step time is per row, in ns.
 class ThreadChoice {
  public:
   static constexpr int kBuckets = 7;            // rows 1, 2-3, 4-7, ..., 64 and more
@@ -310,7 +309,10 @@ class Plan {
     TORCH_CHECK(rows > 0, "decode_step: rows must be positive");
     int threads = static_cast<int>(num_threads > 0 ? num_threads : at::get_num_threads());
     const bool chosen = num_threads <= 0 && threads > 1 && !timing_;
-    if (chosen && choice_.single(rows)) threads = 1;
+    if (chosen && choice_.single(rows)) {
+      threads = 1;
+      ++chosen_single_steps_;
+    }
     ++steps_;
     py::gil_scoped_release no_gil;
     const int64_t started = now_ns();
@@ -383,8 +385,8 @@ class Plan {
     return py::make_tuple(work, wait);
   }
 
-  // (steps, steps on one thread): cheap enough to read after every step.
-  py::tuple counters() const { return py::make_tuple(steps_, single_thread_steps_); }
+  // (steps, steps the choice ran on one thread): cheap enough to read after every step.
+  py::tuple counters() const { return py::make_tuple(steps_, chosen_single_steps_); }
 
   py::dict stats() const {
     py::dict d;
@@ -435,6 +437,7 @@ class Plan {
   std::vector<Task> tasks_;
   int64_t num_barriers_ = 0, steps_ = 0, single_thread_steps_ = 0, slow_waits_ = 0;
   int64_t long_waits_ = 0, spin_ = 0;
+  int64_t chosen_single_steps_ = 0;  // of single_thread_steps_, those ThreadChoice chose
   ThreadChoice choice_;
   bool timing_ = false;
   int64_t timed_threads_ = 0;  // the thread count of the timed steps (the layout of the clocks)
@@ -451,7 +454,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("spin") = 4000, "run every task for a step of `rows` rows")
       .def("set_timing", &Plan::set_timing, "per-task clocks on (profiling) or off; resets them")
       .def("task_times", &Plan::task_times, "(work_ns, wait_ns) per task and thread")
-      .def("counters", &Plan::counters, "(steps, steps on one thread) so far")
+      .def("counters", &Plan::counters, "(steps, steps the thread choice ran on one thread)")
       .def("stats", &Plan::stats,
            "steps, steps on one thread, barrier waits that slept and slept past 2 ms, and the "
            "thread choice (probes, switches, by_rows)");

@@ -493,7 +493,7 @@ class StepForward:
         self.fused.forget_rows()
 
     def step_counters(self) -> tuple[int, int]:
-        """(fused steps, of which on one thread) so far: the thread choice at work."""
+        """(fused steps, of which the thread choice ran on one thread) so far."""
         return tuple(self.fused.plan.counters())
 
     def logits_for(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
