@@ -190,6 +190,44 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     assert not lock.exists()
 
 
+def test_a_build_waits_for_a_fresh_lock_until_it_goes_or_turns_stale(tmp_path):
+    """A lock left by a build killed moments ago is not stale yet; the builder waits (torch's
+    own wait never ends) until it goes (another process finished) or turns stale (removed).
+    The clock is the test's: each wait moves it on, nothing sleeps."""
+    import os
+
+    from engine.kernels.cpu.extension import wait_for_build_lock
+
+    now = [10_000.0]
+    waits = []
+
+    def sleep(seconds):
+        waits.append(seconds)
+        now[0] += seconds
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    os.utime(lock, (now[0] - 60, now[0] - 60))  # a build killed a minute ago
+    wait_for_build_lock(tmp_path, max_age_s=90, poll_s=5, clock=lambda: now[0], sleep=sleep)
+    assert not lock.exists() and sum(waits) == 35  # removed once older than 90 s
+
+    lock.touch()
+    os.utime(lock, (now[0], now[0]))  # a build running now, which finishes after 10 waits
+
+    def finishing_sleep(seconds):
+        sleep(seconds)
+        if len(waits) == 10:
+            lock.unlink()
+
+    waits.clear()
+    wait_for_build_lock(
+        tmp_path, max_age_s=90, poll_s=5, clock=lambda: now[0], sleep=finishing_sleep
+    )
+    assert len(waits) == 10 and not lock.exists()
+    wait_for_build_lock(tmp_path, clock=lambda: now[0], sleep=sleep)  # no lock: no wait
+    assert len(waits) == 10
+
+
 # --- extend: prefill chunks after cached tokens, read in place --------------------------------
 
 

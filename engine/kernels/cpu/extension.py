@@ -17,7 +17,7 @@ import hashlib
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -65,7 +65,7 @@ def build(
         )  # fmt: skip
         return None
     directory.mkdir(parents=True, exist_ok=True)
-    remove_stale_lock(directory)
+    wait_for_build_lock(directory)
     from torch.utils import cpp_extension
 
     try:
@@ -114,13 +114,43 @@ def _staged(source: Path, directory: Path) -> Path:
     return staged
 
 
-def remove_stale_lock(directory: Path, max_age_s: float = 900.0) -> None:
+def wait_for_build_lock(
+    directory: Path,
+    max_age_s: float = 900.0,
+    poll_s: float = 0.5,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Wait while another process builds in `directory` (its `lock` file exists), until the
+    lock goes or turns stale (`remove_stale_lock`). torch's builder waits on the lock itself,
+    but forever: a lock left by a build killed a minute ago would hang every later start, since
+    it was not stale yet when checked."""
+    lock = Path(directory) / "lock"
+    logged = False
+    while True:
+        try:
+            age_s = clock() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age_s > max_age_s:
+            remove_stale_lock(directory, max_age_s, clock)
+            return
+        if not logged:
+            stale_in_s = round(max_age_s - age_s)
+            log.info("extension.waiting_for_build", path=str(lock), stale_in_s=stale_in_s)
+            logged = True
+        sleep(poll_s)
+
+
+def remove_stale_lock(
+    directory: Path, max_age_s: float = 900.0, clock: Callable[[], float] = time.time
+) -> None:
     """torch's builder serialises builds with a `lock` file and waits while one exists; a
     process killed mid-build leaves it behind, and every later start would wait forever. A
     build takes minutes at most, so a lock older than `max_age_s` is stale."""
     lock = Path(directory) / "lock"
     try:
-        if time.time() - lock.stat().st_mtime > max_age_s:
+        if clock() - lock.stat().st_mtime > max_age_s:
             lock.unlink()
             log.warning("extension.stale_lock_removed", path=str(lock))
     except FileNotFoundError:
