@@ -199,6 +199,7 @@ class ThreadChoice {
   }
 
   int64_t probes() const { return sum(&Bucket::probes); }
+  int64_t single_steps() const { return sum(&Bucket::single_steps); }
   int64_t switches() const { return sum(&Bucket::switches); }
 
   // Per size of step that has run: its rows, the arm it is on, each arm's ns per row (0: not
@@ -309,10 +310,7 @@ class Plan {
     TORCH_CHECK(rows > 0, "decode_step: rows must be positive");
     int threads = static_cast<int>(num_threads > 0 ? num_threads : at::get_num_threads());
     const bool chosen = num_threads <= 0 && threads > 1 && !timing_;
-    if (chosen && choice_.single(rows)) {
-      threads = 1;
-      ++chosen_single_steps_;
-    }
+    if (chosen && choice_.single(rows)) threads = 1;
     ++steps_;
     py::gil_scoped_release no_gil;
     const int64_t started = now_ns();
@@ -386,7 +384,7 @@ class Plan {
   }
 
   // (steps, steps the choice ran on one thread): cheap enough to read after every step.
-  py::tuple counters() const { return py::make_tuple(steps_, chosen_single_steps_); }
+  py::tuple counters() const { return py::make_tuple(steps_, choice_.single_steps()); }
 
   py::dict stats() const {
     py::dict d;
@@ -437,7 +435,6 @@ class Plan {
   std::vector<Task> tasks_;
   int64_t num_barriers_ = 0, steps_ = 0, single_thread_steps_ = 0, slow_waits_ = 0;
   int64_t long_waits_ = 0, spin_ = 0;
-  int64_t chosen_single_steps_ = 0;  // of single_thread_steps_, those ThreadChoice chose
   ThreadChoice choice_;
   bool timing_ = false;
   int64_t timed_threads_ = 0;  // the thread count of the timed steps (the layout of the clocks)
