@@ -3,7 +3,7 @@ read and bounded stop that tools watching replies share (the load tests' and the
 readers). aiokafka only, no torch.
 
 Every record goes to `on_record` on the event loop, in order per partition, until the reader
-is closed. The stop is bounded: aiokafka's `stop()` can hang on a broker that went away.
+is closed; an offset gap is fetched again before it is believed (worker/offset_gaps.py). The stop is bounded: aiokafka's `stop()` can hang on a broker that went away.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import asyncio
 from collections.abc import Callable, Iterable
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from worker.offset_gaps import OffsetGaps, records_of
 
 POLL_TIMEOUT_MS = 200
 STOP_TIMEOUT_S = 10.0
@@ -37,6 +39,7 @@ class TopicReader:
             auto_offset_reset="earliest", enable_auto_commit=False, **consumer_options,
         )  # fmt: skip
         self._task: asyncio.Task | None = None
+        self.gaps = OffsetGaps(what="topic reader")
 
     async def __aenter__(self) -> TopicReader:
         await self._consumer.start()
@@ -53,6 +56,5 @@ class TopicReader:
     async def _read(self) -> None:
         while True:
             batches = await self._consumer.getmany(timeout_ms=POLL_TIMEOUT_MS)
-            for records in batches.values():
-                for record in records:
-                    self._on_record(record)
+            for record in records_of(self._consumer, self.gaps, batches):
+                self._on_record(record)

@@ -12,7 +12,11 @@ The proxy relays Kafka frames and, with aiokafka's own protocol classes, rewrite
   chosen error (e.g. NOT_ENOUGH_REPLICAS, retriable: an idempotent producer retries it forever),
   while the other topics of the same request go to the broker;
 - responses of chosen APIs are delayed (`delay(api_key, seconds)`), in order on their connection;
-- `cut()` closes every connection, as a broker restart or a network fault would.
+- `cut()` closes every connection, as a broker restart or a network fault would;
+- `hide_batch(topic)`: the next fetch response holding three or more record batches of a
+  partition of `topic` loses the second one, as a fetch that raced a write from another
+  connection does on the embedded broker now and then (a later batch visible, an earlier one
+  not yet): a gap in the offsets that a refetch fills.
 
 Requests of flexible versions (tagged header fields) are relayed untouched; only the fixed
 header fields (key, version, correlation id) are read from them.
@@ -74,6 +78,8 @@ class KafkaProxy:
         self._writers: set[asyncio.StreamWriter] = set()
         self.port = 0
         self.num_failed_produces = 0
+        self.hidden_batches: dict[str, int] = {}  # topic -> batches still to hide
+        self.num_hidden_batches = 0
 
     @property
     def bootstrap_servers(self) -> str:
@@ -87,6 +93,11 @@ class KafkaProxy:
         whose decoded request `when(request)` is true (requests of flexible versions: never).
         Answers keep their order on a connection, so later ones on it wait too."""
         self._delays[api_key] = (seconds, when)
+
+    def hide_batch(self, topic: str) -> None:
+        """Hide the second record batch of the next fetch response with three or more of a
+        partition of `topic` (once per call)."""
+        self.hidden_batches[topic] = self.hidden_batches.get(topic, 0) + 1
 
     def cut(self) -> None:
         """Close every open connection (clients reconnect through the proxy)."""
@@ -207,6 +218,8 @@ class KafkaProxy:
     def _rewrite_response(self, slot: _Pending, frame: bytes) -> bytes:
         if slot.api_key == PRODUCE and slot.failed_topics:
             return _produce_response(slot, frame)
+        if slot.api_key == FETCH and any(self.hidden_batches.values()):
+            return self._hide_batches(slot, frame)
         if slot.api_key not in (METADATA, FIND_COORDINATOR):
             return frame
         cls = _REQUESTS.get((slot.api_key, slot.api_version))
@@ -218,6 +231,40 @@ class KafkaProxy:
         else:
             response.host, response.port = "127.0.0.1", self.port
         return frame[:4] + response.encode()
+
+
+    def _hide_batches(self, slot: _Pending, frame: bytes) -> bytes:
+        cls = _REQUESTS.get((slot.api_key, slot.api_version))
+        if cls is None:
+            return frame
+        response = cls.RESPONSE_TYPE.decode(BytesIO(frame[4:]))
+        changed = False
+        response.topics = list(response.topics)
+        for t, (topic, partitions) in enumerate(response.topics):
+            partitions = list(partitions)
+            for p, partition in enumerate(partitions):
+                batches = _batches(bytes(partition[-1] or b""))  # the record set is the last field
+                if self.hidden_batches.get(topic, 0) > 0 and len(batches) >= 3:
+                    self.hidden_batches[topic] -= 1
+                    self.num_hidden_batches += 1
+                    partitions[p] = (*partition[:-1], b"".join(batches[:1] + batches[2:]))
+                    changed = True
+            response.topics[t] = (topic, partitions)
+        return frame[:4] + response.encode() if changed else frame
+
+
+def _batches(records: bytes) -> list[bytes]:
+    """A record set split into its whole batches (base offset, length, then that many bytes);
+    a partial batch at the end (cut by the fetch size) is kept as it is."""
+    batches, start = [], 0
+    while start + 12 <= len(records):
+        (length,) = struct.unpack(">i", records[start + 8 : start + 12])
+        end = min(start + 12 + length, len(records))
+        batches.append(records[start:end])
+        start = end
+    if start < len(records):
+        batches.append(records[start:])
+    return batches
 
 
 def _produce_response(slot: _Pending, frame: bytes | None) -> bytes:

@@ -8,6 +8,9 @@ anyone allowed to produce requests can name this client's reply topic and reques
 without the nonce could make a worker publish a final of their choosing into this stream.
 Replies without it are dropped, logged and counted (`num_forged`).
 
+An offset gap in the reply partition is fetched again before it is believed
+(worker/offset_gaps.py): a token message the embedded broker hid from one fetch is not lost.
+
 On a shared reply topic (v1.2) most records of the partition are other clients' replies: they
 are skipped by their key, the request id, before any decoding.
 """
@@ -23,6 +26,7 @@ from aiokafka import AIOKafkaConsumer
 from schemas.codec import UndecodableError, decode_reply
 from schemas.headers import read_content_type
 from schemas.messages import FinalReply, TokenReply
+from worker.offset_gaps import OffsetGaps, records_of
 
 log = structlog.get_logger(__name__)
 
@@ -35,6 +39,7 @@ class ReplyRouter:
         self._nonces: dict[str, str | None] = {}
         self.failure: BaseException | None = None
         self.num_forged = 0  # replies dropped for a missing or wrong nonce
+        self.gaps = OffsetGaps(what="replies")
 
     def register(self, request_id: str, nonce: str | None = None) -> asyncio.Queue[Item]:
         """Call before sending the request: its first reply may arrive before the send returns."""
@@ -83,10 +88,8 @@ class ReplyRouter:
         try:
             while True:
                 batches = await consumer.getmany(timeout_ms=1000)
-                for records in batches.values():
-                    for record in records:
-                        if not self.is_waiting_for(record.key):
-                            continue
+                for record in records_of(consumer, self.gaps, batches):
+                    if self.is_waiting_for(record.key):
                         self.route(record.value, read_content_type(record.headers))
         except asyncio.CancelledError:
             raise

@@ -27,6 +27,10 @@ commits watermarks.
 - aiokafka marks a new assignment done before it awaits `on_partitions_assigned`, so `getmany`
   returns records of newly assigned partitions while the listener awaits: those partitions are
   tracked before the listener's first await.
+- An offset gap within an epoch (a record past the one after the last seen) is fetched again,
+  up to three times, before it is believed (worker/offset_gaps.py): the embedded broker can
+  hide a batch from a fetch that races its write, and the watermark would then commit over
+  requests never read. A real gap (a transaction marker, compaction) stays and is accepted.
 - A record aiokafka cannot return (`RecordTooLargeError`: bigger than the fetch size) is skipped
   by aiokafka; its offset is tracked and a stub dead letter written for it, so the watermark
   never commits over it silently.
@@ -42,6 +46,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError, RecordTooLargeError
 
 from schemas.contract import DeadLetterReason
+from worker.offset_gaps import OffsetGaps
 from worker.service.dead_letters import DeadLetterWriter
 from worker.service.offsets import OffsetTracker
 from worker.service.pipeline import Pipeline, max_prompt_memory
@@ -91,6 +96,7 @@ class RequestConsumer:
         # What the fetches were last told to wait; None: aiokafka's fetcher cannot be told.
         self.fetch_wait_ms: int | None = kafka.fetch_max_wait_ms
         self._held: set[TopicPartition] = set()  # paused until the rebalance listener settles them
+        self._gaps = OffsetGaps(what="requests")
         self._in_flight_at_revoke: dict[TopicPartition, int] = {}
         self.last_poll_ok_s: float | None = None  # monotonic; readiness asks how recent it is
         self._consumer = AIOKafkaConsumer(
@@ -174,6 +180,15 @@ class RequestConsumer:
         """Track and route one record; False when it was not taken (the rest of its batch
         must not be either)."""
         received_s = time.monotonic()
+        back = self._gaps.check_expected(
+            partition, record.offset, self.tracker.next_offset(partition)
+        )
+        if back is not None:  # a gap: fetched again before it is believed
+            self._telemetry.records_refetched.add(
+                1, {"messaging.destination.name": partition.topic, "reason": "offset_gap"}
+            )
+            self._consumer.seek(partition, back)
+            return False
         epoch = self.tracker.add(partition, record.offset)
         if epoch is None:
             return self._untracked(partition, record.offset)
@@ -211,7 +226,9 @@ class RequestConsumer:
         if partition not in self._consumer.assignment():
             return False
         log.warning("consumer.record_refetched", partition=partition.partition, offset=offset)
-        self._telemetry.records_refetched.add(1, {"messaging.destination.name": partition.topic})
+        self._telemetry.records_refetched.add(
+            1, {"messaging.destination.name": partition.topic, "reason": "untracked"}
+        )
         self._consumer.seek(partition, offset)
         return False
 

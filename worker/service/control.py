@@ -27,6 +27,7 @@ from aiokafka.errors import KafkaError
 
 from schemas.codec import Limits, UndecodableError, decode_cancel
 from schemas.headers import read_content_type
+from worker.offset_gaps import OffsetGaps, records_of
 from worker.service.pipeline import Pipeline
 from worker.service.routing import safe_for_log
 from worker.service.settings import KafkaSettings
@@ -56,6 +57,7 @@ class CancelListener:
             fetch_max_wait_ms=POLL_TIMEOUT_MS,
             **kafka.client_options(),
         )
+        self._gaps = OffsetGaps(what="cancels")
 
     async def start(self) -> None:
         await self._consumer.start()
@@ -75,6 +77,8 @@ class CancelListener:
         for tp, offset in positions.items():  # assign() forgets positions: keep ours
             self._consumer.seek(tp, offset)
         await self._seek_to_recent(new)
+        for tp in new:
+            self._gaps.forget(tp)
         if current:
             log.info("control.partitions_added", partitions=sorted(p.partition for p in new))
 
@@ -101,9 +105,8 @@ class CancelListener:
                 log.warning("control.poll_failed", error=repr(error))
                 await asyncio.sleep(1.0)
                 continue
-            for records in batches.values():
-                for record in records:
-                    self._handle(record)
+            for record in records_of(self._consumer, self._gaps, batches):
+                self._handle(record)
 
     def _handle(self, record) -> None:
         try:

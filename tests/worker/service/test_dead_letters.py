@@ -29,6 +29,7 @@ from tests.worker.kafka_helpers import (
 )
 from tests.worker.service.test_undeliverable_final import refuse_topic
 from tests.worker.workers import running_worker
+from worker.offset_gaps import OffsetGaps
 from worker.service.consumer import RequestConsumer, skipped_record
 from worker.service.dead_letters import DeadLetterWriter
 from worker.service.offsets import OffsetTracker
@@ -197,7 +198,9 @@ async def test_a_dead_letter_that_cannot_be_encoded_falls_back_to_a_stub_and_nev
     tracker, publisher, unwritable = OffsetTracker(), FakePublisher(), []
     tracker.assign([TP])
     writer = make_writer(publisher, tracker, unwritable)
-    consumer = SimpleNamespace(tracker=tracker, _consumer=SimpleNamespace(assignment=lambda: {TP}))
+    consumer = SimpleNamespace(
+        tracker=tracker, _consumer=SimpleNamespace(assignment=lambda: {TP}), _gaps=OffsetGaps()
+    )
     consumer._dead_letter = lambda p, r, letter, epoch: writer.write(
         p, r, letter.reason, letter.message, epoch=epoch
     )
