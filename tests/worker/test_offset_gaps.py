@@ -139,6 +139,15 @@ def test_a_seek_elsewhere_is_not_a_gap_once_forgotten() -> None:
     assert gaps.check(TP, 40) is None  # going back (a seek, a reset log) is taken as it comes
 
 
+def test_no_refetches_when_turned_off() -> None:
+    """`kafka.max_gap_refetches = 0` (a request topic of transactional producers on Kafka):
+    every gap is accepted at once."""
+    gaps = OffsetGaps(max_refetches=0)
+    assert gaps.check(TP, 0) is None
+    assert gaps.check(TP, 2) is None
+    assert (gaps.num_refetches, gaps.num_accepted) == (0, 1)
+
+
 def test_the_reply_router_refetches_a_gap_before_routing() -> None:
     """The client's reply reader: a token message hidden from one fetch still reaches its
     stream, in order."""

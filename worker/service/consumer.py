@@ -28,7 +28,7 @@ commits watermarks.
   returns records of newly assigned partitions while the listener awaits: those partitions are
   tracked before the listener's first await.
 - An offset gap within an epoch (a record past the one after the last seen) is fetched again,
-  up to three times, before it is believed (worker/offset_gaps.py): the embedded broker can
+  up to `kafka.max_gap_refetches` times (3), before it is believed (worker/offset_gaps.py): the embedded broker can
   hide a batch from a fetch that races its write, and the watermark would then commit over
   requests never read. A real gap (a transaction marker, compaction) stays and is accepted.
 - A record aiokafka cannot return (`RecordTooLargeError`: bigger than the fetch size) is skipped
@@ -96,7 +96,7 @@ class RequestConsumer:
         # What the fetches were last told to wait; None: aiokafka's fetcher cannot be told.
         self.fetch_wait_ms: int | None = kafka.fetch_max_wait_ms
         self._held: set[TopicPartition] = set()  # paused until the rebalance listener settles them
-        self._gaps = OffsetGaps(what="requests")
+        self._gaps = OffsetGaps(settings.kafka.max_gap_refetches, what="requests")
         self._in_flight_at_revoke: dict[TopicPartition, int] = {}
         self.last_poll_ok_s: float | None = None  # monotonic; readiness asks how recent it is
         self._consumer = AIOKafkaConsumer(

@@ -57,7 +57,7 @@ class CancelListener:
             fetch_max_wait_ms=POLL_TIMEOUT_MS,
             **kafka.client_options(),
         )
-        self._gaps = OffsetGaps(what="cancels")
+        self._gaps = OffsetGaps(kafka.max_gap_refetches, what="cancels")
 
     async def start(self) -> None:
         await self._consumer.start()

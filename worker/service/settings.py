@@ -40,6 +40,7 @@ from schemas.contract import (
 )
 from schemas.headers import Urgency
 from worker.client.security import aiokafka_security_options, check_security
+from worker.offset_gaps import DEFAULT_MAX_REFETCHES
 
 
 def _not_dot_or_dotdot(name: str) -> str:
@@ -138,6 +139,12 @@ class KafkaSettings(_Group):
     # loop's and broker's CPU down by a third. Costs a request that arrives while the worker works up to this
     # long on the embedded broker, nothing on Apache Kafka (which answers when data arrive).
     fetch_max_wait_busy_ms: PositiveMs = 100
+    # Refetches of an offset gap before it is believed (worker/offset_gaps.py): the embedded
+    # broker can hide a batch from a fetch that races a concurrent write, which the worker
+    # would otherwise commit over. On Apache Kafka a real gap (a transaction marker, compaction)
+    # costs this many refetches and is then accepted; 0 turns the check off (a request topic
+    # written by transactional producers, on Kafka only).
+    max_gap_refetches: int = Field(default=DEFAULT_MAX_REFETCHES, ge=0)
     consumer_stop_timeout_s: float = Field(default=10.0, gt=0)
     # TLS and/or SASL to the brokers (docs/OPERATIONS.md); the mechanism below for SASL_*.
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
