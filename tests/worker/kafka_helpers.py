@@ -19,6 +19,7 @@ from schemas.codec import JSON, MSGPACK, UndecodableError, decode_reply, encode
 from schemas.headers import read_content_type, read_traceparent, request_headers
 from schemas.messages import FinalReply, Request, TokenReply
 from tests.conftest import unique_name
+from worker.offset_gaps import OffsetGaps, records_of
 from worker.topic_reader import TopicReader
 
 PREFIX = "mini-infer.replies."
@@ -235,11 +236,12 @@ async def dlq_records(
     )
     await consumer.start()
     records: list = []
+    gaps = OffsetGaps(what="dead letters")  # written live by several workers' producers
     try:
         deadline_s = time.monotonic() + timeout_s
         while len(records) < num_expected and time.monotonic() < deadline_s:
-            for batch in (await consumer.getmany(timeout_ms=500)).values():
-                records.extend(batch)
+            batches = await consumer.getmany(timeout_ms=500)
+            records.extend(records_of(consumer, gaps, batches))
         return records
     finally:
         await asyncio.wait_for(consumer.stop(), 10)

@@ -27,6 +27,7 @@ from tests.worker.kafka_helpers import (
     worker_settings,
 )
 from tests.worker.workers import running_worker
+from worker.offset_gaps import OffsetGaps, records_of
 from worker.service.publisher import Outgoing, Publisher
 from worker.service.settings import KafkaSettings, WorkerSettings
 from worker.service.topics import TokenBucket, TopicAdmin, TopicCreationRefused
@@ -292,14 +293,14 @@ async def read_all_partitions(bootstrap_servers, topic, num_partitions, finals_o
     await consumer.start()
     consumer.assign([TopicPartition(topic, p) for p in range(num_partitions)])
     records, finished = [], set()
+    gaps = OffsetGaps(what="replies")
     try:
         while finished != finals_of:
             batches = await asyncio.wait_for(consumer.getmany(timeout_ms=200), 30)
-            for batch in batches.values():
-                for record in batch:
-                    records.append(record)
-                    if decode_reply(record.value).type == "final":
-                        finished.add(record.key)
+            for record in records_of(consumer, gaps, batches):
+                records.append(record)
+                if decode_reply(record.value).type == "final":
+                    finished.add(record.key)
     finally:
         await asyncio.wait_for(consumer.stop(), 10)
     return records
