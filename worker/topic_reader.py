@@ -3,7 +3,8 @@ read and bounded stop that tools watching replies share (the load tests' and the
 readers). aiokafka only, no torch.
 
 Every record goes to `on_record` on the event loop, in order per partition, until the reader
-is closed; an offset gap is fetched again before it is believed (worker/offset_gaps.py). The stop is bounded: aiokafka's `stop()` can hang on a broker that went away.
+is closed; an offset gap is fetched again before it is believed (worker/offset_gaps.py). The
+stop is bounded: aiokafka's `stop()` can hang on a broker that went away.
 """
 
 from __future__ import annotations

@@ -28,9 +28,10 @@ commits watermarks.
   returns records of newly assigned partitions while the listener awaits: those partitions are
   tracked before the listener's first await.
 - An offset gap within an epoch (a record past the one after the last seen) is fetched again,
-  up to `kafka.max_gap_refetches` times (3), before it is believed (worker/offset_gaps.py): the embedded broker can
-  hide a batch from a fetch that races its write, and the watermark would then commit over
-  requests never read. A real gap (a transaction marker, compaction) stays and is accepted.
+  up to `kafka.max_gap_refetches` times (3), before it is believed (worker/offset_gaps.py):
+  the embedded broker can hide a batch from a fetch that races its write, and the watermark
+  would then commit over requests never read. A real gap (a transaction marker, compaction)
+  stays and is accepted. A gap before the first record of an assignment is not seen.
 - A record aiokafka cannot return (`RecordTooLargeError`: bigger than the fetch size) is skipped
   by aiokafka; its offset is tracked and a stub dead letter written for it, so the watermark
   never commits over it silently.

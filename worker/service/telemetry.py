@@ -294,7 +294,8 @@ class Telemetry:
         )
         self.records_refetched = _Bound(meter.create_counter(
             "mini_infer.consumer.records.refetched", unit="{record}",
-            description="records sought back and fetched again, not lost (reason: untracked, a record of a partition not yet tracked; offset_gap, a gap in the offsets)",
+            description="records sought back and fetched again, not lost (reason: untracked, "
+            "a partition not yet tracked; offset_gap, a gap in the offsets)",
         ), kafka)  # fmt: skip
 
     def observe_engine(self, stats) -> None:
