@@ -16,7 +16,9 @@ gap; a gap still there after that is real and is accepted (logged). On Apache Ka
 a refetch per transaction marker and nothing otherwise.
 
 Every reader of records that must not be missed uses it: the worker's request and control
-consumers, the client's reply router, and `TopicReader`. Pure: no aiokafka, no clock.
+consumers, the client's reply router, and `TopicReader`. Where the reader knows its position
+before the first record (`expect`: an assignment's committed offset, the start of a topic),
+the first record is checked too. Pure: no aiokafka, no clock.
 """
 
 from __future__ import annotations
@@ -69,6 +71,16 @@ class OffsetGaps:
             self._gap.pop(partition, None)
         self._next[partition] = offset + 1
         return None
+
+    def expect(self, partition: Hashable, offset: int) -> None:
+        """The reader's position on `partition` before its first record (after an assignment
+        or a seek): the first record is checked against it too. Not for a position the broker
+        may report wrong (the embedded broker's log end after batched writes)."""
+        self._next[partition] = offset
+        self._gap.pop(partition, None)
+
+    def expected(self, partition: Hashable) -> int | None:
+        return self._next.get(partition)
 
     def forget(self, partition: Hashable) -> None:
         """The reader moved `partition` itself (a seek, an assignment): expect nothing."""

@@ -46,6 +46,8 @@ class TopicReader:
         await self._consumer.start()
         if self._partitions:
             self._consumer.assign(self._partitions)
+            for partition in self._partitions:  # from the start: the first record is checked
+                self.gaps.expect(partition, await self._consumer.position(partition))
         self._task = asyncio.create_task(self._read(), name="topic-reader")
         return self
 

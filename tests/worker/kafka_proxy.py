@@ -13,10 +13,10 @@ The proxy relays Kafka frames and, with aiokafka's own protocol classes, rewrite
   while the other topics of the same request go to the broker;
 - responses of chosen APIs are delayed (`delay(api_key, seconds)`), in order on their connection;
 - `cut()` closes every connection, as a broker restart or a network fault would;
-- `hide_batch(topic)`: the next fetch response holding three or more record batches of a
-  partition of `topic` loses the second one, as a fetch that raced a write from another
-  connection does on the embedded broker now and then (a later batch visible, an earlier one
-  not yet): a gap in the offsets that a refetch fills.
+- `hide_batch(topic, index=1)`: the next fetch response holding a batch after batch `index`
+  of a partition of `topic` loses that batch (the second, by default), as a fetch that raced a
+  write from another connection does on the embedded broker now and then (a later batch
+  visible, an earlier one not yet): a gap in the offsets that a refetch fills.
 
 Requests of flexible versions (tagged header fields) are relayed untouched; only the fixed
 header fields (key, version, correlation id) are read from them.
@@ -78,7 +78,7 @@ class KafkaProxy:
         self._writers: set[asyncio.StreamWriter] = set()
         self.port = 0
         self.num_failed_produces = 0
-        self.hidden_batches: dict[str, int] = {}  # topic -> batches still to hide
+        self.hidden_batches: dict[str, list[int]] = {}  # topic -> indexes of batches to hide
         self.num_hidden_batches = 0
 
     @property
@@ -94,10 +94,10 @@ class KafkaProxy:
         Answers keep their order on a connection, so later ones on it wait too."""
         self._delays[api_key] = (seconds, when)
 
-    def hide_batch(self, topic: str) -> None:
-        """Hide the second record batch of the next fetch response with three or more of a
-        partition of `topic` (once per call)."""
-        self.hidden_batches[topic] = self.hidden_batches.get(topic, 0) + 1
+    def hide_batch(self, topic: str, index: int = 1) -> None:
+        """Hide record batch `index` of the next fetch response that holds a batch after it,
+        of a partition of `topic` (once per call)."""
+        self.hidden_batches.setdefault(topic, []).append(index)
 
     def cut(self) -> None:
         """Close every open connection (clients reconnect through the proxy)."""
@@ -244,10 +244,12 @@ class KafkaProxy:
             partitions = list(partitions)
             for p, partition in enumerate(partitions):
                 batches = _batches(bytes(partition[-1] or b""))  # the record set is the last field
-                if self.hidden_batches.get(topic, 0) > 0 and len(batches) >= 3:
-                    self.hidden_batches[topic] -= 1
+                pending = self.hidden_batches.get(topic)
+                if pending and len(batches) >= pending[0] + 2:
+                    index = pending.pop(0)
                     self.num_hidden_batches += 1
-                    partitions[p] = (*partition[:-1], b"".join(batches[:1] + batches[2:]))
+                    kept = batches[:index] + batches[index + 1 :]
+                    partitions[p] = (*partition[:-1], b"".join(kept))
                     changed = True
             response.topics[t] = (topic, partitions)
         return frame[:4] + response.encode() if changed else frame

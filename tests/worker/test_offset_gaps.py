@@ -137,6 +137,8 @@ def test_a_seek_elsewhere_is_not_a_gap_once_forgotten() -> None:
     assert gaps.check(TP, 50) is None and gaps.num_refetches == 0
     assert gaps.check(TP, 52) == 51  # but a gap after it is
     assert gaps.check(TP, 40) is None  # going back (a seek, a reset log) is taken as it comes
+    gaps.expect(TP, 100)  # a position known before the first record (an assignment)
+    assert gaps.check(TP, 101) == 100 and gaps.expected(TP) == 100
 
 
 def test_no_refetches_when_turned_off() -> None:
@@ -189,7 +191,8 @@ def test_the_reply_router_refetches_a_gap_before_routing() -> None:
 
 
 @pytest.mark.kafka
-async def test_topic_reader_reads_a_batch_a_fetch_did_not_show(broker) -> None:
+@pytest.mark.parametrize("hidden", [1, 0], ids=["second batch", "first batch"])
+async def test_topic_reader_reads_a_batch_a_fetch_did_not_show(broker, hidden) -> None:
     """Through the proxy, on the real broker: one fetch loses a batch in the middle (as the
     embedded broker's fetch does when it races a write); the reader still reads every record."""
     from aiokafka import AIOKafkaProducer
@@ -205,7 +208,7 @@ async def test_topic_reader_reads_a_batch_a_fetch_did_not_show(broker) -> None:
         await producer.stop()
     read: list[int] = []
     async with KafkaProxy(broker.bootstrap_servers) as proxy:
-        proxy.hide_batch(topic)
+        proxy.hide_batch(topic, hidden)
         reader = TopicReader(
             proxy.bootstrap_servers, lambda r: read.append(r.offset),
             partitions=[TopicPartition(topic, 0)],

@@ -258,6 +258,8 @@ class MiniInferClient:
         if not self.options.private_reply_topic:
             await consumer.seek_to_end(partition)
             await consumer.position(partition)  # resolves the offset now, not at the first fetch
+        else:  # its own topic, from the start: the first reply's offset is checked too
+            self._router.gaps.expect(partition, await consumer.position(partition))
 
     async def close(self) -> None:
         """Finish best-effort cancels, stop reading, stop producing; then delete a private reply

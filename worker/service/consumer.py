@@ -31,7 +31,8 @@ commits watermarks.
   up to `kafka.max_gap_refetches` times (3), before it is believed (worker/offset_gaps.py):
   the embedded broker can hide a batch from a fetch that races its write, and the watermark
   would then commit over requests never read. A real gap (a transaction marker, compaction)
-  stays and is accepted. A gap before the first record of an assignment is not seen.
+  stays and is accepted. An epoch's first record is checked against the partition's
+  position at the assignment (its committed offset).
 - A record aiokafka cannot return (`RecordTooLargeError`: bigger than the fetch size) is skipped
   by aiokafka; its offset is tracked and a stub dead letter written for it, so the watermark
   never commits over it silently.
@@ -44,7 +45,7 @@ import time
 
 import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError, RecordTooLargeError
+from aiokafka.errors import IllegalStateError, KafkaError, RecordTooLargeError
 
 from schemas.contract import DeadLetterReason
 from worker.offset_gaps import OffsetGaps
@@ -60,6 +61,7 @@ from worker.service.topics import TopicAdmin, TopicCreationRefused
 log = structlog.get_logger(__name__)
 
 REVOKE_FLUSH_TIMEOUT_S = 5.0
+EXPECT_START_TIMEOUT_S = 5.0  # all of an assignment's start positions, together
 
 
 class RequestConsumer:
@@ -181,9 +183,10 @@ class RequestConsumer:
         """Track and route one record; False when it was not taken (the rest of its batch
         must not be either)."""
         received_s = time.monotonic()
-        back = self._gaps.check_expected(
-            partition, record.offset, self.tracker.next_offset(partition)
-        )
+        expected = self.tracker.next_offset(partition)
+        if expected is None:  # the epoch's first record: against the assignment's position
+            expected = self._gaps.expected(partition)
+        back = self._gaps.check_expected(partition, record.offset, expected)
         if back is not None:  # a gap: fetched again before it is believed
             self._telemetry.records_refetched.add(
                 1, {"messaging.destination.name": partition.topic, "reason": "offset_gap"}
@@ -384,6 +387,8 @@ class RequestConsumer:
         await self._publisher.flush(timeout_s=REVOKE_FLUSH_TIMEOUT_S)
         await self.commit(revoked)
         self.tracker.suspend(revoked)
+        for partition in revoked:  # a kept one goes on from the tracker's epoch
+            self._gaps.forget(partition)
         self._in_flight_at_revoke = {p: len(self._pipeline.jobs_of([p])) for p in revoked}
         log.info(
             "consumer.revoked",
@@ -411,6 +416,25 @@ class RequestConsumer:
             self._consumer.resume(*self._held)
             self._held = set()
         self._drop_moved(assigned, kept)
+        await self._expect_starts(assigned - set(kept))
+
+    async def _expect_starts(self, partitions: set[TopicPartition]) -> None:
+        """Where each partition of a new epoch starts (its committed offset, or the reset's),
+        so that a gap before its first record is fetched again too. Skipped for a partition
+        that already has records, and on any error (the check then starts at the first record)."""
+        deadline_s = time.monotonic() + EXPECT_START_TIMEOUT_S  # for them all: bounded
+        for partition in sorted(partitions):
+            if self.tracker.next_offset(partition) is not None:
+                continue
+            try:
+                position = await asyncio.wait_for(
+                    self._consumer.position(partition), max(0.0, deadline_s - time.monotonic())
+                )
+            except (KafkaError, TimeoutError, AssertionError, IllegalStateError) as error:
+                log.debug("consumer.start_unknown", partition=partition.partition, error=repr(error))
+                continue
+            if self.tracker.next_offset(partition) is None:  # still nothing read meanwhile
+                self._gaps.expect(partition, position)
 
     async def _settle(self, assigned: set[TopicPartition]) -> list[TopicPartition]:
         """Resume the suspended partitions that came back unchanged; returns them."""

@@ -3,9 +3,9 @@
 The embedded broker can answer a fetch that races a write from another connection with a later
 batch while an earlier one is still being stored; aiokafka's position then moves past the
 earlier batch, and the watermark commits over requests never read. Here the fault-injecting
-proxy makes that fact: the worker's first fetch loses the second of five request batches.
-Without the refetch (worker/offset_gaps.py) request 1 was never answered and its offset was
-committed over.
+proxy makes that fact: the worker's first fetch loses the second (or the first) of five
+request batches. Without the refetch (worker/offset_gaps.py) that request was never answered
+and its offset was committed over.
 """
 
 from __future__ import annotations
@@ -29,9 +29,12 @@ pytestmark = pytest.mark.kafka
 NUM_REQUESTS = 5
 
 
+@pytest.mark.parametrize("hidden", [1, 0], ids=["second batch", "first batch"])
 async def test_a_request_batch_hidden_from_a_fetch_is_answered_and_committed(
-    broker, tiny_model_dir
+    broker, tiny_model_dir, hidden
 ) -> None:
+    """The second batch: a gap after a record read. The first: a gap before the epoch's first
+    record, seen against the partition's position at the assignment."""
     topic, group_id = fresh_topics()
     await create_topic(broker.bootstrap_servers, topic, 1)
     async with (
@@ -44,7 +47,7 @@ async def test_a_request_batch_hidden_from_a_fetch_is_answered_and_committed(
             request = make_request(replies.topic, f"request {i}", max_tokens=2)
             await producer.send(topic, request, partition=0)
             ids.append(request.id)
-        proxy.hide_batch(topic)
+        proxy.hide_batch(topic, hidden)
         settings = worker_settings(
             tiny_model_dir, proxy.bootstrap_servers, group_id, topic,
             kafka={"urgency_lanes": False},
