@@ -11,7 +11,8 @@ The proxy relays Kafka frames and, with aiokafka's own protocol classes, rewrite
 - produce requests for the topics in `failing_topics` are answered by the proxy itself with the
   chosen error (e.g. NOT_ENOUGH_REPLICAS, retriable: an idempotent producer retries it forever),
   while the other topics of the same request go to the broker;
-- responses of chosen APIs are delayed (`delay(api_key, seconds)`), in order on their connection;
+- responses of chosen APIs are delayed (`delay(api_key, seconds)`), in order on their connection,
+  or held until an event is set (`hold(api_key, event)`);
 - `cut()` closes every connection, as a broker restart or a network fault would;
 - `hide_batch(topic, index=1)`: the next fetch response holding a batch after batch `index`
   of a partition of `topic` loses that batch (the second, by default), as a fetch that raced a
@@ -61,6 +62,7 @@ class _Pending:
     answer: asyncio.Future[bytes]
     failed_topics: list | None = None  # produce: (topic, partitions, error) failed here
     delay_s: float = 0.0
+    gate: asyncio.Event | None = None  # the answer waits until it is set
 
 
 class KafkaProxy:
@@ -73,6 +75,7 @@ class KafkaProxy:
         self.fetch_max_wait_ms = fetch_max_wait_ms  # None: relay the client's value
         self.failing_topics: dict[str, int] = {}  # topic -> error code for its produces
         self._delays: dict[int, tuple] = {}  # api key -> (seconds, predicate or None)
+        self._gates: dict[int, asyncio.Event] = {}  # api key -> answers held until set
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task] = set()
         self._writers: set[asyncio.StreamWriter] = set()
@@ -93,6 +96,14 @@ class KafkaProxy:
         whose decoded request `when(request)` is true (requests of flexible versions: never).
         Answers keep their order on a connection, so later ones on it wait too."""
         self._delays[api_key] = (seconds, when)
+
+    def hold(self, api_key: int, gate: asyncio.Event | None) -> None:
+        """Hold the answers of `api_key` requests made from now on until `gate` is set (None:
+        stop holding). As with `delay`, later answers on the same connection wait too."""
+        if gate is None:
+            self._gates.pop(api_key, None)
+        else:
+            self._gates[api_key] = gate
 
     def hide_batch(self, topic: str, index: int = 1) -> None:
         """Hide record batch `index` of the next fetch response that holds a batch after it,
@@ -181,12 +192,15 @@ class KafkaProxy:
             frame = await slot.answer
             if slot.delay_s:
                 await asyncio.sleep(slot.delay_s)
+            if slot.gate is not None:
+                await slot.gate.wait()
             pending.popleft()
             writer.write(struct.pack(">i", len(frame)) + frame)
             await writer.drain()
 
     def _rewrite_request(self, slot: _Pending, frame: bytes) -> bytes | None:
         cls = _REQUESTS.get((slot.api_key, slot.api_version))
+        slot.gate = self._gates.get(slot.api_key)
         delay_s, when = self._delays.get(slot.api_key, (0.0, None))
         if delay_s and when is None:
             slot.delay_s = delay_s
