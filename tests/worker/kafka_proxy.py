@@ -255,10 +255,12 @@ class KafkaProxy:
         changed = False
         response.topics = list(response.topics)
         for t, (topic, partitions) in enumerate(response.topics):
+            pending = self.hidden_batches.get(topic)
+            if not pending:
+                continue
             partitions = list(partitions)
             for p, partition in enumerate(partitions):
                 batches = _batches(bytes(partition[-1] or b""))  # the record set is the last field
-                pending = self.hidden_batches.get(topic)
                 if pending and len(batches) >= pending[0] + 2:
                     index = pending.pop(0)
                     self.num_hidden_batches += 1
