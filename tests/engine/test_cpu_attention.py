@@ -453,6 +453,57 @@ def test_no_compiler_imports_a_library_prebuilt_from_the_same_source(tmp_path, m
     assert paged_attention.build(image_cache) is None  # stale: fall back, never load it
 
 
+def test_a_build_with_other_flags_or_another_torch_is_not_imported(tmp_path):
+    """A library is imported without torch's builder only when its stamp matches what this
+    start would build: the same flags, torch and Python. Anything else goes to the builder
+    (which rebuilds it), never to a library built for something else."""
+    import json
+    import shutil
+
+    from engine.kernels.cpu import extension
+
+    built = paged_attention.load()
+    if built is None:
+        pytest.skip("the C++ kernel could not be built here (no compiler)")
+    name = paged_attention.extension_name(paged_attention.cpu_info().vector_isa)
+    cache = tmp_path / "torch_extensions"
+    shutil.copytree(Path(built.__file__).parent, cache / name)
+    stamp = json.loads((cache / name / extension.STAMP).read_text())
+
+    def imported():
+        return extension._import_prebuilt(
+            name, paged_attention.SOURCE, cache / name, stamp["flags"]
+        )
+
+    assert hasattr(imported(), "paged_attention_decode")
+    for changed in ({"flags": [*stamp["flags"], "-DOTHER"]}, {"torch": "0.0"}, {"python": "x"}):
+        (cache / name / extension.STAMP).write_text(json.dumps({**stamp, **changed}))
+        assert imported() is None, changed
+    (cache / name / extension.STAMP).write_text("[not a stamp")
+    assert imported() is None
+
+
+def test_a_start_with_built_kernels_does_not_import_the_builder():
+    """torch's extension builder brings setuptools and distutils in (4.3 MiB of RSS): a start
+    whose kernels are built imports them directly."""
+    import subprocess
+    import sys
+
+    from engine.kernels.cpu import prebuild
+
+    if not all(prebuild.load_all().values()):  # built (and stamped) here first, if need be
+        pytest.skip("the C++ kernels could not be built here (no compiler)")
+    code = (
+        "import sys; from engine.kernels.cpu import prebuild; loaded = prebuild.load_all(); "
+        "print(loaded, 'torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.strip()
+    assert out.endswith("False False"), out
+    assert "False," not in out and "False}" not in out, out  # every kernel loaded
+
+
 def test_prebuild_compiles_every_instruction_set(monkeypatch):
     """The image's build stage compiles for every CPU the image may meet, not its own; a
     failed build fails it. On a machine (`make install`), a kernel that cannot build is not an

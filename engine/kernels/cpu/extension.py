@@ -5,7 +5,13 @@ by the caller (the kernel, the instruction set and a hash of the source), so eac
 the compile once (tens of seconds of CPU; minutes of wall time on a loaded 2-core VM) and every
 later start imports the cached library in about a second; a changed source or another CPU gets
 its own directory. The source is compiled from a copy inside that directory, so checkouts at
-different paths holding the same source share one build instead of rebuilding it in turn. No C++ compiler, or a build that fails, gives None with one warning: callers
+different paths holding the same source share one build instead of rebuilding it in turn.
+
+A build leaves a stamp beside its library (`built.json`: the library, the flags, torch's and
+Python's versions); a later start whose source and stamp match imports the library directly.
+torch's builder is imported only to build: with it come setuptools and distutils, 4.3 MiB of
+every engine process's RSS (and a fraction of a second at start) for a check that the stamp
+makes. No C++ compiler, or a build that fails, gives None with one warning: callers
 fall back to their torch path, the engine never fails for want of a compiler. Where a compiler
 is present, the test suite sets MINI_INFER_KERNEL_BUILD_STRICT=1 (tests/conftest.py): a kernel that
 fails to compile there raises instead of falling back, so its tests fail rather than skip.
@@ -14,8 +20,10 @@ fails to compile there raises instead of falling back, so its tests fail rather 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,6 +34,7 @@ import structlog
 log = structlog.get_logger(__name__)
 
 STRICT_ENV = "MINI_INFER_KERNEL_BUILD_STRICT"
+STAMP = "built.json"  # beside a built library: what it was built from
 
 
 def compiler() -> str | None:
@@ -52,13 +61,16 @@ def build(
 
         build_root = cache_dir() / "torch_extensions"
     directory = Path(build_root) / name
-    if compiler() is None:
-        # A container image builds its kernels at image build time (`prebuild`) and ships no
-        # compiler: the library built from this very source is imported as it is.
-        module = _import_prebuilt(name, source, directory)
-        if module is not None:
+    flags = ["-O3", "-fopenmp", *cflags]
+    # Built before, from this very source and these flags (a container image builds its
+    # kernels at image build time, `prebuild`, and ships no compiler): imported as it is.
+    module = _import_prebuilt(name, source, directory, flags)
+    has_compiler = compiler() is not None
+    if module is not None:
+        if not has_compiler:  # what an image's operator looks for at start
             log.info(f"{event}.prebuilt", path=str(directory))
-            return module
+        return module
+    if not has_compiler:
         log.warning(
             f"{event}.no_compiler", fallback=fallback, lost=name,
             detail="no C++ compiler (set CXX or install g++) and no prebuilt library",
@@ -69,10 +81,10 @@ def build(
     from torch.utils import cpp_extension
 
     try:
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name=name,
             sources=[str(_staged(source, directory))],
-            extra_cflags=["-O3", "-fopenmp", *cflags],
+            extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
             verbose=False,
@@ -82,22 +94,48 @@ def build(
             raise
         log.warning(f"{event}.build_failed", fallback=fallback, error=str(error)[-2000:])
         return None
+    _write_stamp(directory, Path(module.__file__), flags)
+    return module
 
 
-def _import_prebuilt(name: str, source: Path, directory: Path) -> ModuleType | None:
-    """The library a build left in `directory`, if it was built from `source` as it is now."""
-    library, staged = directory / f"{name}.so", directory / Path(source).name
-    if not library.is_file() or not staged.is_file():
+def _build_facts(flags: Sequence[str]) -> dict:
+    """What a library's build depends on besides its source: the flags it was compiled with,
+    the torch it links against and the Python ABI it is a module of."""
+    import torch
+
+    return {
+        "flags": list(flags), "torch": torch.__version__,
+        "python": sys.implementation.cache_tag,
+    }  # fmt: skip
+
+
+def _write_stamp(directory: Path, library: Path, flags: Sequence[str]) -> None:
+    stamp = {"library": library.name, **_build_facts(flags)}
+    tmp = directory / f".{STAMP}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(stamp))
+    os.replace(tmp, directory / STAMP)
+
+
+def _import_prebuilt(
+    name: str, source: Path, directory: Path, flags: Sequence[str]
+) -> ModuleType | None:
+    """The library a build left in `directory`, if it was built from `source` as it is now,
+    with `flags`, for this torch and this Python (its stamp says so); else None."""
+    staged = directory / Path(source).name
+    try:
+        stamp = json.loads((directory / STAMP).read_text())
+        library = directory / stamp.pop("library")
+        if not library.is_file() or staged.read_bytes() != Path(source).read_bytes():
+            return None
+    except (OSError, ValueError, LookupError, TypeError, AttributeError):  # none, or of old
         return None
-    if staged.read_bytes() != Path(source).read_bytes():
+    if stamp != _build_facts(flags):
         return None
     import importlib.util
 
-    import torch  # noqa: F401  (the library links against torch's, which must be loaded first)
-
     spec = importlib.util.spec_from_file_location(name, library)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    spec.loader.exec_module(module)  # (the library links against torch's: loaded above)
     return module
 
 
