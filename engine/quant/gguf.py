@@ -42,6 +42,7 @@ log = structlog.get_logger(__name__)
 
 Q4_1_BLOCK_BYTES = 20
 Q4_0_BLOCK_BYTES = 18
+Q8_0_BLOCK_BYTES = 34
 GGUF_BLOCK_SIZE = 32
 
 # GGUF tensor (per block) -> HF checkpoint tensor (per layer), the names load_weights maps.
@@ -151,10 +152,20 @@ def dequantize(tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 def dequantized_rows(tensor, dtype: torch.dtype, rows: int = DEQUANTIZE_ROWS):
     """(first row, rows [n, cols] in `dtype`) of a 2-d GGUF tensor, `rows` at a time (a 1-d
-    tensor: one chunk): the values `dequantize` gives, without the whole tensor at once."""
+    tensor: one chunk): the values `dequantize` gives, without the whole tensor at once.
+    Floats and Q8_0 (the default model's embedding table) are decoded here, the same values
+    as gguf's; other types by gguf (importing it only then: gguf_index.BlockType)."""
+    data = tensor.data
+    decode = _OWN_DECODERS.get(tensor.tensor_type.name)
+    if decode is not None:
+        if data.ndim < 2:
+            yield 0, decode(np.asarray(data)).to(dtype)
+            return
+        for start in range(0, data.shape[0], rows):
+            yield start, decode(np.asarray(data[start : start + rows])).to(dtype)
+        return
     from gguf.quants import dequantize as gguf_dequantize
 
-    data = tensor.data
     try:
         if data.ndim < 2:
             values = gguf_dequantize(np.asarray(data), tensor.tensor_type)
@@ -167,6 +178,22 @@ def dequantized_rows(tensor, dtype: torch.dtype, rows: int = DEQUANTIZE_ROWS):
         raise ValueError(
             f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}: {_SUPPORTED_TEXT}"
         ) from error
+
+
+def _decode_q8_0(raw: np.ndarray) -> torch.Tensor:
+    """Q8_0 blocks [.., bytes] -> float32 values [.., elements]: a 34-byte block is a scale d
+    (fp16) and 32 int8 codes, w = d * q (in float32, as gguf computes it)."""
+    blocks = np.ascontiguousarray(raw).reshape(*raw.shape[:-1], -1, Q8_0_BLOCK_BYTES)
+    scales = torch.from_numpy(_fp16_field(blocks, 0)).unsqueeze(-1)
+    codes = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
+    return (scales * codes).reshape(*raw.shape[:-1], -1)
+
+
+def _decode_float(raw: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(raw, dtype=np.float32, copy=True))
+
+
+_OWN_DECODERS = {"F32": _decode_float, "F16": _decode_float, "Q8_0": _decode_q8_0}
 
 
 def _unpermute_if_needed(t: torch.Tensor, gguf_name: str, arch: str, hf_config) -> torch.Tensor:

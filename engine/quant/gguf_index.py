@@ -16,13 +16,13 @@ are a u64 length and the bytes.
 
 from __future__ import annotations
 
+import enum
 import functools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
             12: "d"}  # fmt: skip
@@ -30,10 +30,49 @@ _STRING, _ARRAY = 8, 9
 _WIDE_TYPES = {"F32": np.float32, "F16": np.float16}  # mapped as values, the rest as bytes
 
 
+class BlockType(enum.IntEnum):
+    """The GGML block types known here without the gguf package (ids and names as in its
+    `GGMLQuantizationType`): the ones the loader reads itself. Importing gguf brings its
+    writer, yaml and its tensor-name tables along, 2.8 MiB of RSS for good, so a file of
+    these types never imports it; any other type is looked up in gguf's own table (and
+    dequantized by gguf)."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q8_0 = 8
+
+
+# (elements, bytes) per block
+_BLOCK_SIZES = {
+    BlockType.F32: (1, 4), BlockType.F16: (1, 2), BlockType.Q4_0: (32, 18),
+    BlockType.Q4_1: (32, 20), BlockType.Q8_0: (32, 34),
+}  # fmt: skip
+
+
+def block_type(type_id: int) -> enum.IntEnum:
+    """`BlockType`, or gguf's `GGMLQuantizationType` for the types it alone knows."""
+    if type_id in BlockType._value2member_map_:
+        return BlockType(type_id)
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(type_id)  # ValueError: a type nobody knows
+
+
+def block_sizes(tensor_type: enum.IntEnum) -> tuple[int, int]:
+    """(elements, bytes) of one block of `tensor_type`."""
+    if tensor_type in _BLOCK_SIZES:
+        return _BLOCK_SIZES[tensor_type]
+    from gguf import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES[tensor_type]
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
-    tensor_type: GGMLQuantizationType
+    tensor_type: enum.IntEnum  # BlockType or gguf's GGMLQuantizationType (same ids, names)
     dims: tuple[int, ...]  # innermost first, as in the file
     offset: int  # from the file's start
 
@@ -49,7 +88,7 @@ class TensorInfo:
         wide = _WIDE_TYPES.get(self.tensor_type.name)
         if wide is not None:
             return np.memmap(self._path, wide, "r", self.offset, rows)
-        block_size, type_size = GGML_QUANT_SIZES[self.tensor_type]
+        block_size, type_size = block_sizes(self.tensor_type)
         shape = (*rows[:-1], rows[-1] // block_size * type_size)
         return np.memmap(self._path, np.uint8, "r", self.offset, shape)
 
@@ -90,7 +129,7 @@ def _read_index(path: str, size: int, mtime_ns: int) -> GGUFIndex:
     tensors = []
     for name, type_id, dims, offset in infos:
         try:
-            tensor_type = GGMLQuantizationType(type_id)
+            tensor_type = block_type(type_id)
         except ValueError as error:
             raise ValueError(f"GGUF tensor {name!r} has an unknown type id {type_id}") from error
         info = TensorInfo(name, tensor_type, dims, data_start + offset)
@@ -104,9 +143,7 @@ def _check_extent(info: TensorInfo, file_size: int) -> None:
     """A clear error for a tensor whose shape or position does not fit in the file (a damaged
     header), before numpy is asked to map it (it overflows on absurd sizes)."""
     wide = _WIDE_TYPES.get(info.tensor_type.name)
-    block_size, type_size = (
-        (1, np.dtype(wide).itemsize) if wide else GGML_QUANT_SIZES[info.tensor_type]
-    )
+    block_size, type_size = (1, np.dtype(wide).itemsize) if wide else block_sizes(info.tensor_type)
     n_elements = 1
     for dim in info.dims:
         n_elements *= dim  # Python ints: no overflow, however damaged
