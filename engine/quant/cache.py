@@ -25,8 +25,6 @@ import os
 from pathlib import Path
 
 import structlog
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from engine.quant.config import QuantConfig
@@ -74,6 +72,8 @@ def save_quantized(
     tmp_tensors = tensor_path.with_name(f".{tensor_path.name}.tmp-{os.getpid()}")
     tmp_manifest = manifest_path.with_name(f".{manifest_path.name}.tmp-{os.getpid()}")
     manifest_path.unlink(missing_ok=True)  # the old manifest must not vouch for new bytes
+    from safetensors.torch import save_file  # imported when used: a GGUF load never does
+
     save_file(state, str(tmp_tensors), metadata={"scheme": quant.name})
     manifest = {
         "format": CACHE_FORMAT,
@@ -112,6 +112,8 @@ def check_cache(
 
 def load_quantized(model: nn.Module, tensor_path: Path) -> None:
     """Copy the cached canonical tensors into the model's quantized layers (before `pack`)."""
+    from safetensors import safe_open
+
     modules = quant_modules(model)
     with safe_open(str(tensor_path), framework="pt") as f:
         keys = set(f.keys())
