@@ -4,6 +4,8 @@ same bits, whatever the instruction set, thread count, row count or context leng
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -609,6 +611,24 @@ def test_waits_that_slept_end_the_period_and_sizes_are_chosen_apart(step_ext):
     assert [s["min_rows"] for s in choice.state()] == [1, 32]
 
 
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_threads_preempted_in_the_middle_of_steps_change_no_bits(
+    step_ext, tiny_model_dir, quantization
+):
+    """Threads wait for work, never for each other: with more threads than cores, threads are
+    preempted in the middle of steps all the time and come back to phases their partners
+    finished without them (chunks taken, GEMV preparations skipped). Every step still gives the
+    per-operator path's bits."""
+    engine = _engine(tiny_model_dir, quantization)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(6, 3 * (os.cpu_count() or 1)))
+    try:
+        checker = _check(engine, PROMPTS, max_tokens=10)
+    finally:
+        torch.set_num_threads(threads)
+    assert checker.num_checked >= 9 and 4 in checker.num_rows
+
+
 def test_steps_on_one_thread_are_the_same_bits(step_ext, tiny_model_dir):
     """The fused step's choice of one thread or all changes who computes what, not the bits:
     a run long enough for the probes (one thread, in the steps after the first period of a
@@ -637,6 +657,8 @@ def test_engine_stats_count_fused_steps_and_those_on_one_thread(step_ext, tiny_m
         assert chosen == plan["single_thread_steps"] >= 2
     else:  # one thread is all there is: no choice made, none counted
         assert chosen == 0
-    off = _engine(tiny_model_dir, QuantConfig("int4", embedding_from_head=False), fused_decode="off")
+    off = _engine(
+        tiny_model_dir, QuantConfig("int4", embedding_from_head=False), fused_decode="off"
+    )
     _run(off, [[5, 6, 7]], max_tokens=3)
     assert (off.get_stats().num_fused_steps, off.get_stats().num_fused_steps_one_thread) == (0, 0)
