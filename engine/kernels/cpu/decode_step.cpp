@@ -18,17 +18,9 @@
 // entry point) with its arguments: `fn(args, rows, begin, end)` does items [begin, end) of a
 // step of `rows` rows. Items per run: a fixed count (a GEMV's blocks) or rows times a count
 // (row-wise operators; attention's (row, KV head, partition) triples, the partitions set per
-// step).
-//
-// No thread waits for another thread, only for work: the tasks between two barriers are a phase,
-// and threads take a phase's items in chunks from a shared counter per task; a thread that has
-// no chunk left waits for the phase's last chunk to be done (its counter of done items), then
-// goes on to the next phase. A thread that was preempted (the worker's event loop, a broker or a
-// client took its core) holds no one up, unless it holds a chunk: its partner takes the chunks it
-// would have done, and it finds them taken when it runs again. With a barrier after every task
-// the partner waited at the next one for as long as the core was gone, so a core stolen for a
-// millisecond cost the step two: the step lost both threads' work. A task with no items in a step
-// (a multiplier of 0) is skipped, and so is a phase with none.
+// step); each thread takes a contiguous, equal share. A barrier follows every task that the
+// next one reads from; a task with no items in a step (a multiplier of 0) is skipped with its
+// barrier.
 
 #include <torch/extension.h>
 #include <omp.h>
@@ -48,11 +40,10 @@ namespace {
 
 using TaskFn = void (*)(const void* args, int64_t rows, int64_t begin, int64_t end);
 
-// How a task's items are shared. kSplit and kDynamic: threads take chunks from the task's
-// counter until none are left (kSplit in two chunks per thread, for tasks whose every call
-// costs a setup; kDynamic in four, for a GEMV's blocks). kEvery: every thread does all of them
-// (preparing state of its own, e.g. a GEMV's widened activations, for the chunks it takes of
-// the next task; never the last task of a phase).
+// How a task's items are shared: kSplit, a contiguous equal share per thread; kEvery, every
+// thread does all of them (preparing state of its own, e.g. a GEMV's widened activations);
+// kDynamic, threads take chunks from a shared counter until none are left, so a thread that
+// is ahead (its core less busy, its share of the last task done sooner) does more.
 enum Mode : int64_t { kSplit = 0, kEvery = 1, kDynamic = 2 };
 
 struct Task {
@@ -70,45 +61,45 @@ inline void cpu_relax() {
 #endif
 }
 
-// Waiting for a phase's last chunks. A waiter spins `spin` rounds (on an idle machine the
-// partner is microseconds from done), then sleeps on a futex that each completed phase wakes, so
-// a partner that was preempted in the middle of a chunk gets the core back. A sleep that lasted
-// past a scheduler tick (the partner was preempted) halves the spin for later waits (down to
-// kMinSpin): on a machine whose cores are taken, spinning only delays the sleep.
-class PhaseWaits {
+// A sense-reversing barrier for the threads of one region. A waiter spins `spin` rounds (on an
+// idle machine its partner is microseconds away), then sleeps on a futex, so a partner that was
+// preempted gets the core back. A sleep that lasted past a scheduler tick (the partner was
+// preempted) halves the spin for later waits (down to kMinSpin): on a machine whose cores are
+// taken, spinning only delays the sleep. Short sleeps (a partner with more work) change nothing.
+class Barrier {
  public:
   static constexpr int64_t kMinSpin = 64;
 
-  explicit PhaseWaits(int64_t spin) : spin_(std::max(kMinSpin, spin)) {}
+  explicit Barrier(int64_t spin) : spin_(std::max(kMinSpin, spin)) {}
 
   int64_t spin() const { return spin_.load(std::memory_order_relaxed); }
 
-  // The thread that did a phase's last items says so: sleepers wake.
-  void completed() {
-    completions_.fetch_add(1, std::memory_order_seq_cst);
-    if (sleepers_.load(std::memory_order_seq_cst) > 0) futex(FUTEX_WAKE_PRIVATE, INT32_MAX);
-  }
+  // Each thread of the region says how many there are before its first wait (OpenMP may give
+  // fewer than asked).
+  void set_num_threads(int n) { num_threads_.store(n, std::memory_order_relaxed); }
 
-  // Until `done` reaches `total`.
-  void wait(const std::atomic<int64_t>& done, int64_t total) {
-    if (done.load(std::memory_order_acquire) >= total) return;
+  void wait() {
+    const int generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 ==
+        num_threads_.load(std::memory_order_relaxed)) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_seq_cst);
+      if (sleepers_.load(std::memory_order_seq_cst) > 0) futex(FUTEX_WAKE_PRIVATE, INT32_MAX);
+      return;
+    }
     const int64_t spin = spin_.load(std::memory_order_relaxed);
     for (int64_t i = 0; i < spin; ++i) {
-      if (done.load(std::memory_order_acquire) >= total) return;
+      if (generation_.load(std::memory_order_acquire) != generation) return;
       cpu_relax();
     }
     slow_waits_.fetch_add(1, std::memory_order_relaxed);
     const auto slept_at = std::chrono::steady_clock::now();
-    while (true) {
-      const int seen = completions_.load(std::memory_order_seq_cst);
-      sleepers_.fetch_add(1, std::memory_order_seq_cst);
-      const bool is_done = done.load(std::memory_order_acquire) >= total;
-      // returns at once if a phase completed since `seen` was read
-      if (!is_done) futex(FUTEX_WAIT_PRIVATE, seen);
-      sleepers_.fetch_sub(1, std::memory_order_relaxed);
-      if (is_done || done.load(std::memory_order_acquire) >= total) break;
-    }
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    while (generation_.load(std::memory_order_seq_cst) == generation)
+      futex(FUTEX_WAIT_PRIVATE, generation);  // returns at once if the generation moved on
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
     // A partner more than a scheduler tick late was preempted, not merely given more work.
+    // Then spinning only delays the sleep: halve the spin for the waits to come.
     if (std::chrono::steady_clock::now() - slept_at > std::chrono::milliseconds(2)) {
       long_waits_.fetch_add(1, std::memory_order_relaxed);
       spin_.store(std::max(kMinSpin, spin / 2), std::memory_order_relaxed);
@@ -120,12 +111,14 @@ class PhaseWaits {
 
  private:
   void futex(int op, int value) {
-    syscall(SYS_futex, reinterpret_cast<int*>(&completions_), op, value, nullptr, nullptr, 0);
+    syscall(SYS_futex, reinterpret_cast<int*>(&generation_), op, value, nullptr, nullptr, 0);
   }
 
   static_assert(sizeof(std::atomic<int>) == sizeof(int), "a futex word is an int");
-  std::atomic<int> completions_{0};
+  std::atomic<int> generation_{0};
+  std::atomic<int> arrived_{0};
   std::atomic<int> sleepers_{0};
+  std::atomic<int> num_threads_{1};
   std::atomic<int64_t> spin_;
   std::atomic<int64_t> slow_waits_{0};
   std::atomic<int64_t> long_waits_{0};
@@ -302,17 +295,9 @@ class Plan {
       tasks_.push_back(Task{reinterpret_cast<TaskFn>(fn.get_pointer()), args.get_pointer(),
                             entry[2].cast<int64_t>(), entry[3].cast<int64_t>(),
                             entry[4].cast<bool>(), multiplier, mode});
-      TORCH_CHECK(!(mode == kEvery && tasks_.back().barrier_after),
-                  "decode_step: a task every thread runs prepares the next one: no barrier after it");
       num_barriers_ += tasks_.back().barrier_after;
-      if (tasks_.back().barrier_after || tasks_.size() == static_cast<size_t>(py::len(tasks))) {
-        phase_ends_.push_back(tasks_.size());  // a phase: the tasks since the last barrier
-      }
     }
     next_item_ = std::vector<std::atomic<int64_t>>(tasks_.size());
-    phase_done_ = std::vector<std::atomic<int64_t>>(phase_ends_.size());
-    phase_total_.assign(phase_ends_.size(), 0);
-    gate_.assign(phase_ends_.size(), -1);
   }
 
   // Runs every task for a step of `rows` rows on `num_threads` threads (<= 0: torch's count,
@@ -339,55 +324,38 @@ class Plan {
       return;
     }
     // The spin learnt by earlier steps; it grows back towards `spin` while waits stay short.
-    PhaseWaits waits(spin_ > 0 ? std::min(spin, spin_ * 2) : spin);
+    Barrier barrier(spin_ > 0 ? std::min(spin, spin_ * 2) : spin);
     const bool timed = timing_ && threads <= kMaxTimedThreads;
     for (auto& next : next_item_) next.store(0, std::memory_order_relaxed);
-    // This step's items per phase (the multipliers change from step to step), and the phase each
-    // one waits for: the last earlier one with items (its workers waited for the ones before).
-    int64_t last_with_items = -1, num_waits = 0;
-    for (size_t p = 0, first = 0; p < phase_ends_.size(); first = phase_ends_[p++]) {
-      int64_t total = 0;
-      for (size_t i = first; i < phase_ends_[p]; ++i)
-        if (tasks_[i].mode != kEvery) total += items(tasks_[i], rows);
-      phase_total_[p] = total;
-      phase_done_[p].store(0, std::memory_order_relaxed);
-      gate_[p] = last_with_items;
-      if (total > 0) {
-        num_waits += last_with_items >= 0;
-        last_with_items = static_cast<int64_t>(p);
-      }
-    }
     if (timed) timed_threads_ = std::max<int64_t>(timed_threads_, threads);
 #pragma omp parallel num_threads(threads)
     {
       const int64_t me = omp_get_thread_num(), n = omp_get_num_threads();
-      for (size_t p = 0, first = 0; p < phase_ends_.size(); first = phase_ends_[p++]) {
-        if (phase_total_[p] == 0) continue;
-        if (gate_[p] >= 0) {
-          const int64_t started = timed ? now_ns() : 0;
-          waits.wait(phase_done_[gate_[p]], phase_total_[gate_[p]]);
-          // (charged to the task before the phase: the wait after it, as a barrier's was)
-          if (timed) wait_ns_[(first - 1) * kMaxTimedThreads + me] += now_ns() - started;
+      barrier.set_num_threads(static_cast<int>(n));
+      for (size_t i = 0; i < tasks_.size(); ++i) {
+        const Task& t = tasks_[i];
+        const int64_t total = items(t, rows);
+        if (total == 0) continue;  // nothing to do this step (the same for every thread): no wait
+        const int64_t started = timed ? now_ns() : 0;
+        run_share(t, i, rows, total, me, n);
+        if (!timed) {
+          if (t.barrier_after) barrier.wait();
+          continue;
         }
-        for (size_t i = first; i < phase_ends_[p]; ++i) {
-          const Task& t = tasks_[i];
-          const int64_t total = items(t, rows);
-          if (total == 0) continue;
-          const int64_t started = timed ? now_ns() : 0;
-          run_chunks(t, i, rows, total, n, p, waits);
-          if (timed) work_ns_[i * kMaxTimedThreads + me] += now_ns() - started;
-        }
+        const int64_t worked = now_ns();
+        if (t.barrier_after) barrier.wait();
+        work_ns_[i * kMaxTimedThreads + me] += worked - started;
+        wait_ns_[i * kMaxTimedThreads + me] += now_ns() - worked;
       }
     }
     const int64_t elapsed = now_ns() - started;
-    slow_waits_ += waits.slow_waits();
-    long_waits_ += waits.long_waits();
-    spin_ = waits.spin();
+    slow_waits_ += barrier.slow_waits();
+    long_waits_ += barrier.long_waits();
+    spin_ = barrier.spin();
     // Most waits outlasted the spin (the partner was not running), or more than one in 16
-    // slept past a scheduler tick: the cores just became busy, so measure one thread now. (A
-    // phase is waited for by the threads that ran out of chunks first: about one per phase.)
-    const int64_t gates = std::max<int64_t>(1, num_waits);
-    const bool waits_bad = waits.slow_waits() * 2 > gates || waits.long_waits() * 16 > gates;
+    // slept past a scheduler tick: the cores just became busy, so measure one thread now.
+    const bool waits_bad =
+        barrier.slow_waits() * 2 > num_barriers_ || barrier.long_waits() * 16 > num_barriers_;
     if (chosen) choice_.record(rows, false, elapsed, waits_bad);
   }
 
@@ -436,27 +404,19 @@ class Plan {
  private:
   static constexpr int64_t kMaxTimedThreads = 64;
 
-  // Takes chunks of task `t` (the index `i` of the plan, in phase `p`) until none are left; the
-  // thread that does the phase's last items tells the waiters.
-  void run_chunks(const Task& t, size_t i, int64_t rows, int64_t total, int64_t n, size_t p,
-                  PhaseWaits& waits) {
-    std::atomic<int64_t>& next = next_item_[i];
+  // Thread `me` of `n` does its items of task `t` (the index `i` of the plan).
+  void run_share(const Task& t, size_t i, int64_t rows, int64_t total, int64_t me, int64_t n) {
     if (t.mode == kEvery) {
-      // State for this thread's chunks of the next task: not when they are all taken (a thread
-      // that was preempted, and finds its partner went on without it).
-      if (i + 1 < tasks_.size() && next_item_[i + 1].load(std::memory_order_relaxed) <
-                                       items(tasks_[i + 1], rows))
-        t.fn(t.args, rows, 0, total);
-      return;
-    }
-    const int64_t chunks_per_thread = t.mode == kDynamic ? 4 : 2;
-    const int64_t chunk = std::max<int64_t>(1, (total + chunks_per_thread * n - 1) /
-                                                   (chunks_per_thread * n));
-    for (int64_t begin; (begin = next.fetch_add(chunk, std::memory_order_relaxed)) < total;) {
-      const int64_t end = std::min(total, begin + chunk);
-      t.fn(t.args, rows, begin, end);
-      const int64_t done = phase_done_[p].fetch_add(end - begin, std::memory_order_acq_rel);
-      if (done + (end - begin) == phase_total_[p]) waits.completed();
+      t.fn(t.args, rows, 0, total);
+    } else if (t.mode == kDynamic) {
+      // Chunks of about a quarter of a fair share: few enough that the counter costs nothing.
+      const int64_t chunk = std::max<int64_t>(1, total / (4 * n));
+      std::atomic<int64_t>& next = next_item_[i];
+      for (int64_t begin; (begin = next.fetch_add(chunk, std::memory_order_relaxed)) < total;)
+        t.fn(t.args, rows, begin, std::min(total, begin + chunk));
+    } else {
+      const int64_t begin = total * me / n, end = total * (me + 1) / n;
+      if (begin < end) t.fn(t.args, rows, begin, end);
     }
   }
 
@@ -479,10 +439,7 @@ class Plan {
   bool timing_ = false;
   int64_t timed_threads_ = 0;  // the thread count of the timed steps (the layout of the clocks)
   std::vector<int64_t> work_ns_, wait_ns_;  // [task, thread]
-  std::vector<std::atomic<int64_t>> next_item_ = {};  // per task: the next item to take
-  std::vector<size_t> phase_ends_;  // per phase: one past its last task
-  std::vector<std::atomic<int64_t>> phase_done_ = {};  // per phase: items done this step
-  std::vector<int64_t> phase_total_, gate_;  // per phase, this step: its items, the one it waits for
+  std::vector<std::atomic<int64_t>> next_item_ = {};  // kDynamic tasks' counters, per task
 };
 
 }  // namespace

@@ -615,10 +615,9 @@ def test_waits_that_slept_end_the_period_and_sizes_are_chosen_apart(step_ext):
 def test_threads_preempted_in_the_middle_of_steps_change_no_bits(
     step_ext, tiny_model_dir, quantization
 ):
-    """Threads wait for work, never for each other: with more threads than cores, threads are
-    preempted in the middle of steps all the time and come back to phases their partners
-    finished without them (chunks taken, GEMV preparations skipped). Every step still gives the
-    per-operator path's bits."""
+    """More threads than cores: threads are preempted in the middle of steps all the time (their
+    partners wait at barriers, sleep, are woken; GEMV blocks go to whichever thread takes them).
+    Every step still gives the per-operator path's bits."""
     engine = _engine(tiny_model_dir, quantization)
     threads = torch.get_num_threads()
     torch.set_num_threads(max(6, 3 * (os.cpu_count() or 1)))
