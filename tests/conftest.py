@@ -20,8 +20,10 @@ if not torch.cuda.is_available():
 # them as "no compiler" (engine/kernels/cpu/extension.py).
 os.environ.setdefault("MINI_INFER_KERNEL_BUILD_STRICT", "1")
 # Workers started in-process would lower the test runner's own thread (worker/service/worker.py,
-# event_loop_nice; tested on its own in tests/worker/service/test_loop_priority.py).
+# event_loop_nice and event_loop_policy; tested on their own in
+# tests/worker/service/test_loop_priority.py).
 os.environ.setdefault("MINI_INFER_EVENT_LOOP_NICE", "0")
+os.environ.setdefault("MINI_INFER_EVENT_LOOP_POLICY", "normal")
 
 from tests.tiny_model import make_tiny_llama
 from worker.broker import EmbeddedBroker

@@ -367,6 +367,15 @@ class WorkerSettings(BaseSettings):
     event_loop_nice: int = Field(
         default=19, ge=0, le=19, description="the loop thread's nice value"
     )
+    # And its Linux scheduling policy from then on: "idle" (SCHED_IDLE) runs it on a core the
+    # engine's threads leave (between steps, a barrier's sleep), and an engine thread that
+    # wakes takes the core back at once; at nice 19 alone, the loop could keep the core for
+    # its time slice while the engine's other thread waited at the next barrier. One stream
+    # through Kafka on 2 cores: inter-token latency 1.16x the direct engine's with "idle",
+    # 1.39x with "normal" (loadtest/README.md). Threads the loop starts later inherit it.
+    event_loop_policy: Literal["idle", "normal"] = Field(
+        default="idle", description="the loop thread's scheduling policy (Linux)"
+    )
     shutdown_grace_s: float = Field(default=30.0, ge=0, description="to finish in-flight work")
     # The whole stop (drain, commit, flush, leave the group, close) ends within this; keep it
     # below the pod's terminationGracePeriodSeconds (45 s in deploy/k8s) minus a margin. The

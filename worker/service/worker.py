@@ -151,7 +151,8 @@ class Worker:
         started_s = time.monotonic()
         self.bridge = EngineBridge(self._engine_factory, s.limits.max_consecutive_step_failures)
         info = await self.bridge.start()
-        lower_thread_priority(s.event_loop_nice)  # after the engine's threads were started
+        # after the engine's threads were started
+        lower_thread_priority(s.event_loop_nice, s.event_loop_policy)
         if info.stats is not None:
             self.telemetry.observe_engine(info.stats)  # KV blocks known before any request
         log_.info(
@@ -439,14 +440,24 @@ async def _run_until_stopped(worker: Worker, stop: asyncio.Event) -> int:
     return 1 if worker.failed.is_set() else 0
 
 
-def lower_thread_priority(niceness: int) -> None:
-    """The calling thread (not the process: Linux nice values are per thread) at `niceness`;
-    threads it starts later inherit it, the engine's already-running ones keep theirs."""
-    if niceness <= 0 or sys.platform != "linux":
+def lower_thread_priority(niceness: int, policy: str = "normal") -> None:
+    """The calling thread (not the process: Linux nice values and scheduling policies are per
+    thread) at `niceness`, and under SCHED_IDLE when `policy` is "idle"; threads it starts later
+    inherit both, the engine's already-running ones keep theirs."""
+    if sys.platform != "linux":
         return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-    except OSError as error:  # e.g. already nicer than that, without the right to go back
-        log.warning("worker.loop_priority_unchanged", niceness=niceness, error=str(error))
-    else:
-        log.info("worker.loop_priority", niceness=niceness)
+    tid = threading.get_native_id()
+    if niceness > 0:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except OSError as error:  # e.g. already nicer than that, without the right to go back
+            log.warning("worker.loop_priority_unchanged", niceness=niceness, error=str(error))
+        else:
+            log.info("worker.loop_priority", niceness=niceness)
+    if policy == "idle":
+        try:  # lowering a thread's own policy needs no privilege
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except OSError as error:
+            log.warning("worker.loop_policy_unchanged", policy=policy, error=str(error))
+        else:
+            log.info("worker.loop_policy", policy=policy)

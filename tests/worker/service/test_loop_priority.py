@@ -1,4 +1,5 @@
-"""The worker lowers its event loop's thread, and only that thread (Linux nice is per thread)."""
+"""The worker lowers its event loop's thread, and only that thread (Linux nice values and
+scheduling policies are per thread)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,43 @@ def test_the_setting_defaults_to_19_and_is_bounded(monkeypatch):
     assert WorkerSettings().event_loop_nice == 19
     with pytest.raises(ValueError):
         WorkerSettings(event_loop_nice=20)
+
+
+def _policies_in_fresh_thread(policy: str) -> tuple[int, int, int]:
+    """(own policy after the call, policy of a thread it starts after, the caller's policy)."""
+    result = {}
+
+    def body():
+        lower_thread_priority(0, policy)
+        result["own"] = os.sched_getscheduler(threading.get_native_id())
+        child = threading.Thread(
+            target=lambda: result.update(child=os.sched_getscheduler(threading.get_native_id()))
+        )
+        child.start()
+        child.join()
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    return result["own"], result["child"], os.sched_getscheduler(threading.get_native_id())
+
+
+def test_the_idle_policy_puts_the_calling_thread_and_its_later_threads_under_sched_idle():
+    """SCHED_IDLE: a waking engine thread takes the core back from the loop at once."""
+    caller = os.sched_getscheduler(threading.get_native_id())
+    assert caller != os.SCHED_IDLE  # the test runner's own thread (conftest: "normal")
+    assert _policies_in_fresh_thread("idle") == (os.SCHED_IDLE, os.SCHED_IDLE, caller)
+
+
+def test_the_normal_policy_leaves_the_thread_alone():
+    caller = os.sched_getscheduler(threading.get_native_id())
+    assert _policies_in_fresh_thread("normal") == (caller, caller, caller)
+
+
+def test_the_policy_defaults_to_idle_and_is_one_of_two(monkeypatch):
+    monkeypatch.delenv("MINI_INFER_EVENT_LOOP_POLICY", raising=False)
+    assert WorkerSettings().event_loop_policy == "idle"
+    monkeypatch.setenv("MINI_INFER_EVENT_LOOP_POLICY", "normal")
+    assert WorkerSettings().event_loop_policy == "normal"
+    with pytest.raises(ValueError):
+        WorkerSettings(event_loop_policy="fifo")
