@@ -58,11 +58,14 @@ def cpu_seconds_by_thread(pid: int) -> dict[str, float]:
     return totals
 
 
-def lower_priority(pid: int, niceness: int = 19) -> None:
-    """Every thread of `pid` (Linux nice values are per thread) at `niceness`."""
+def lower_priority(pid: int, niceness: int = 19, idle: bool = False) -> None:
+    """Every thread of `pid` (Linux nice values and policies are per thread) at `niceness`,
+    and under SCHED_IDLE if `idle`."""
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(ProcessLookupError, PermissionError):  # ended meanwhile
             os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
+            if idle:
+                os.sched_setscheduler(int(task.name), os.SCHED_IDLE, os.sched_param(0))
 
 
 def cpu_split(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict:
@@ -121,10 +124,20 @@ async def run_e2e(bootstrap: str, n: int, max_tokens: int, pids: dict[str, int])
     return stats
 
 
-def _client_run(bootstrap: str, n: int, max_tokens: int, pids: dict, nice: bool) -> dict:
-    """The measured Kafka run in a child process (the client), at nice 19 if `nice`."""
-    if nice:
-        lower_priority(os.getpid())
+def _harness_priority(args) -> str:
+    """How the broker and the client ran beside the worker."""
+    if args.idle_harness:
+        return "SCHED_IDLE"
+    return "nice 19" if args.nice_harness else "as is"
+
+
+def _client_run(
+    bootstrap: str, n: int, max_tokens: int, pids: dict, nice: bool, idle: bool
+) -> dict:
+    """The measured Kafka run in a child process (the client), at nice 19 if `nice`, under
+    SCHED_IDLE too if `idle`."""
+    if nice or idle:
+        lower_priority(os.getpid(), idle=idle)
     return asyncio.run(run_e2e(bootstrap, n, max_tokens, {**pids, "client": os.getpid()}))
 
 
@@ -168,6 +181,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "production they live on other machines; here they share the worker's cores, and each "
         "preemption of an engine thread stalls both at the step's next barrier",
     )  # fmt: skip
+    parser.add_argument(
+        "--idle-harness", action="store_true",
+        help="the broker and the client under SCHED_IDLE as well (a nearer stand-in for other "
+        "machines than nice 19: they run only on a core the worker leaves); not the default, "
+        "so that runs compare with earlier ones",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="TTFT distribution plot (PNG)")
 
@@ -186,8 +205,8 @@ def run_pair(args, model: str, engine_options: dict) -> dict:
         try:
             asyncio.run(wait_ready(worker, Path(tmp) / "ready"))
             pids = {"worker": worker.pid, "broker": broker.pid}
-            if args.nice_harness:  # the broker and the client take what the worker leaves
-                lower_priority(broker.pid)
+            if args.nice_harness or args.idle_harness:  # they take what the worker leaves
+                lower_priority(broker.pid, idle=args.idle_harness)
             # The client in a process of its own, lowered there: lowered here, this process
             # stayed at nice 19, and every later pair's worker and broker inherited it (each
             # pair after the first measured a worker at the harness's priority).
@@ -195,7 +214,7 @@ def run_pair(args, model: str, engine_options: dict) -> dict:
                 e2e = pool.apply(
                     _client_run,
                     (broker.bootstrap_servers, args.num_requests, args.max_tokens, pids,
-                     args.nice_harness),
+                     args.nice_harness, args.idle_harness),
                 )  # fmt: skip
             e2e["worker_peak_rss_mib"] = peak_rss_of(worker.pid)
         finally:
@@ -249,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_cache_dtype": args.kv_cache_dtype or "auto",
         "engine_threads": args.num_threads or "torch default",
         "cpu_count": os.cpu_count(),
+        "harness": _harness_priority(args),
         "repeat": args.repeat,
         # All 32 first tokens come from one prefill step, so each run is one TTFT sample: back
         # to back, the same direct run's prefill measured 535-680 ms. Hence the median of pairs.
