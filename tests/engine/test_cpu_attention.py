@@ -481,6 +481,10 @@ def test_a_build_with_other_flags_or_another_torch_is_not_imported(tmp_path):
         assert imported() is None, changed
     (cache / name / extension.STAMP).write_text("[not a stamp")
     assert imported() is None
+    # A damaged library (its own file: the one imported above stays mapped): built again.
+    (cache / name / "damaged.so").write_bytes(b"not a library")
+    (cache / name / extension.STAMP).write_text(json.dumps({**stamp, "library": "damaged.so"}))
+    assert imported() is None
 
 
 def test_a_start_with_built_kernels_does_not_import_the_builder():

@@ -134,8 +134,12 @@ def _import_prebuilt(
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(name, library)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # (the library links against torch's: loaded above)
+    try:  # (the library links against torch's: loaded above)
+        module = importlib.util.module_from_spec(spec)  # an extension is loaded here
+        spec.loader.exec_module(module)
+    except (ImportError, OSError) as error:  # damaged, or links what is gone: built again
+        log.warning("extension.prebuilt_unloadable", path=str(library), error=str(error))
+        return None
     return module
 
 
