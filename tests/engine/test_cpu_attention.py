@@ -490,6 +490,7 @@ def test_a_build_with_other_flags_or_another_torch_is_not_imported(tmp_path):
 def test_a_start_with_built_kernels_does_not_import_the_builder():
     """torch's extension builder brings setuptools and distutils in (4.3 MiB of RSS): a start
     whose kernels are built imports them directly."""
+    import json
     import subprocess
     import sys
 
@@ -498,14 +499,16 @@ def test_a_start_with_built_kernels_does_not_import_the_builder():
     if not all(prebuild.load_all().values()):  # built (and stamped) here first, if need be
         pytest.skip("the C++ kernels could not be built here (no compiler)")
     code = (
-        "import sys; from engine.kernels.cpu import prebuild; loaded = prebuild.load_all(); "
-        "print(loaded, 'torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)"
+        "import json, sys; from engine.kernels.cpu import prebuild; loaded = prebuild.load_all(); "
+        "print(json.dumps([loaded, [m for m in ('torch.utils.cpp_extension', 'setuptools') "
+        "if m in sys.modules]]))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     ).stdout.strip()
-    assert out.endswith("False False"), out
-    assert "False," not in out and "False}" not in out, out  # every kernel loaded
+    loaded, builder = json.loads(out.splitlines()[-1])
+    assert all(loaded.values()), loaded  # every kernel loaded
+    assert builder == []  # and neither the builder nor setuptools came with them
 
 
 def test_prebuild_compiles_every_instruction_set(monkeypatch):
