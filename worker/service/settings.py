@@ -371,8 +371,8 @@ class WorkerSettings(BaseSettings):
     # engine's threads leave (between steps, a barrier's sleep), and an engine thread that
     # wakes takes the core back at once; at nice 19 alone, the loop could keep the core for
     # its time slice while the engine's other thread waited at the next barrier. One stream
-    # through Kafka on 2 cores: inter-token latency 1.08x the direct engine's with "idle",
-    # 1.36x with "normal" (medians of 7 alternating rounds, loadtest/README.md). Threads the
+    # through Kafka on 2 cores: inter-token latency 1.16x the direct engine's with "idle",
+    # 1.35x with "normal" (medians of 11 alternating rounds, loadtest/README.md). Threads the
     # loop starts later inherit it.
     event_loop_policy: Literal["idle", "normal"] = Field(
         default="idle", description="the loop thread's scheduling policy (Linux)"
