@@ -183,7 +183,7 @@ def dequantized_rows(tensor, dtype: torch.dtype, rows: int = DEQUANTIZE_ROWS):
 def _decode_q8_0(raw: np.ndarray) -> torch.Tensor:
     """Q8_0 blocks [.., bytes] -> float32 values [.., elements]: a 34-byte block is a scale d
     (fp16) and 32 int8 codes, w = d * q (in float32, as gguf computes it)."""
-    blocks = np.ascontiguousarray(raw).reshape(*raw.shape[:-1], -1, Q8_0_BLOCK_BYTES)
+    blocks = _blocks(raw, Q8_0_BLOCK_BYTES)
     scales = torch.from_numpy(_fp16_field(blocks, 0)).unsqueeze(-1)
     codes = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
     return (scales * codes).reshape(*raw.shape[:-1], -1)
@@ -250,7 +250,8 @@ def decode_q4_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 def _blocks(raw: np.ndarray, block_bytes: int) -> np.ndarray:
-    return np.ascontiguousarray(raw).reshape(raw.shape[0], -1, block_bytes)
+    """Bytes [.., row bytes] -> blocks [.., blocks per row, block_bytes] (a 1-d tensor too)."""
+    return np.ascontiguousarray(raw).reshape(*raw.shape[:-1], -1, block_bytes)
 
 
 def _fp16_field(blocks: np.ndarray, offset: int) -> np.ndarray:

@@ -53,8 +53,10 @@ _BLOCK_SIZES = {
 
 def block_type(type_id: int) -> enum.IntEnum:
     """`BlockType`, or gguf's `GGMLQuantizationType` for the types it alone knows."""
-    if type_id in BlockType._value2member_map_:
+    try:
         return BlockType(type_id)
+    except ValueError:
+        pass
     from gguf import GGMLQuantizationType
 
     return GGMLQuantizationType(type_id)  # ValueError: a type nobody knows
@@ -142,8 +144,7 @@ def _read_index(path: str, size: int, mtime_ns: int) -> GGUFIndex:
 def _check_extent(info: TensorInfo, file_size: int) -> None:
     """A clear error for a tensor whose shape or position does not fit in the file (a damaged
     header), before numpy is asked to map it (it overflows on absurd sizes)."""
-    wide = _WIDE_TYPES.get(info.tensor_type.name)
-    block_size, type_size = (1, np.dtype(wide).itemsize) if wide else block_sizes(info.tensor_type)
+    block_size, type_size = block_sizes(info.tensor_type)
     n_elements = 1
     for dim in info.dims:
         n_elements *= dim  # Python ints: no overflow, however damaged
