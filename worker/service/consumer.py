@@ -188,11 +188,7 @@ class RequestConsumer:
             expected = self._gaps.expected(partition)
         back = self._gaps.check_expected(partition, record.offset, expected)
         if back is not None:  # a gap: fetched again before it is believed
-            self._telemetry.records_refetched.add(
-                1, {"messaging.destination.name": partition.topic, "reason": "offset_gap"}
-            )
-            self._consumer.seek(partition, back)
-            return False
+            return self._fetch_again(partition, back, "offset_gap")
         epoch = self.tracker.add(partition, record.offset)
         if epoch is None:
             return self._untracked(partition, record.offset)
@@ -230,8 +226,13 @@ class RequestConsumer:
         if partition not in self._consumer.assignment():
             return False
         log.warning("consumer.record_refetched", partition=partition.partition, offset=offset)
+        return self._fetch_again(partition, offset, "untracked")
+
+    def _fetch_again(self, partition: TopicPartition, offset: int, reason: str) -> bool:
+        """Seek `partition` back to `offset` (counted by `reason`): what follows is fetched
+        again. False: the record in hand, and the rest of its batch, are not taken."""
         self._telemetry.records_refetched.add(
-            1, {"messaging.destination.name": partition.topic, "reason": "untracked"}
+            1, {"messaging.destination.name": partition.topic, "reason": reason}
         )
         self._consumer.seek(partition, offset)
         return False
@@ -431,7 +432,9 @@ class RequestConsumer:
                     self._consumer.position(partition), max(0.0, deadline_s - time.monotonic())
                 )
             except (KafkaError, TimeoutError, AssertionError, IllegalStateError) as error:
-                log.debug("consumer.start_unknown", partition=partition.partition, error=repr(error))
+                log.debug(
+                    "consumer.start_unknown", partition=partition.partition, error=repr(error)
+                )
                 continue
             if self.tracker.next_offset(partition) is None:  # still nothing read meanwhile
                 self._gaps.expect(partition, position)
