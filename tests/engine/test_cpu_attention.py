@@ -431,19 +431,26 @@ def test_extend_kernel_rejects_what_it_cannot_compute(extension):
         paged_attention.extend(extension, q.half(), kv_cache.half(), chunks, out.half())
 
 
-def test_no_compiler_imports_a_library_prebuilt_from_the_same_source(tmp_path, monkeypatch):
-    """A container image builds its kernels at image build time and ships no compiler: the
-    library built into the cache is imported; one built from another source is not."""
+def _copied_build(cache: Path) -> str:
+    """This machine's paged-attention build (its directory, as the cache holds it) copied
+    under `cache`; its name. Skips where it cannot be built."""
     import shutil
-
-    from engine.kernels.cpu import extension
 
     built = paged_attention.load()
     if built is None:
         pytest.skip("the C++ kernel could not be built here (no compiler)")
     name = paged_attention.extension_name(paged_attention.cpu_info().vector_isa)
+    shutil.copytree(Path(built.__file__).parent, cache / name)
+    return name
+
+
+def test_no_compiler_imports_a_library_prebuilt_from_the_same_source(tmp_path, monkeypatch):
+    """A container image builds its kernels at image build time and ships no compiler: the
+    library built into the cache is imported; one built from another source is not."""
+    from engine.kernels.cpu import extension
+
     image_cache = tmp_path / "torch_extensions"
-    shutil.copytree(Path(built.__file__).parent, image_cache / name)
+    name = _copied_build(image_cache)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert extension.compiler() is None
     prebuilt = paged_attention.build(image_cache)
@@ -458,16 +465,11 @@ def test_a_build_with_other_flags_or_another_torch_is_not_imported(tmp_path):
     start would build: the same flags, torch and Python. Anything else goes to the builder
     (which rebuilds it), never to a library built for something else."""
     import json
-    import shutil
 
     from engine.kernels.cpu import extension
 
-    built = paged_attention.load()
-    if built is None:
-        pytest.skip("the C++ kernel could not be built here (no compiler)")
-    name = paged_attention.extension_name(paged_attention.cpu_info().vector_isa)
     cache = tmp_path / "torch_extensions"
-    shutil.copytree(Path(built.__file__).parent, cache / name)
+    name = _copied_build(cache)
     stamp = json.loads((cache / name / extension.STAMP).read_text())
 
     def imported():
