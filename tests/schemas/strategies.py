@@ -14,7 +14,9 @@ from schemas.messages import (
     FinalReply,
     Request,
     Timing,
+    TokenLogprob,
     TokenReply,
+    TopLogprob,
     Usage,
 )
 
@@ -101,6 +103,16 @@ def v1_2_sampling() -> st.SearchStrategy[dict]:
     )
 
 
+token_logprobs = st.builds(
+    TokenLogprob,
+    token_id=st.integers(0, 2**31),
+    logprob=st.floats(-1e4, 0),
+    top_logprobs=st.lists(
+        st.builds(TopLogprob, token_id=st.integers(0, 2**31), logprob=st.floats(-1e4, 0)),
+        max_size=3,
+    ),
+)
+
 token_replies = st.builds(
     TokenReply,
     id=ids,
@@ -109,6 +121,8 @@ token_replies = st.builds(
     text=st.text(max_size=30),
     token_ids=st.lists(st.integers(0, 2**31), max_size=8),
     index=st.none() | st.integers(0, 15),
+    nonce=st.none() | st.text(min_size=1, max_size=20),
+    logprobs=st.none() | st.lists(token_logprobs, max_size=3),
 )
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas import JSON, MSGPACK, decode_cancel, decode_reply, decode_request, encode
+from schemas import JSON, MSGPACK, codec, decode_cancel, decode_reply, decode_request, encode
 from schemas.messages import FinalReply, Request, TokenReply
 from tests.schemas.strategies import cancels, final_replies, requests, token_replies
 
@@ -33,6 +33,19 @@ def test_reply_round_trip(reply: TokenReply | FinalReply, content_type: str) -> 
 @given(cancel=cancels, content_type=CONTENT_TYPES)
 def test_cancel_round_trip(cancel, content_type: str) -> None:
     assert decode_cancel(encode(cancel, content_type), content_type) == cancel
+
+
+@settings(max_examples=200, deadline=None)
+@given(reply=token_replies)
+def test_token_messages_encode_to_the_bytes_of_the_models_own_dump(reply: TokenReply) -> None:
+    """The hand-built map of a token message (the worker's per-token path) is byte for byte
+    what pydantic's dump gives, with and without nonce, index and logprobs."""
+    assert encode(reply, MSGPACK) == codec._encode_msgpack(reply)
+
+
+def test_the_hand_built_token_map_knows_every_field_of_the_model() -> None:
+    """A field added to TokenReply must be added to `_token_reply_map` too."""
+    assert tuple(TokenReply.model_fields) == codec.TOKEN_REPLY_FIELDS
 
 
 def test_msgpack_is_the_default_and_a_plain_map() -> None:

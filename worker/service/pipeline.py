@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -341,17 +341,19 @@ class Pipeline:
 
     def on_deltas(self, deltas: list[RequestDelta]) -> None:
         now_s = time.monotonic()
+        gaps: Counter = Counter()  # the step's inter-token gaps, recorded after its deltas
         for delta in deltas:
             job = self._jobs.get(delta.request_id)
             if job is None or job.state is not JobState.RUNNING or job.stop_reason is not None:
                 continue  # aborted, dropped or finished meanwhile
             try:  # one job's bad delta must not cost the rest of the batch theirs
-                self._on_delta(job, delta, now_s)
+                self._on_delta(job, delta, now_s, gaps)
             except Exception as error:
                 self.fail(job, error)
+        request_metrics.record_gaps(self._telemetry, gaps)
 
-    def _on_delta(self, job: Job, delta: RequestDelta, now_s: float) -> None:
-        request_metrics.on_tokens(self._telemetry, job, len(delta.token_ids), now_s)
+    def _on_delta(self, job: Job, delta: RequestDelta, now_s: float, gaps: Counter) -> None:
+        request_metrics.on_tokens(job, len(delta.token_ids), now_s, gaps)
         job.num_prompt_tokens = delta.num_prompt_tokens or job.num_prompt_tokens
         logprobs = _wire_logprobs(delta.token_ids, delta.logprobs, job.params.logprobs)
         reason = (delta.finish_reason or "stop") if delta.finished else None

@@ -72,6 +72,13 @@ class _Bound:
     def record(self, amount: float, attributes: dict | None = None) -> None:
         self._instrument.record(amount, {**self._attributes, **(attributes or {})})
 
+    def record_many(self, amount: float, count: int, attributes: dict | None = None) -> None:
+        """`record(amount, attributes)` `count` times, the attributes merged once."""
+        merged = {**self._attributes, **(attributes or {})}
+        record = self._instrument.record
+        for _ in range(count):
+            record(amount, merged)
+
 
 @dataclass
 class EngineState:

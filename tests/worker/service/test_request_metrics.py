@@ -5,8 +5,12 @@ counters turned into increments from a start-up baseline (warm-up is not traffic
 from __future__ import annotations
 
 import re
+from collections import Counter
 from types import SimpleNamespace
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from schemas.headers import Urgency
@@ -94,3 +98,57 @@ def test_engine_counters_count_from_the_start_up_baseline() -> None:
     assert value("mini_infer_engine_requests_waiting") == 1
     assert value("mini_infer_kv_cache_blocks_used") == 25
     assert value("mini_infer_kv_cache_usage") == 0.25
+
+
+# A step: ms since the previous one, and its deltas as (job index, number of tokens).
+STEPS = st.lists(
+    st.tuples(
+        st.integers(1, 300), st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), max_size=6)
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=STEPS)
+def test_a_steps_gaps_are_recorded_once_per_token_as_per_delta_recording_did(steps) -> None:
+    """Each step's deltas (job, tokens) counted into one `gaps` and recorded after the step
+    give the histogram what one record per token, delta by delta, gave: the same count, sum
+    and buckets, by urgency. A job's first tokens have no gap; a delta of n tokens is n gaps
+    of (time since the job's last tokens) / n."""
+    t = Telemetry(ObservabilitySettings(), "w", model_name="smol")
+    jobs = [
+        SimpleNamespace(urgency=urgency, first_token_s=None, last_token_s=None)
+        for urgency in (Urgency.NORMAL, Urgency.HIGH, Urgency.NORMAL, Urgency.CRITICAL,
+                        Urgency.NORMAL, Urgency.HIGH)
+    ]  # fmt: skip
+    expected: dict[str, list[float]] = {}
+    last_s: dict[int, float] = {}
+    now_s = 100.0
+    for step_ms, deltas in steps:
+        now_s += step_ms / 1000
+        gaps: Counter = Counter()
+        for index, num_tokens in deltas:
+            request_metrics.on_tokens(jobs[index], num_tokens, now_s, gaps)
+            if num_tokens > 0:  # the reference: one observation per token
+                if index in last_s:
+                    gap_s = (now_s - last_s[index]) / num_tokens
+                    expected.setdefault(jobs[index].urgency.value, []).extend([gap_s] * num_tokens)
+                last_s[index] = now_s
+        request_metrics.record_gaps(t, gaps)
+    series = scrape(t)
+    counts = {
+        labels["urgency"]: n
+        for labels, n in series.get("mini_infer_inter_token_latency_seconds_count", [])
+    }  # fmt: skip
+    sums = {
+        labels["urgency"]: n
+        for labels, n in series.get("mini_infer_inter_token_latency_seconds_sum", [])
+    }  # fmt: skip
+    assert counts == {urgency: len(gaps) for urgency, gaps in expected.items()}
+    for urgency, gaps in expected.items():
+        assert sums[urgency] == pytest.approx(sum(gaps))
+    for labels, n in series.get("mini_infer_inter_token_latency_seconds_bucket", []):
+        le = float(labels["le"])  # "+Inf" parses to inf
+        assert n == sum(1 for gap_s in expected[labels["urgency"]] if gap_s <= le)
