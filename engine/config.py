@@ -42,7 +42,7 @@ class EngineConfig:
     # fused C++ ops (engine/kernels/cpu/fused_ops.py; the torch chain where they cannot be
     # built), "off" the torch chain. Same bits either way; eager only (compiled: Inductor's).
     fused_ops: str = "auto"
-    # A decode-only step as one C++ call, one parallel region (engine/kernels/cpu/decode_step.py):
+    # A decode-only step as one C++ call, one parallel region (engine/fused_decode.py):
     # "auto" | "on" where the model and step allow (Llama-family, bf16 compute, int4/int8 weights
     # or bf16 ones on our GEMV, the float KV cache, fused ops on), "off" the per-operator path.
     # Same bits either way.

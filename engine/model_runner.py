@@ -17,11 +17,10 @@ from pathlib import Path
 import structlog
 import torch
 
-from engine import kv_pool
+from engine import fused_decode, kv_pool
 from engine.attention_backends import attention_backend
 from engine.compile import CompiledModel
 from engine.config import EngineConfig
-from engine.kernels.cpu import decode_step
 from engine.kernels.cpu.linear_choice import choose_linear_kernels
 from engine.kernels.cpu.paged_attention import compiler
 from engine.kv_cache_manager import cdiv
@@ -142,11 +141,11 @@ class ModelRunner:
         self._forward = self.model
         self.fused_decode = None  # why the fused decode step does not apply; None when it does
         if is_eager_cpu:
-            self._forward, self.fused_decode = decode_step.resolve(
+            self._forward, self.fused_decode = fused_decode.resolve(
                 self.model, self.config.fused_decode, self.kv_cache.dtype, self.max_model_len
             )
         # The forward takes `greedy` (and finds the greedy ids itself): the fused step's.
-        self._forward_takes_greedy = isinstance(self._forward, decode_step.StepForward)
+        self._forward_takes_greedy = isinstance(self._forward, fused_decode.StepForward)
         # ... and runs decode-only steps from the requests themselves (`_run_decodes`).
         max_rows = self._forward.fused.max_rows if self._forward_takes_greedy else 0
         self._all_rows = torch.arange(max_rows)

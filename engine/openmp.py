@@ -6,7 +6,7 @@ then sleep) holds the core its partner needs; measured on the shared 2-core Zen 
 ran one stream 4-40x faster than libgomp's default and spin counts of 10k-100k (every table:
 loadtest/README.md, "OpenMP wait policy"). On an idle machine the per-operator step pays for it
 (2026-12-03, idle VM, W1 int4: 37 tok/s with PASSIVE against 89 with libgomp's default and 91
-with GOMP_SPINCOUNT=100000); the fused decode step (engine/kernels/cpu/decode_step.py) takes
+with GOMP_SPINCOUNT=100000); the fused decode step (engine/fused_decode.py) takes
 that cost away where it applies: one parallel region per step, whose barriers spin briefly and
 then sleep. A dedicated machine may still set GOMP_SPINCOUNT or OMP_WAIT_POLICY itself (either
 one set means nothing is added here) or MINI_INFER_OMP_DEFAULTS=off for libgomp's defaults.

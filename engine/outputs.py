@@ -86,7 +86,7 @@ class EngineStats:
     num_tokens_computed: int
     num_tokens_reused: int
     extra: dict = field(default_factory=dict)
-    # Fused CPU decode steps (engine/kernels/cpu/decode_step.py), and of those the ones run on
+    # Fused CPU decode steps (engine/fused_decode.py), and of those the ones run on
     # one thread because that measured faster (the cores busy with other work); 0 without it.
     num_fused_steps: int = 0
     num_fused_steps_one_thread: int = 0

@@ -32,7 +32,7 @@ BLOCK = 16  # output channels per block of the packed layout
 # unpacked copy: prefill chunks are compute-bound (the copy is small beside the GEMM), and
 # this way a prefill rounds exactly as Hugging Face's bf16 model does (tested on the real
 # model: a prompt's logits bit-identical to HF's). The fused decode step takes our kernel up to
-# FUSED_MAX_ROWS decode rows (engine/kernels/cpu/decode_step.py): measured on the Zen 4 VM
+# FUSED_MAX_ROWS decode rows (engine/fused_decode.py): measured on the Zen 4 VM
 # (`bench_bf16_gemv --rows 1,16,32,64,256 --shapes smol`, load 2-3), at 32-64 rows F.linear on
 # the plain weight took 0.96-1.33x our kernel's time before the fallback's copy, oneDNN on its
 # packed layout 0.92-1.07x; at 1 row those were 2.4-3.4x and 1.8-2.1x.

@@ -1,4 +1,4 @@
-"""The fused decode step (engine/kernels/cpu/decode_step.py) against the per-operator path it
+"""The fused decode step (engine/fused_decode.py) against the per-operator path it
 replaces: the same kernels on the same inputs, so every step's final hidden states must be the
 same bits, whatever the instruction set, thread count, row count or context length."""
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import LLMEngine, SamplingParams
+from engine import LLMEngine, SamplingParams, fused_decode
 from engine.kernels.attention_types import AttentionMetadata, PrefillChunk
 from engine.kernels.cpu import bf16_gemm, decode_step, quant_gemm
 from engine.layers.linear import Linear
@@ -41,7 +41,7 @@ class Checker:
     """The runner's forward, running each fused step and then the per-operator path on the same
     inputs (both write the same K/V to the same slots) and comparing their outputs."""
 
-    def __init__(self, forward: decode_step.StepForward):
+    def __init__(self, forward: fused_decode.StepForward):
         self.forward, self.num_checked, self.num_rows = forward, 0, set()
         self.num_decode_steps = 0  # of them, steps through the runner's `_run_decodes`
 
@@ -114,7 +114,7 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[s
 
 def _check(engine: LLMEngine, prompts, max_tokens: int) -> Checker:
     forward = engine.runner._forward
-    assert isinstance(forward, decode_step.StepForward), engine.runner.fused_decode
+    assert isinstance(forward, fused_decode.StepForward), engine.runner.fused_decode
     assert forward.fused.has_lm_head
     checker = engine.runner._forward = Checker(forward)
     _run(engine, prompts, max_tokens)
@@ -135,7 +135,7 @@ def test_fused_step_is_bit_identical_to_the_per_operator_path(
     for module in engine.runner.model.modules():  # force the GEMV path, then re-plan
         if isinstance(module, QuantLinear):
             module.cpp_isa = quant_gemm.isa_code(isa)
-    engine.runner._forward.fused = decode_step.FusedDecode(
+    engine.runner._forward.fused = fused_decode.FusedDecode(
         engine.runner.model, step_ext, engine.runner.max_model_len
     )
     checker = _check(engine, PROMPTS, max_tokens=10)
@@ -152,7 +152,7 @@ def test_fused_step_with_bf16_weights_on_our_gemv(step_ext, tiny_model_dir, isa)
     for module in engine.runner.model.modules():
         if isinstance(module, Linear) and module.kernel == "gemv":
             module._isa = quant_gemm.isa_code(isa)  # the two libraries number paths alike
-    engine.runner._forward.fused = decode_step.FusedDecode(
+    engine.runner._forward.fused = fused_decode.FusedDecode(
         engine.runner.model, step_ext, engine.runner.max_model_len
     )
     checker = _check(engine, PROMPTS, max_tokens=6)
@@ -162,7 +162,7 @@ def test_fused_step_with_bf16_weights_on_our_gemv(step_ext, tiny_model_dir, isa)
 def test_fused_step_takes_w2_sized_batches_with_quantized_weights(step_ext, tiny_model_dir):
     """int4 runs the same GEMV at any row count: 20 rows fused."""
     engine = _engine(tiny_model_dir, "int4", max_num_seqs=32)
-    assert engine.runner._forward.fused.max_rows == decode_step.MAX_ROWS_QUANT
+    assert engine.runner._forward.fused.max_rows == fused_decode.MAX_ROWS_QUANT
     prompts = [[7 + i, 8 + i, 9] for i in range(20)]
     checker = _check(engine, prompts, max_tokens=4)
     assert 20 in checker.num_rows
@@ -283,7 +283,7 @@ def test_fused_step_splits_long_contexts_as_the_per_operator_decode_does(
 
     monkeypatch.setattr(paged_attention, "PARTITION_TOKENS", 32)
     engine = _engine(tiny_model_dir, "int4")
-    fused = engine.runner._forward.fused = decode_step.FusedDecode(
+    fused = engine.runner._forward.fused = fused_decode.FusedDecode(
         engine.runner.model, step_ext, engine.runner.max_model_len
     )
     assert fused.partition_blocks == 2
@@ -398,8 +398,8 @@ def test_inputs_gathered_from_python_where_the_tables_do_not_allow(
     step) the step's inputs come from the model's own modules: the same bits."""
     engine = _engine(tiny_model_dir, "int4")
     assert engine.runner._forward.fused.embedding_table is not None  # gathered in the step
-    monkeypatch.setattr(decode_step, "_plain_table", lambda table: None)
-    fused = decode_step.FusedDecode(engine.runner.model, step_ext, engine.runner.max_model_len)
+    monkeypatch.setattr(fused_decode, "_plain_table", lambda table: None)
+    fused = fused_decode.FusedDecode(engine.runner.model, step_ext, engine.runner.max_model_len)
     assert fused.embedding_table is None and fused.rope_tables is None
     engine.runner._forward.fused = fused
     checker = _check(engine, PROMPTS, max_tokens=6)

@@ -1,0 +1,509 @@
+"""The fused decode step: a Llama-family model's decoder layers, for a step of
+decode rows only, as one C++ call with one OpenMP parallel region.
+
+Why: on the default model a decode step is ~650 operator calls from Python, each with its own
+parallel region. With OMP_WAIT_POLICY=PASSIVE (the engine's default, engine/openmp.py: spinning
+costs 10-40x when the cores are shared) every region wakes the second thread through the
+kernel, and on the 2-core Zen 4 VM that was most of a W1 step (one stream: 37 tok/s with
+PASSIVE, 89 with libgomp's spinning default on an idle machine). Here the threads are woken
+once per step and meet at barriers that spin briefly and then sleep on a futex; where other
+work shares the cores and one thread measures faster for steps of a size, those steps run on
+one thread (decode_step.cpp's ThreadChoice). Python runs once per step instead of ~25 times
+per layer.
+
+The tasks are the kernels the per-operator path calls (quant_gemm's int4/int8 GEMV, fused_ops'
+RMSNorm, RoPE and SiLU * up, paged_attention's decode), so the step's bits equal that path's
+(tests/engine/kernels/test_decode_step.py). What it takes: Llama/Mistral layers, bf16
+activations, int4 or int8 weights on the C++ kernel (no bias) or bf16 weights on our GEMV
+(`linear_kernel="gemv"`, bias allowed), the float (bf16) KV cache with the
+C++ attention backend, the fused ops on; decode-only steps of at most `max_rows` rows. Anything
+else takes the per-operator path, step by step (`accepts`).
+
+The step's C++ library (engine/kernels/cpu/decode_step.cpp) is built and loaded by
+engine/kernels/cpu/decode_step.py, below the layers; this module, which reads the model's layers
+to make the step's tasks, sits above them.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import structlog
+import torch
+
+from engine.kernels.attention_types import AttentionMetadata
+from engine.kernels.cpu import bf16_gemm, decode_step, fused_ops, paged_attention, quant_gemm
+from engine.layers.linear import Linear
+from engine.quant.linear import QuantLinear
+
+log = structlog.get_logger(__name__)
+
+# Decode rows per fused step: with int4/int8 weights the per-operator path runs the same GEMV
+# kernel at any row count; bf16 weights on our GEMV up to bf16_gemm.FUSED_MAX_ROWS (64). The
+# per-operator path hands bf16 batches of more than GEMV_MAX_ROWS (16) to oneDNN, so between 17
+# and 64 rows the fused step's bits are our kernel's, not that path's (both round to bf16 once).
+MAX_ROWS_QUANT = 64
+
+
+def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
+    """Why `model` cannot take the fused step (None: it can)."""
+    from engine.models.llama import (
+        LlamaAttention,
+        LlamaDecoderLayer,
+        LlamaForCausalLM,
+        LlamaMLP,
+        LlamaModel,
+    )
+
+    if not isinstance(model, LlamaForCausalLM) or type(model.model) is not LlamaModel:
+        return f"architecture {type(model).__name__}"
+    if kv_dtype != torch.bfloat16:
+        return f"KV cache {kv_dtype}"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if (type(layer), type(attn), type(mlp)) != (LlamaDecoderLayer, LlamaAttention, LlamaMLP):
+            return "layer types"
+        if getattr(attn.backend, "name", None) != "cpu" or not isinstance(
+            attn.kv_cache, torch.Tensor
+        ):
+            return f"attention backend {getattr(attn.backend, 'name', None)}"
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            reason = _linear_reason(linear)
+            if reason is not None:
+                return reason
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if norm.kernels is None:
+                return "fused ops off"
+    if model.model.norm.kernels is None:
+        return "fused ops off"
+    return None
+
+
+def _linear_reason(linear) -> str | None:
+    """Why a projection cannot be a task: the int4/int8 C++ GEMV (no bias) or our bf16 GEMV."""
+    if isinstance(linear, QuantLinear):
+        if linear.cpp is None or linear.scheme not in ("int4", "int8"):
+            return f"a {linear.scheme} linear off the C++ kernel"
+        if linear.bias is not None or linear.dtype != torch.bfloat16:
+            return f"a {linear.scheme} linear with a bias or in {linear.dtype}"
+        return None
+    if isinstance(linear, Linear) and linear.kernel == "gemv":
+        return None
+    return f"a linear on the {getattr(linear, 'kernel', type(linear).__name__)} kernel (not gemv)"
+
+
+class FusedDecode:
+    """Buffers for `max_rows` rows and the plan over them, built once for a model whose layers'
+    KV caches are attached; `run` for each decode-only step."""
+
+    def __init__(
+        self, model, step_ext: ModuleType, max_model_len: int, max_rows: int | None = None
+    ):
+        cfg = model.model.layers[0].self_attn
+        hidden = model.model.norm.weight.shape[0]
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        inter = model.model.layers[0].mlp.intermediate_size
+        cache = cfg.kv_cache
+        self.block_size = cache.shape[1]
+        # As the per-operator decode splits a context: partitions of partition_blocks blocks
+        # (fewer in steps of few rows: `_partitions`), as many as the step's block table is
+        # wide (it must be the same split: same bits).
+        self.partition_blocks = max(1, paged_attention.PARTITION_TOKENS // self.block_size)
+        self.max_blocks = -(-max_model_len // self.block_size)
+        max_partitions = -(-self.max_blocks // self.partition_blocks)
+        if max_rows is None:
+            max_rows = min(
+                MAX_ROWS_QUANT if isinstance(linear, QuantLinear) else bf16_gemm.FUSED_MAX_ROWS
+                for linear in model.modules()
+                if isinstance(linear, (QuantLinear, Linear)) and linear is not model.lm_head
+            )
+        self.max_rows = max_rows
+        bf16, i64 = torch.bfloat16, torch.int64
+        m = max_rows
+        self.residual = torch.zeros(m, hidden, dtype=bf16)
+        self.normed = torch.zeros(m, hidden, dtype=bf16)
+        self.branch = torch.zeros(m, hidden, dtype=bf16)  # o_proj / down_proj output
+        self.qkv = torch.zeros(m, (heads + 2 * kv_heads) * head_dim, dtype=bf16)
+        self.attn = torch.zeros(m, heads, head_dim, dtype=bf16)
+        self.gate_up = torch.zeros(m, 2 * inter, dtype=bf16)
+        self.act = torch.zeros(m, inter, dtype=bf16)
+        self.cos = torch.zeros(m, head_dim, dtype=bf16)
+        self.sin = torch.zeros(m, head_dim, dtype=bf16)
+        self.block_table = torch.zeros(m, self.max_blocks, dtype=i64)
+        self.context_lens = torch.ones(m, dtype=i64)
+        self.slot_mapping = torch.zeros(m, dtype=i64)
+        self.input_ids = torch.zeros(m, dtype=i64)
+        self.positions = torch.zeros(m, dtype=i64)
+        # The step's inputs are written through numpy views of these buffers: no torch
+        # dispatch per input (each op cost 15-20 us a step after the weights had streamed
+        # through the caches, against ~2.6 us in a loop).
+        self._inputs_np = {
+            name: getattr(self, name).numpy()
+            for name in ("block_table", "context_lens", "slot_mapping", "input_ids", "positions")
+        }
+        # [num_partitions, blocks per partition, merge multiplier (0 in steps of one
+        # partition), greedy multiplier (1 in steps whose rows all take the argmax)]: the plan
+        # reads them through pointers; set per step through a numpy view of the same memory.
+        scalars = torch.tensor([1, self.partition_blocks, 0, 0], dtype=i64)
+        self.num_partitions, self.merge_multiplier = scalars[0:2], scalars[2:3]
+        self.greedy_multiplier = scalars[3:4]
+        self._step_scalars = scalars.numpy()
+        group = heads // kv_heads
+        self.kv_heads = kv_heads
+        # Partial results of every (row, KV head, partition): room for max_rows rows of long
+        # contexts, and for the small steps whose short contexts are split to share the
+        # threads (fewer than 4 x threads items: paged_attention.partition_blocks_for).
+        threads = max(torch.get_num_threads(), os.cpu_count() or 1)
+        self.max_items = max(m * kv_heads * max_partitions, 4 * threads)
+        self.partials = torch.zeros(self.max_items * group * (head_dim + 2))
+        # The lm_head too where it is a GEMV task (int4/int8, or bf16 on our GEMV): the logits
+        # of a decode-only step come out of the same call (every decode row samples).
+        self.has_lm_head = _linear_reason(model.lm_head) is None
+        vocab = model.lm_head.out_features if self.has_lm_head else 0
+        self.logits = torch.zeros(m, vocab, dtype=bf16)
+        # Greedy ids from the same call (`run(greedy=True)`): each row's logits in slices
+        # shared by the threads, then a merge; argmax_rows' indices, found while the logits
+        # are still in the caches of the threads that wrote them (the sampler's own pass
+        # over them cost 0.1-0.25 ms of a ~4 ms W1 step).
+        self.argmax_slices = max(1, torch.get_num_threads())
+        self.argmax_keys = torch.zeros(m, self.argmax_slices, dtype=torch.int32)
+        self.argmax_partial = torch.zeros(m, self.argmax_slices, dtype=i64)
+        self.greedy_ids = torch.zeros(m, dtype=i64)
+        self._greedy_rows = 0  # rows of the last run whose greedy ids are in greedy_ids
+        self.model = model
+        # Row gathers inside the step where the tables allow (a plain bf16 embedding table, the
+        # rotary tables in bf16); else the step's first ops, from Python.
+        self.embedding_table = _plain_table(model.model.embed_tokens.weight)
+        rope = model.model.rotary_emb
+        self.rope_tables = (
+            (rope.cos_table, rope.sin_table)
+            if _plain_table(rope.cos_table) is not None and _plain_table(rope.sin_table) is not None
+            else None
+        )
+        self.plan = step_ext.Plan(self._tasks(model, heads, kv_heads, head_dim))
+        # `run_decodes`: per row of the block table, whose block ids it holds and how many
+        # (None: nothing known, the row is written whole next time).
+        self._row_owners: list[tuple[str, int] | None] = [None] * m
+
+    def _tasks(self, model, heads: int, kv_heads: int, head_dim: int) -> list[tuple]:
+        fo, pa, qg, bg = (
+            fused_ops.load(),
+            paged_attention.load(),
+            quant_gemm.load(),
+            bf16_gemm.load(),
+        )
+        norm_fn, rope_fn, silu_fn = fo.norm_task_fn(), fo.rotary_task_fn(), fo.silu_mul_task_fn()
+        gather_fn = fo.gather_task_fn()
+        attn_fn, merge_fn = pa.decode_task_fn(), pa.merge_task_fn()
+        prepare_fn = qg.gemv_prepare_task_fn() if qg is not None else None
+        blocks_fn = qg.gemv_blocks_task_fn() if qg is not None else None
+        bf16_fn = bg.gemv_task_fn() if bg is not None else None
+        rope_view = self.qkv.view(self.max_rows, heads + 2 * kv_heads, head_dim)[
+            :, : heads + kv_heads
+        ]
+        tasks: list[tuple] = []
+        self.task_names: list[str] = []  # per task, for the profile's breakdown
+        exp_lanes = (fused_ops.lanes() or (8, 0))[1]  # as engine/layers/ops.py passes it
+
+        def norm(norm_module, x, residual):
+            args = fo.make_norm_task(
+                x, residual, norm_module.weight, self.normed, norm_module.eps, norm_module.lanes
+            )
+            tasks.append((norm_fn, args, 0, 1, True))
+            self.task_names.append("norm")
+
+        def gemv(name, linear, x, y):
+            if not isinstance(linear, QuantLinear):  # our bf16 GEMV (the "gemv" layout)
+                args, blocks = bg.make_gemv_task(
+                    x, y, linear.weight, linear.bias, linear.out_features, linear._isa
+                )
+                tasks.append((bf16_fn, args, blocks, 0, True))
+                self.task_names.append(name)
+                return
+            bits = 4 if linear.scheme == "int4" else 8
+            args, blocks = qg.make_gemv_task(
+                x, y, linear.cpp_codes, linear.cpp_scales, bits,
+                linear.quant.group_size if bits == 4 else 0, linear.out_features, linear.cpp_isa,
+            )  # fmt: skip
+            # Each thread prepares the activations for itself (no barrier), then the threads
+            # take the blocks in chunks from a shared counter.
+            tasks.append((prepare_fn, args, 1, 0, False, None, decode_step.TASK_EVERY_THREAD))
+            tasks.append((blocks_fn, args, blocks, 0, True, None, decode_step.TASK_DYNAMIC))
+            self.task_names += ["gemv_prepare", name]
+
+        gathers = []  # (table, index, out): the step's inputs, rows looked up in tables
+        if self.embedding_table is not None:
+            gathers.append((self.embedding_table, self.input_ids, self.residual))
+        if self.rope_tables is not None:
+            gathers += [(self.rope_tables[0], self.positions, self.cos),
+                        (self.rope_tables[1], self.positions, self.sin)]  # fmt: skip
+        for i, (table, index, out) in enumerate(gathers):
+            last = i == len(gathers) - 1  # the gathers read and write nothing of each other's
+            tasks.append((gather_fn, fo.make_gather_task(table, index, out), 0, 1, last))
+            self.task_names.append("gather")
+
+        for index, layer in enumerate(model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if index == 0:  # residual = the embeddings; normed = RMSNorm(residual)
+                norm(layer.input_layernorm, self.residual, None)
+            else:  # residual += the last MLP output; normed = RMSNorm(residual)
+                norm(layer.input_layernorm, self.branch, self.residual)
+            gemv("qkv_proj", attn.qkv_proj, self.normed, self.qkv)
+            tasks.append((rope_fn, fo.make_rotary_task(rope_view, self.cos, self.sin), 0, 1, True))
+            self.task_names.append("rotary")
+            decode_args = pa.make_decode_task(
+                self.qkv, attn.kv_cache, self.block_table, self.context_lens, self.slot_mapping,
+                self.num_partitions, self.partials, self.attn, heads, self.partition_blocks,
+                head_dim**-0.5,
+            )  # fmt: skip
+            tasks.append((attn_fn, decode_args, 0, kv_heads, True, self.num_partitions))
+            # (skipped, with its barrier, in steps of one partition: the decode wrote the output)
+            tasks.append((merge_fn, decode_args, 0, kv_heads, True, self.merge_multiplier))
+            self.task_names += ["attention", "attention_merge"]
+            gemv("o_proj", attn.o_proj, self.attn.view(self.max_rows, -1), self.branch)
+            norm(layer.post_attention_layernorm, self.branch, self.residual)
+            gemv("gate_up_proj", mlp.gate_up_proj, self.normed, self.gate_up)
+            silu = fo.make_silu_mul_task(self.gate_up, self.act, exp_lanes)
+            tasks.append((silu_fn, silu, 0, 1, True))
+            self.task_names.append("silu_mul")
+            gemv("down_proj", mlp.down_proj, self.act, self.branch)
+        norm(model.model.norm, self.branch, self.residual)
+        if self.has_lm_head:
+            gemv("lm_head", model.lm_head, self.normed, self.logits)
+            args = fo.make_argmax_task(
+                self.logits, self.argmax_keys, self.argmax_partial, self.greedy_ids
+            )
+            slices = self.argmax_slices
+            tasks.append((fo.argmax_parts_task_fn(), args, 0, slices, True, self.greedy_multiplier))
+            tasks.append((fo.argmax_merge_task_fn(), args, 0, 1, False, self.greedy_multiplier))
+            self.task_names += ["argmax", "argmax_merge"]
+        return tasks
+
+    def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Whether this step can run fused: decode rows only, few enough."""
+        return (
+            not meta.prefills
+            and meta.num_decodes == num_tokens
+            and 0 < num_tokens <= self.max_rows
+            and meta.decode_block_table is not None
+            and meta.decode_block_table.shape[1] <= self.max_blocks
+            and self._partitions(num_tokens, meta.decode_block_table.shape[1])[0] > 0
+        )
+
+    def _partitions(self, rows: int, table_blocks: int) -> tuple[int, int]:
+        """(partitions, blocks per partition) of a step's attention, as the per-operator decode
+        splits it (paged_attention.partition_blocks_for); (0, 0) if the partials cannot hold
+        them (more threads than when the buffers were sized: that step runs per operator)."""
+        blocks = paged_attention.partition_blocks_for(
+            rows, self.kv_heads, table_blocks, self.block_size, torch.get_num_threads()
+        )
+        partitions = -(-table_blocks // blocks)
+        if rows * self.kv_heads * partitions > self.max_items:
+            return 0, 0
+        return partitions, blocks
+
+    def forget_rows(self) -> None:
+        """What `run_decodes` knows of the table's rows is void: requests left or were
+        preempted (their blocks freed, so an id may come back with other blocks)."""
+        self._row_owners = [None] * self.max_rows
+
+    def run_decodes(
+        self, scheduled: list, greedy: bool, num_kv_blocks: int, max_model_len: int
+    ) -> torch.Tensor | None:
+        """A decode-only step (every request one token at `start_position`) written from the
+        scheduler's requests straight into the step's inputs, with no flat batch in between:
+        each row's token, position, context length and slot, and of its block table only the
+        ids the row lacks (a running request's block ids only grow, and `forget_rows` is called
+        whenever blocks were freed). The checks are the runner's, on scalars, and the new
+        block ids only. Then as `run`. None, with nothing run, if the step does not fit (more
+        rows than the buffers, or partials too small for its attention split).
+
+        Why: the step's Python runs after the weights have streamed through the caches, so
+        each array operation costs 5-8x its warm time (loadtest/README.md, "Python on cold
+        caches"); this path does a handful instead of ~25 (prepare_step, then `run`'s copies).
+        Every id the table holds was checked when written, and the new token's slot is read
+        from the table, so whatever a request's list says, the step writes and reads only
+        blocks of the pool."""
+        rows = len(scheduled)
+        if rows > self.max_rows:
+            return None
+        inputs = self._inputs_np
+        ids, pos, ctx = inputs["input_ids"], inputs["positions"], inputs["context_lens"]
+        slots, table, owners = inputs["slot_mapping"], inputs["block_table"], self._row_owners
+        block_size, width = self.block_size, 0
+        vocab = self.embedding_table.shape[0] if self.embedding_table is not None else None
+        num_positions = self.rope_tables[0].shape[0] if self.rope_tables is not None else None
+        for row, request in enumerate(scheduled):
+            position, blocks, token = request.start_position, request.block_ids, request.token_ids[0]
+            request_id = request.request_id
+            if position < 0:
+                raise ValueError(f"request {request_id}: nothing to compute")
+            if position >= max_model_len:
+                raise ValueError(f"request {request_id}: {position + 1} tokens > max_model_len")
+            needed = position // block_size + 1
+            if len(blocks) < needed:
+                raise ValueError(
+                    f"request {request_id}: block_ids do not cover {position + 1} tokens"
+                )
+            owner = owners[row]
+            known = owner[1] if owner is not None and owner[0] == request_id else 0
+            if known > needed or (known == needed and table[row, needed - 1] != blocks[needed - 1]):
+                known = 0  # not the blocks the row holds (never from our scheduler): all again
+            if known < needed:
+                new = blocks[known:needed]
+                if min(new) < 0 or max(new) >= num_kv_blocks:
+                    raise ValueError(f"request {request_id}: block id outside the pool")
+                table[row, known:needed] = new
+                owners[row] = (request_id, needed)
+            if vocab is not None and not 0 <= token < vocab:
+                raise IndexError(f"fused decode step: a token id outside [0, {vocab})")
+            if num_positions is not None and position >= num_positions:
+                raise IndexError(f"fused decode step: a position outside [0, {num_positions})")
+            ids[row], pos[row], ctx[row] = token, position, position + 1
+            # From the row (every id in it was checked), never from the request's own list.
+            slots[row] = table[row, needed - 1] * block_size + position % block_size
+            width = max(width, needed)
+        num_partitions, blocks_per = self._partitions(rows, width)
+        if num_partitions == 0:
+            return None
+        if self.embedding_table is None:
+            self.residual[:rows].copy_(self.model.model.embed_tokens(self.input_ids[:rows]))
+        if self.rope_tables is None:
+            cos, sin = self.model.model.rotary_emb(self.positions[:rows])
+            self.cos[:rows].copy_(cos.view(rows, -1))
+            self.sin[:rows].copy_(sin.view(rows, -1))
+        return self._run_plan(rows, num_partitions, blocks_per, greedy)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        greedy: bool = False,
+    ):
+        """input_ids, positions [rows] -> final hidden states [rows, hidden] (a view of a
+        buffer that the next step overwrites). With `greedy` (every row takes the argmax of
+        its logits as they are) the step also finds the rows' greedy ids (`greedy_ids_of`)."""
+        rows = input_ids.shape[0]
+        inputs = self._inputs_np
+        ids, pos = input_ids.numpy(), positions.numpy()
+        if self.embedding_table is not None:
+            _check_indices(ids, self.embedding_table.shape[0], "token id")
+            inputs["input_ids"][:rows] = ids
+        else:
+            self.residual[:rows].copy_(self.model.model.embed_tokens(input_ids))
+        if self.rope_tables is not None:
+            _check_indices(pos, self.rope_tables[0].shape[0], "position")
+            inputs["positions"][:rows] = pos
+        else:
+            cos, sin = self.model.model.rotary_emb(positions)
+            self.cos[:rows].copy_(cos.view(rows, -1))
+            self.sin[:rows].copy_(sin.view(rows, -1))
+        table = meta.decode_block_table.numpy()
+        inputs["block_table"][:rows, : table.shape[1]] = table
+        self.forget_rows()  # rows written whole: what run_decodes knew of them is void
+        inputs["context_lens"][:rows] = meta.decode_context_lens.numpy()
+        inputs["slot_mapping"][:rows] = meta.slot_mapping.numpy()
+        return self._run_plan(rows, *self._partitions(rows, table.shape[1]), greedy)
+
+    def _run_plan(self, rows: int, num_partitions: int, blocks: int, greedy: bool) -> torch.Tensor:
+        """The plan over inputs already in the buffers: [rows, hidden] final hidden states
+        (and, with `greedy` where the step runs the lm_head, the rows' greedy ids)."""
+        greedy = greedy and self.has_lm_head
+        self._step_scalars[:] = (num_partitions, blocks, int(num_partitions > 1), int(greedy))
+        self._greedy_rows = 0
+        self.plan.run(rows, 0, decode_step.SPIN)
+        self._greedy_rows = rows if greedy else 0
+        return self.normed[:rows]
+
+    def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """The step's logits [rows, vocab] if `hidden` is this step's output and `rows` are all
+        of its rows in order (a decode-only step samples every row); else None. A view of a
+        buffer the next step overwrites: the sampler reads it within the step."""
+        num_rows = hidden.shape[0]
+        if not self.has_lm_head or hidden.data_ptr() != self.normed.data_ptr():
+            return None
+        # The rows of a decode-only step are one per request, in order, and sampling rows are
+        # a subset of them in that order: as many as the step has means every row.
+        if rows.shape[0] != num_rows:
+            return None
+        return self.logits[:num_rows]
+
+    def greedy_ids_of(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """The greedy ids [rows] of the step whose output `hidden` is, where it found them
+        (`run(greedy=True)`) for all of `rows`; else None. A view of a buffer the next step
+        overwrites."""
+        if self.logits_of(hidden, rows) is None or self._greedy_rows != hidden.shape[0]:
+            return None
+        return self.greedy_ids[: hidden.shape[0]]
+
+
+def _plain_table(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` if the step can gather its rows itself: a bf16 [n, width] CPU table, rows dense."""
+    if t is None or t.dtype != torch.bfloat16 or t.dim() != 2 or t.device.type != "cpu":
+        return None
+    return t if t.stride(1) == 1 else None
+
+
+def _check_indices(values, size: int, what: str) -> None:
+    """The step's gathers read rows `values` of a table of `size` rows: refuse any outside it
+    before the step runs (index_select raises; a task cannot)."""
+    if values.min() < 0 or values.max() >= size:
+        raise IndexError(f"fused decode step: a {what} outside [0, {size})")
+
+
+class StepForward:
+    """The model's forward with the fused step taken where it applies."""
+
+    def __init__(self, model, fused: FusedDecode):
+        self.model, self.fused = model, fused
+
+    def __call__(
+        self, input_ids, positions, meta: AttentionMetadata, greedy: bool = False
+    ) -> torch.Tensor:
+        """`greedy`: every row of a decode-only step takes its argmax (the fused step finds
+        the ids: `greedy_ids_for`)."""
+        if self.fused.accepts(input_ids.shape[0], meta):
+            return self.fused.run(input_ids, positions, meta, greedy)
+        return self.model(input_ids, positions, meta)
+
+    def run_decodes(
+        self, scheduled: list, greedy: bool, num_kv_blocks: int, max_model_len: int
+    ) -> torch.Tensor | None:
+        """A step of one-token sampling decodes straight from the scheduler's requests
+        (`FusedDecode.run_decodes`); None, with nothing run, where the step does not fit."""
+        return self.fused.run_decodes(scheduled, greedy, num_kv_blocks, max_model_len)
+
+    def forget_rows(self) -> None:
+        self.fused.forget_rows()
+
+    def step_counters(self) -> tuple[int, int]:
+        """(fused steps, of which the thread choice ran on one thread) so far."""
+        return tuple(self.fused.plan.counters())
+
+    def logits_for(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits of `rows` of `hidden`: the fused step's own where it computed them."""
+        logits = self.fused.logits_of(hidden, rows)
+        if logits is None:
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return logits
+
+    def greedy_ids_for(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """The greedy ids of `rows` of `hidden` where the fused step found them, else None."""
+        return self.fused.greedy_ids_of(hidden, rows)
+
+
+def resolve(model, mode: str, kv_dtype: torch.dtype, max_model_len: int):
+    """The model's forward for the runner: fused where `mode` ("auto", "on", "off") and the
+    model allow, else the model itself. "on" where it cannot apply logs why and falls back."""
+    if mode == "off":
+        return model, "off"
+    reason = unsupported_reason(model, kv_dtype)
+    step_ext = decode_step.load() if reason is None else None
+    if reason is None and step_ext is None:
+        reason = "no decode_step library (no compiler)"
+    if reason is not None:
+        (log.warning if mode == "on" else log.debug)("decode_step.unsupported", reason=reason)
+        return model, reason
+    return StepForward(model, FusedDecode(model, step_ext, max_model_len)), None
