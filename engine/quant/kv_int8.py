@@ -75,12 +75,7 @@ class Int8PagedAttention:
         kv_cache: Int8KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        codes, scales = quantize_kv(kv)
-        flat_codes = kv_cache.codes.view(-1, *kv_cache.codes.shape[2:])
-        flat_codes.index_copy_(0, meta.slot_mapping, codes)
-        kv_cache.scales.view(-1, *kv_cache.scales.shape[2:]).index_copy_(
-            0, meta.slot_mapping, scales
-        )
+        self._store(kv, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
         if num_decodes:
@@ -89,6 +84,12 @@ class Int8PagedAttention:
             span = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[span] = self._prefill(q[span], kv_cache, chunk, meta.slot_mapping[span])
         return out
+
+    def _store(self, kv: torch.Tensor, kv_cache: Int8KVCache, slots: torch.Tensor) -> None:
+        """The new K/V rows, quantized, into their slots."""
+        codes, scales = quantize_kv(kv)
+        kv_cache.codes.view(-1, *kv_cache.codes.shape[2:]).index_copy_(0, slots, codes)
+        kv_cache.scales.view(-1, *kv_cache.scales.shape[2:]).index_copy_(0, slots, scales)
 
     @staticmethod
     def _gather(kv_cache: Int8KVCache, block_ids: torch.Tensor, dtype) -> torch.Tensor:

@@ -797,6 +797,74 @@ void paged_attention_decode_int8(torch::Tensor q, torch::Tensor codes, torch::Te
   }
 }
 
+// Store new K/V rows into the int8 KV cache, quantized as engine/quant/kv_int8.py's
+// `quantize_kv` does, bit for bit: per token and head (K and V apart), in fp32, scale =
+// max(|x|, 1e-12) / 127 and code = round-half-to-even(x / scale) clamped to [-127, 127] (IEEE
+// divisions, no reciprocal: the build has no fast-math). kv [n, 2, num_kv_heads, head_dim]
+// float32 or bfloat16, contiguous; slots [n] int64, every one checked against the pool before
+// anything is written; codes [num_blocks, block_size, 2, num_kv_heads, head_dim] int8, scales
+// [num_blocks, block_size, 2, num_kv_heads] float32. One thread: a step's rows are a few
+// thousand values, less than waking a second thread costs.
+template <typename T>
+void store_int8_impl(const T* kv, const int64_t* slots, int64_t n, int64_t rows_per_token,
+                     int64_t head_dim, int8_t* codes, float* scales) {
+  std::vector<float> buffer(head_dim);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t r = 0; r < rows_per_token; ++r) {
+      const float* x = load_row(kv + (t * rows_per_token + r) * head_dim, buffer.data(), head_dim);
+      float amax = 0.0f;
+      bool is_nan = false;
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const float a = std::fabs(x[d]);
+        is_nan |= std::isnan(a);
+        amax = a > amax ? a : amax;
+      }
+      const float scale = std::max(amax, 1e-12f) / 127.0f;
+      const int64_t row = slots[t] * rows_per_token + r;
+      int8_t* out = codes + row * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const float q = std::nearbyint(x[d] / scale);
+        out[d] = is_nan ? 0 : static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+      }
+      scales[row] = is_nan ? std::numeric_limits<float>::quiet_NaN() : scale;
+    }
+  }
+}
+
+void store_kv_int8(torch::Tensor kv, torch::Tensor slots, torch::Tensor codes,
+                   torch::Tensor scales) {
+  TORCH_CHECK(kv.dim() == 4 && kv.size(1) == 2 && kv.is_contiguous(),
+              "kv must be contiguous [num_tokens, 2, num_kv_heads, head_dim]");
+  TORCH_CHECK(codes.dim() == 5 && scales.dim() == 4 && codes.is_contiguous() &&
+                  scales.is_contiguous() && codes.scalar_type() == at::kChar &&
+                  scales.scalar_type() == at::kFloat && scales.sizes() == codes.sizes().slice(0, 4),
+              "codes must be contiguous int8 [blocks, block_size, 2, heads, head_dim] and scales "
+              "contiguous float32 shaped like codes without head_dim");
+  TORCH_CHECK(codes.size(2) == 2 && codes.size(3) == kv.size(2) && codes.size(4) == kv.size(3),
+              "kv's heads and head_dim differ from the cache's");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.size(0) == kv.size(0),
+              "slots must be contiguous int64, one per token of kv");
+  const int64_t n = kv.size(0), num_slots = codes.size(0) * codes.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " outside the pool of ",
+                num_slots);
+  }
+  const int64_t rows_per_token = 2 * kv.size(2), head_dim = kv.size(3);
+  int8_t* codes_ptr = codes.data_ptr<int8_t>();
+  float* scales_ptr = scales.data_ptr<float>();
+  if (kv.scalar_type() == at::kFloat) {
+    store_int8_impl(kv.data_ptr<float>(), slot, n, rows_per_token, head_dim, codes_ptr,
+                    scales_ptr);
+  } else if (kv.scalar_type() == at::kBFloat16) {
+    store_int8_impl(kv.data_ptr<at::BFloat16>(), slot, n, rows_per_token, head_dim, codes_ptr,
+                    scales_ptr);
+  } else {
+    TORCH_CHECK(false, "store_kv_int8 supports float32 and bfloat16 kv, got ", kv.scalar_type());
+  }
+}
+
 // Extend (prefill after cached tokens): q [num_tokens, num_heads, head_dim] (strided like the
 // decode q); chunk i is q rows [query_starts[i], + query_lens[i]) at positions
 // start_positions[i] + 0.., attending causally to the cache through block_table [num_chunks,
@@ -843,6 +911,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged decode attention over the block pool, in place (GQA, online softmax)");
   m.def("paged_attention_decode_int8", &paged_attention_decode_int8,
         "Paged decode attention over the int8 KV cache (codes x per-token scales), in place");
+  m.def("store_kv_int8", &store_kv_int8,
+        "Quantize new K/V rows to the int8 cache at their slots (kv_int8.quantize_kv's bits)");
   m.def("paged_attention_extend", &paged_attention_extend,
         "Causal extend (prefill after cached tokens) attention over the block pool, in place");
   m.def("decode_task_fn", [] {

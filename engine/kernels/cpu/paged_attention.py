@@ -168,6 +168,17 @@ def decode_int8(
     return out
 
 
+def store_int8(
+    kernels: ModuleType,  # the built extension (load())
+    kv: torch.Tensor,  # [num_tokens, 2, num_kv_heads, head_dim] new K (rotated) and V
+    kv_cache: Int8KVCache,
+    slots: torch.Tensor,  # [num_tokens] int64, each a slot of the pool
+) -> None:
+    """The new rows quantized into the int8 cache at their slots, with
+    engine/quant/kv_int8.quantize_kv's bits; a slot outside the pool raises before any write."""
+    kernels.store_kv_int8(kv.contiguous(), slots.contiguous(), kv_cache.codes, kv_cache.scales)
+
+
 def extend(
     kernels: ModuleType,  # the built extension (load())
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], the whole step's q (head_dim contiguous)

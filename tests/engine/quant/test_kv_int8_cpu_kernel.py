@@ -83,3 +83,62 @@ def test_engine_on_the_cpu_kernel_matches_the_torch_int8_path(tiny_model_dir):
     kernel_name, got = generate("cpu")
     assert (reference_name, kernel_name) == ("torch-int8kv", "cpu-int8kv")
     assert got == expected
+
+
+def empty_int8_pool(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
+    """A pool whose every code is 99 and every scale NaN: a slot the store must not touch
+    keeps them."""
+    codes = torch.full((num_blocks, block_size, 2, num_kv_heads, head_dim), 99, dtype=torch.int8)
+    scales = torch.full((num_blocks, block_size, 2, num_kv_heads), float("nan"))
+    return Int8KVCache(codes, scales)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_kernels_store_writes_the_references_codes_and_scales(extension, data):
+    """`store_int8` quantizes new K/V rows into their slots with `quantize_kv`'s bits, codes and
+    scales, in float32 and bfloat16: rows of every magnitude, all-zero rows (the 1e-12 floor),
+    values half a step from a code (round half to even); every other slot untouched."""
+    num_blocks, block_size = 3, data.draw(st.sampled_from([1, 4, 16]), "block_size")
+    num_kv_heads = data.draw(st.integers(1, 3), "num_kv_heads")
+    head_dim = data.draw(st.sampled_from([1, 8, 64, 80]), "head_dim")
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), "dtype")
+    num_slots = num_blocks * block_size
+    slots = data.draw(
+        st.lists(st.integers(0, num_slots - 1), min_size=0, max_size=num_slots, unique=True),
+        "slots",
+    )
+    shape = (len(slots), 2, num_kv_heads, head_dim)
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), "seed"))
+    kv = torch.randn(shape, generator=generator) * data.draw(
+        st.sampled_from([1e-30, 1e-3, 1.0, 1e4]), "magnitude"
+    )
+    if slots and data.draw(st.booleans(), "with ties"):  # x / scale = k + 0.5 exactly
+        kv[0, 0, 0, :] = 0.0
+        kv[0, 0, 0, 0] = 127.0
+        if head_dim > 1:
+            kv[0, 0, 0, 1] = 2.5
+    if slots and data.draw(st.booleans(), "with a zero row"):
+        kv[-1, 1, -1, :] = 0.0
+    kv = kv.to(dtype)
+    slots_t = torch.tensor(slots, dtype=torch.int64)
+    ours = empty_int8_pool(num_blocks, block_size, num_kv_heads, head_dim)
+    paged_attention.store_int8(extension, kv, ours, slots_t)
+    reference = empty_int8_pool(num_blocks, block_size, num_kv_heads, head_dim)
+    codes, scales = quantize_kv(kv)
+    reference.codes.view(num_slots, 2, num_kv_heads, head_dim)[slots_t] = codes
+    reference.scales.view(num_slots, 2, num_kv_heads)[slots_t] = scales
+    assert torch.equal(ours.codes, reference.codes)
+    assert torch.equal(ours.scales.isnan(), reference.scales.isnan())
+    written = ~reference.scales.isnan()
+    assert torch.equal(
+        ours.scales[written].view(torch.int32), reference.scales[written].view(torch.int32)
+    )
+
+
+def test_a_slot_outside_the_pool_is_refused_before_anything_is_written(extension):
+    pool = empty_int8_pool(2, 4, 1, 8)
+    kv = torch.ones(2, 2, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        paged_attention.store_int8(extension, kv, pool, torch.tensor([3, 8]))
+    assert (pool.codes == 99).all() and pool.scales.isnan().all()
