@@ -804,7 +804,8 @@ void paged_attention_decode_int8(torch::Tensor q, torch::Tensor codes, torch::Te
 // float32 or bfloat16, contiguous; slots [n] int64, every one checked against the pool before
 // anything is written; codes [num_blocks, block_size, 2, num_kv_heads, head_dim] int8, scales
 // [num_blocks, block_size, 2, num_kv_heads] float32. One thread: a step's rows are a few
-// thousand values, less than waking a second thread costs.
+// thousand values, less than waking a second thread costs. A row holding a NaN (no finite
+// model makes one) stores codes 0 and a NaN scale, where torch's cast of NaN is undefined.
 template <typename T>
 void store_int8_impl(const T* kv, const int64_t* slots, int64_t n, int64_t rows_per_token,
                      int64_t head_dim, int8_t* codes, float* scales) {
