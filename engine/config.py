@@ -44,8 +44,8 @@ class EngineConfig:
     fused_ops: str = "auto"
     # A decode-only step as one C++ call, one parallel region (engine/fused_decode.py):
     # "auto" | "on" where the model and step allow (Llama-family, bf16 compute, int4/int8 weights
-    # or bf16 ones on our GEMV, the float KV cache, fused ops on), "off" the per-operator path.
-    # Same bits either way.
+    # or bf16 ones on our GEMV, the bf16 or int8 KV cache, fused ops on), "off" the
+    # per-operator path. Same bits either way.
     fused_decode: str = "auto"
     # torch.compile of the model forward: "on" | "off" | "auto" (True/False mean on/off). "auto"
     # is off: on the 2-core Zen 4 the compiled step did not beat eager (engine/compile.py).

@@ -15,7 +15,7 @@ The tasks are the kernels the per-operator path calls (quant_gemm's int4/int8 GE
 RMSNorm, RoPE and SiLU * up, paged_attention's decode), so the step's bits equal that path's
 (tests/engine/kernels/test_decode_step.py). What it takes: Llama/Mistral layers, bf16
 activations, int4 or int8 weights on the C++ kernel (no bias) or bf16 weights on our GEMV
-(`linear_kernel="gemv"`, bias allowed), the float (bf16) KV cache with the
+(`linear_kernel="gemv"`, bias allowed), the bf16 KV cache or the int8 one with the
 C++ attention backend, the fused ops on; decode-only steps of at most `max_rows` rows. Anything
 else takes the per-operator path, step by step (`accepts`).
 
@@ -32,7 +32,7 @@ from types import ModuleType
 import structlog
 import torch
 
-from engine.kernels.attention_types import AttentionMetadata
+from engine.kernels.attention_types import AttentionMetadata, Int8KVCache
 from engine.kernels.cpu import bf16_gemm, decode_step, fused_ops, paged_attention, quant_gemm
 from engine.layers.linear import Linear
 from engine.quant.linear import QuantLinear
@@ -58,16 +58,17 @@ def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
 
     if not isinstance(model, LlamaForCausalLM) or type(model.model) is not LlamaModel:
         return f"architecture {type(model).__name__}"
-    if kv_dtype != torch.bfloat16:
+    if kv_dtype not in (torch.bfloat16, torch.int8):
         return f"KV cache {kv_dtype}"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if (type(layer), type(attn), type(mlp)) != (LlamaDecoderLayer, LlamaAttention, LlamaMLP):
             return "layer types"
-        if getattr(attn.backend, "name", None) != "cpu" or not isinstance(
-            attn.kv_cache, torch.Tensor
+        backend = getattr(attn.backend, "name", None)
+        if not (backend == "cpu" and isinstance(attn.kv_cache, torch.Tensor)) and not (
+            backend == "cpu-int8kv" and isinstance(attn.kv_cache, Int8KVCache)
         ):
-            return f"attention backend {getattr(attn.backend, 'name', None)}"
+            return f"attention backend {backend}"
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             reason = _linear_reason(linear)
             if reason is not None:
@@ -105,7 +106,7 @@ class FusedDecode:
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         inter = model.model.layers[0].mlp.intermediate_size
         cache = cfg.kv_cache
-        self.block_size = cache.shape[1]
+        self.block_size = (cache.codes if isinstance(cache, Int8KVCache) else cache).shape[1]
         # As the per-operator decode splits a context: partitions of partition_blocks blocks
         # (fewer in steps of few rows: `_partitions`), as many as the step's block table is
         # wide (it must be the same split: same bits).
@@ -174,7 +175,9 @@ class FusedDecode:
         self.model = model
         # Row gathers inside the step where the tables allow (a plain bf16 embedding table, the
         # rotary tables in bf16); else the step's first ops, from Python.
-        self.embedding_table = _plain_table(model.model.embed_tokens.weight)
+        # (A tied embedding looked up in an int8 lm_head's codes has no table: gathered from
+        # Python, engine/quant/embedding.py.)
+        self.embedding_table = _plain_table(getattr(model.model.embed_tokens, "weight", None))
         rope = model.model.rotary_emb
         self.rope_tables = (
             (rope.cos_table, rope.sin_table)
@@ -195,7 +198,9 @@ class FusedDecode:
         )
         norm_fn, rope_fn, silu_fn = fo.norm_task_fn(), fo.rotary_task_fn(), fo.silu_mul_task_fn()
         gather_fn = fo.gather_task_fn()
-        attn_fn, merge_fn = pa.decode_task_fn(), pa.merge_task_fn()
+        attn_fn, attn_int8_fn, merge_fn = (
+            pa.decode_task_fn(), pa.decode_task_int8_fn(), pa.merge_task_fn()
+        )
         prepare_fn = qg.gemv_prepare_task_fn() if qg is not None else None
         blocks_fn = qg.gemv_blocks_task_fn() if qg is not None else None
         bf16_fn = bg.gemv_task_fn() if bg is not None else None
@@ -252,12 +257,20 @@ class FusedDecode:
             gemv("qkv_proj", attn.qkv_proj, self.normed, self.qkv)
             tasks.append((rope_fn, fo.make_rotary_task(rope_view, self.cos, self.sin), 0, 1, True))
             self.task_names.append("rotary")
-            decode_args = pa.make_decode_task(
-                self.qkv, attn.kv_cache, self.block_table, self.context_lens, self.slot_mapping,
-                self.num_partitions, self.partials, self.attn, heads, self.partition_blocks,
-                head_dim**-0.5,
+            step_args = (
+                self.block_table, self.context_lens, self.slot_mapping, self.num_partitions,
+                self.partials, self.attn, heads, self.partition_blocks, head_dim**-0.5,
             )  # fmt: skip
-            tasks.append((attn_fn, decode_args, 0, kv_heads, True, self.num_partitions))
+            if isinstance(attn.kv_cache, Int8KVCache):  # new rows quantized as they are written
+                cache = attn.kv_cache
+                decode_args = pa.make_decode_task_int8(
+                    self.qkv, cache.codes, cache.scales, *step_args
+                )
+                decode_fn = attn_int8_fn
+            else:
+                decode_args = pa.make_decode_task(self.qkv, attn.kv_cache, *step_args)
+                decode_fn = attn_fn
+            tasks.append((decode_fn, decode_args, 0, kv_heads, True, self.num_partitions))
             # (skipped, with its barrier, in steps of one partition: the decode wrote the output)
             tasks.append((merge_fn, decode_args, 0, kv_heads, True, self.merge_multiplier))
             self.task_names += ["attention", "attention_merge"]

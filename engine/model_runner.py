@@ -166,10 +166,11 @@ class ModelRunner:
 
     def _embedding_from_head(self, device: str, fused_decode_known: bool) -> bool:
         """Whether a tied embedding is looked up in the int8 lm_head's codes, its float table
-        freed (engine/quant/embedding.py). The fused decode step and compiled or CUDA runs read
-        the table itself: they keep it. Before loading (`fused_decode_known` False) only where
-        the fused step cannot apply whatever the weights (int8 KV cache, or turned off): then
-        the table goes while loading, off the load's peak."""
+        freed (engine/quant/embedding.py). Compiled or CUDA runs read the table itself: they
+        keep it; so does the fused decode step, which gathers its rows in C++ (with no table it
+        looks them up from Python, a few torch ops a step). Before loading (`fused_decode_known`
+        False) where the fused step is off or the KV cache is int8 (the setting for memory,
+        issue 17's peak RSS at W2): then the table goes while loading, off the load's peak."""
         if self.quant is None or not self.quant.embedding_from_head or self.is_compiled:
             return False
         if fused_decode_known:

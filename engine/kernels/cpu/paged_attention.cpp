@@ -60,6 +60,31 @@ inline const float* load_kv_row(const int8_t* src, float row_scale, float* buffe
   return load_row(src, row_scale, buffer, n);
 }
 
+// One K or V row (one token, one KV head) into the int8 cache, quantized as
+// engine/quant/kv_int8.py's `quantize_kv` does, bit for bit: in fp32, scale = max(|x|, 1e-12) /
+// 127 and code = round-half-to-even(x / scale) clamped to [-127, 127] (IEEE divisions, no
+// reciprocal: the build has no fast-math). A row holding a NaN (no finite model makes one)
+// stores codes 0 and a NaN scale, where torch's cast of NaN is undefined. `buffer`: head_dim
+// floats of scratch.
+template <typename T>
+inline void quantize_row(const T* src, int64_t head_dim, float* buffer, int8_t* codes,
+                         float* scale_out) {
+  const float* x = load_row(src, buffer, head_dim);
+  float amax = 0.0f;
+  bool is_nan = false;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float a = std::fabs(x[d]);
+    is_nan |= std::isnan(a);
+    amax = a > amax ? a : amax;
+  }
+  const float scale = std::max(amax, 1e-12f) / 127.0f;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float q = std::nearbyint(x[d] / scale);
+    codes[d] = is_nan ? 0 : static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+  }
+  *scale_out = is_nan ? std::numeric_limits<float>::quiet_NaN() : scale;
+}
+
 inline void store_row(const float* src, float* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(float));
 }
@@ -619,14 +644,17 @@ void extend_impl(const torch::Tensor& q, const torch::Tensor& kv_cache,
 // phases as two tasks, so the bits are decode_impl's. Items of the first: (row, KV head,
 // partition), as many partitions as decode_impl would make for the step's block table (the
 // step says, in *num_partitions); the item whose partition holds the row's last block first
-// writes the new K and V into the cache (no other item reads that slot). The second merges each
-// (row, KV head)'s partitions (nothing to do with one). bf16 q and cache only.
+// writes the new K and V into the cache (no other item reads that slot): copied into a bf16
+// cache, quantized into an int8 one (`quantize_row`, the bits of store_kv_int8). The second
+// merges each (row, KV head)'s partitions (nothing to do with one). bf16 q; a bf16 cache, or
+// int8 codes with their scales.
 
 using bf16 = at::BFloat16;
 
 struct DecodeTask {
   const bf16* qkv;  // [rows, (num_heads + 2 * num_kv_heads) * head_dim], RoPE applied
-  bf16* cache;      // [num_kv_blocks, block_size, 2, num_kv_heads, head_dim]
+  void* cache;      // [num_kv_blocks, block_size, 2, num_kv_heads, head_dim] bf16 or int8
+  float* scales;    // int8 caches: [num_kv_blocks, block_size, 2, num_kv_heads]; else null
   const int64_t* block_table;     // [max_rows, max_blocks]
   const int64_t* context_lens;    // [max_rows]
   const int64_t* slot_mapping;    // [max_rows]
@@ -644,24 +672,42 @@ Shapes step_shapes(const DecodeTask& t) {
   return s;
 }
 
+// The row's new K and V of one KV head into its slot.
+inline void write_kv(const DecodeTask& t, const bf16* k, const bf16* v, int64_t slot,
+                     int64_t kv_head, int64_t D, int64_t KVH, bf16* cache) {
+  bf16* row = cache + (slot * 2 * KVH + kv_head) * D;
+  std::memcpy(row, k, D * sizeof(bf16));
+  std::memcpy(row + KVH * D, v, D * sizeof(bf16));
+}
+
+inline void write_kv(const DecodeTask& t, const bf16* k, const bf16* v, int64_t slot,
+                     int64_t kv_head, int64_t D, int64_t KVH, int8_t* codes) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(D);
+  const int64_t k_row = slot * 2 * KVH + kv_head, v_row = k_row + KVH;
+  quantize_row(k, D, buffer.data(), codes + k_row * D, t.scales + k_row);
+  quantize_row(v, D, buffer.data(), codes + v_row * D, t.scales + v_row);
+}
+
+template <typename cache_t>
 void decode_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
   const DecodeTask& t = *static_cast<const DecodeTask*>(raw);
   const Shapes s = step_shapes(t);
   const int64_t D = s.head_dim, KVH = s.num_kv_heads, P = s.num_partitions;
-  const int64_t token_stride = 2 * KVH * D, partial = s.group * (D + 2);
+  const int64_t partial = s.group * (D + 2);
+  cache_t* cache = static_cast<cache_t*>(t.cache);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t row = item / (KVH * P), kv_head = (item / P) % KVH, part = item % P;
     const bf16* q_row = t.qkv + row * s.q_seq_stride;
     const int64_t context_len = t.context_lens[row];
     const int64_t last_block = (context_len - 1) / s.block_size;
     if (part == last_block / s.partition_blocks) {
-      bf16* slot = t.cache + t.slot_mapping[row] * token_stride + kv_head * D;
-      std::memcpy(slot, q_row + (s.num_heads + kv_head) * D, D * sizeof(bf16));
-      std::memcpy(slot + KVH * D, q_row + (s.num_heads + KVH + kv_head) * D, D * sizeof(bf16));
+      write_kv(t, q_row + (s.num_heads + kv_head) * D, q_row + (s.num_heads + KVH + kv_head) * D,
+               t.slot_mapping[row], kv_head, D, KVH, cache);
     }
-    decode_item<bf16, bf16>(q_row, t.cache, nullptr, t.block_table + row * s.max_blocks,
-                            context_len, row, kv_head, part, t.softmax_scale, s,
-                            t.partials + item * partial, t.out);
+    decode_item<bf16, cache_t>(q_row, cache, t.scales, t.block_table + row * s.max_blocks,
+                               context_len, row, kv_head, part, t.softmax_scale, s,
+                               t.partials + item * partial, t.out);
   }
 }
 
@@ -675,22 +721,22 @@ void merge_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
                      pair % s.num_kv_heads, s, t.out);
 }
 
-// qkv [max_rows, (H + 2 KVH) * D] bf16 buffer; kv_cache the layer's pool; block_table
-// [max_rows, max_blocks], context_lens and slot_mapping [max_rows] int64 buffers;
-// num_partitions [2] int64 (set per step: partitions, blocks per partition; the caller keeps
-// rows * KVH * partitions within the partials); partials float32 [max_rows * KVH *
-// max_partitions * G * (D + 2)], max_partitions those of `partition_blocks`; out [max_rows, H,
-// D]. Items per run: rows * KVH * partitions, then rows * KVH.
-py::capsule make_decode_task(torch::Tensor qkv, torch::Tensor kv_cache, torch::Tensor block_table,
-                             torch::Tensor context_lens, torch::Tensor slot_mapping,
-                             torch::Tensor num_partitions, torch::Tensor partials,
-                             torch::Tensor out, int64_t num_heads, int64_t partition_blocks,
-                             double softmax_scale) {
-  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16,
-              "decode task: bf16 qkv, cache and out");
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && kv_cache.dim() == 5 &&
-                  kv_cache.is_contiguous() && out.is_contiguous() && out.dim() == 3,
+// qkv [max_rows, (H + 2 KVH) * D] bf16 buffer; cache the layer's pool (bf16, or int8 codes with
+// `scales` [num_blocks, block_size, 2, KVH] float32); block_table [max_rows, max_blocks],
+// context_lens and slot_mapping [max_rows] int64 buffers; num_partitions [2] int64 (set per
+// step: partitions, blocks per partition; the caller keeps rows * KVH * partitions within the
+// partials); partials float32 [max_rows * KVH * max_partitions * G * (D + 2)], max_partitions
+// those of `partition_blocks`; out [max_rows, H, D]. Items per run: rows * KVH * partitions,
+// then rows * KVH.
+py::capsule decode_task_args(torch::Tensor qkv, torch::Tensor cache, float* scales,
+                             torch::Tensor block_table, torch::Tensor context_lens,
+                             torch::Tensor slot_mapping, torch::Tensor num_partitions,
+                             torch::Tensor partials, torch::Tensor out, int64_t num_heads,
+                             int64_t partition_blocks, double softmax_scale) {
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "decode task: bf16 qkv and out");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cache.dim() == 5 &&
+                  cache.is_contiguous() && out.is_contiguous() && out.dim() == 3,
               "decode task: qkv [rows, width], kv_cache 5-d contiguous, out [rows, heads, dim]");
   for (const auto* x : {&block_table, &context_lens, &slot_mapping, &num_partitions})
     TORCH_CHECK(x->scalar_type() == at::kLong && x->is_contiguous(),
@@ -701,9 +747,9 @@ py::capsule make_decode_task(torch::Tensor qkv, torch::Tensor kv_cache, torch::T
   Shapes s;
   s.num_seqs = out.size(0);
   s.num_heads = num_heads;
-  s.num_kv_heads = kv_cache.size(3);
-  s.head_dim = kv_cache.size(4);
-  s.block_size = kv_cache.size(1);
+  s.num_kv_heads = cache.size(3);
+  s.head_dim = cache.size(4);
+  s.block_size = cache.size(1);
   TORCH_CHECK(num_heads % s.num_kv_heads == 0 && out.size(1) == num_heads &&
                   out.size(2) == s.head_dim &&
                   qkv.size(1) == (num_heads + 2 * s.num_kv_heads) * s.head_dim,
@@ -719,13 +765,41 @@ py::capsule make_decode_task(torch::Tensor qkv, torch::Tensor kv_cache, torch::T
                   partials.numel() >= s.num_seqs * s.num_kv_heads * s.num_partitions *
                                           s.group * (s.head_dim + 2),
               "decode task: partials too small for max_rows x KV heads x partitions");
-  auto* task = new DecodeTask{qkv.data_ptr<bf16>(), kv_cache.data_ptr<bf16>(),
+  auto* task = new DecodeTask{qkv.data_ptr<bf16>(), cache.data_ptr(), scales,
                               block_table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
                               slot_mapping.data_ptr<int64_t>(), num_partitions.data_ptr<int64_t>(),
                               partials.data_ptr<float>(), out.data_ptr<bf16>(), s,
                               static_cast<float>(softmax_scale)};
   return py::capsule(task, "mini_infer.task_args",
                      [](void* p) { delete static_cast<DecodeTask*>(p); });
+}
+
+py::capsule make_decode_task(torch::Tensor qkv, torch::Tensor kv_cache, torch::Tensor block_table,
+                             torch::Tensor context_lens, torch::Tensor slot_mapping,
+                             torch::Tensor num_partitions, torch::Tensor partials,
+                             torch::Tensor out, int64_t num_heads, int64_t partition_blocks,
+                             double softmax_scale) {
+  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "decode task: a bf16 cache");
+  return decode_task_args(qkv, kv_cache, nullptr, block_table, context_lens, slot_mapping,
+                          num_partitions, partials, out, num_heads, partition_blocks,
+                          softmax_scale);
+}
+
+// The same over the int8 cache: codes [num_blocks, block_size, 2, KVH, D] int8 and scales
+// [num_blocks, block_size, 2, KVH] float32, both contiguous.
+py::capsule make_decode_task_int8(torch::Tensor qkv, torch::Tensor codes, torch::Tensor scales,
+                                  torch::Tensor block_table, torch::Tensor context_lens,
+                                  torch::Tensor slot_mapping, torch::Tensor num_partitions,
+                                  torch::Tensor partials, torch::Tensor out, int64_t num_heads,
+                                  int64_t partition_blocks, double softmax_scale) {
+  TORCH_CHECK(codes.dim() == 5 && scales.dim() == 4 && codes.scalar_type() == at::kChar &&
+                  scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.sizes() == codes.sizes().slice(0, 4),
+              "decode task: int8 codes [blocks, block_size, 2, heads, head_dim] and contiguous "
+              "float32 scales shaped like them without head_dim");
+  return decode_task_args(qkv, codes, scales.data_ptr<float>(), block_table, context_lens,
+                          slot_mapping, num_partitions, partials, out, num_heads,
+                          partition_blocks, softmax_scale);
 }
 
 }  // namespace
@@ -797,37 +871,20 @@ void paged_attention_decode_int8(torch::Tensor q, torch::Tensor codes, torch::Te
   }
 }
 
-// Store new K/V rows into the int8 KV cache, quantized as engine/quant/kv_int8.py's
-// `quantize_kv` does, bit for bit: per token and head (K and V apart), in fp32, scale =
-// max(|x|, 1e-12) / 127 and code = round-half-to-even(x / scale) clamped to [-127, 127] (IEEE
-// divisions, no reciprocal: the build has no fast-math). kv [n, 2, num_kv_heads, head_dim]
-// float32 or bfloat16, contiguous; slots [n] int64, every one checked against the pool before
-// anything is written; codes [num_blocks, block_size, 2, num_kv_heads, head_dim] int8, scales
-// [num_blocks, block_size, 2, num_kv_heads] float32. One thread: a step's rows are a few
-// thousand values, less than waking a second thread costs. A row holding a NaN (no finite
-// model makes one) stores codes 0 and a NaN scale, where torch's cast of NaN is undefined.
+// Store new K/V rows into the int8 KV cache (`quantize_row`: kv_int8.quantize_kv's bits). kv
+// [n, 2, num_kv_heads, head_dim] float32 or bfloat16, contiguous; slots [n] int64, every one
+// checked against the pool before anything is written; codes [num_blocks, block_size, 2,
+// num_kv_heads, head_dim] int8, scales [num_blocks, block_size, 2, num_kv_heads] float32. One
+// thread: a step's rows are a few thousand values, less than waking a second thread costs.
 template <typename T>
 void store_int8_impl(const T* kv, const int64_t* slots, int64_t n, int64_t rows_per_token,
                      int64_t head_dim, int8_t* codes, float* scales) {
   std::vector<float> buffer(head_dim);
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t r = 0; r < rows_per_token; ++r) {
-      const float* x = load_row(kv + (t * rows_per_token + r) * head_dim, buffer.data(), head_dim);
-      float amax = 0.0f;
-      bool is_nan = false;
-      for (int64_t d = 0; d < head_dim; ++d) {
-        const float a = std::fabs(x[d]);
-        is_nan |= std::isnan(a);
-        amax = a > amax ? a : amax;
-      }
-      const float scale = std::max(amax, 1e-12f) / 127.0f;
       const int64_t row = slots[t] * rows_per_token + r;
-      int8_t* out = codes + row * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) {
-        const float q = std::nearbyint(x[d] / scale);
-        out[d] = is_nan ? 0 : static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
-      }
-      scales[row] = is_nan ? std::numeric_limits<float>::quiet_NaN() : scale;
+      quantize_row(kv + (t * rows_per_token + r) * head_dim, head_dim, buffer.data(),
+                   codes + row * head_dim, scales + row);
     }
   }
 }
@@ -917,7 +974,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_extend", &paged_attention_extend,
         "Causal extend (prefill after cached tokens) attention over the block pool, in place");
   m.def("decode_task_fn", [] {
-    return py::capsule(reinterpret_cast<void*>(&decode_task), "mini_infer.task_fn");
+    return py::capsule(reinterpret_cast<void*>(&decode_task<bf16>), "mini_infer.task_fn");
+  });
+  m.def("decode_task_int8_fn", [] {
+    return py::capsule(reinterpret_cast<void*>(&decode_task<int8_t>), "mini_infer.task_fn");
   });
   m.def("merge_task_fn", [] {
     return py::capsule(reinterpret_cast<void*>(&merge_task), "mini_infer.task_fn");
@@ -925,4 +985,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_decode_task", &make_decode_task,
         "a fused decode step's K/V write + attention (items: row x KV head x partition), and "
         "the arguments of its merge (items: row x KV head)");
+  m.def("make_decode_task_int8", &make_decode_task_int8,
+        "the same over the int8 cache (codes and scales): new K/V rows quantized as "
+        "store_kv_int8 does");
 }

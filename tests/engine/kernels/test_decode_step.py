@@ -159,6 +159,31 @@ def test_fused_step_with_bf16_weights_on_our_gemv(step_ext, tiny_model_dir, isa)
     assert checker.num_checked >= 5 and 4 in checker.num_rows
 
 
+@pytest.mark.parametrize("weights", ["int4", "int8", "bf16-gemv"])
+def test_fused_step_with_the_int8_kv_cache(step_ext, tiny_model_dir, monkeypatch, weights):
+    """New K/V rows quantized in the step (store_kv_int8's bits), attention over codes and
+    scales: the per-operator path's bits, contexts split into partitions (made 2 blocks
+    here) included."""
+    from engine.kernels.cpu import paged_attention
+
+    monkeypatch.setattr(paged_attention, "PARTITION_TOKENS", 32)
+    if weights == "bf16-gemv":
+        engine = _engine(tiny_model_dir, None, linear_kernel="gemv", kv_cache_dtype="int8")
+    else:
+        engine = _engine(tiny_model_dir, weights, kv_cache_dtype="int8")
+    assert engine.runner.fused_decode is None, engine.runner.fused_decode
+    fused = engine.runner._forward.fused
+    # A tied embedding is looked up in the int8 head's codes (from Python), its table freed.
+    assert (fused.embedding_table is None) == (weights != "bf16-gemv")
+    cache = engine.runner.model.model.layers[0].self_attn.kv_cache
+    before = cache.codes.clone(), cache.scales.clone()
+    checker = _check(engine, [*PROMPTS, list(range(100, 190))], max_tokens=10)
+    assert checker.num_checked >= 9 and 5 in checker.num_rows
+    assert checker.num_decode_steps == checker.num_checked
+    assert int(fused.num_partitions[0]) >= 3
+    assert not torch.equal(cache.codes, before[0]) and not torch.equal(cache.scales, before[1])
+
+
 def test_fused_step_takes_w2_sized_batches_with_quantized_weights(step_ext, tiny_model_dir):
     """int4 runs the same GEMV at any row count: 20 rows fused."""
     engine = _engine(tiny_model_dir, "int4", max_num_seqs=32)
@@ -370,9 +395,11 @@ def test_unsupported_models_and_steps_take_the_per_operator_path(step_ext, tiny_
     packed = _engine(tiny_model_dir, None, linear_kernel="plain").runner.fused_decode
     assert "linear" in packed
     fp32 = LLMEngine(tiny_model_dir, dtype="float32", quantization="int4", num_kv_blocks=32)
-    assert fp32.runner.fused_decode is not None
-    int8_kv = _engine(tiny_model_dir, "int4", kv_cache_dtype="int8")
-    assert "KV cache" in int8_kv.runner.fused_decode or "backend" in int8_kv.runner.fused_decode
+    assert "KV cache" in fp32.runner.fused_decode
+    reference_int8_kv = _engine(
+        tiny_model_dir, "int4", kv_cache_dtype="int8", attention_backend="torch"
+    ).runner.fused_decode
+    assert "backend" in reference_int8_kv
     with pytest.raises(ValueError, match="fused_decode"):
         _engine(tiny_model_dir, "int4", fused_decode="sometimes")
 
