@@ -157,12 +157,17 @@ class FusedDecode:
         # threads (fewer than 4 x threads items: paged_attention.partition_blocks_for).
         threads = max(torch.get_num_threads(), os.cpu_count() or 1)
         self.max_items = max(m * kv_heads * max_partitions, 4 * threads)
-        self.partials = torch.zeros(self.max_items * group * (head_dim + 2))
+        # (The two largest buffers are left unwritten: a step writes every value it reads, and
+        # pages no step touches stay off the process's RSS: logits 6 MiB for 64 rows of
+        # SmolLM2's vocabulary, of which W2's 32 rows use half; partials 2.3 MiB, mostly for
+        # long contexts. The heap's freed pages are handed back after loading, so these are
+        # fresh ones.)
+        self.partials = torch.empty(self.max_items * group * (head_dim + 2))
         # The lm_head too where it is a GEMV task (int4/int8, or bf16 on our GEMV): the logits
         # of a decode-only step come out of the same call (every decode row samples).
         self.has_lm_head = _linear_reason(model.lm_head) is None
         vocab = model.lm_head.out_features if self.has_lm_head else 0
-        self.logits = torch.zeros(m, vocab, dtype=bf16)
+        self.logits = torch.empty(m, vocab, dtype=bf16)
         # Greedy ids from the same call (`run(greedy=True)`): each row's logits in slices
         # shared by the threads, then a merge; argmax_rows' indices, found while the logits
         # are still in the caches of the threads that wrote them (the sampler's own pass
