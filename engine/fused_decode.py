@@ -35,6 +35,7 @@ import torch
 from engine.kernels.attention_types import AttentionMetadata, Int8KVCache
 from engine.kernels.cpu import bf16_gemm, decode_step, fused_ops, paged_attention, quant_gemm
 from engine.layers.linear import Linear
+from engine.quant.embedding import HeadEmbedding
 from engine.quant.linear import QuantLinear
 
 log = structlog.get_logger(__name__)
@@ -178,11 +179,18 @@ class FusedDecode:
         self.greedy_ids = torch.zeros(m, dtype=i64)
         self._greedy_rows = 0  # rows of the last run whose greedy ids are in greedy_ids
         self.model = model
-        # Row gathers inside the step where the tables allow (a plain bf16 embedding table, the
-        # rotary tables in bf16); else the step's first ops, from Python.
-        # (A tied embedding looked up in an int8 lm_head's codes has no table: gathered from
-        # Python, engine/quant/embedding.py.)
-        self.embedding_table = _plain_table(getattr(model.model.embed_tokens, "weight", None))
+        # Row gathers inside the step where the tables allow (a plain bf16 embedding table, or
+        # the int8 lm_head's packed codes a tied embedding is looked up in (engine/quant/
+        # embedding.py: 0.35 ms a step from Python); the rotary tables in bf16); else the
+        # step's first ops, from Python.
+        embed = model.model.embed_tokens
+        self.embedding_table = _plain_table(getattr(embed, "weight", None))
+        self.embedding_head = _packed_int8_head(embed) if self.embedding_table is None else None
+        self.num_embeddings = (
+            self.embedding_table.shape[0] if self.embedding_table is not None
+            else self.embedding_head.out_features if self.embedding_head is not None
+            else None
+        )  # fmt: skip
         rope = model.model.rotary_emb
         self.rope_tables = (
             (rope.cos_table, rope.sin_table)
@@ -242,15 +250,22 @@ class FusedDecode:
             tasks.append((blocks_fn, args, blocks, 0, True, None, decode_step.TASK_DYNAMIC))
             self.task_names += ["gemv_prepare", name]
 
-        gathers = []  # (table, index, out): the step's inputs, rows looked up in tables
+        gathers = []  # (fn, args): the step's inputs, rows looked up in tables
         if self.embedding_table is not None:
-            gathers.append((self.embedding_table, self.input_ids, self.residual))
+            args = fo.make_gather_task(self.embedding_table, self.input_ids, self.residual)
+            gathers.append((gather_fn, args))
+        elif self.embedding_head is not None:
+            head = self.embedding_head
+            args = qg.make_gather_rows_task(
+                head.cpp_codes, head.cpp_scales, self.input_ids, self.residual
+            )
+            gathers.append((qg.gather_rows_task_fn(), args))
         if self.rope_tables is not None:
-            gathers += [(self.rope_tables[0], self.positions, self.cos),
-                        (self.rope_tables[1], self.positions, self.sin)]  # fmt: skip
-        for i, (table, index, out) in enumerate(gathers):
+            gathers += [(gather_fn, fo.make_gather_task(table, self.positions, out))
+                        for table, out in zip(self.rope_tables, (self.cos, self.sin))]  # fmt: skip
+        for i, (fn, args) in enumerate(gathers):
             last = i == len(gathers) - 1  # the gathers read and write nothing of each other's
-            tasks.append((gather_fn, fo.make_gather_task(table, index, out), 0, 1, last))
+            tasks.append((fn, args, 0, 1, last))
             self.task_names.append("gather")
 
         for index, layer in enumerate(model.model.layers):
@@ -350,7 +365,7 @@ class FusedDecode:
         ids, pos, ctx = inputs["input_ids"], inputs["positions"], inputs["context_lens"]
         slots, table, owners = inputs["slot_mapping"], inputs["block_table"], self._row_owners
         block_size, width = self.block_size, 0
-        vocab = self.embedding_table.shape[0] if self.embedding_table is not None else None
+        vocab = self.num_embeddings
         num_positions = self.rope_tables[0].shape[0] if self.rope_tables is not None else None
         for row, request in enumerate(scheduled):
             position, blocks, token = request.start_position, request.block_ids, request.token_ids[0]
@@ -385,7 +400,7 @@ class FusedDecode:
         num_partitions, blocks_per = self._partitions(rows, width)
         if num_partitions == 0:
             return None
-        if self.embedding_table is None:
+        if self.num_embeddings is None:
             self.residual[:rows].copy_(self.model.model.embed_tokens(self.input_ids[:rows]))
         if self.rope_tables is None:
             cos, sin = self.model.model.rotary_emb(self.positions[:rows])
@@ -406,8 +421,8 @@ class FusedDecode:
         rows = input_ids.shape[0]
         inputs = self._inputs_np
         ids, pos = input_ids.numpy(), positions.numpy()
-        if self.embedding_table is not None:
-            _check_indices(ids, self.embedding_table.shape[0], "token id")
+        if self.num_embeddings is not None:
+            _check_indices(ids, self.num_embeddings, "token id")
             inputs["input_ids"][:rows] = ids
         else:
             self.residual[:rows].copy_(self.model.model.embed_tokens(input_ids))
@@ -455,6 +470,20 @@ class FusedDecode:
         if self.logits_of(hidden, rows) is None or self._greedy_rows != hidden.shape[0]:
             return None
         return self.greedy_ids[: hidden.shape[0]]
+
+
+def _packed_int8_head(embed) -> QuantLinear | None:
+    """The int8 lm_head a tied embedding is looked up in, if the step can dequantize its rows
+    itself (its codes in the C++ kernel's packed layout)."""
+    if not isinstance(embed, HeadEmbedding) or embed.dtype != torch.bfloat16:
+        return None
+    head = embed.head[0]
+    if head.scheme != "int8" or head.cpp is None or getattr(head, "cpp_codes", None) is None:
+        return None
+    codes = head.cpp_codes
+    if codes.dtype != torch.int8 or codes.dim() != 3 or codes.shape[2] != quant_gemm.BLOCK:
+        return None
+    return head
 
 
 def _plain_table(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -959,6 +959,52 @@ py::tuple make_gemv_task(const at::Tensor& x, const at::Tensor& y, const at::Ten
   return py::make_tuple(args, num_blocks);
 }
 
+// Rows of what an int8 weight's codes stand for, from the packed layout (codes [blocks, K, 16],
+// scale [blocks * 16]): out[r, k] = bf16(float(q[index[r], k]) * s[index[r]]), rounded to
+// nearest even as torch's `.to(bfloat16)` rounds, so the bits are those of
+// engine/quant/linear.py's `dequantized_rows` then that cast (a tied embedding looked up in the
+// int8 lm_head's codes: engine/quant/embedding.py). One item per row; the indices are checked
+// by the caller before the step runs (a task cannot raise).
+struct GatherRowsTask {
+  const int8_t* codes;
+  const float* scales;
+  const int64_t* index;  // [rows]
+  at::BFloat16* out;     // [rows, K]
+  int64_t in_features;
+};
+
+void gather_rows_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
+  const GatherRowsTask& t = *static_cast<const GatherRowsTask*>(raw);
+  const int64_t K = t.in_features;
+  for (int64_t r = begin; r < end; ++r) {
+    const int64_t id = t.index[r];
+    const int8_t* column = t.codes + (id / kBlock) * K * kBlock + id % kBlock;
+    const float scale = t.scales[id];
+    at::BFloat16* row = t.out + r * K;
+    for (int64_t k = 0; k < K; ++k)
+      row[k] = static_cast<at::BFloat16>(static_cast<float>(column[k * kBlock]) * scale);
+  }
+}
+
+// codes int8 [blocks, K, 16] and scales float32 [blocks * 16] (an int8 QuantLinear's packed
+// weight), index int64 [max_rows] and out bf16 [max_rows, K], contiguous: the step's buffers.
+py::capsule make_gather_rows_task(const at::Tensor& codes, const at::Tensor& scales,
+                                  const at::Tensor& index, const at::Tensor& out) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 3 && codes.size(2) == kBlock &&
+                  codes.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                  scales.is_contiguous() && scales.numel() == codes.size(0) * kBlock,
+              "gather rows task: codes int8 [blocks, K, 16] and scales float32 [blocks * 16]");
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 1 && index.is_contiguous() &&
+                  out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.is_contiguous() &&
+                  out.size(0) == index.size(0) && out.size(1) == codes.size(1),
+              "gather rows task: index int64 [rows] and out bf16 [rows, K], contiguous");
+  auto* task = new GatherRowsTask{codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                                  index.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(),
+                                  codes.size(1)};
+  return py::capsule(task, "mini_infer.task_args",
+                     [](void* p) { delete static_cast<GatherRowsTask*>(p); });
+}
+
 // The VNNI path's activation codes and scales, for the tests: (codes int8 [rows, K] in input
 // order, scales float32 [rows, K / 32]).
 py::tuple quantize_activations(const at::Tensor& x) {
@@ -990,4 +1036,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::capsule(reinterpret_cast<void*>(&gemv_blocks_task), "mini_infer.task_fn");
   }, "a GEMV's blocks, on the activations the thread prepared");
   m.def("make_gemv_task", &make_gemv_task, "(task arguments, blocks) for one GEMV of a fused step");
+  m.def("gather_rows_task_fn", [] {
+    return py::capsule(reinterpret_cast<void*>(&gather_rows_task), "mini_infer.task_fn");
+  });
+  m.def("make_gather_rows_task", &make_gather_rows_task,
+        "a fused step's lookup of rows of an int8 weight's codes, dequantized to bf16");
 }

@@ -159,22 +159,26 @@ def test_fused_step_with_bf16_weights_on_our_gemv(step_ext, tiny_model_dir, isa)
     assert checker.num_checked >= 5 and 4 in checker.num_rows
 
 
-@pytest.mark.parametrize("weights", ["int4", "int8", "bf16-gemv"])
+@pytest.mark.parametrize("weights", ["int4", "int8", "int4-embedding-from-python", "bf16-gemv"])
 def test_fused_step_with_the_int8_kv_cache(step_ext, tiny_model_dir, monkeypatch, weights):
     """New K/V rows quantized in the step (store_kv_int8's bits), attention over codes and
     scales: the per-operator path's bits, contexts split into partitions (made 2 blocks
-    here) included."""
+    here) included. With quantized weights the tied embedding is looked up in the int8 head's
+    codes (its table freed): rows dequantized in the step, or from Python where it cannot."""
     from engine.kernels.cpu import paged_attention
 
     monkeypatch.setattr(paged_attention, "PARTITION_TOKENS", 32)
+    if weights == "int4-embedding-from-python":
+        monkeypatch.setattr(fused_decode, "_packed_int8_head", lambda embed: None)
     if weights == "bf16-gemv":
         engine = _engine(tiny_model_dir, None, linear_kernel="gemv", kv_cache_dtype="int8")
     else:
-        engine = _engine(tiny_model_dir, weights, kv_cache_dtype="int8")
+        engine = _engine(tiny_model_dir, weights.split("-")[0], kv_cache_dtype="int8")
     assert engine.runner.fused_decode is None, engine.runner.fused_decode
+    assert engine.runner.embedding == ("table" if weights == "bf16-gemv" else "head_codes")
     fused = engine.runner._forward.fused
-    # A tied embedding is looked up in the int8 head's codes (from Python), its table freed.
-    assert (fused.embedding_table is None) == (weights != "bf16-gemv")
+    assert (fused.embedding_head is not None) == (weights in ("int4", "int8"))
+    assert (fused.num_embeddings is None) == (weights == "int4-embedding-from-python")
     cache = engine.runner.model.model.layers[0].self_attn.kv_cache
     before = cache.codes.clone(), cache.scales.clone()
     checker = _check(engine, [*PROMPTS, list(range(100, 190))], max_tokens=10)
@@ -433,9 +437,16 @@ def test_inputs_gathered_from_python_where_the_tables_do_not_allow(
     assert checker.num_checked >= 5
 
 
-def test_indices_outside_the_tables_are_refused_before_the_step(step_ext, tiny_model_dir):
-    fused = _engine(tiny_model_dir, "int4").runner._forward.fused
-    vocab = fused.embedding_table.shape[0]
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_indices_outside_the_tables_are_refused_before_the_step(
+    step_ext, tiny_model_dir, kv_cache_dtype
+):
+    """The embedding's table, or (int8 KV: the embedding looked up in the head's codes) the
+    head's rows, and the rotary tables."""
+    engine = _engine(tiny_model_dir, "int4", kv_cache_dtype=kv_cache_dtype)
+    fused = engine.runner._forward.fused
+    vocab = fused.num_embeddings
+    assert vocab == engine.runner.model.lm_head.out_features
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(1, dtype=torch.int64), num_decodes=1,
         decode_block_table=torch.zeros(1, 1, dtype=torch.int64),
