@@ -261,8 +261,8 @@ class FusedDecode:
             )
             gathers.append((qg.gather_rows_task_fn(), args))
         if self.rope_tables is not None:
-            gathers += [(gather_fn, fo.make_gather_task(table, self.positions, out))
-                        for table, out in zip(self.rope_tables, (self.cos, self.sin), strict=True)]  # fmt: skip
+            for table, out in zip(self.rope_tables, (self.cos, self.sin), strict=True):
+                gathers.append((gather_fn, fo.make_gather_task(table, self.positions, out)))
         for i, (fn, args) in enumerate(gathers):
             last = i == len(gathers) - 1  # the gathers read and write nothing of each other's
             tasks.append((fn, args, 0, 1, last))
