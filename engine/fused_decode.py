@@ -46,6 +46,12 @@ log = structlog.get_logger(__name__)
 # and 64 rows the fused step's bits are our kernel's, not that path's (both round to bf16 once).
 MAX_ROWS_QUANT = 64
 
+# A greedy step of at most this many rows takes a bf16 lm_head's argmax through an int8 screen
+# (`HeadScreen`): at one row the bf16 lm_head is a fifth of the weights a step streams (SmolLM2:
+# 57 of 269 MB), the screen half of that. With more rows the GEMV is no longer bound by the
+# weights' bytes, and the screen's per-row work grows: those steps read the bf16 head.
+SCREEN_MAX_ROWS = 4
+
 
 def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
     """Why `model` cannot take the fused step (None: it can)."""
@@ -147,9 +153,11 @@ class FusedDecode:
         # [num_partitions, blocks per partition, merge multiplier (0 in steps of one
         # partition), greedy multiplier (1 in steps whose rows all take the argmax)]: the plan
         # reads them through pointers; set per step through a numpy view of the same memory.
-        scalars = torch.tensor([1, self.partition_blocks, 0, 0], dtype=i64)
+        # [.., the bf16 lm_head (0 in screened steps), the screen (1 in screened steps)]
+        scalars = torch.tensor([1, self.partition_blocks, 0, 0, 1, 0], dtype=i64)
         self.num_partitions, self.merge_multiplier = scalars[0:2], scalars[2:3]
         self.greedy_multiplier = scalars[3:4]
+        self.head_multiplier, self.screen_multiplier = scalars[4:5], scalars[5:6]
         self._step_scalars = scalars.numpy()
         group = heads // kv_heads
         self.kv_heads = kv_heads
@@ -178,6 +186,17 @@ class FusedDecode:
         self.argmax_partial = torch.zeros(m, self.argmax_slices, dtype=i64)
         self.greedy_ids = torch.zeros(m, dtype=i64)
         self._greedy_rows = 0  # rows of the last run whose greedy ids are in greedy_ids
+        # A bf16 lm_head's greedy steps of few rows through an int8 screen (`HeadScreen`);
+        # `screened_steps`, and the channels they computed exactly, count its use.
+        self.screen = (
+            HeadScreen(model.lm_head)
+            if self.has_lm_head and not isinstance(model.lm_head, QuantLinear)
+            and quant_gemm.load() is not None
+            else None
+        )  # fmt: skip
+        self.screen_candidates = torch.zeros(m, dtype=i64)
+        self._screened = False  # the last run took the screen (its logits are not all there)
+        self.screened_steps = self.screened_channels = 0
         self.model = model
         # Row gathers inside the step where the tables allow (a plain bf16 embedding table, or
         # the int8 lm_head's packed codes a tied embedding is looked up in (engine/quant/
@@ -231,24 +250,31 @@ class FusedDecode:
             tasks.append((norm_fn, args, 0, 1, True))
             self.task_names.append("norm")
 
-        def gemv(name, linear, x, y):
+        def gemv(name, linear, x, y, multiplier=None):
             if not isinstance(linear, QuantLinear):  # our bf16 GEMV (the "gemv" layout)
                 args, blocks = bg.make_gemv_task(
                     x, y, linear.weight, linear.bias, linear.out_features, linear._isa
                 )
-                tasks.append((bf16_fn, args, blocks, 0, True))
+                tasks.append((bf16_fn, args, blocks, 0, True, multiplier))
                 self.task_names.append(name)
-                return
+                return args
             bits = 4 if linear.scheme == "int4" else 8
+            args = quant_gemv(name, x, y, linear.cpp_codes, linear.cpp_scales, bits,
+                              linear.quant.group_size if bits == 4 else 0, linear.out_features,
+                              linear.cpp_isa, multiplier)  # fmt: skip
+            return args
+
+        def quant_gemv(name, x, y, codes, scales, bits, group_size, out_features, isa, multiplier):
             args, blocks = qg.make_gemv_task(
-                x, y, linear.cpp_codes, linear.cpp_scales, bits,
-                linear.quant.group_size if bits == 4 else 0, linear.out_features, linear.cpp_isa,
-            )  # fmt: skip
+                x, y, codes, scales, bits, group_size, out_features, isa
+            )
             # Each thread prepares the activations for itself (no barrier), then the threads
             # take the blocks in chunks from a shared counter.
-            tasks.append((prepare_fn, args, 1, 0, False, None, decode_step.TASK_EVERY_THREAD))
-            tasks.append((blocks_fn, args, blocks, 0, True, None, decode_step.TASK_DYNAMIC))
+            every, dynamic = decode_step.TASK_EVERY_THREAD, decode_step.TASK_DYNAMIC
+            tasks.append((prepare_fn, args, 1, 0, False, multiplier, every))
+            tasks.append((blocks_fn, args, blocks, 0, True, multiplier, dynamic))
             self.task_names += ["gemv_prepare", name]
+            return args
 
         gathers = []  # (fn, args): the step's inputs, rows looked up in tables
         if self.embedding_table is not None:
@@ -303,7 +329,19 @@ class FusedDecode:
             gemv("down_proj", mlp.down_proj, self.act, self.branch)
         norm(model.model.norm, self.branch, self.residual)
         if self.has_lm_head:
-            gemv("lm_head", model.lm_head, self.normed, self.logits)
+            head_args = gemv("lm_head", model.lm_head, self.normed, self.logits,
+                             self.head_multiplier)  # fmt: skip
+            if self.screen is not None:  # screened steps: A into the logits buffer, then ids
+                screen = self.screen
+                quant_gemv("lm_head_screen", self.normed, self.logits, screen.codes,
+                           screen.scales, 8, 0, screen.out_features, screen.isa,
+                           self.screen_multiplier)  # fmt: skip
+                args = bg.make_screen_task(
+                    head_args, self.logits, screen.scales, self.greedy_ids,
+                    self.screen_candidates, screen.bound_factor,
+                )  # fmt: skip
+                tasks.append((bg.screen_argmax_task_fn(), args, 0, 1, True, self.screen_multiplier))
+                self.task_names.append("lm_head_screen_exact")
             args = fo.make_argmax_task(
                 self.logits, self.argmax_keys, self.argmax_partial, self.greedy_ids
             )
@@ -342,7 +380,12 @@ class FusedDecode:
         self._row_owners = [None] * self.max_rows
 
     def run_decodes(
-        self, scheduled: list, greedy: bool, num_kv_blocks: int, max_model_len: int
+        self,
+        scheduled: list,
+        greedy: bool,
+        num_kv_blocks: int,
+        max_model_len: int,
+        screen: bool = False,
     ) -> torch.Tensor | None:
         """A decode-only step (every request one token at `start_position`) written from the
         scheduler's requests straight into the step's inputs, with no flat batch in between:
@@ -406,7 +449,7 @@ class FusedDecode:
             cos, sin = self.model.model.rotary_emb(self.positions[:rows])
             self.cos[:rows].copy_(cos.view(rows, -1))
             self.sin[:rows].copy_(sin.view(rows, -1))
-        return self._run_plan(rows, num_partitions, blocks_per, greedy)
+        return self._run_plan(rows, num_partitions, blocks_per, greedy, screen)
 
     def run(
         self,
@@ -440,36 +483,93 @@ class FusedDecode:
         inputs["slot_mapping"][:rows] = meta.slot_mapping.numpy()
         return self._run_plan(rows, *self._partitions(rows, table.shape[1]), greedy)
 
-    def _run_plan(self, rows: int, num_partitions: int, blocks: int, greedy: bool) -> torch.Tensor:
+    def _run_plan(
+        self, rows: int, num_partitions: int, blocks: int, greedy: bool, screen: bool = False
+    ) -> torch.Tensor:
         """The plan over inputs already in the buffers: [rows, hidden] final hidden states
-        (and, with `greedy` where the step runs the lm_head, the rows' greedy ids)."""
+        (and, with `greedy` where the step runs the lm_head, the rows' greedy ids). `screen`:
+        the caller needs the greedy ids only, not the logits (the step may then take the
+        lm_head's screen, `HeadScreen`)."""
         greedy = greedy and self.has_lm_head
-        self._step_scalars[:] = (num_partitions, blocks, int(num_partitions > 1), int(greedy))
+        screened = greedy and screen and self.screen is not None and rows <= SCREEN_MAX_ROWS
+        self._step_scalars[:] = (
+            num_partitions, blocks, int(num_partitions > 1), int(greedy and not screened),
+            int(not screened), int(screened),
+        )  # fmt: skip
         self._greedy_rows = 0
         self.plan.run(rows, 0, decode_step.SPIN)
         self._greedy_rows = rows if greedy else 0
+        self._screened = screened
+        if screened:
+            self.screened_steps += 1
+            self.screened_channels += int(self.screen_candidates[:rows].sum())
         return self.normed[:rows]
+
+    def _is_step(self, hidden: torch.Tensor, rows: torch.Tensor) -> bool:
+        """Whether `hidden` is this step's output, with the lm_head's results in the step, and
+        `rows` are all of its rows in order (a decode-only step samples every row)."""
+        if not self.has_lm_head or hidden.data_ptr() != self.normed.data_ptr():
+            return False
+        # The rows of a decode-only step are one per request, in order, and sampling rows are
+        # a subset of them in that order: as many as the step has means every row.
+        return rows.shape[0] == hidden.shape[0]
 
     def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
         """The step's logits [rows, vocab] if `hidden` is this step's output and `rows` are all
-        of its rows in order (a decode-only step samples every row); else None. A view of a
-        buffer the next step overwrites: the sampler reads it within the step."""
-        num_rows = hidden.shape[0]
-        if not self.has_lm_head or hidden.data_ptr() != self.normed.data_ptr():
+        of its rows in order, and the step computed them all (not screened); else None. A view
+        of a buffer the next step overwrites: the sampler reads it within the step."""
+        if self._screened or not self._is_step(hidden, rows):
             return None
-        # The rows of a decode-only step are one per request, in order, and sampling rows are
-        # a subset of them in that order: as many as the step has means every row.
-        if rows.shape[0] != num_rows:
-            return None
-        return self.logits[:num_rows]
+        return self.logits[: hidden.shape[0]]
+
+    def screened(self, hidden: torch.Tensor, rows: torch.Tensor) -> bool:
+        """Whether the step whose output `hidden` is took the lm_head's screen: its greedy ids
+        are found, its logits are not there."""
+        return self._screened and self._is_step(hidden, rows)
 
     def greedy_ids_of(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
         """The greedy ids [rows] of the step whose output `hidden` is, where it found them
         (`run(greedy=True)`) for all of `rows`; else None. A view of a buffer the next step
         overwrites."""
-        if self.logits_of(hidden, rows) is None or self._greedy_rows != hidden.shape[0]:
+        if not self._is_step(hidden, rows) or self._greedy_rows != hidden.shape[0]:
             return None
         return self.greedy_ids[: hidden.shape[0]]
+
+
+class HeadScreen:
+    """An int8 copy of a bf16 lm_head that rules out the channels that cannot be a greedy
+    step's argmax (bf16_gemm.cpp's `screen_argmax_task`): per output channel j, scale
+    s_j = max|W_j| / 127 and codes round(W_j / s_j), so the screen's logit is within
+    c s_j |x|_1 of the exact one (c: the codes' rounding, 1/2, and both GEMVs' fp32 sums). The
+    channels it cannot rule out are computed exactly from the bf16 weight, by the same kernel
+    calls as the full GEMV: the ids are the full logits' argmax, bit for bit (tests/engine/
+    kernels/test_decode_step.py). Its codes run on quant_gemm's exact-math path (no int8
+    activations, whose error the bound leaves out). Memory: the codes, 1 byte a weight (SmolLM2:
+    27 MiB beside the 54 MiB bf16 head)."""
+
+    ROWS_PER_CHUNK = 4096  # quantized this many rows at a time (a float copy of the whole
+    # head would be 113 MiB at load)
+
+    def __init__(self, head: Linear):
+        out_features, in_features = head.out_features, head.in_features
+        weight = bf16_gemm.unpack(head.weight, out_features, in_features)
+        codes = torch.empty(out_features, in_features, dtype=torch.int8)
+        scales = torch.empty(out_features, dtype=torch.float32)
+        for start in range(0, out_features, self.ROWS_PER_CHUNK):
+            w = weight[start : start + self.ROWS_PER_CHUNK].float()
+            amax = w.abs().amax(dim=1)
+            # (A tensor divided by a tensor: IEEE quotients, as the bound assumes.)
+            s = amax / torch.full_like(amax, 127.0)
+            q = torch.where(s[:, None] > 0, w / torch.where(s > 0, s, 1.0)[:, None], 0.0)
+            codes[start : start + self.ROWS_PER_CHUNK] = q.round_().clamp_(-127, 127)
+            scales[start : start + self.ROWS_PER_CHUNK] = s
+        del weight
+        self.codes, self.scales = quant_gemm.pack_int8(codes, scales)
+        self.out_features = out_features
+        self.isa = quant_gemm.isa_code(quant_gemm.best_isa(int8_activations=False))
+        # 1/2 for the codes (plus their quotient's fp32 rounding), and K 2^-24 128 for each
+        # GEMV's fp32 sums, with room to spare.
+        self.bound_factor = 0.5 + 1e-4 + 2.02 * 128 * in_features * 2.0**-24
 
 
 def _packed_int8_head(embed) -> QuantLinear | None:
@@ -516,11 +616,17 @@ class StepForward:
         return self.model(input_ids, positions, meta)
 
     def run_decodes(
-        self, scheduled: list, greedy: bool, num_kv_blocks: int, max_model_len: int
+        self,
+        scheduled: list,
+        greedy: bool,
+        num_kv_blocks: int,
+        max_model_len: int,
+        screen: bool = False,
     ) -> torch.Tensor | None:
         """A step of one-token sampling decodes straight from the scheduler's requests
-        (`FusedDecode.run_decodes`); None, with nothing run, where the step does not fit."""
-        return self.fused.run_decodes(scheduled, greedy, num_kv_blocks, max_model_len)
+        (`FusedDecode.run_decodes`); None, with nothing run, where the step does not fit.
+        `screen`: greedy ids are all the caller needs (`logits_for` may then be None)."""
+        return self.fused.run_decodes(scheduled, greedy, num_kv_blocks, max_model_len, screen)
 
     def forget_rows(self) -> None:
         self.fused.forget_rows()
@@ -529,8 +635,11 @@ class StepForward:
         """(fused steps, of which the thread choice ran on one thread) so far."""
         return tuple(self.fused.plan.counters())
 
-    def logits_for(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Logits of `rows` of `hidden`: the fused step's own where it computed them."""
+    def logits_for(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """Logits of `rows` of `hidden`: the fused step's own where it computed them; None for
+        a step that took the lm_head's screen (its caller asked for greedy ids only)."""
+        if self.fused.screened(hidden, rows):
+            return None
         logits = self.fused.logits_of(hidden, rows)
         if logits is None:
             logits = self.model.compute_logits(hidden.index_select(0, rows))

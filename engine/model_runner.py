@@ -305,16 +305,18 @@ class ModelRunner:
     def compute_logits(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Run one step exactly like `execute` (K/V are written) but return the float32 logits
         [vocab] of each sampling request instead of sampling. For tests and debugging."""
-        requests, logits, _, _ = self._run(out)
+        requests, logits, _, _ = self._run(out, needs_logits=True)
         return {r.request_id: logits[i].float() for i, r in enumerate(requests)}
 
     def _run(
-        self, out: SchedulerOutput
+        self, out: SchedulerOutput, needs_logits: bool = False
     ) -> tuple[
         list[ScheduledRequest], torch.Tensor | None, torch.Tensor | None, dict[str, StepLogprobs]
     ]:
         """schedule's output -> (requests that sample, their logits on the CPU, their greedy
         ids where the step found them already (else None), the step's prompt logprob chunks).
+        The logits are None where the greedy ids are all the step's requests need and the
+        fused step did not compute them all (`_run_decodes`), unless `needs_logits`.
         Device runners override only `_prepare`, `_forward_batch` and `_logits` (copies,
         graph replay), not this."""
         self.sampler.drop(out.finished_request_ids)
@@ -323,7 +325,7 @@ class ModelRunner:
         if self._forward_takes_greedy:
             if out.finished_request_ids or out.preempted_request_ids:
                 self._forward.forget_rows()  # their blocks were freed
-            decoded = self._run_decodes(out.scheduled)
+            decoded = self._run_decodes(out.scheduled, needs_logits)
             if decoded is not None:
                 return decoded
             self._is_trim_due_fused = True
@@ -336,7 +338,7 @@ class ModelRunner:
         greedy_ids = greedy_ids_for(hidden, batch.sample_rows) if greedy_ids_for else None
         return batch.sample_requests, self._logits(hidden, batch), greedy_ids, prompt_logprobs
 
-    def _run_decodes(self, scheduled: list[ScheduledRequest]):
+    def _run_decodes(self, scheduled: list[ScheduledRequest], needs_logits: bool = False):
         """`_run` for a step of sampling decodes only, on the fused decode step, its inputs
         written from the requests (`FusedDecode.run_decodes`: no StepBatch, and the checks on
         what changed); None where that does not apply (then `_run` goes the general way)."""
@@ -346,11 +348,16 @@ class ModelRunner:
             if request.params.prompt_logprobs is not None and request.num_output_tokens == 0:
                 return None  # a one-token prompt that wants its prompt logprobs
         greedy = all(takes_argmax(r) for r in scheduled)
+        # Greedy ids are all such a step needs unless a request wants its logprobs: the step
+        # may then skip most of a bf16 lm_head (fused_decode.HeadScreen; logits None).
+        ids_only = greedy and not needs_logits and all(r.params.logprobs is None for r in scheduled)
         forward = self._forward
         if self._is_trim_due_fused:  # the per-operator steps' temporaries: freed, not needed
             trim_heap()
             self._is_trim_due_fused = False
-        hidden = forward.run_decodes(scheduled, greedy, self.num_kv_blocks, self.max_model_len)
+        hidden = forward.run_decodes(
+            scheduled, greedy, self.num_kv_blocks, self.max_model_len, screen=ids_only
+        )
         if hidden is None:
             return None
         rows = self._all_rows[: len(scheduled)]  # every row samples, in order

@@ -30,6 +30,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -390,8 +393,9 @@ struct GemvTask {
   at::BFloat16* y;    // [rows, out_features], contiguous
 };
 
-void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
-  const GemvTask& t = *static_cast<const GemvTask*>(raw);
+// The step's activations as `activations` lays them out, in this thread's buffers: the Problem
+// of task `t` for `rows` rows.
+Problem lay_out(const GemvTask& t, int64_t rows) {
   const int64_t k = t.in_features, num_pairs = t.num_pairs;
   thread_local std::vector<uint32_t> pairs;  // each thread lays out the few rows itself
   thread_local std::vector<float> widened;
@@ -411,10 +415,92 @@ void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
       widened[2 * i + 1] = bf16_to_float(static_cast<uint16_t>(pairs[i] >> 16));
     }
   }
-  const Problem p{rows, num_pairs, t.out_features, pairs.data(),
-                  t.isa != kAvx512Bf16 ? widened.data() : nullptr, t.w,
-                  t.bias.empty() ? nullptr : t.bias.data(), t.y};
-  run_blocks(p, t.isa, b0, b1);
+  return Problem{rows, num_pairs, t.out_features, pairs.data(),
+                 t.isa != kAvx512Bf16 ? widened.data() : nullptr, t.w,
+                 t.bias.empty() ? nullptr : t.bias.data(), t.y};
+}
+
+void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
+  const GemvTask& t = *static_cast<const GemvTask*>(raw);
+  run_blocks(lay_out(t, rows), t.isa, b0, b1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A greedy step's lm_head, screened (engine/fused_decode.py, `HeadScreen`): the argmax of the
+// bf16 logits y = round_bf16(x W^T) without reading all of W. A screen A ~ x W^T from an int8
+// copy of W (per output channel: scale s_j = max|W_j| / 127, codes round(W_j / s_j), computed
+// by quant_gemm's exact-math GEMV: fp32 products and sums, bf16 output) bounds every logit:
+//   |A_j - y_j| <= e_j = c s_j |x|_1 + 2^-7 (|A_j| + c s_j |x|_1),
+// c = 0.5 (the codes' rounding, |W - s q| <= s / 2) plus slack for both GEMVs' fp32 sums
+// (K 2^-24 |q| |x| each, |q| <= 128) and the fp32 division; the 2^-7 term covers rounding A
+// and y to bf16 (2^-9 each). So the row's largest logit is at least L = max_j (A_j - e_j), and
+// a channel with A_j + e_j < L cannot hold it; the channels that can are computed exactly,
+// block by block, by this library's kernel on the step's rows (the same calls, the same bits
+// as the full GEMV), and their first largest value is torch.max's index over the full logits.
+// A row whose activations or screen are not finite is computed whole. Items: rows.
+
+struct ScreenTask {
+  const GemvTask* head;      // the bf16 lm_head's GEMV task (its weight and x)
+  const at::BFloat16* screen;  // [max_rows, vocab]: A, from the int8 copy
+  const float* scales;       // [vocab]: s_j
+  int64_t* ids;              // [max_rows]: each row's argmax
+  int64_t* candidates;       // [max_rows]: channels computed exactly (a measure of the screen)
+  float c;
+};
+
+void screen_argmax_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
+  const ScreenTask& t = *static_cast<const ScreenTask*>(raw);
+  const GemvTask& head = *t.head;
+  const int64_t vocab = head.out_features, k = head.in_features;
+  thread_local std::vector<at::BFloat16> exact;  // [rows, 16]: one block's logits, every row
+  exact.resize(rows * kBlock);
+  Problem block = lay_out(head, rows);
+  block.out_features = kBlock;  // rows of `exact` are 16 wide
+  block.y = exact.data();
+  for (int64_t r = begin; r < end; ++r) {
+    const uint16_t* x = head.x + r * k;
+    float norm = 0.f;
+    for (int64_t i = 0; i < k; ++i) norm += std::fabs(bf16_to_float(x[i]));
+    norm *= 1.0f + 1e-5f;  // the sum's own rounding, K terms
+    const at::BFloat16* a = t.screen + r * vocab;
+    // (Tiny activations too: the bf16 kernel flushes subnormal products, which the bound
+    // does not cover.)
+    bool finite = std::isfinite(norm) && norm > 1e-30f;
+    float lower = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < vocab && finite; ++j) {
+      const float aj = static_cast<float>(a[j]), ej = t.c * t.scales[j] * norm;
+      finite = std::isfinite(aj);
+      lower = std::max(lower, aj - ej - 0.0078125f * (std::fabs(aj) + ej));
+    }
+    int64_t best = -1, num_exact = 0;
+    float best_value = 0.f;
+    for (int64_t b = 0; b * kBlock < vocab; ++b) {
+      const int64_t lanes = std::min(kBlock, vocab - b * kBlock);
+      bool wanted = !finite;
+      for (int64_t j = b * kBlock; j < b * kBlock + lanes && !wanted; ++j) {
+        const float aj = static_cast<float>(a[j]), ej = t.c * t.scales[j] * norm;
+        wanted = aj + ej + 0.0078125f * (std::fabs(aj) + ej) >= lower;
+      }
+      if (!wanted) continue;
+      // Block b alone: the weight from its first pair on, the bias from its first channel.
+      Problem one = block;
+      one.w = head.w + b * head.num_pairs * 2 * kBlock;
+      one.bias = head.bias.empty() ? nullptr : head.bias.data() + b * kBlock;
+      run_blocks(one, head.isa, 0, 1);
+      num_exact += lanes;
+      for (int64_t lane = 0; lane < lanes; ++lane) {
+        const float value = static_cast<float>(exact[r * kBlock + lane]);
+        // torch.max's order: the first of equal values; a NaN above everything, the first.
+        const bool nan = std::isnan(value), best_nan = best >= 0 && std::isnan(best_value);
+        if (best < 0 || (nan && !best_nan) || (!best_nan && value > best_value)) {
+          best = b * kBlock + lane;
+          best_value = value;
+        }
+      }
+    }
+    t.ids[r] = best;
+    t.candidates[r] = num_exact;
+  }
 }
 
 // (task arguments capsule, number of blocks) for y = x @ W^T (+ b) on the step's x and y
@@ -447,6 +533,33 @@ py::tuple make_gemv_task(const at::Tensor& x, const at::Tensor& y, const at::Ten
   return py::make_tuple(args, num_blocks);
 }
 
+// head: make_gemv_task's arguments for the bf16 lm_head (kept alive by the caller); screen bf16
+// [max_rows, vocab] (the int8 copy's GEMV output), scales float32 [vocab], ids and candidates
+// int64 [max_rows]; c the bound's factor of s_j |x|_1 (see ScreenTask).
+py::capsule make_screen_task(const py::capsule& head, const at::Tensor& screen,
+                             const at::Tensor& scales, const at::Tensor& ids,
+                             const at::Tensor& candidates, double c) {
+  TORCH_CHECK(std::string(head.name() ? head.name() : "") == "mini_infer.task_args",
+              "screen task: head must be make_gemv_task's arguments");
+  const auto* h = static_cast<const GemvTask*>(head.get_pointer());
+  TORCH_CHECK(screen.scalar_type() == at::kBFloat16 && screen.dim() == 2 &&
+                  screen.is_contiguous() && screen.size(1) == h->out_features,
+              "screen task: screen bf16 [rows, vocab], contiguous");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() >= h->out_features,
+              "screen task: scales float32 [vocab]");
+  for (const auto* v : {&ids, &candidates})
+    TORCH_CHECK(v->scalar_type() == at::kLong && v->is_contiguous() &&
+                    v->numel() >= screen.size(0),
+                "screen task: ids and candidates int64 [rows]");
+  TORCH_CHECK(c >= 0.5, "screen task: the bound's factor is at least 1/2");
+  auto* task = new ScreenTask{h, screen.data_ptr<at::BFloat16>(), scales.data_ptr<float>(),
+                              ids.data_ptr<int64_t>(), candidates.data_ptr<int64_t>(),
+                              static_cast<float>(c)};
+  return py::capsule(task, "mini_infer.task_args",
+                     [](void* p) { delete static_cast<ScreenTask*>(p); });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -457,4 +570,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::capsule(reinterpret_cast<void*>(&gemv_task), "mini_infer.task_fn");
   });
   m.def("make_gemv_task", &make_gemv_task, "(task arguments, blocks) for one linear of a fused step");
+  m.def("screen_argmax_task_fn", [] {
+    return py::capsule(reinterpret_cast<void*>(&screen_argmax_task), "mini_infer.task_fn");
+  });
+  m.def("make_screen_task", &make_screen_task,
+        "a greedy step's lm_head argmax from an int8 screen and the channels it cannot rule out");
 }

@@ -51,7 +51,7 @@ struct Task {
   const void* args;
   int64_t fixed_items, items_per_row;
   bool barrier_after;
-  const int64_t* row_multiplier;  // items_per_row is multiplied by *row_multiplier, if set
+  const int64_t* row_multiplier;  // the items are multiplied by *row_multiplier, if set
   int64_t mode;
 };
 
@@ -272,7 +272,8 @@ class Plan {
  public:
   // tasks: (fn capsule, args capsule, fixed_items, items_per_row, barrier_after[, multiplier])
   // tuples, multiplier an int64 tensor whose first value (set before each run: attention's
-  // partitions) multiplies items_per_row. The capsules and tensors are kept alive here.
+  // partitions; 0 or 1 for a task that runs in some steps only) multiplies the items. The
+  // capsules and tensors are kept alive here.
   explicit Plan(const py::list& tasks) : owners_(tasks) {
     for (const auto& item : tasks) {
       const auto entry = item.cast<py::tuple>();
@@ -428,7 +429,7 @@ class Plan {
 
   static int64_t items(const Task& t, int64_t rows) {
     const int64_t multiplier = t.row_multiplier != nullptr ? *t.row_multiplier : 1;
-    return t.fixed_items + t.items_per_row * rows * multiplier;
+    return (t.fixed_items + t.items_per_row * rows) * multiplier;
   }
 
   py::list owners_;

@@ -62,7 +62,7 @@ class Checker:
         self.num_rows.add(input_ids.shape[0])
         return want
 
-    def run_decodes(self, scheduled, greedy, num_kv_blocks, max_model_len):
+    def run_decodes(self, scheduled, greedy, num_kv_blocks, max_model_len, screen=False):
         """The runner's decode-only steps (inputs written from the requests, block table rows
         kept between steps) against the per-operator path on the flat batch of the same
         requests."""
@@ -503,6 +503,97 @@ def test_the_steps_argmax_is_torchs(step_ext, rows, vocab, slices, threads, valu
     ids.fill_(-7)
     plan.run(rows, threads, decode_step.SPIN)
     assert (ids == -7).all()
+
+
+class _Head:
+    """A bf16 lm_head on our GEMV, as HeadScreen reads it."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.out_features, self.in_features = weight.shape
+        self.weight = bf16_gemm.pack(weight)
+        self.bias = None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    vocab=st.integers(1, 300),
+    in_features=st.sampled_from([8, 64, 130]),
+    near_ties=st.integers(0, 40),
+    x_scale=st.sampled_from([1e-3, 1.0, 30.0]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_screened_lm_heads_ids_are_the_full_logits_argmax(
+    step_ext, rows, vocab, in_features, near_ties, x_scale, threads, seed
+):
+    """The int8 screen rules channels out, the rest are computed exactly: the ids are
+    torch.max's over the full bf16 logits of the same kernel, whatever the ties. Channels are
+    drawn as copies of others (exact ties), copies nudged by one bf16 step (ties the screen
+    cannot tell apart), and zero rows."""
+    generator = torch.Generator().manual_seed(seed)
+    w = torch.randn(vocab, in_features, generator=generator) * 0.05
+    for _ in range(near_ties):
+        i, j = torch.randint(0, vocab, (2,), generator=generator).tolist()
+        w[i] = w[j]
+        if torch.rand(1, generator=generator).item() < 0.5:  # one weight a bf16 step apart
+            k = int(torch.randint(0, in_features, (1,), generator=generator))
+            w[i, k] = torch.nextafter(w[j, k].bfloat16(), torch.tensor(1.0).bfloat16()).float()
+    if vocab > 3:
+        w[vocab // 3] = 0.0
+    x = (torch.randn(rows, in_features, generator=generator) * x_scale).bfloat16()
+    head = _Head(w.bfloat16())
+    screen = fused_decode.HeadScreen(head)
+    bg, qg = bf16_gemm.load(), quant_gemm.load()
+    full = torch.empty(rows, vocab, dtype=torch.bfloat16)
+    screened = torch.empty(rows, vocab, dtype=torch.bfloat16)
+    ids = torch.full((rows,), -7, dtype=torch.int64)
+    candidates = torch.zeros(rows, dtype=torch.int64)
+    isa = bf16_gemm.isa_code()
+    head_args, head_blocks = bg.make_gemv_task(x, full, head.weight, None, vocab, isa)
+    screen_args, screen_blocks = qg.make_gemv_task(
+        x, screened, screen.codes, screen.scales, 8, 0, vocab, screen.isa
+    )
+    exact = bg.make_screen_task(
+        head_args, screened, screen.scales, ids, candidates, screen.bound_factor
+    )
+    plan = step_ext.Plan([
+        (bg.gemv_task_fn(), head_args, head_blocks, 0, True),
+        (qg.gemv_prepare_task_fn(), screen_args, 1, 0, False, None, decode_step.TASK_EVERY_THREAD),
+        (qg.gemv_blocks_task_fn(), screen_args, screen_blocks, 0, True, None, decode_step.TASK_DYNAMIC),
+        (bg.screen_argmax_task_fn(), exact, 0, 1, True),
+    ])  # fmt: skip
+    plan.run(rows, threads, decode_step.SPIN)
+    assert torch.equal(full, bf16_gemm.gemm(bg, x, head.weight, None, vocab))
+    assert torch.equal(ids, full.max(dim=-1).indices), (ids, full.max(dim=-1))
+    assert (candidates >= 1).all() and (candidates <= -(-vocab // 16) * 16).all()
+
+
+def test_greedy_steps_of_a_bf16_head_take_its_screen_with_the_same_tokens(
+    step_ext, tiny_model_dir
+):
+    """Greedy steps of up to SCREEN_MAX_ROWS rows with bf16 weights on our GEMV take the
+    lm_head's screen (no logits: the runner asks for ids only): the tokens of the per-operator
+    path, the screen computing few of the channels exactly. Steps with more rows, or with a
+    request that wants logprobs, read the full head."""
+    engine = _engine(tiny_model_dir, None, linear_kernel="gemv")
+    fused = engine.runner._forward.fused
+    assert fused.screen is not None and fused_decode.SCREEN_MAX_ROWS == 4
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23], list(range(30, 67))]
+    screened = _run(engine, prompts, max_tokens=12)
+    vocab = engine.runner.model.lm_head.out_features
+    assert fused.screened_steps == 11  # every decode step (the first token is the prefill's)
+    assert fused.screened_channels < fused.screened_steps * len(prompts) * vocab / 2
+    off = _engine(tiny_model_dir, None, linear_kernel="gemv", fused_decode="off")
+    assert screened == _run(off, prompts, max_tokens=12)
+    five = [*prompts, [40, 41, 42]]
+    assert _run(engine, five, max_tokens=6) == _run(off, five, max_tokens=6)
+    assert fused.screened_steps == 11  # five rows: the full head
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    engine.add_request("lp", [5, 6, 7], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert fused.screened_steps == 11  # logprobs need the logits
 
 
 def test_greedy_steps_take_the_steps_ids_and_sampled_ones_do_not(
