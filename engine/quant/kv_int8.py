@@ -16,8 +16,10 @@ kernel (`CpuInt8PagedAttention`, engine/layers/cpu_attention.py), which reads co
 and scales in place and dequantizes each row in fp32 as it reads it (no rounding to the
 compute dtype between the two: bf16 results differ from the reference by bf16 rounding), and
 stores new rows with `quantize_kv`'s bits in C++ (`store_kv_int8`: 10-14% faster steps with
-int4 weights, `loadtest/results/kv-int8-store-session11.json`); the Triton kernels read it too
-(engine/kernels/triton). Measured in the engine
+int4 weights, `loadtest/results/kv-int8-store-session11.json`); the fused decode step
+(engine/fused_decode.py) does both inside its one call, with the same bits (W1 4.2x, W2 1.5x
+the per-operator path with int4 weights, `loadtest/results/kv-int8-fused-step-session12.json`);
+the Triton kernels read it too (engine/kernels/triton). Measured in the engine
 (`python -m loadtest.bench_kv_int8`, bf16 weights, 2-core Zen 4, 2 alternating rounds,
 medians, `loadtest/results/kv-int8-cpu-kernel-20261203.json`): kernel over reference 1.10x at
 W1 (1 x 128) and 1.53x at W2 (32 x 128); the reference's gather + dequantize of every context
