@@ -51,6 +51,7 @@ MAX_ROWS_QUANT = 64
 # 57 of 269 MB), the screen half of that. With more rows the GEMV is no longer bound by the
 # weights' bytes, and the screen's per-row work grows: those steps read the bf16 head.
 SCREEN_MAX_ROWS = 4
+SCREEN_MIN_SHARE = 0.125  # the head's share of a step's weight bytes below which it is not
 
 
 def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
@@ -190,8 +191,7 @@ class FusedDecode:
         # `screened_steps`, and the channels they computed exactly, count its use.
         self.screen = (
             HeadScreen(model.lm_head)
-            if self.has_lm_head and not isinstance(model.lm_head, QuantLinear)
-            and quant_gemm.load() is not None
+            if self.has_lm_head and _worth_a_screen(model) and quant_gemm.load() is not None
             else None
         )  # fmt: skip
         self.screen_candidates = torch.zeros(m, dtype=i64)
@@ -570,6 +570,21 @@ class HeadScreen:
         # 1/2 for the codes (plus their quotient's fp32 rounding), and K 2^-24 128 for each
         # GEMV's fp32 sums, with room to spare.
         self.bound_factor = 0.5 + 1e-4 + 2.02 * 128 * in_features * 2.0**-24
+
+
+def _worth_a_screen(model) -> bool:
+    """Whether a bf16 lm_head is worth its int8 screen: at least SCREEN_MIN_SHARE of the weight
+    bytes a one-row step streams (SmolLM2-135M: 0.21; a 1B Llama's shapes: 0.08, where the
+    screen's memory, half the head's, would buy 4% of a step)."""
+    head = model.lm_head
+    if isinstance(head, QuantLinear) or not isinstance(head, Linear):
+        return False
+    total = sum(
+        module.in_features * module.out_features * (1 if isinstance(module, QuantLinear) else 2)
+        for module in model.modules()
+        if isinstance(module, (Linear, QuantLinear))
+    )
+    return 2 * head.in_features * head.out_features >= SCREEN_MIN_SHARE * total
 
 
 def _packed_int8_head(embed) -> QuantLinear | None:

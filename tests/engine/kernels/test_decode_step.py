@@ -596,6 +596,14 @@ def test_greedy_steps_of_a_bf16_head_take_its_screen_with_the_same_tokens(
     assert fused.screened_steps == 11  # logprobs need the logits
 
 
+def test_a_head_too_small_a_share_of_the_weights_gets_no_screen(step_ext, tmp_path):
+    """The screen costs half the head's memory: a head under SCREEN_MIN_SHARE of the bytes
+    a step streams (here 3%) goes without it."""
+    model_dir = make_tiny_llama(tmp_path, num_hidden_layers=4, intermediate_size=1024)
+    fused = _engine(model_dir, None, linear_kernel="gemv").runner._forward.fused
+    assert fused.has_lm_head and fused.screen is None
+
+
 def test_greedy_steps_take_the_steps_ids_and_sampled_ones_do_not(
     step_ext, tiny_model_dir, monkeypatch
 ):
