@@ -51,7 +51,7 @@ MAX_ROWS_QUANT = 64
 # 57 of 269 MB), the screen half of that. With more rows the GEMV is no longer bound by the
 # weights' bytes, and the screen's per-row work grows: those steps read the bf16 head.
 SCREEN_MAX_ROWS = 4
-SCREEN_MIN_SHARE = 0.125  # the head's share of a step's weight bytes below which it is not
+SCREEN_MIN_SHARE = 0.125  # below this share of a step's weight bytes, a head gets no screen
 
 
 def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
