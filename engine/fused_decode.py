@@ -337,9 +337,8 @@ class FusedDecode:
                            screen.scales, 8, 0, screen.out_features, screen.isa,
                            self.screen_multiplier)  # fmt: skip
                 args = bg.make_screen_task(
-                    head_args, self.logits, screen.scales, self.greedy_ids,
-                    self.screen_candidates, screen.bound_factor,
-                )  # fmt: skip
+                    head_args, self.logits, screen.bounds, self.greedy_ids, self.screen_candidates
+                )
                 tasks.append((bg.screen_argmax_task_fn(), args, 0, 1, True, self.screen_multiplier))
                 self.task_names.append("lm_head_screen_exact")
             args = fo.make_argmax_task(
@@ -539,13 +538,15 @@ class FusedDecode:
 class HeadScreen:
     """An int8 copy of a bf16 lm_head that rules out the channels that cannot be a greedy
     step's argmax (bf16_gemm.cpp's `screen_argmax_task`): per output channel j, scale
-    s_j = max|W_j| / 127 and codes round(W_j / s_j), so the screen's logit is within
-    c s_j |x|_1 of the exact one (c: the codes' rounding, 1/2, and both GEMVs' fp32 sums). The
-    channels it cannot rule out are computed exactly from the bf16 weight, by the same kernel
-    calls as the full GEMV: the ids are the full logits' argmax, bit for bit (tests/engine/
-    kernels/test_decode_step.py). Its codes run on quant_gemm's exact-math path (no int8
-    activations, whose error the bound leaves out). Memory: the codes, 1 byte a weight (SmolLM2:
-    27 MiB beside the 54 MiB bf16 head)."""
+    s_j = max|W_j| / 127 and codes round(W_j / s_j). Each channel's screen logit is within
+    b_j |x|_1 of the exact one, b_j the channel's largest weight error (measured in float64
+    against what its codes and scale stand for, at most s_j / 2) plus room for both GEMVs' fp32
+    sums. The channels it cannot rule out are computed exactly from the bf16 weight, by the
+    same kernel calls as the full GEMV: the ids are the full logits' argmax, bit for bit
+    (tests/engine/kernels/test_decode_step.py). Its codes run on quant_gemm's exact-math path
+    (no int8 activations, whose error the bound leaves out). SmolLM2 at W1: ~95 of 49152
+    channels computed exactly a step. An int4 copy (a quarter of the head's bytes) ruled out
+    none there: its error times the final hidden state's |x|_1 exceeds the logits' spread."""
 
     ROWS_PER_CHUNK = 4096  # quantized this many rows at a time (a float copy of the whole
     # head would be 113 MiB at load)
@@ -555,21 +556,26 @@ class HeadScreen:
         weight = bf16_gemm.unpack(head.weight, out_features, in_features)
         codes = torch.empty(out_features, in_features, dtype=torch.int8)
         scales = torch.empty(out_features, dtype=torch.float32)
+        bounds = torch.empty(out_features, dtype=torch.float64)
         for start in range(0, out_features, self.ROWS_PER_CHUNK):
-            w = weight[start : start + self.ROWS_PER_CHUNK].float()
+            rows = slice(start, start + self.ROWS_PER_CHUNK)
+            w = weight[rows].float()
             amax = w.abs().amax(dim=1)
-            # (A tensor divided by a tensor: IEEE quotients, as the bound assumes.)
-            s = amax / torch.full_like(amax, 127.0)
-            q = torch.where(s[:, None] > 0, w / torch.where(s > 0, s, 1.0)[:, None], 0.0)
-            codes[start : start + self.ROWS_PER_CHUNK] = q.round_().clamp_(-127, 127)
-            scales[start : start + self.ROWS_PER_CHUNK] = s
+            scale = amax / torch.full_like(amax, 127.0)  # IEEE quotients
+            divisor = torch.where(scale > 0, scale, 1.0)[:, None]
+            q = torch.where(scale[:, None] > 0, w / divisor, 0.0).round_().clamp_(-127, 127)
+            codes[rows], scales[rows] = q, scale
+            stands_for = q.double() * scale.double()[:, None]
+            error = (w.double() - stands_for).abs().amax(dim=1)
+            # 4 K 2^-24 128 s_j: the two GEMVs' fp32 sums, each within K 2^-24 of the sum of its
+            # terms' magnitudes (at most 128 s_j |x|_1): twice what they need.
+            slack = 4 * in_features * 2.0**-24 * 128 * scale.double()
+            bounds[rows] = (error + slack) * (1 + 1e-6)
         del weight
         self.codes, self.scales = quant_gemm.pack_int8(codes, scales)
+        self.bounds = bounds.float()
         self.out_features = out_features
         self.isa = quant_gemm.isa_code(quant_gemm.best_isa(int8_activations=False))
-        # 1/2 for the codes (plus their quotient's fp32 rounding), and K 2^-24 128 for each
-        # GEMV's fp32 sums, with room to spare.
-        self.bound_factor = 0.5 + 1e-4 + 2.02 * 128 * in_features * 2.0**-24
 
 
 def _worth_a_screen(model) -> bool:

@@ -427,25 +427,24 @@ void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
 
 // ---------------------------------------------------------------------------------------------
 // A greedy step's lm_head, screened (engine/fused_decode.py, `HeadScreen`): the argmax of the
-// bf16 logits y = round_bf16(x W^T) without reading all of W. A screen A ~ x W^T from an int8
-// copy of W (per output channel: scale s_j = max|W_j| / 127, codes round(W_j / s_j), computed
-// by quant_gemm's exact-math GEMV: fp32 products and sums, bf16 output) bounds every logit:
-//   |A_j - y_j| <= e_j = c s_j |x|_1 + 2^-7 (|A_j| + c s_j |x|_1),
-// c = 0.5 (the codes' rounding, |W - s q| <= s / 2) plus slack for both GEMVs' fp32 sums
-// (K 2^-24 |q| |x| each, |q| <= 128) and the fp32 division; the 2^-7 term covers rounding A
-// and y to bf16 (2^-9 each). So the row's largest logit is at least L = max_j (A_j - e_j), and
-// a channel with A_j + e_j < L cannot hold it; the channels that can are computed exactly,
-// block by block, by this library's kernel on the step's rows (the same calls, the same bits
-// as the full GEMV), and their first largest value is torch.max's index over the full logits.
-// A row whose activations or screen are not finite is computed whole. Items: rows.
+// bf16 logits y = round_bf16(x W^T) without reading all of W. A screen A ~ x W'^T from a
+// quantized copy W' of W (computed by quant_gemm's exact-math GEMV: fp32 sums, bf16 output)
+// bounds every logit: with b_j >= max_k |W_jk - W'_jk| plus both GEMVs' fp32 slack (the
+// caller's `bounds`),
+//   |A_j - y_j| <= e_j = b_j |x|_1 + 2^-7 (|A_j| + b_j |x|_1),
+// the 2^-7 term covering the rounding of A and y to bf16 (2^-9 each). So the row's largest
+// logit is at least L = max_j (A_j - e_j), and a channel with A_j + e_j < L cannot hold it; the
+// channels that can are computed exactly, block by block, by this library's kernel on the
+// step's rows (the same calls, the same bits as the full GEMV), and their first largest value
+// is torch.max's index over the full logits. A row whose activations or screen are not finite
+// is computed whole. Items: rows.
 
 struct ScreenTask {
   const GemvTask* head;      // the bf16 lm_head's GEMV task (its weight and x)
   const at::BFloat16* screen;  // [max_rows, vocab]: A, from the int8 copy
-  const float* scales;       // [vocab]: s_j
+  const float* bounds;       // [vocab]: b_j
   int64_t* ids;              // [max_rows]: each row's argmax
   int64_t* candidates;       // [max_rows]: channels computed exactly (a measure of the screen)
-  float c;
 };
 
 void screen_argmax_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
@@ -468,7 +467,7 @@ void screen_argmax_task(const void* raw, int64_t rows, int64_t begin, int64_t en
     bool finite = std::isfinite(norm) && norm > 1e-30f;
     float lower = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < vocab && finite; ++j) {
-      const float aj = static_cast<float>(a[j]), ej = t.c * t.scales[j] * norm;
+      const float aj = static_cast<float>(a[j]), ej = t.bounds[j] * norm;
       finite = std::isfinite(aj);
       lower = std::max(lower, aj - ej - 0.0078125f * (std::fabs(aj) + ej));
     }
@@ -478,7 +477,7 @@ void screen_argmax_task(const void* raw, int64_t rows, int64_t begin, int64_t en
       const int64_t lanes = std::min(kBlock, vocab - b * kBlock);
       bool wanted = !finite;
       for (int64_t j = b * kBlock; j < b * kBlock + lanes && !wanted; ++j) {
-        const float aj = static_cast<float>(a[j]), ej = t.c * t.scales[j] * norm;
+        const float aj = static_cast<float>(a[j]), ej = t.bounds[j] * norm;
         wanted = aj + ej + 0.0078125f * (std::fabs(aj) + ej) >= lower;
       }
       if (!wanted) continue;
@@ -534,28 +533,26 @@ py::tuple make_gemv_task(const at::Tensor& x, const at::Tensor& y, const at::Ten
 }
 
 // head: make_gemv_task's arguments for the bf16 lm_head (kept alive by the caller); screen bf16
-// [max_rows, vocab] (the int8 copy's GEMV output), scales float32 [vocab], ids and candidates
-// int64 [max_rows]; c the bound's factor of s_j |x|_1 (see ScreenTask).
+// [max_rows, vocab] (the quantized copy's GEMV output), bounds float32 [vocab] (b_j, see
+// ScreenTask), ids and candidates int64 [max_rows].
 py::capsule make_screen_task(const py::capsule& head, const at::Tensor& screen,
-                             const at::Tensor& scales, const at::Tensor& ids,
-                             const at::Tensor& candidates, double c) {
+                             const at::Tensor& bounds, const at::Tensor& ids,
+                             const at::Tensor& candidates) {
   TORCH_CHECK(std::string(head.name() ? head.name() : "") == "mini_infer.task_args",
               "screen task: head must be make_gemv_task's arguments");
   const auto* h = static_cast<const GemvTask*>(head.get_pointer());
   TORCH_CHECK(screen.scalar_type() == at::kBFloat16 && screen.dim() == 2 &&
                   screen.is_contiguous() && screen.size(1) == h->out_features,
               "screen task: screen bf16 [rows, vocab], contiguous");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.numel() >= h->out_features,
-              "screen task: scales float32 [vocab]");
+  TORCH_CHECK(bounds.scalar_type() == at::kFloat && bounds.is_contiguous() &&
+                  bounds.numel() >= h->out_features,
+              "screen task: bounds float32 [vocab]");
   for (const auto* v : {&ids, &candidates})
     TORCH_CHECK(v->scalar_type() == at::kLong && v->is_contiguous() &&
                     v->numel() >= screen.size(0),
                 "screen task: ids and candidates int64 [rows]");
-  TORCH_CHECK(c >= 0.5, "screen task: the bound's factor is at least 1/2");
-  auto* task = new ScreenTask{h, screen.data_ptr<at::BFloat16>(), scales.data_ptr<float>(),
-                              ids.data_ptr<int64_t>(), candidates.data_ptr<int64_t>(),
-                              static_cast<float>(c)};
+  auto* task = new ScreenTask{h, screen.data_ptr<at::BFloat16>(), bounds.data_ptr<float>(),
+                              ids.data_ptr<int64_t>(), candidates.data_ptr<int64_t>()};
   return py::capsule(task, "mini_infer.task_args",
                      [](void* p) { delete static_cast<ScreenTask*>(p); });
 }

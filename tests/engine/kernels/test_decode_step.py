@@ -554,9 +554,7 @@ def test_the_screened_lm_heads_ids_are_the_full_logits_argmax(
     screen_args, screen_blocks = qg.make_gemv_task(
         x, screened, screen.codes, screen.scales, 8, 0, vocab, screen.isa
     )
-    exact = bg.make_screen_task(
-        head_args, screened, screen.scales, ids, candidates, screen.bound_factor
-    )
+    exact = bg.make_screen_task(head_args, screened, screen.bounds, ids, candidates)
     plan = step_ext.Plan([
         (bg.gemv_task_fn(), head_args, head_blocks, 0, True),
         (qg.gemv_prepare_task_fn(), screen_args, 1, 0, False, None, decode_step.TASK_EVERY_THREAD),
@@ -565,6 +563,11 @@ def test_the_screened_lm_heads_ids_are_the_full_logits_argmax(
     ])  # fmt: skip
     plan.run(rows, threads, decode_step.SPIN)
     assert torch.equal(full, bf16_gemm.gemm(bg, x, head.weight, None, vocab))
+    # Each channel's bound holds (float64 arithmetic; the 2^-7 term is the bf16 roundings').
+    norm = x.double().abs().sum(dim=1, keepdim=True)
+    e = screen.bounds.double() * norm
+    e = e + 2.0**-7 * (screened.double().abs() + e)
+    assert ((screened.double() - full.double()).abs() <= e).all()
     assert torch.equal(ids, full.max(dim=-1).indices), (ids, full.max(dim=-1))
     assert (candidates >= 1).all() and (candidates <= -(-vocab // 16) * 16).all()
 
