@@ -37,6 +37,7 @@ from engine.kernels.cpu import bf16_gemm, decode_step, fused_ops, paged_attentio
 from engine.layers.linear import Linear
 from engine.quant.embedding import HeadEmbedding
 from engine.quant.linear import QuantLinear
+from engine.quant.primitives import quantize_int8_per_channel
 
 log = structlog.get_logger(__name__)
 
@@ -562,14 +563,12 @@ class HeadScreen:
         bounds = torch.empty(out_features, dtype=torch.float64)
         for start in range(0, out_features, self.ROWS_PER_CHUNK):
             rows = slice(start, start + self.ROWS_PER_CHUNK)
-            w = weight[rows].float()
-            amax = w.abs().amax(dim=1)
-            scale = amax / torch.full_like(amax, 127.0)  # IEEE quotients
-            divisor = torch.where(scale > 0, scale, 1.0)[:, None]
-            q = torch.where(scale[:, None] > 0, w / divisor, 0.0).round_().clamp_(-127, 127)
+            q, scale = quantize_int8_per_channel(weight[rows])
             codes[rows], scales[rows] = q, scale
+            # (The bound is measured on the codes and scales as they came out, so it holds
+            # whatever the quantizer's rounding.)
             stands_for = q.double() * scale.double()[:, None]
-            error = (w.double() - stands_for).abs().amax(dim=1)
+            error = (weight[rows].double() - stands_for).abs().amax(dim=1)
             # 4 K 2^-24 128 s_j: the two GEMVs' fp32 sums, each within K 2^-24 of the sum of its
             # terms' magnitudes (at most 128 s_j |x|_1): twice what they need.
             slack = 4 * in_features * 2.0**-24 * 128 * scale.double()
