@@ -31,15 +31,17 @@ from pathlib import Path
 from loadtest.bench_engine import run_engine
 from loadtest.llamacpp_peer import peak_rss_of
 from loadtest.loadgen_service import wait_ready
-from loadtest.report import emit, percentile, summarize
+from loadtest.report import BUNCHED_GAP_S, emit, percentile, summarize, token_gaps
 from loadtest.workloads import ENGINE_OPTIONS, chat_messages, chat_prompts
+
+GAP_KEYS = ("p50_ms", "p90_ms", "p99_ms", "bunched_share")
 
 
 def run_direct(model: str, dtype: str, n: int, max_tokens: int, engine_options: dict) -> dict:
     from engine.loader import load_tokenizer
 
     prompts = chat_prompts(load_tokenizer(Path(model)), n)
-    return run_engine(model, dtype, prompts, max_tokens, **engine_options)
+    return run_engine(model, dtype, prompts, max_tokens, with_token_gaps=True, **engine_options)
 
 
 def cpu_seconds_by_thread(pid: int) -> dict[str, float]:
@@ -90,9 +92,13 @@ async def run_e2e(bootstrap: str, n: int, max_tokens: int, pids: dict[str, int])
             messages=chat_messages(0), max_tokens=4, temperature=0.0, timeout_s=600
         )
 
+        arrivals: list[list[float]] = []  # per stream, when each token reached the client
+
         async def one(i: int) -> tuple[float, int, float | None]:
             sent = time.perf_counter()
             ttft, num_tokens, worker_ttft_s = None, 0, None
+            times: list[float] = []
+            arrivals.append(times)
             async for delta in client.stream(
                 messages=chat_messages(i),
                 max_tokens=max_tokens,
@@ -100,8 +106,11 @@ async def run_e2e(bootstrap: str, n: int, max_tokens: int, pids: dict[str, int])
                 ignore_eos=True,
                 timeout_s=600,
             ):
-                if ttft is None and delta.token_ids:
-                    ttft = time.perf_counter() - sent
+                if delta.token_ids:
+                    now = time.perf_counter()
+                    if ttft is None:
+                        ttft = now - sent
+                    times.extend([now] * len(delta.token_ids))
                 num_tokens += len(delta.token_ids)
                 if delta.final is not None and delta.final.timing.ttft_ms is not None:
                     worker_ttft_s = delta.final.timing.ttft_ms / 1000
@@ -116,6 +125,7 @@ async def run_e2e(bootstrap: str, n: int, max_tokens: int, pids: dict[str, int])
         )
     stats = summarize(sum(k for _, k, _ in results), elapsed, [t for t, _, _ in results])
     stats["cpu_s"] = cpu
+    stats["token_gaps"] = token_gaps(arrivals)
     # The worker's own TTFT (from receiving the message to its first token): the rest of the
     # client's TTFT is transport (produce, fetch waits, publish).
     worker_ttfts = [w for _, _, w in results if w is not None]
@@ -234,6 +244,12 @@ def run_pair(args, model: str, engine_options: dict) -> dict:
                 (stats["elapsed_s"] * 1000 - stats["ttft_p50_ms"]) / max(gaps, 1), 2
             )
         pair["itl_ratio_e2e_over_direct"] = round(pair["itl_e2e_ms"] / pair["itl_direct_ms"], 3)
+    # How the tokens came: the mean gap above cannot tell a steady stream from bursts.
+    for side, stats in (("direct", direct), ("e2e", e2e)):
+        gaps = stats.get("token_gaps") or {}
+        for key in GAP_KEYS:
+            if key in gaps:
+                pair[f"gap_{side}_{key}"] = gaps[key]
     if "worker_ttft_p50_ms" in e2e:
         # Kafka's share of the overhead: from the worker's first token to the client's, plus
         # the request's way in. The rest is the worker's own prefill against the direct one's.
@@ -260,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench] pair {i + 1}/{args.repeat}", file=sys.stderr, flush=True)
         pairs.append(run_pair(args, model, engine_options))
     keys = ("throughput_ratio_e2e_over_direct", "ttft_overhead_p50_ms", "ttft_overhead_p99_ms",
-            "ttft_transport_p50_ms", "itl_direct_ms", "itl_e2e_ms", "itl_ratio_e2e_over_direct")  # fmt: skip
+            "ttft_transport_p50_ms", "itl_direct_ms", "itl_e2e_ms", "itl_ratio_e2e_over_direct",
+            *(f"gap_{side}_{k}" for side in ("direct", "e2e") for k in GAP_KEYS))  # fmt: skip
     doc = {
         "workload": f"{args.num_requests} chat prompts x {args.max_tokens} tokens, greedy, no EOS",
         "dtype": args.dtype,
@@ -287,6 +304,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{doc['throughput_ratio_e2e_over_direct']:.3f}; TTFT overhead p50 "
           f"{doc['ttft_overhead_p50_ms']} ms, p99 {doc['ttft_overhead_p99_ms']} ms (transport p50 "
           f"{doc.get('ttft_transport_p50_ms', 'n/a')} ms)")  # fmt: skip
+    print(f"gaps between a stream's tokens as its reader got them, ms (bunched: within "
+          f"{BUNCHED_GAP_S * 1000:g} ms of the one before)")  # fmt: skip
+    print(f"{'pair':>4} {'side':>7} {'p50':>8} {'p90':>8} {'p99':>8} {'bunched':>8}")
+    for i, p in enumerate(pairs):
+        for side in ("direct", "e2e"):
+            if f"gap_{side}_p50_ms" in p:
+                print(f"{i + 1:>4} {side:>7} {p[f'gap_{side}_p50_ms']:>8.2f} "
+                      f"{p[f'gap_{side}_p90_ms']:>8.2f} {p[f'gap_{side}_p99_ms']:>8.2f} "
+                      f"{p[f'gap_{side}_bunched_share']:>8.3f}")  # fmt: skip
     emit(doc, args.out, args.plot, lambda plt: _draw(doc, plt))
     return 0
 
@@ -297,7 +323,7 @@ def _median_pair(pairs: list[dict]) -> dict:
 
 
 def _draw(doc: dict, plt):
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, gap_ax) = plt.subplots(1, 2, figsize=(12, 4))
     for name in ("direct", "e2e"):
         xs = doc[name]["ttfts_ms"]
         ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
@@ -307,6 +333,15 @@ def _draw(doc: dict, plt):
         f"TTFT CDF, {doc['workload']}\n(the median of {doc['repeat']} pairs by throughput ratio)"
     )
     ax.legend()
+    for name in ("direct", "e2e"):
+        cdf = doc[name].get("token_gaps", {}).get("cdf_ms")
+        if cdf:  # a floor of 1 us so that bunched tokens show on the log axis
+            gap_ax.plot([max(x, 1e-3) for x in cdf], [q / 100 for q in range(101)], label=name)
+    gap_ax.set_xscale("log")
+    gap_ax.set_xlabel("gap between a stream's consecutive tokens as its reader got them (ms)")
+    gap_ax.set_ylabel("fraction of gaps")
+    gap_ax.set_title("inter-token gaps: the same mean, steady or in bursts")
+    gap_ax.legend()
     return fig
 
 

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from loadtest.llamacpp_peer import ENV_VAR, find_server, missing_message, run_llamacpp
-from loadtest.report import emit, summarize
+from loadtest.report import emit, summarize, token_gaps
 from loadtest.workloads import CONCURRENCY, ENGINE_OPTIONS, chat_prompts, workloads
 
 # peer name -> result key; "llamacpp" (non-streaming) is the main line the ratios use.
@@ -40,10 +40,16 @@ LLAMACPP_PEERS = {"llamacpp": "llamacpp-gguf", "llamacpp-stream": "llamacpp-gguf
 
 
 def run_engine(
-    model: str, dtype: str, prompts: list[list[int]], max_tokens: int | list[int], **options
+    model: str,
+    dtype: str,
+    prompts: list[list[int]],
+    max_tokens: int | list[int],
+    with_token_gaps: bool = False,
+    **options,
 ) -> dict:
     """One workload on `LLMEngine` (ENGINE_OPTIONS, overridden by `options`); `max_tokens`
-    per request or one for all.
+    per request or one for all. `with_token_gaps`: also the gaps between each request's
+    tokens as the steps returned them (report.token_gaps).
 
     Start-up is reported apart from throughput: `load_s` (weights, packing, KV pool: the
     engine's construction less its compilation), `compile_s` (torch.compile's graphs, at
@@ -71,13 +77,16 @@ def run_engine(
     warm_compile_s = compile_s()
     start = time.perf_counter()
     first: dict[str, float] = {}
+    arrivals: dict[str, list[float]] = {}  # per request, when each token came out of a step
     num_tokens = 0
     for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True)):
         eng.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     while eng.has_unfinished_requests():
         for d in eng.step():
+            now = time.perf_counter()
             num_tokens += len(d.token_ids)
-            first.setdefault(d.request_id, time.perf_counter() - start)
+            first.setdefault(d.request_id, now - start)
+            arrivals.setdefault(d.request_id, []).extend([now] * len(d.token_ids))
     elapsed = time.perf_counter() - start
     in_run_s = compile_s() - warm_compile_s
     result = summarize(num_tokens, elapsed - in_run_s, [t - in_run_s for t in first.values()])
@@ -87,6 +96,8 @@ def run_engine(
         num_graphs=getattr(compiled, "num_compiles", 0),
         tokens_per_s_with_compile=round(num_tokens / elapsed, 1),
     )  # fmt: skip
+    if with_token_gaps:
+        result["token_gaps"] = token_gaps(list(arrivals.values()))
     return result
 
 

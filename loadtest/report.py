@@ -25,6 +25,37 @@ def summarize(num_tokens: int, elapsed_s: float, ttfts_s: list[float]) -> dict:
     }
 
 
+# A token that reaches the reader within this of the one before came with it (one delta, one
+# fetch, one burst of a lagging event loop): a reader sees the two at once.
+BUNCHED_GAP_S = 0.0005
+
+
+def token_gaps(arrivals: list[list[float]]) -> dict:
+    """The gaps between consecutive tokens of each stream as its reader got them (`arrivals`:
+    per stream, one time in seconds per token, in order), pooled over the streams: percentiles,
+    the largest, and the share of tokens that came bunched with the one before. The mean gap
+    (what an inter-token latency from elapsed time measures) hides bunching: tokens that
+    arrive in bursts and tokens that arrive one by one at the same rate have the same mean.
+    `cdf_ms`: the gap at every percentile 0..100, for a plot."""
+    gaps = sorted(b - a for times in arrivals for a, b in zip(times, times[1:], strict=False))
+    if not gaps:
+        return {}
+
+    def at(q: float) -> float:  # nearest rank
+        return gaps[min(len(gaps) - 1, round(q / 100 * (len(gaps) - 1)))]
+
+    return {
+        "num_gaps": len(gaps),
+        "mean_ms": round(statistics.fmean(gaps) * 1000, 3),
+        "p50_ms": round(at(50) * 1000, 3),
+        "p90_ms": round(at(90) * 1000, 3),
+        "p99_ms": round(at(99) * 1000, 3),
+        "max_ms": round(gaps[-1] * 1000, 3),
+        "bunched_share": round(sum(g < BUNCHED_GAP_S for g in gaps) / len(gaps), 3),
+        "cdf_ms": [round(at(q) * 1000, 3) for q in range(101)],
+    }
+
+
 def emit(doc: dict, out: Path | None, plot: Path | None, draw) -> None:
     """Print the JSON document, and write it and its plot where asked."""
     print(json.dumps(doc, indent=2))
