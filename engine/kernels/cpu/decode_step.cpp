@@ -134,7 +134,8 @@ class Barrier {
 // work took the cores), or a step's barrier waits mostly slept; an idle machine pays nothing.
 // On one thread, threads are probed every period, the only way to see the cores free again.
 // The further apart the two arms, the longer the period before the next probe, so probing
-// costs about 1% of the steps' time whichever arm is slower. Step time is per row, in ns.
+// costs about 1% of the steps' time whichever arm is slower; but a switch is confirmed by a
+// probe after the shortest period (`decide`). Step time is per row, in ns.
 class ThreadChoice {
  public:
   static constexpr int kBuckets = 7;            // rows 1, 2-3, 4-7, ..., 64 and more
@@ -244,18 +245,26 @@ class ThreadChoice {
   }
 
   // After a probe: the faster arm, and a period that grows with how much slower the other is.
+  // A switch is confirmed by a probe after kFirstPeriod steps, whatever the gap: the arm left
+  // behind was last measured under that moment's conditions. In a worker's first steps (the
+  // broker, the client and the loop starting to stream on the same 2 cores) the threads'
+  // average rose to 2-3x their usual time; the probe of one thread that followed switched, and
+  // the gap set a period of ~450 steps: the rest of the request ran on one thread, ~20% slower
+  // than threads once that burst had passed.
   static void decide(Bucket& b) {
     int chosen = b.single ? 1 : 0;
     const double here = b.estimate[chosen], other = b.estimate[1 - chosen];
-    if (here > 0 && other > 0 && other < here * (1.0 - kSwitchMargin)) {
+    const bool switches = here > 0 && other > 0 && other < here * (1.0 - kSwitchMargin);
+    if (switches) {
       b.single = !b.single;
       chosen = 1 - chosen;
       ++b.switches;
     }
     const double a = b.estimate[chosen], c = b.estimate[1 - chosen];
     const double gap = a > 0 && c > a ? c / a - 1.0 : 0.0;
-    b.period = std::clamp<int64_t>(static_cast<int64_t>(kPeriodPerGap * gap), kFirstPeriod,
-                                   kMaxPeriod);
+    b.period = switches ? kFirstPeriod
+                        : std::clamp<int64_t>(static_cast<int64_t>(kPeriodPerGap * gap),
+                                              kFirstPeriod, kMaxPeriod);
     b.left = b.period;
   }
 

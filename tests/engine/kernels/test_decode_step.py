@@ -727,6 +727,25 @@ def test_the_thread_choice_follows_a_change_of_conditions(step_ext):
     assert sum(state["switches"] for state in choice.state()) >= 2
 
 
+def test_a_switch_made_in_a_burst_of_other_work_is_undone_once_it_has_passed(step_ext):
+    """Threads slowed 3x for the first 40 steps (in a worker, the transport's start on the same
+    cores), one thread 1.2x the threads' usual cost. The first probe switches to one thread;
+    the switch is confirmed by a probe of threads one short period later, which finds them
+    faster again: the steps go back to threads, instead of staying on one thread for the long
+    period that the burst's gap would set (~600 steps here)."""
+    import random
+
+    choice = step_ext.ThreadChoice()
+    costs = lambda step: (3000 if step < 40 else 1000, 1200)  # noqa: E731
+    arms = _drive(choice, 1, costs, 800, random.Random(1))
+    assert sum(arms[FIRST_PERIOD : FIRST_PERIOD + 2 * PROBE_STEPS]) >= PROBE_STEPS  # switched
+    [state] = choice.state()
+    assert state["switches"] >= 2 and not state["single"]
+    # Back on threads within the confirming probe's period, and then for good.
+    settled = arms[FIRST_PERIOD * 3 :]
+    assert sum(settled) <= 0.02 * len(settled)
+
+
 def test_waits_that_slept_end_the_period_and_sizes_are_chosen_apart(step_ext):
     """A probe of a clearly slower arm ends after its first counted step. A threaded step whose
     barrier waits mostly slept (the cores just became busy) starts a probe of one thread at the
