@@ -254,15 +254,15 @@ class ThreadChoice {
   static void decide(Bucket& b) {
     int chosen = b.single ? 1 : 0;
     const double here = b.estimate[chosen], other = b.estimate[1 - chosen];
-    const bool switches = here > 0 && other > 0 && other < here * (1.0 - kSwitchMargin);
-    if (switches) {
+    const bool switched = here > 0 && other > 0 && other < here * (1.0 - kSwitchMargin);
+    if (switched) {
       b.single = !b.single;
       chosen = 1 - chosen;
       ++b.switches;
     }
     const double a = b.estimate[chosen], c = b.estimate[1 - chosen];
     const double gap = a > 0 && c > a ? c / a - 1.0 : 0.0;
-    b.period = switches ? kFirstPeriod
+    b.period = switched ? kFirstPeriod
                         : std::clamp<int64_t>(static_cast<int64_t>(kPeriodPerGap * gap),
                                               kFirstPeriod, kMaxPeriod);
     b.left = b.period;

@@ -735,8 +735,10 @@ def test_a_switch_made_in_a_burst_of_other_work_is_undone_once_it_has_passed(ste
     period that the burst's gap would set (~600 steps here)."""
     import random
 
+    def costs(step: int) -> tuple[int, int]:  # ns per row: (threads, one thread)
+        return (3000 if step < 40 else 1000), 1200
+
     choice = step_ext.ThreadChoice()
-    costs = lambda step: (3000 if step < 40 else 1000, 1200)  # noqa: E731
     arms = _drive(choice, 1, costs, 800, random.Random(1))
     assert sum(arms[FIRST_PERIOD : FIRST_PERIOD + 2 * PROBE_STEPS]) >= PROBE_STEPS  # switched
     [state] = choice.state()
