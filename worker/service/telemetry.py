@@ -199,7 +199,11 @@ class Telemetry:
         ), req)  # fmt: skip
         self.itl_s = _Bound(meter.create_histogram(
             "mini_infer.inter_token_latency", unit="s",
-            description="gap between consecutive output tokens",
+            # As the worker's event loop received them: where it handles several steps' tokens
+            # at once (it lags the engine on busy cores), their gaps are near 0 and the next
+            # one is long, as its clients see them (loadtest/README.md, "tokens arrive in
+            # bursts").
+            description="gap between consecutive output tokens as the worker handled them",
             explicit_bucket_boundaries_advisory=_TOKEN_BUCKETS_S,
         ), model)  # fmt: skip
         # stage = kafka (producer timestamp -> consumed), batcher, engine (added -> scheduled).
