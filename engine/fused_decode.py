@@ -260,10 +260,9 @@ class FusedDecode:
                 self.task_names.append(name)
                 return args
             bits = 4 if linear.scheme == "int4" else 8
-            args = quant_gemv(name, x, y, linear.cpp_codes, linear.cpp_scales, bits,
+            return quant_gemv(name, x, y, linear.cpp_codes, linear.cpp_scales, bits,
                               linear.quant.group_size if bits == 4 else 0, linear.out_features,
                               linear.cpp_isa, multiplier)  # fmt: skip
-            return args
 
         def quant_gemv(name, x, y, codes, scales, bits, group_size, out_features, isa, multiplier):
             args, blocks = qg.make_gemv_task(

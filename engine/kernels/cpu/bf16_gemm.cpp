@@ -439,6 +439,9 @@ void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
 // is torch.max's index over the full logits. A row whose activations or screen are not finite
 // is computed whole. Items: rows.
 
+// 2^-7: the rounding of A and of y to bf16 (2^-9 each), with room, relative to |A_j| + e_j.
+constexpr float kRoundingBound = 0.0078125f;
+
 struct ScreenTask {
   const GemvTask* head;      // the bf16 lm_head's GEMV task (its weight and x)
   const at::BFloat16* screen;  // [max_rows, vocab]: A, from the int8 copy
@@ -469,7 +472,7 @@ void screen_argmax_task(const void* raw, int64_t rows, int64_t begin, int64_t en
     for (int64_t j = 0; j < vocab && finite; ++j) {
       const float aj = static_cast<float>(a[j]), ej = t.bounds[j] * norm;
       finite = std::isfinite(aj);
-      lower = std::max(lower, aj - ej - 0.0078125f * (std::fabs(aj) + ej));
+      lower = std::max(lower, aj - ej - kRoundingBound * (std::fabs(aj) + ej));
     }
     int64_t best = -1, num_exact = 0;
     float best_value = 0.f;
@@ -478,7 +481,7 @@ void screen_argmax_task(const void* raw, int64_t rows, int64_t begin, int64_t en
       bool wanted = !finite;
       for (int64_t j = b * kBlock; j < b * kBlock + lanes && !wanted; ++j) {
         const float aj = static_cast<float>(a[j]), ej = t.bounds[j] * norm;
-        wanted = aj + ej + 0.0078125f * (std::fabs(aj) + ej) >= lower;
+        wanted = aj + ej + kRoundingBound * (std::fabs(aj) + ej) >= lower;
       }
       if (!wanted) continue;
       // Block b alone: the weight from its first pair on, the bias from its first channel.
