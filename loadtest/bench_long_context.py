@@ -1,0 +1,203 @@
+"""Decode at long contexts: one stream's step time as its context grows, and the decode
+attention kernel's two paths at those lengths.
+
+    python -m loadtest.bench_long_context [--rounds 3] [--contexts 32,256,512,1024,1536,1984]
+        [--kernel-only] [--baseline DIR] [--quantization int4] [--out r.json] [--plot r.png]
+
+Two parts, each alternating its sides round by round (medians over rounds; ratios > 1: the
+first side is faster):
+- kernel: SmolLM2's decode attention shape (9 query heads, 3 KV heads, head_dim 64, bf16 cache,
+  30 layers, one row), the register path against the generic one (`set_register_path`), in
+  one process. Each sample runs the 30 layers once after 64 MiB of other writes, so the cache
+  comes from memory as in a step, where the weights stream through the caches between layers;
+  GB/s are K/V bytes read per second.
+- engine (skipped with `--kernel-only`): one request of a 32-token prompt, generating to the
+  longest context, greedy; the median step time in a window of 64 steps at each context
+  length. With `--baseline DIR` the same run of another checkout alternates with this one,
+  each in a fresh process (its `engine/` imported), so a change is measured against the code
+  before it in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from loadtest.report import emit
+
+ROOT = Path(__file__).resolve().parent.parent
+WINDOW = 64  # steps per context length's median
+PROMPT_TOKENS = 32
+
+
+def kernel_rounds(contexts: list[int], rounds: int) -> dict:
+    import torch
+
+    from engine.kernels.cpu import paged_attention
+    from engine.kv_pool import lazy_zeros
+
+    ext = paged_attention.load()
+    if ext is None or not ext.set_register_path(True):
+        return {"skipped": "no AVX-512 build of the kernel here (only the generic path)"}
+    layers, heads, kv_heads, head_dim, block = 30, 9, 3, 64, 16
+    evict = torch.empty(64 << 20, dtype=torch.uint8)
+    results = {}
+    for ctx in contexts:
+        blocks = -(-ctx // block)
+        cache = lazy_zeros((layers, blocks, block, 2, kv_heads, head_dim), torch.bfloat16)
+        cache.copy_(torch.randn(cache.shape).to(torch.bfloat16))
+        table = torch.arange(blocks).view(1, blocks)
+        lens = torch.tensor([ctx])
+        q = torch.randn(1, heads, head_dim).to(torch.bfloat16)
+        out = torch.empty_like(q)
+        times: dict[str, list[float]] = {"registers": [], "generic": []}
+        for i in range(rounds * 5 + 2):  # two warm-up pairs
+            for side in times:
+                ext.set_register_path(side == "registers")
+                evict.fill_(i & 0xFF)
+                start = time.perf_counter()
+                for layer in range(layers):
+                    paged_attention.decode(ext, q, cache[layer], table, lens, out)
+                if i >= 2:
+                    times[side].append(time.perf_counter() - start)
+        ext.set_register_path(True)
+        nbytes = layers * ctx * kv_heads * head_dim * 2 * 2
+        row = {side: round(statistics.median(t) * 1e3, 3) for side, t in times.items()}
+        row["registers_gb_s"] = round(nbytes / row["registers"] / 1e6, 1)
+        row["generic_gb_s"] = round(nbytes / row["generic"] / 1e6, 1)
+        row["generic_over_registers"] = round(row["generic"] / row["registers"], 2)
+        results[ctx] = row
+    return {"threads": torch.get_num_threads(), "by_context": results}
+
+
+def _engine_child(args) -> None:
+    from engine import LLMEngine, SamplingParams
+    from loadtest.workloads import ENGINE_OPTIONS
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    engine = LLMEngine(args.model, quantization=args.quantization, **ENGINE_OPTIONS)
+    engine.add_request("warmup", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    max_tokens = max(contexts) - PROMPT_TOKENS + WINDOW
+    prompt = list(range(100, 100 + PROMPT_TOKENS))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request("long", prompt, params)
+    stamps = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]  # gap i: context ~ 32 + i
+    by_context = {}
+    for ctx in contexts:
+        start = max(0, ctx - PROMPT_TOKENS)
+        by_context[ctx] = round(statistics.median(gaps[start : start + WINDOW]) * 1e3, 3)
+    print("RESULT " + json.dumps(by_context), flush=True)
+
+
+def _engine_side(tree: Path, args) -> dict[int, float]:
+    cmd = [sys.executable, "-m", "loadtest.bench_long_context", "--child", "--contexts",
+           args.contexts, "--model", args.model]  # fmt: skip
+    if args.quantization:
+        cmd += ["--quantization", args.quantization]
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
+    out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return {int(k): v for k, v in json.loads(line[len("RESULT ") :]).items()}
+    raise RuntimeError(f"{tree}: no result\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+
+
+def engine_rounds(args) -> dict:
+    sides = {"this": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
+    runs: dict[str, list[dict[int, float]]] = {name: [] for name in sides}
+    for i in range(args.rounds):
+        for name, tree in sides.items():
+            print(f"[bench] engine round {i + 1}/{args.rounds}: {name}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            runs[name].append(_engine_side(tree, args))
+    contexts = [int(c) for c in args.contexts.split(",")]
+    medians = {
+        name: {ctx: statistics.median(r[ctx] for r in rs) for ctx in contexts}
+        for name, rs in runs.items()
+    }
+    doc = {"runs": runs, "median_ms_per_step": medians}
+    if args.baseline:
+        doc["baseline_over_this"] = {
+            ctx: round(medians["baseline"][ctx] / medians["this"][ctx], 2) for ctx in contexts
+        }
+    return doc
+
+
+def _draw(doc: dict, plt):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    kernel = doc.get("kernel", {}).get("by_context", {})
+    if kernel:
+        xs = sorted(kernel)
+        for side in ("registers", "generic"):
+            axes[0].plot(xs, [kernel[x][side] for x in xs], marker="o", label=side)
+        axes[0].set(title="decode attention, 30 layers, one row", xlabel="context tokens",
+                    ylabel="ms")  # fmt: skip
+        axes[0].legend()
+    engine = doc.get("engine", {}).get("median_ms_per_step", {})
+    for name, by_ctx in engine.items():
+        xs = sorted(by_ctx)
+        axes[1].plot(xs, [by_ctx[x] for x in xs], marker="o", label=name)
+    axes[1].set(title="engine step, one stream", xlabel="context tokens", ylabel="ms per step")
+    if engine:
+        axes[1].legend()
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--contexts", default="32,256,512,1024,1536,1984")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--quantization", default="int4", help="engine weights ('' for bf16)")
+    parser.add_argument("--kernel-only", action="store_true")
+    parser.add_argument("--baseline", type=Path, help="another checkout's engine to compare")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--plot", type=Path)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.quantization = args.quantization or None
+    if args.child:
+        _engine_child(args)
+        return 0
+    contexts = [int(c) for c in args.contexts.split(",")]
+    doc: dict = {"contexts": contexts, "rounds": args.rounds, "load_before": os.getloadavg()[0]}
+    doc["kernel"] = kernel_rounds([c for c in contexts if c >= 16], args.rounds)
+    if not args.kernel_only:
+        doc["engine"] = engine_rounds(args)
+    doc["load_after"] = os.getloadavg()[0]
+    kernel = doc["kernel"].get("by_context", {})
+    if kernel:
+        print(f"{'context':>8} {'registers ms':>13} {'generic ms':>11} {'GB/s':>11} {'ratio':>6}")
+        for ctx, row in kernel.items():
+            print(f"{ctx:>8} {row['registers']:>13.3f} {row['generic']:>11.3f} "
+                  f"{row['registers_gb_s']:>5.1f}/{row['generic_gb_s']:<5.1f} "
+                  f"{row['generic_over_registers']:>6.2f}")  # fmt: skip
+    else:
+        print(f"kernel: {doc['kernel'].get('skipped')}")
+    if "engine" in doc:
+        medians = doc["engine"]["median_ms_per_step"]
+        print(f"{'context':>8} " + " ".join(f"{name + ' ms':>13}" for name in medians)
+              + (f" {'ratio':>6}" if args.baseline else ""))  # fmt: skip
+        for ctx in contexts:
+            line = f"{ctx:>8} " + " ".join(f"{m[ctx]:>13.3f}" for m in medians.values())
+            if args.baseline:
+                line += f" {doc['engine']['baseline_over_this'][ctx]:>6.2f}"
+            print(line)
+    emit(doc, args.out, args.plot, lambda plt: _draw(doc, plt))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
