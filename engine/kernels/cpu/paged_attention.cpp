@@ -8,7 +8,9 @@
 // merged by a second pass. All arithmetic is fp32 whatever the cache dtype.
 //
 // The inner loops over head_dim are written for the compiler's auto-vectoriser (omp simd with
-// a reduction); the build picks -mavx512f / -mavx2 / nothing from the running CPU's flags.
+// a reduction); the build picks -mavx512f / -mavx2 / nothing from the running CPU's flags. On
+// AVX-512 builds a partition whose group fits in registers takes attend_partition_in_registers
+// (the same bits; see there).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -348,7 +350,8 @@ void attend_partition_in_registers(const float* qf, const cache_t* cache, const 
         const cache_t* k = block + t * token_stride;
         const float k_scale = block_scales ? block_scales[t * scale_stride] : 1.f;
         __m512 sum = _mm512_mul_ps(q[g][0], load16(k, k_scale));
-        for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(q[g][c], load16(k + 16 * c, k_scale), sum);
+        for (int c = 1; c < C; ++c)
+          sum = _mm512_fmadd_ps(q[g][c], load16(k + 16 * c, k_scale), sum);
         partial[t] = sum;
       }
       _mm512_store_ps(weights[g], lane_sums16(partial));
