@@ -2,7 +2,8 @@
 attention kernel's two paths at those lengths.
 
     python -m loadtest.bench_long_context [--rounds 3] [--contexts 32,256,512,1024,1536,1984]
-        [--kernel-only] [--baseline DIR] [--quantization int4] [--out r.json] [--plot r.png]
+        [--kernel-only] [--isa avx2|portable] [--baseline DIR] [--quantization int4]
+        [--out r.json] [--plot r.png]
 
 Two parts, each alternating its sides round by round (medians over rounds; ratios > 1: the
 first side is faster):
@@ -10,12 +11,14 @@ first side is faster):
   30 layers, one row), the register path against the generic one (`set_register_path`), in
   one process. Each sample runs the 30 layers once after reading 64 MiB of other data, so the
   cache comes from memory as in a step, where the weights stream through the caches between
-  layers; GB/s are K/V bytes read per second.
+  layers; GB/s are K/V bytes read per second. `--isa avx2` (or portable) measures that build
+  instead: its generic path only. With `--baseline DIR` the generic path of this tree's build
+  also runs against the baseline's, a fresh process per tree and round.
 - engine (skipped with `--kernel-only`): one request of a 32-token prompt, generating to the
   longest context, greedy; the median step time in a window of 64 steps at each context
   length. With `--baseline DIR` the same run of another checkout alternates with this one,
-  each in a fresh process (its `engine/` imported), so a change is measured against the code
-  before it in the same run.
+  each in a fresh process (this script, the other checkout's `engine/` imported first), so a
+  change is measured against the code before it in the same run.
 """
 
 from __future__ import annotations
@@ -36,15 +39,20 @@ WINDOW = 64  # steps per context length's median
 PROMPT_TOKENS = 32
 
 
-def kernel_rounds(contexts: list[int], rounds: int) -> dict:
+def kernel_rounds(contexts: list[int], rounds: int, isa: str | None = None) -> dict:
+    """Per context, the median ms of each path this tree's build has: "registers" and
+    "generic" (an AVX-512 build), or "generic" only (AVX2, portable, or a tree from before the
+    register path)."""
     import torch
 
     from engine.kernels.cpu import paged_attention
     from engine.kv_pool import lazy_zeros
 
-    ext = paged_attention.load()
-    if ext is None or not ext.set_register_path(True):
-        return {"skipped": "no AVX-512 build of the kernel here (only the generic path)"}
+    ext = paged_attention.load() if isa is None else paged_attention.build(isa=isa)
+    if ext is None:
+        return {"skipped": f"the kernel did not build here (isa {isa or 'native'})"}
+    switch = getattr(ext, "set_register_path", None)
+    sides = ("registers", "generic") if switch is not None and switch(True) else ("generic",)
     layers, heads, kv_heads, head_dim, block = 30, 9, 3, 64, 16
     evict = torch.ones(64 << 20, dtype=torch.uint8)  # written once: its pages are real
     results = {}
@@ -56,24 +64,67 @@ def kernel_rounds(contexts: list[int], rounds: int) -> dict:
         lens = torch.tensor([ctx])
         q = torch.randn(1, heads, head_dim).to(torch.bfloat16)
         out = torch.empty_like(q)
-        times: dict[str, list[float]] = {"registers": [], "generic": []}
-        for i in range(rounds * 5 + 2):  # two warm-up pairs
-            for side in times:
-                ext.set_register_path(side == "registers")
+        times: dict[str, list[float]] = {side: [] for side in sides}
+        for i in range(rounds * 5 + 2):  # two warm-up samples
+            for side in sides:
+                if switch is not None:
+                    switch(side == "registers")
                 evict.view(torch.int64).sum()  # read, as the weights stream: no dirty lines
                 start = time.perf_counter()
                 for layer in range(layers):
                     paged_attention.decode(ext, q, cache[layer], table, lens, out)
                 if i >= 2:
                     times[side].append(time.perf_counter() - start)
-        ext.set_register_path(True)
+        if switch is not None:
+            switch(True)
         nbytes = layers * ctx * kv_heads * head_dim * 2 * 2
         row = {side: round(statistics.median(t) * 1e3, 3) for side, t in times.items()}
-        row["registers_gb_s"] = round(nbytes / row["registers"] / 1e6, 1)
-        row["generic_gb_s"] = round(nbytes / row["generic"] / 1e6, 1)
-        row["generic_over_registers"] = round(row["generic"] / row["registers"], 2)
+        for side in sides:
+            row[f"{side}_gb_s"] = round(nbytes / row[side] / 1e6, 1)
+        if len(sides) == 2:
+            row["generic_over_registers"] = round(row["generic"] / row["registers"], 2)
         results[ctx] = row
-    return {"threads": torch.get_num_threads(), "by_context": results}
+    return {"threads": torch.get_num_threads(), "isa": isa or "native", "by_context": results}
+
+
+def _kernel_side(tree: Path, args, contexts: list[int]) -> dict:
+    """One round of the kernel part on `tree`'s build, in a fresh process."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-kernel", "--contexts",
+           ",".join(map(str, contexts))] + (["--isa", args.isa] if args.isa else [])  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
+    out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"{tree}: no result\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+
+
+def kernel_against_baseline(args, contexts: list[int]) -> dict:
+    """The generic path of this tree's build against the baseline's (and this tree's register
+    path), a fresh process per tree and round, trees alternating."""
+    sides = {"this": ROOT, "baseline": args.baseline.resolve()}
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
+    for i in range(args.rounds):
+        for name, tree in sides.items():
+            print(f"[bench] kernel round {i + 1}/{args.rounds}: {name}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            runs[name].append(_kernel_side(tree, args, contexts)["by_context"])
+    medians = {
+        name: {
+            ctx: {
+                path: statistics.median(r[str(ctx)][path] for r in rs)
+                for path in ("registers", "generic")
+                if path in rs[0][str(ctx)]
+            }
+            for ctx in contexts
+        }
+        for name, rs in runs.items()
+    }
+    ratios = {
+        ctx: round(medians["baseline"][ctx]["generic"] / medians["this"][ctx]["generic"], 2)
+        for ctx in contexts
+    }
+    return {"runs": runs, "median_ms": medians, "baseline_generic_over_this_generic": ratios}
 
 
 def _engine_child(args) -> None:
@@ -102,7 +153,7 @@ def _engine_child(args) -> None:
 
 
 def _engine_side(tree: Path, args) -> dict[int, float]:
-    cmd = [sys.executable, "-m", "loadtest.bench_long_context", "--child", "--contexts",
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--contexts",
            args.contexts, "--model", args.model]  # fmt: skip
     if args.quantization:
         cmd += ["--quantization", args.quantization]
@@ -141,7 +192,13 @@ def _draw(doc: dict, plt):
     if kernel:
         xs = sorted(kernel)
         for side in ("registers", "generic"):
-            axes[0].plot(xs, [kernel[x][side] for x in xs], marker="o", label=side)
+            if side in kernel[xs[0]]:
+                axes[0].plot(xs, [kernel[x][side] for x in xs], marker="o", label=side)
+        against = doc.get("kernel_against_baseline", {}).get("median_ms", {}).get("baseline")
+        if against:
+            xs_base = sorted(against)
+            axes[0].plot(xs_base, [against[x]["generic"] for x in xs_base], marker="o",
+                         linestyle="--", label="baseline's generic")  # fmt: skip
         axes[0].set(title="decode attention, 30 layers, one row", xlabel="context tokens",
                     ylabel="ms")  # fmt: skip
         axes[0].legend()
@@ -162,30 +219,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--quantization", default="int4", help="engine weights ('' for bf16)")
     parser.add_argument("--kernel-only", action="store_true")
+    parser.add_argument("--isa", help="the kernel part on this build (avx2, portable) instead")
     parser.add_argument("--baseline", type=Path, help="another checkout's engine to compare")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-kernel", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.quantization = args.quantization or None
+    contexts = [int(c) for c in args.contexts.split(",")]
     if args.child:
         _engine_child(args)
         return 0
-    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.child_kernel:
+        print("RESULT " + json.dumps(kernel_rounds(contexts, 1, args.isa)), flush=True)
+        return 0
     doc: dict = {"contexts": contexts, "rounds": args.rounds, "load_before": os.getloadavg()[0]}
-    doc["kernel"] = kernel_rounds([c for c in contexts if c >= 16], args.rounds)
+    doc["kernel"] = kernel_rounds(contexts, args.rounds, args.isa)
+    if args.baseline:
+        doc["kernel_against_baseline"] = kernel_against_baseline(args, contexts)
     if not args.kernel_only:
         doc["engine"] = engine_rounds(args)
     doc["load_after"] = os.getloadavg()[0]
     kernel = doc["kernel"].get("by_context", {})
     if kernel:
-        print(f"{'context':>8} {'registers ms':>13} {'generic ms':>11} {'GB/s':>11} {'ratio':>6}")
+        paths = [p for p in ("registers", "generic") if p in next(iter(kernel.values()))]
+        print(f"kernel ({doc['kernel']['isa']} build), ms and GB/s of K/V:")
+        print(f"{'context':>8} " + " ".join(f"{p + ' ms':>13} {'GB/s':>6}" for p in paths))
         for ctx, row in kernel.items():
-            print(f"{ctx:>8} {row['registers']:>13.3f} {row['generic']:>11.3f} "
-                  f"{row['registers_gb_s']:>5.1f}/{row['generic_gb_s']:<5.1f} "
-                  f"{row['generic_over_registers']:>6.2f}")  # fmt: skip
+            print(f"{ctx:>8} "
+                  + " ".join(f"{row[p]:>13.3f} {row[p + '_gb_s']:>6.1f}" for p in paths))  # fmt: skip
     else:
         print(f"kernel: {doc['kernel'].get('skipped')}")
+    if "kernel_against_baseline" in doc:
+        against = doc["kernel_against_baseline"]
+        print("generic path, this build against the baseline's (fresh processes), ms:")
+        print(f"{'context':>8} {'this':>9} {'baseline':>9} {'ratio':>6}")
+        for ctx in contexts:
+            this, base = against["median_ms"]["this"][ctx], against["median_ms"]["baseline"][ctx]
+            ratio = against["baseline_generic_over_this_generic"][ctx]
+            print(f"{ctx:>8} {this['generic']:>9.3f} {base['generic']:>9.3f} {ratio:>6.2f}")
     if "engine" in doc:
         medians = doc["engine"]["median_ms_per_step"]
         print(f"{'context':>8} " + " ".join(f"{name + ' ms':>13}" for name in medians)

@@ -201,13 +201,20 @@ inline void prefetch_block(const cache_t* rows, int64_t block_size, int64_t head
   }
 }
 
+// Prefetches `bytes` from `p` (a K or V row, or a block's scales).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset);
+}
+
 // scores [G, B]: the G query rows of a group (qf [G, D], scaled) against the block's first
 // num_tokens K rows (the rest of each row of scores is left undefined).
 template <typename cache_t, int HEAD_DIM>
 inline void group_block_scores(const float* qf, int64_t G, int64_t D, int64_t B,
                                const cache_t* block, const float* block_scales,
                                int64_t num_tokens, int64_t token_stride, int64_t num_kv_heads,
-                               float* row, float* scores) {
+                               float* row, float* scores, const cache_t* next_keys) {
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(cache_t));
 #if defined(__AVX512F__)
   constexpr int64_t kMaxGroup = 8;
   if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
@@ -218,6 +225,7 @@ inline void group_block_scores(const float* qf, int64_t G, int64_t D, int64_t B,
           for (int64_t g = 0; g < G; ++g) partial[g][t] = _mm512_setzero_ps();
           continue;
         }
+        if (next_keys != nullptr) prefetch_bytes(next_keys + t * token_stride, row_bytes);
         const float k_scale = block_scales ? block_scales[t * 2 * num_kv_heads] : 1.f;
         const float* k = load_kv_row(block + t * token_stride, k_scale, row, HEAD_DIM);
         for (int64_t g = 0; g < G; ++g) {
@@ -234,6 +242,7 @@ inline void group_block_scores(const float* qf, int64_t G, int64_t D, int64_t B,
   }
 #endif
   for (int64_t t = 0; t < num_tokens; ++t) {
+    if (next_keys != nullptr) prefetch_bytes(next_keys + t * token_stride, row_bytes);
     const float k_scale = block_scales ? block_scales[t * 2 * num_kv_heads] : 1.f;
     const float* k = load_kv_row(block + t * token_stride, k_scale, row, D);
     for (int64_t g = 0; g < G; ++g) scores[g * B + t] = dot(qf + g * D, k, D);
@@ -246,13 +255,15 @@ template <typename cache_t, int HEAD_DIM>
 inline void group_block_values(const float* weights, int64_t G, int64_t D, int64_t B,
                                const cache_t* values, const float* value_scales,
                                int64_t num_tokens, int64_t token_stride, int64_t num_kv_heads,
-                               float* rows, float* acc) {
+                               float* rows, float* acc, const cache_t* next_values) {
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(cache_t));
 #if defined(__AVX512F__)
   if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 128) {
     if (num_tokens <= 16) {  // each query row's accumulator in registers across the block
       constexpr int kChunks = HEAD_DIM / 16;
       const float* v[16];
       for (int64_t t = 0; t < num_tokens; ++t) {
+        if (next_values != nullptr) prefetch_bytes(next_values + t * token_stride, row_bytes);
         const float scale = value_scales ? value_scales[t * 2 * num_kv_heads] : 1.f;
         v[t] = load_kv_row(values + t * token_stride, scale, rows + t * HEAD_DIM, HEAD_DIM);
       }
@@ -272,6 +283,7 @@ inline void group_block_values(const float* weights, int64_t G, int64_t D, int64
   }
 #endif
   for (int64_t t = 0; t < num_tokens; ++t) {
+    if (next_values != nullptr) prefetch_bytes(next_values + t * token_stride, row_bytes);
     const float scale = value_scales ? value_scales[t * 2 * num_kv_heads] : 1.f;
     const float* v = load_kv_row(values + t * token_stride, scale, rows, D);
     for (int64_t g = 0; g < G; ++g) axpy(weights[g * B + t], v, acc + g * D, D);
@@ -292,12 +304,6 @@ inline __m512 load16(const int8_t* src, float row_scale) {
   const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)),
                        _mm512_set1_ps(row_scale));
-}
-
-// Prefetches `bytes` from `p` (a K or V row, or a block's scales).
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset);
 }
 
 // attend_partition for blocks of 16 tokens where a group's accumulators fit in 16 registers
@@ -459,13 +465,16 @@ void attend_partition(const scalar_t* q, const cache_t* cache, const float* scal
     // scale of token t's K: block_scales[t * 2 * KVH]; its V: the next KVH entries on
     const float* block_scales =
         scales == nullptr ? nullptr : scales + (table[b] * B * 2) * s.num_kv_heads + kv_head;
-    if (b + 1 < last_block) {
-      prefetch_block(cache + table[b + 1] * B * token_stride + kv_head * D, B, D, token_stride,
-                     v_offset);
-    }
+    // The next block's rows are prefetched a row per token as this block's are read (all at
+    // once, they filled the core's miss buffers: see attend_partition_in_registers).
+    const cache_t* next =
+        b + 1 < last_block ? cache + table[b + 1] * B * token_stride + kv_head * D : nullptr;
+    if (next != nullptr && scales != nullptr)  // the next block's scales: [B, 2, KVH] floats
+      prefetch_bytes(scales + table[b + 1] * B * 2 * s.num_kv_heads,
+                     B * 2 * s.num_kv_heads * static_cast<int64_t>(sizeof(float)));
     group_block_scores<cache_t, HEAD_DIM>(qf.data(), G, D, B, block, block_scales, num_tokens,
                                           token_stride, s.num_kv_heads, row.data(),
-                                          scores.data());
+                                          scores.data(), next);
     for (int64_t g = 0; g < G; ++g) {
       float* sg = scores.data() + g * B;
       const float correction = softmax_step(sg, num_tokens, B, m[g], l[g]);
@@ -474,7 +483,7 @@ void attend_partition(const scalar_t* q, const cache_t* cache, const float* scal
     group_block_values<cache_t, HEAD_DIM>(scores.data(), G, D, B, block + v_offset,
                                           block_scales ? block_scales + s.num_kv_heads : nullptr,
                                           num_tokens, token_stride, s.num_kv_heads, row.data(),
-                                          acc);
+                                          acc, next != nullptr ? next + v_offset : nullptr);
   }
 }
 
