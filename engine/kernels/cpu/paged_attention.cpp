@@ -313,9 +313,9 @@ inline __m512 load16(const int8_t* src, float row_scale) {
 //  - the scores take one query row of the group at a time (its 16 partial sums stay in
 //    registers; all rows at once spilled them), K rows reloaded from L1 for the next row;
 //  - the accumulators stay in registers for the whole partition;
-//  - the next block is prefetched a row per token while this one is computed. Issued all at
-//    once (64 prefetches a block for a bf16 head of 64) they filled the core's miss buffers
-//    and stalled it until the first ones returned.
+//  - the next block is prefetched a row per token while this one is computed (as the generic
+//    path now does too). Issued all at once (64 prefetches a block for a bf16 head of 64) they
+//    filled the core's miss buffers and stalled it until the first ones returned.
 template <typename cache_t, int HEAD_DIM, int G>
 void attend_partition_in_registers(const float* qf, const cache_t* cache, const float* scales,
                                    const int64_t* table, int64_t context_len, int64_t kv_head,
