@@ -185,26 +185,24 @@ inline float softmax_step(float* sr, int64_t n, int64_t B, float& m, float& l) {
   return correction;
 }
 
-// Blocks lie anywhere in the pool, so the hardware prefetcher cannot follow the block table:
-// fetch one block's K and V rows of one head (`rows`: its first K row) while the previous
-// block is computed. Strides in elements of the cache.
-template <typename cache_t>
-inline void prefetch_block(const cache_t* rows, int64_t block_size, int64_t head_dim,
-                           int64_t token_stride, int64_t v_offset) {
-  const char* base = reinterpret_cast<const char*>(rows);
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
-  for (int64_t t = 0; t < block_size; ++t) {
-    for (int64_t offset = 0; offset < row_bytes; offset += 64) {
-      __builtin_prefetch(base + t * token_stride * sizeof(cache_t) + offset);
-      __builtin_prefetch(base + (t * token_stride + v_offset) * sizeof(cache_t) + offset);
-    }
-  }
-}
-
 // Prefetches `bytes` from `p` (a K or V row, or a block's scales).
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset);
+}
+
+// Blocks lie anywhere in the pool, so the hardware prefetcher cannot follow the block table:
+// fetch one block's K and V rows of one head (`rows`: its first K row) at once, while the
+// previous block is computed (extend only: the decode paths spread these over the block's
+// rows, see attend_partition_in_registers). Strides in elements of the cache.
+template <typename cache_t>
+inline void prefetch_block(const cache_t* rows, int64_t block_size, int64_t head_dim,
+                           int64_t token_stride, int64_t v_offset) {
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t t = 0; t < block_size; ++t) {
+    prefetch_bytes(rows + t * token_stride, row_bytes);
+    prefetch_bytes(rows + t * token_stride + v_offset, row_bytes);
+  }
 }
 
 // scores [G, B]: the G query rows of a group (qf [G, D], scaled) against the block's first
