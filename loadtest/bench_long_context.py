@@ -87,10 +87,10 @@ def kernel_rounds(contexts: list[int], rounds: int, isa: str | None = None) -> d
     return {"threads": torch.get_num_threads(), "isa": isa or "native", "by_context": results}
 
 
-def _kernel_side(tree: Path, args, contexts: list[int]) -> dict:
-    """One round of the kernel part on `tree`'s build, in a fresh process."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-kernel", "--contexts",
-           ",".join(map(str, contexts))] + (["--isa", args.isa] if args.isa else [])  # fmt: skip
+def _child(tree: Path, flags: list[str]):
+    """This script with `flags` in a fresh process, `tree`'s `engine/` imported first (this
+    script's own copy runs: an older checkout's may lack the flags): the JSON it prints."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *flags]
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
     out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
     for line in out.stdout.splitlines():
@@ -99,16 +99,26 @@ def _kernel_side(tree: Path, args, contexts: list[int]) -> dict:
     raise RuntimeError(f"{tree}: no result\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
 
 
+def _alternate(part: str, sides: dict[str, Path], rounds: int, flags: list[str]) -> dict:
+    """`_child(tree, flags)` for each side in turn, `rounds` times: each side's results."""
+    runs: dict[str, list] = {name: [] for name in sides}
+    for i in range(rounds):
+        for name, tree in sides.items():
+            print(f"[bench] {part} round {i + 1}/{rounds}: {name}", file=sys.stderr, flush=True)
+            runs[name].append(_child(tree, flags))
+    return runs
+
+
 def kernel_against_baseline(args, contexts: list[int]) -> dict:
     """The generic path of this tree's build against the baseline's (and this tree's register
     path), a fresh process per tree and round, trees alternating."""
     sides = {"this": ROOT, "baseline": args.baseline.resolve()}
-    runs: dict[str, list[dict]] = {name: [] for name in sides}
-    for i in range(args.rounds):
-        for name, tree in sides.items():
-            print(f"[bench] kernel round {i + 1}/{args.rounds}: {name}", file=sys.stderr,
-                  flush=True)  # fmt: skip
-            runs[name].append(_kernel_side(tree, args, contexts)["by_context"])
+    flags = ["--child-kernel", "--contexts", ",".join(map(str, contexts))]
+    flags += ["--isa", args.isa] if args.isa else []
+    runs = {
+        name: [r["by_context"] for r in rs]
+        for name, rs in _alternate("kernel", sides, args.rounds, flags).items()
+    }
     medians = {
         name: {
             ctx: {
@@ -152,27 +162,14 @@ def _engine_child(args) -> None:
     print("RESULT " + json.dumps(by_context), flush=True)
 
 
-def _engine_side(tree: Path, args) -> dict[int, float]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--contexts",
-           args.contexts, "--model", args.model]  # fmt: skip
-    if args.quantization:
-        cmd += ["--quantization", args.quantization]
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
-    out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return {int(k): v for k, v in json.loads(line[len("RESULT ") :]).items()}
-    raise RuntimeError(f"{tree}: no result\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-
-
 def engine_rounds(args) -> dict:
     sides = {"this": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
-    runs: dict[str, list[dict[int, float]]] = {name: [] for name in sides}
-    for i in range(args.rounds):
-        for name, tree in sides.items():
-            print(f"[bench] engine round {i + 1}/{args.rounds}: {name}", file=sys.stderr,
-                  flush=True)  # fmt: skip
-            runs[name].append(_engine_side(tree, args))
+    flags = ["--child", "--contexts", args.contexts, "--model", args.model]
+    flags += ["--quantization", args.quantization] if args.quantization else []
+    runs = {
+        name: [{int(ctx): ms for ctx, ms in r.items()} for r in rs]
+        for name, rs in _alternate("engine", sides, args.rounds, flags).items()
+    }
     contexts = [int(c) for c in args.contexts.split(",")]
     medians = {
         name: {ctx: statistics.median(r[ctx] for r in rs) for ctx in contexts}
