@@ -1,5 +1,5 @@
 """Decode at long contexts: one stream's step time as its context grows, and the decode
-attention kernel's two paths at those lengths.
+attention kernel's at those lengths.
 
     python -m loadtest.bench_long_context [--rounds 3] [--contexts 32,256,512,1024,1536,1984]
         [--kernel-only] [--isa avx2|portable] [--baseline DIR] [--quantization int4]
@@ -8,12 +8,11 @@ attention kernel's two paths at those lengths.
 Two parts, each alternating its sides round by round (medians over rounds; ratios > 1: the
 first side is faster):
 - kernel: SmolLM2's decode attention shape (9 query heads, 3 KV heads, head_dim 64, bf16 cache,
-  30 layers, one row), the register path against the generic one (`set_register_path`), in
-  one process. Each sample runs the 30 layers once after reading 64 MiB of other data, so the
-  cache comes from memory as in a step, where the weights stream through the caches between
-  layers; GB/s are K/V bytes read per second. `--isa avx2` (or portable) measures that build
-  instead: its generic path only. With `--baseline DIR` the generic path of this tree's build
-  also runs against the baseline's, a fresh process per tree and round.
+  30 layers, one row). Each sample runs the 30 layers once after reading 64 MiB of other
+  data, so the cache comes from memory as in a step, where the weights stream through the
+  caches between layers; GB/s are K/V bytes read per second. `--isa avx2` (or portable)
+  measures that build instead. With `--baseline DIR` this tree's build also runs against the
+  baseline's, a fresh process per tree and round.
 - engine (skipped with `--kernel-only`): one request of a 32-token prompt, generating to the
   longest context, greedy; the median step time in a window of 64 steps at each context
   length. With `--baseline DIR` the same run of another checkout alternates with this one,
@@ -40,9 +39,7 @@ PROMPT_TOKENS = 32
 
 
 def kernel_rounds(contexts: list[int], rounds: int, isa: str | None = None) -> dict:
-    """Per context, the median ms of each path this tree's build has: "registers" and
-    "generic" (an AVX-512 build), or "generic" only (AVX2, portable, or a tree from before the
-    register path)."""
+    """Per context, the kernel's median ms ("ms") and the K/V GB/s it read ("gb_s")."""
     import torch
 
     from engine.kernels.cpu import paged_attention
@@ -51,8 +48,6 @@ def kernel_rounds(contexts: list[int], rounds: int, isa: str | None = None) -> d
     ext = paged_attention.load() if isa is None else paged_attention.build(isa=isa)
     if ext is None:
         return {"skipped": f"the kernel did not build here (isa {isa or 'native'})"}
-    switch = getattr(ext, "set_register_path", None)
-    sides = ("registers", "generic") if switch is not None and switch(True) else ("generic",)
     layers, heads, kv_heads, head_dim, block = 30, 9, 3, 64, 16
     evict = torch.ones(64 << 20, dtype=torch.uint8)  # written once: its pages are real
     results = {}
@@ -64,26 +59,17 @@ def kernel_rounds(contexts: list[int], rounds: int, isa: str | None = None) -> d
         lens = torch.tensor([ctx])
         q = torch.randn(1, heads, head_dim).to(torch.bfloat16)
         out = torch.empty_like(q)
-        times: dict[str, list[float]] = {side: [] for side in sides}
+        times = []
         for i in range(rounds * 5 + 2):  # two warm-up samples
-            for side in sides:
-                if switch is not None:
-                    switch(side == "registers")
-                evict.view(torch.int64).sum()  # read, as the weights stream: no dirty lines
-                start = time.perf_counter()
-                for layer in range(layers):
-                    paged_attention.decode(ext, q, cache[layer], table, lens, out)
-                if i >= 2:
-                    times[side].append(time.perf_counter() - start)
-        if switch is not None:
-            switch(True)
+            evict.view(torch.int64).sum()  # read, as the weights stream: no dirty lines
+            start = time.perf_counter()
+            for layer in range(layers):
+                paged_attention.decode(ext, q, cache[layer], table, lens, out)
+            if i >= 2:
+                times.append(time.perf_counter() - start)
         nbytes = layers * ctx * kv_heads * head_dim * 2 * 2
-        row = {side: round(statistics.median(t) * 1e3, 3) for side, t in times.items()}
-        for side in sides:
-            row[f"{side}_gb_s"] = round(nbytes / row[side] / 1e6, 1)
-        if len(sides) == 2:
-            row["generic_over_registers"] = round(row["generic"] / row["registers"], 2)
-        results[ctx] = row
+        ms = round(statistics.median(times) * 1e3, 3)
+        results[ctx] = {"ms": ms, "gb_s": round(nbytes / ms / 1e6, 1)}
     return {"threads": torch.get_num_threads(), "isa": isa or "native", "by_context": results}
 
 
@@ -110,8 +96,8 @@ def _alternate(part: str, sides: dict[str, Path], rounds: int, flags: list[str])
 
 
 def kernel_against_baseline(args, contexts: list[int]) -> dict:
-    """The generic path of this tree's build against the baseline's (and this tree's register
-    path), a fresh process per tree and round, trees alternating."""
+    """This tree's build against the baseline's, a fresh process per tree and round, trees
+    alternating. (A baseline from before session 15 runs its default decode path.)"""
     sides = {"this": ROOT, "baseline": args.baseline.resolve()}
     flags = ["--child-kernel", "--contexts", ",".join(map(str, contexts))]
     flags += ["--isa", args.isa] if args.isa else []
@@ -120,21 +106,11 @@ def kernel_against_baseline(args, contexts: list[int]) -> dict:
         for name, rs in _alternate("kernel", sides, args.rounds, flags).items()
     }
     medians = {
-        name: {
-            ctx: {
-                path: statistics.median(r[str(ctx)][path] for r in rs)
-                for path in ("registers", "generic")
-                if path in rs[0][str(ctx)]
-            }
-            for ctx in contexts
-        }
+        name: {ctx: statistics.median(r[str(ctx)]["ms"] for r in rs) for ctx in contexts}
         for name, rs in runs.items()
     }
-    ratios = {
-        ctx: round(medians["baseline"][ctx]["generic"] / medians["this"][ctx]["generic"], 2)
-        for ctx in contexts
-    }
-    return {"runs": runs, "median_ms": medians, "baseline_generic_over_this_generic": ratios}
+    ratios = {ctx: round(medians["baseline"][ctx] / medians["this"][ctx], 2) for ctx in contexts}
+    return {"runs": runs, "median_ms": medians, "baseline_over_this": ratios}
 
 
 def _engine_child(args) -> None:
@@ -188,14 +164,12 @@ def _draw(doc: dict, plt):
     kernel = doc.get("kernel", {}).get("by_context", {})
     if kernel:
         xs = sorted(kernel)
-        for side in ("registers", "generic"):
-            if side in kernel[xs[0]]:
-                axes[0].plot(xs, [kernel[x][side] for x in xs], marker="o", label=side)
+        axes[0].plot(xs, [kernel[x]["ms"] for x in xs], marker="o", label="this")
         against = doc.get("kernel_against_baseline", {}).get("median_ms", {}).get("baseline")
         if against:
             xs_base = sorted(against)
-            axes[0].plot(xs_base, [against[x]["generic"] for x in xs_base], marker="o",
-                         linestyle="--", label="baseline's generic")  # fmt: skip
+            axes[0].plot(xs_base, [against[x] for x in xs_base], marker="o", linestyle="--",
+                         label="baseline")  # fmt: skip
         axes[0].set(title="decode attention, 30 layers, one row", xlabel="context tokens",
                     ylabel="ms")  # fmt: skip
         axes[0].legend()
@@ -240,22 +214,20 @@ def main(argv: list[str] | None = None) -> int:
     doc["load_after"] = os.getloadavg()[0]
     kernel = doc["kernel"].get("by_context", {})
     if kernel:
-        paths = [p for p in ("registers", "generic") if p in next(iter(kernel.values()))]
         print(f"kernel ({doc['kernel']['isa']} build), ms and GB/s of K/V:")
-        print(f"{'context':>8} " + " ".join(f"{p + ' ms':>13} {'GB/s':>6}" for p in paths))
+        print(f"{'context':>8} {'ms':>9} {'GB/s':>6}")
         for ctx, row in kernel.items():
-            print(f"{ctx:>8} "
-                  + " ".join(f"{row[p]:>13.3f} {row[p + '_gb_s']:>6.1f}" for p in paths))  # fmt: skip
+            print(f"{ctx:>8} {row['ms']:>9.3f} {row['gb_s']:>6.1f}")
     else:
         print(f"kernel: {doc['kernel'].get('skipped')}")
     if "kernel_against_baseline" in doc:
         against = doc["kernel_against_baseline"]
-        print("generic path, this build against the baseline's (fresh processes), ms:")
+        print("kernel, this build against the baseline's (fresh processes), ms:")
         print(f"{'context':>8} {'this':>9} {'baseline':>9} {'ratio':>6}")
         for ctx in contexts:
             this, base = against["median_ms"]["this"][ctx], against["median_ms"]["baseline"][ctx]
-            ratio = against["baseline_generic_over_this_generic"][ctx]
-            print(f"{ctx:>8} {this['generic']:>9.3f} {base['generic']:>9.3f} {ratio:>6.2f}")
+            ratio = against["baseline_over_this"][ctx]
+            print(f"{ctx:>8} {this:>9.3f} {base:>9.3f} {ratio:>6.2f}")
     if "engine" in doc:
         medians = doc["engine"]["median_ms_per_step"]
         print(f"{'context':>8} " + " ".join(f"{name + ' ms':>13}" for name in medians)

@@ -88,32 +88,6 @@ def test_kernel_matches_reference(extension, data):
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
 
 
-@settings(max_examples=60, deadline=None)
-@given(data=st.data())
-def test_register_path_gives_the_generic_paths_bits(extension, data):
-    """attend_partition_in_registers (blocks of 16, a group's accumulators in registers, rows
-    prefetched a block ahead) does the generic path's arithmetic in its order: the same bits,
-    for every group size and head dim it takes (and those it leaves to the generic path)."""
-    if not extension.set_register_path(True):
-        pytest.skip("this build (no AVX-512) has only the generic decode path")
-    lens = data.draw(st.lists(context_lengths(16), min_size=1, max_size=4), "lens")
-    num_kv_heads = data.draw(st.sampled_from([1, 2, 3]), "num_kv_heads")
-    group = data.draw(st.sampled_from([1, 2, 3, 4, 5, 8]), "group")
-    head_dim = data.draw(st.sampled_from([64, 128, 80]), "head_dim")
-    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), "dtype")
-    seed = data.draw(st.integers(0, 2**16), "seed")
-    q, kv_cache, table, context_lens = decode_case(
-        lens, num_kv_heads, group, head_dim, 16, dtype, seed
-    )
-    registers = paged_attention.decode(extension, q, kv_cache, table, context_lens)
-    extension.set_register_path(False)
-    try:
-        generic = paged_attention.decode(extension, q, kv_cache, table, context_lens)
-    finally:
-        extension.set_register_path(True)
-    assert torch.equal(registers, generic)
-
-
 def test_padding_blocks_past_the_context_are_never_read(extension):
     """Table entries past a request's context may name any block (0 pads them): poison them."""
     q, kv_cache, table, context_lens = decode_case([5, 40], 2, 3, 64, 16, torch.float32, 1)

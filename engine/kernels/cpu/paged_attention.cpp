@@ -8,9 +8,7 @@
 // merged by a second pass. All arithmetic is fp32 whatever the cache dtype.
 //
 // The inner loops over head_dim are written for the compiler's auto-vectoriser (omp simd with
-// a reduction); the build picks -mavx512f / -mavx2 / nothing from the running CPU's flags. On
-// AVX-512 builds a partition whose group fits in registers takes attend_partition_in_registers
-// (the same bits; see there).
+// a reduction); the build picks -mavx512f / -mavx2 / nothing from the running CPU's flags.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -194,7 +192,7 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 // Blocks lie anywhere in the pool, so the hardware prefetcher cannot follow the block table:
 // fetch one block's K and V rows of one head (`rows`: its first K row) at once, while the
 // previous block is computed (extend only: the decode paths spread these over the block's
-// rows, see attend_partition_in_registers). Strides in elements of the cache.
+// rows, see attend_partition). Strides in elements of the cache.
 template <typename cache_t>
 inline void prefetch_block(const cache_t* rows, int64_t block_size, int64_t head_dim,
                            int64_t token_stride, int64_t v_offset) {
@@ -288,134 +286,6 @@ inline void group_block_values(const float* weights, int64_t G, int64_t D, int64
   }
 }
 
-#if defined(__AVX512F__)
-// 16 consecutive values of a cache row as fp32, widened exactly as load_row / load_kv_row do
-// (bf16: the bits shifted up; int8: the code times the row's scale).
-inline __m512 load16(const float* src, float /*row_scale*/) { return _mm512_loadu_ps(src); }
-
-inline __m512 load16(const at::BFloat16* src, float /*row_scale*/) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-inline __m512 load16(const int8_t* src, float row_scale) {
-  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)),
-                       _mm512_set1_ps(row_scale));
-}
-
-// attend_partition for blocks of 16 tokens where a group's accumulators fit in 16 registers
-// (G * HEAD_DIM <= 256: SmolLM2's 3 x 64, a Llama's 4 x 64). The same arithmetic in the same
-// order as group_block_scores / softmax_step / group_block_values, so the same bits, but
-//  - K and V rows are widened in registers, not through a scratch row;
-//  - the scores take one query row of the group at a time (its 16 partial sums stay in
-//    registers; all rows at once spilled them), K rows reloaded from L1 for the next row;
-//  - the accumulators stay in registers for the whole partition;
-//  - the next block is prefetched a row per token while this one is computed (as the generic
-//    path now does too). Issued all at once (64 prefetches a block for a bf16 head of 64) they
-//    filled the core's miss buffers and stalled it until the first ones returned.
-template <typename cache_t, int HEAD_DIM, int G>
-void attend_partition_in_registers(const float* qf, const cache_t* cache, const float* scales,
-                                   const int64_t* table, int64_t context_len, int64_t kv_head,
-                                   int64_t first_block, int64_t last_block,
-                                   int64_t num_kv_heads, float* m, float* l, float* acc_out) {
-  constexpr int64_t B = 16;
-  constexpr int C = HEAD_DIM / 16;
-  constexpr int64_t kRowBytes = HEAD_DIM * static_cast<int64_t>(sizeof(cache_t));
-  const int64_t token_stride = 2 * num_kv_heads * HEAD_DIM;
-  const int64_t v_offset = num_kv_heads * HEAD_DIM;
-  const int64_t scale_stride = 2 * num_kv_heads;  // from one token's K (or V) scale to the next
-  __m512 q[G][C], acc[G][C];
-  for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < C; ++c) {
-      q[g][c] = _mm512_loadu_ps(qf + g * HEAD_DIM + 16 * c);
-      acc[g][c] = _mm512_setzero_ps();
-    }
-  }
-  alignas(64) float weights[G][B];
-  for (int64_t b = first_block; b < last_block; ++b) {
-    const int64_t n = std::min(B, context_len - b * B);
-    const cache_t* block = cache + table[b] * B * token_stride + kv_head * HEAD_DIM;
-    const float* block_scales =
-        scales == nullptr ? nullptr : scales + table[b] * B * scale_stride + kv_head;
-    const bool has_next = b + 1 < last_block;
-    const cache_t* next =
-        has_next ? cache + table[b + 1] * B * token_stride + kv_head * HEAD_DIM : nullptr;
-    if (has_next && scales != nullptr)  // the next block's scales: [16, 2, KVH] floats
-      prefetch_bytes(scales + table[b + 1] * B * scale_stride, B * scale_stride * 4);
-    for (int g = 0; g < G; ++g) {
-      __m512 partial[B];
-      for (int64_t t = 0; t < B; ++t) {
-        if (t >= n) {
-          partial[t] = _mm512_setzero_ps();
-          continue;
-        }
-        if (g == 0 && has_next) prefetch_bytes(next + t * token_stride, kRowBytes);
-        const cache_t* k = block + t * token_stride;
-        const float k_scale = block_scales ? block_scales[t * scale_stride] : 1.f;
-        __m512 sum = _mm512_mul_ps(q[g][0], load16(k, k_scale));
-        for (int c = 1; c < C; ++c)
-          sum = _mm512_fmadd_ps(q[g][c], load16(k + 16 * c, k_scale), sum);
-        partial[t] = sum;
-      }
-      _mm512_store_ps(weights[g], lane_sums16(partial));
-      const float correction = softmax_step(weights[g], n, B, m[g], l[g]);
-      if (correction != 1.f) {
-        const __m512 factor = _mm512_set1_ps(correction);
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], factor);
-      }
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      if (has_next) prefetch_bytes(next + v_offset + t * token_stride, kRowBytes);
-      const cache_t* v = block + v_offset + t * token_stride;
-      const float v_scale = block_scales ? block_scales[t * scale_stride + num_kv_heads] : 1.f;
-      __m512 row[C];
-      for (int c = 0; c < C; ++c) row[c] = load16(v + 16 * c, v_scale);
-      for (int g = 0; g < G; ++g) {
-        const __m512 w = _mm512_set1_ps(weights[g][t]);
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, row[c], acc[g][c]);
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc_out + g * HEAD_DIM + 16 * c, acc[g][c]);
-}
-
-// Whether attend_partition takes attend_partition_in_registers where it applies (tests turn it
-// off to compare the two paths' bits).
-std::atomic<bool> g_in_registers{true};
-
-// Runs attend_partition_in_registers where it applies (true); else the caller computes.
-template <typename cache_t, int HEAD_DIM>
-bool attend_in_registers(const float* qf, int64_t G, int64_t B, const cache_t* cache,
-                         const float* scales, const int64_t* table, int64_t context_len,
-                         int64_t kv_head, int64_t first, int64_t last, int64_t num_kv_heads,
-                         float* m, float* l, float* acc) {
-  if (B != 16 || !g_in_registers.load(std::memory_order_relaxed)) return false;
-#define ATTEND(NUM)                                                                         \
-  attend_partition_in_registers<cache_t, HEAD_DIM, NUM>(qf, cache, scales, table,          \
-                                                        context_len, kv_head, first, last, \
-                                                        num_kv_heads, m, l, acc)
-  if constexpr (HEAD_DIM == 64) {
-    switch (G) {
-      case 1: ATTEND(1); return true;
-      case 2: ATTEND(2); return true;
-      case 3: ATTEND(3); return true;
-      case 4: ATTEND(4); return true;
-      default: return false;
-    }
-  } else if constexpr (HEAD_DIM == 128) {
-    switch (G) {
-      case 1: ATTEND(1); return true;
-      case 2: ATTEND(2); return true;
-      default: return false;
-    }
-  }
-#undef ATTEND
-  return false;
-}
-#endif
-
 struct Shapes {
   int64_t num_seqs, num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
   int64_t partition_blocks, num_partitions;
@@ -447,13 +317,6 @@ void attend_partition(const scalar_t* q, const cache_t* cache, const float* scal
     l[g] = 0.f;
   }
   std::fill(acc, acc + G * D, 0.f);
-#if defined(__AVX512F__)
-  if (attend_in_registers<cache_t, HEAD_DIM>(qf.data(), G, B, cache, scales, table, context_len,
-                                             kv_head, first_block, last_block, s.num_kv_heads,
-                                             m, l, acc)) {
-    return;
-  }
-#endif
   // cache [num_blocks, block_size, 2, num_kv_heads, head_dim]
   const int64_t token_stride = 2 * s.num_kv_heads * D;
   const int64_t v_offset = s.num_kv_heads * D;
@@ -463,8 +326,9 @@ void attend_partition(const scalar_t* q, const cache_t* cache, const float* scal
     // scale of token t's K: block_scales[t * 2 * KVH]; its V: the next KVH entries on
     const float* block_scales =
         scales == nullptr ? nullptr : scales + (table[b] * B * 2) * s.num_kv_heads + kv_head;
-    // The next block's rows are prefetched a row per token as this block's are read (all at
-    // once, they filled the core's miss buffers: see attend_partition_in_registers).
+    // The next block's rows are prefetched a row per token as this block's are read. Issued
+    // all at once (64 prefetches a block for a bf16 head of 64) they filled the core's miss
+    // buffers and stalled it until the first ones returned.
     const cache_t* next =
         b + 1 < last_block ? cache + table[b + 1] * B * token_stride + kv_head * D : nullptr;
     if (next != nullptr && scales != nullptr)  // the next block's scales: [B, 2, KVH] floats
@@ -1116,19 +980,6 @@ void paged_attention_extend(torch::Tensor q, torch::Tensor kv_cache, torch::Tens
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def(
-      "set_register_path",
-      [](bool on) {
-#if defined(__AVX512F__)
-        g_in_registers.store(on);
-        return true;
-#else
-        (void)on;
-        return false;
-#endif
-      },
-      "decode's register path on or off where it applies (AVX-512 builds; tests compare the "
-      "two paths' bits); returns whether this build has it");
   m.def("paged_attention_decode", &paged_attention_decode,
         "Paged decode attention over the block pool, in place (GQA, online softmax)");
   m.def("paged_attention_decode_int8", &paged_attention_decode_int8,

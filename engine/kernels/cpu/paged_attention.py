@@ -21,16 +21,14 @@ the reference: bf16 0.96 at 1 stream and 1.27 at 16; fp32 0.91 and 1.20 (at 1 st
 attention is a small part of the step and the difference is within this machine's noise). It also drops the gather buffer that grows with context length and the
 decode mask.
 
-Both decode paths prefetch the next block a row per token while they compute this one. The
-64 prefetches of a block (bf16, head_dim 64) used to go out at once: they filled the core's
-miss buffers and stalled it until the first returned, so the memory time added to the
-compute. The register path (AVX-512 builds, blocks of 16, a group's accumulators in at most 16
-vector registers: head_dim 64 with up to 4 query heads per KV head, 128 with up to 2) also
-widens rows in registers and keeps the accumulators there for the whole partition: same
-arithmetic, same order, same bits as the generic path (tested on every cache dtype). At one
-SmolLM2 row on the Zen 4 VM (`loadtest/README.md`, "Decode attention at long contexts"): 30
-layers of decode attention from memory 1.4-1.7x faster from 256 tokens of context on (the
-AVX2 build's generic path 1.2-1.5x), an int4 step at 1.5-2K tokens 1.35-1.4x. Next levers:
+Decode prefetches the next block a row per token while it computes this one. The 64
+prefetches of a block (bf16, head_dim 64) used to go out at once: they filled the core's miss
+buffers and stalled it until the first returned, so the memory time added to the compute. At
+one SmolLM2 row on the Zen 4 VM (`loadtest/README.md`, "Decode attention at long contexts"):
+30 layers of decode attention from memory 1.4-1.7x faster from 256 tokens of context on (the
+AVX2 build 1.2-1.5x), an int4 step at 1.5-2K tokens 1.35-1.4x. A register path (rows widened
+and accumulators kept in AVX-512 registers for a whole partition, the same bits) was level
+with this one in the engine and from memory, 1.1-1.2x only with the cache in L2/L3: removed. Next levers:
 more rows in flight per thread (from memory the kernel reads ~10 GB/s, against 26 with the
 data in L2/L3), and a K layout transposed per block so a block's scores are one broadcast-FMA
 loop.

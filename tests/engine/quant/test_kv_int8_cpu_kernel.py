@@ -69,35 +69,6 @@ def test_int8_kernel_matches_reference(extension, data):
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
 
 
-@settings(max_examples=30, deadline=None)
-@given(data=st.data())
-def test_int8_register_path_gives_the_generic_paths_bits(extension, data):
-    """The decode's register path over int8 codes (each row times its own scale, widened in
-    registers) against the generic path: the same bits. Unused slots carry NaN scales here, so
-    a read past a context shows too."""
-    if not extension.set_register_path(False):
-        pytest.skip("this build (no AVX-512) has only the generic decode path")
-    try:
-        lens = data.draw(st.lists(st.sampled_from([1, 15, 16, 17, 83, 600]), min_size=1,
-                                  max_size=3), "lens")  # fmt: skip
-        num_kv_heads = data.draw(st.sampled_from([1, 3]), "num_kv_heads")
-        group = data.draw(st.sampled_from([1, 3, 4]), "group")
-        head_dim = data.draw(st.sampled_from([64, 128]), "head_dim")
-        seed = data.draw(st.integers(0, 2**16), "seed")
-        q, kv_cache, table, context_lens = decode_case(
-            lens, num_kv_heads, group, head_dim, 16, torch.float32, seed
-        )
-        pool = int8_pool(kv_cache, table, context_lens)
-        q = q.to(torch.bfloat16)
-        generic = paged_attention.decode_int8(extension, q, pool, table, context_lens)
-        extension.set_register_path(True)
-        registers = paged_attention.decode_int8(extension, q, pool, table, context_lens)
-    finally:
-        extension.set_register_path(True)
-    assert torch.isfinite(registers).all()
-    assert torch.equal(registers, generic)
-
-
 def test_engine_on_the_cpu_kernel_matches_the_torch_int8_path(tiny_model_dir):
     prompts = ["The quick brown fox jumps over the lazy dog.", "Kafka streams prompts to workers"]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
