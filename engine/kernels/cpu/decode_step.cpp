@@ -127,21 +127,32 @@ class Barrier {
 // Whether a step runs on one thread or on all, chosen by measurement for each size of step (rows
 // in powers of two), as a two-armed bandit. Steps run on the arm that measured faster; a probe
 // of a few steps runs on the other one (its first step, which may wake sleeping threads, not
-// counted; it ends after one counted step where that was clearly slower); the faster of the
-// probe's mean and the current arm's recent average (an exponential moving average of its
-// steps) takes the next period. The first probe comes after kFirstPeriod steps. After it, on
-// threads, a probe needs a reason: the threads' average rose kSlowdown above their best (other
-// work took the cores), or a step's barrier waits mostly slept; an idle machine pays nothing.
-// On one thread, threads are probed every period, the only way to see the cores free again.
-// The further apart the two arms, the longer the period before the next probe, so probing
-// costs about 1% of the steps' time whichever arm is slower; but a switch is confirmed by a
-// probe after the shortest period (`decide`). Step time is per row, in ns.
+// counted; it ends after one counted step where that was clearly slower). The current arm is
+// then measured afresh for kMeasureSteps steps, and the faster of the two means takes the next
+// period. The first probe comes after kFirstPeriod steps. After it, on threads, a probe needs
+// a reason: the threads' mean over their last kWindow steps rose kSlowdown above their best
+// (other work took the cores), or a step's barrier waits mostly slept; an idle machine pays
+// nothing. On one thread, threads are probed every period, the only way to see the cores free
+// again. The further apart the two arms, the longer the period before the next probe, so
+// probing costs about 1% of the steps' time whichever arm is slower; but a switch is confirmed
+// by a probe after the shortest period (`decide`). Step time is per row, in ns.
+//
+// Why the fresh measure after a probe. Through a worker (its event loop, the broker and a
+// client streaming on the same 2 cores) one-stream steps on threads are heavy-tailed: a median
+// of 3.4 ms but one step in ten several ms longer, a preempted thread holding its partner at a
+// barrier; one thread runs a steady 4.3 ms, and the threads' mean (4.1) is still the lower. A
+// probe started because the threads' recent average was high was compared with that same
+// average, chosen for being high: the probe of one thread won, and the steps went to one thread
+// for 70-80% of the time (a run of 1025 steps: 634 on one thread, 8% slower per token than
+// threads forced). A mean taken after the probe was not chosen by what started it.
 class ThreadChoice {
  public:
   static constexpr int kBuckets = 7;            // rows 1, 2-3, 4-7, ..., 64 and more
   static constexpr int64_t kFirstPeriod = 32;   // steps before the first probe, and the least
   static constexpr int64_t kMaxPeriod = 2048;   // the most steps between two probes
   static constexpr int64_t kProbeSteps = 5;     // the first one not counted
+  static constexpr int64_t kMeasureSteps = 8;   // the current arm's, after a probe
+  static constexpr int kWindow = 16;            // steps in the current arm's recent mean
   static constexpr double kClearlySlower = 1.3; // a probe this much slower ends at once
   static constexpr double kSwitchMargin = 0.05; // the other arm must be this much faster
   static constexpr double kSlowdown = 1.3;      // threads this much slower than their best
@@ -171,23 +182,39 @@ class ThreadChoice {
         ++b.probe_count;
       }
       // A probed arm clearly slower than the current one after one counted step (threads at
-      // W2's 32 rows are ~1.5x one thread) is not run further: the probe costs less.
+      // W2's 32 rows are ~1.5x one thread) is not run further, nor measured against.
       const double current = b.estimate[1 - arm];
-      const bool clearly_slower = b.probe_count > 0 && current > 0 &&
-                                  b.probe_sum / b.probe_count > kClearlySlower * current;
+      const double probe = b.probe_count > 0 ? b.probe_sum / b.probe_count : per_row;
+      const bool clearly_slower =
+          b.probe_count > 0 && current > 0 && probe > kClearlySlower * current;
       if (--b.left > 0 && !clearly_slower) return;
-      b.estimate[arm] = b.probe_count > 0 ? b.probe_sum / b.probe_count : per_row;
       b.probing = false;
-      decide(b);
+      if (clearly_slower) {
+        b.estimate[arm] = probe;
+        decide(b, current);
+        return;
+      }
+      b.probe_mean = probe;
+      b.measuring = true;
+      b.left = kMeasureSteps;
+      b.measure_sum = 0;
       return;
     }
-    double& average = b.estimate[arm];
-    average = average > 0 ? 0.75 * average + 0.25 * per_row : per_row;
+    const double recent = b.window.add(per_row);
+    b.estimate[arm] = recent;
     if (!single)
-      b.best_multi = b.best_multi > 0 ? std::min(average, b.best_multi * kBestDrift) : average;
+      b.best_multi = b.best_multi > 0 ? std::min(recent, b.best_multi * kBestDrift) : recent;
+    if (b.measuring) {
+      b.measure_sum += per_row;
+      if (--b.left > 0) return;
+      b.measuring = false;
+      b.estimate[1 - arm] = b.probe_mean;
+      decide(b, b.measure_sum / kMeasureSteps);
+      return;
+    }
     if (waits_bad && !single) b.left = std::min<int64_t>(b.left, 1);
     if (--b.left > 0) return;
-    if (!single && b.probes > 0 && !waits_bad && average <= kSlowdown * b.best_multi) {
+    if (!single && b.probes > 0 && !waits_bad && recent <= kSlowdown * b.best_multi) {
       b.left = 1;  // threads as fast as they were: no probe (look again next step)
       return;
     }
@@ -226,14 +253,33 @@ class ThreadChoice {
   }
 
  private:
+  // The mean of the last kWindow values added (of fewer before there are as many).
+  struct Window {
+    double values[kWindow] = {};
+    double sum = 0;
+    int count = 0, next = 0;
+
+    double add(double value) {
+      if (count == kWindow) sum -= values[next];
+      else ++count;
+      values[next] = value;
+      sum += value;
+      next = (next + 1) % kWindow;
+      return sum / count;
+    }
+    void clear() { sum = 0, count = 0, next = 0; }
+  };
+
   struct Bucket {
     double estimate[2] = {0, 0};  // ns per row: [all threads, one thread]; 0: not measured
-    double best_multi = 0;        // the threads' best average (ns per row), creeping up
+    double best_multi = 0;        // the threads' best recent mean (ns per row), creeping up
     bool single = false;          // the arm steps run on outside probes
-    bool probing = false;
-    int64_t left = kFirstPeriod;  // steps left in the current period or probe
+    bool probing = false;         // on the other arm, for the rest of a probe
+    bool measuring = false;       // on this arm, after a probe: its fresh mean
+    int64_t left = kFirstPeriod;  // steps left in the current period, probe or measure
     int64_t period = kFirstPeriod;
-    double probe_sum = 0;
+    Window window;                // the current arm's last steps
+    double probe_sum = 0, probe_mean = 0, measure_sum = 0;
     int64_t probe_count = 0, probe_seen = 0;
     int64_t steps = 0, single_steps = 0, probes = 0, switches = 0;
   };
@@ -244,21 +290,25 @@ class ThreadChoice {
     return i;
   }
 
-  // After a probe: the faster arm, and a period that grows with how much slower the other is.
+  // After a probe: the faster of the probed arm (its mean in estimate[]) and the current one
+  // (`here`: its fresh mean, or its recent one where the probe ended early), and a period that
+  // grows with how much slower the other is.
   // A switch is confirmed by a probe after kFirstPeriod steps, whatever the gap: the arm left
   // behind was last measured under that moment's conditions. In a worker's first steps (the
   // broker, the client and the loop starting to stream on the same 2 cores) the threads'
   // average rose to 2-3x their usual time; the probe of one thread that followed switched, and
   // the gap set a period of ~450 steps: the rest of the request ran on one thread, ~20% slower
   // than threads once that burst had passed.
-  static void decide(Bucket& b) {
+  static void decide(Bucket& b, double here) {
     int chosen = b.single ? 1 : 0;
-    const double here = b.estimate[chosen], other = b.estimate[1 - chosen];
+    b.estimate[chosen] = here;
+    const double other = b.estimate[1 - chosen];
     const bool switched = here > 0 && other > 0 && other < here * (1.0 - kSwitchMargin);
     if (switched) {
       b.single = !b.single;
       chosen = 1 - chosen;
       ++b.switches;
+      b.window.clear();  // the window holds the current arm's steps only
     }
     const double a = b.estimate[chosen], c = b.estimate[1 - chosen];
     const double gap = a > 0 && c > a ? c / a - 1.0 : 0.0;
