@@ -142,9 +142,9 @@ class Barrier {
 // of 3.4 ms but one step in ten several ms longer, a preempted thread holding its partner at a
 // barrier; one thread runs a steady 4.3 ms, and the threads' mean (4.1) is still the lower. A
 // probe started because the threads' recent average was high was compared with that same
-// average, chosen for being high: the probe of one thread won, and the steps went to one thread
-// for 70-80% of the time (a run of 1025 steps: 634 on one thread, 8% slower per token than
-// threads forced). A mean taken after the probe was not chosen by what started it.
+// average, chosen for being high: the probe of one thread won, and 20-73% of the steps went to
+// one thread (634 of 1025 in one run), where threads forced were 5-8% faster. A mean taken
+// after the probe was not chosen by what started it.
 class ThreadChoice {
  public:
   static constexpr int kBuckets = 7;            // rows 1, 2-3, 4-7, ..., 64 and more
