@@ -7,7 +7,8 @@ W2: 32 distinct chat prompts submitted together, 128 new tokens each, greedy, EO
 The two runs never overlap (each owns both cores while it runs). Targets from the issue:
 e2e throughput >= 90% of direct, TTFT overhead p50 <= 20 ms. With `--num-requests 1` (W1)
 the pair also gives the single-stream inter-token latency of both sides. The worker's peak
-RSS (VmHWM, read just before it is stopped) is reported with each Kafka run.
+RSS (VmHWM, read just before it is stopped) is reported with each Kafka run, and its fused
+decode steps by thread count (from its /metrics: how many the thread choice ran on one thread).
 
     mini-infer bench e2e [--dtype auto|float32|bfloat16] [--quantization int4] [--kv-cache-dtype int8]
                          [--num-requests 32] [--repeat 3] [--out r.json] [--plot r.png]
@@ -18,14 +19,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import multiprocessing
 import os
+import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from loadtest.bench_engine import run_engine
@@ -81,9 +85,28 @@ def cpu_split(before: dict[str, dict[str, float]], after: dict[str, dict[str, fl
     }
 
 
-async def run_e2e(bootstrap: str, n: int, max_tokens: int, pids: dict[str, int]) -> dict:
+def fused_steps(metrics_url: str | None) -> dict[str, float]:
+    """The worker's fused decode steps so far by `threads` ("all", "one": the thread choice ran
+    them on one thread), from its /metrics; {} where it has none."""
+    if metrics_url is None:
+        return {}
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    steps: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r'mini_infer_engine_fused_steps_total\{(.*)\} (\S+)$', line)
+        threads = match and re.search(r'threads="(\w+)"', match.group(1))
+        if threads:
+            steps[threads.group(1)] = steps.get(threads.group(1), 0.0) + float(match.group(2))
+    return steps
+
+
+async def run_e2e(
+    bootstrap: str, n: int, max_tokens: int, pids: dict[str, int], metrics_url: str | None = None
+) -> dict:
     """The measured run; `pids` (worker, broker, client) get their CPU seconds reported, so the
-    cost of the transport and of the harness on the same cores is seen beside the engine's."""
+    cost of the transport and of the harness on the same cores is seen beside the engine's, and
+    the worker's fused steps by thread count (`metrics_url`: its /metrics)."""
     from worker.client import MiniInferClient
 
     async with MiniInferClient(bootstrap) as client:
@@ -116,6 +139,7 @@ async def run_e2e(bootstrap: str, n: int, max_tokens: int, pids: dict[str, int])
                     worker_ttft_s = delta.final.timing.ttft_ms / 1000
             return ttft, num_tokens, worker_ttft_s
 
+        steps_before = fused_steps(metrics_url)
         cpu_before = {name: cpu_seconds_by_thread(pid) for name, pid in pids.items()}
         start = time.perf_counter()
         results = await asyncio.gather(*(one(i) for i in range(n)))
@@ -123,8 +147,13 @@ async def run_e2e(bootstrap: str, n: int, max_tokens: int, pids: dict[str, int])
         cpu = cpu_split(
             cpu_before, {name: cpu_seconds_by_thread(pid) for name, pid in pids.items()}
         )
+        steps_after = fused_steps(metrics_url)
     stats = summarize(sum(k for _, k, _ in results), elapsed, [t for t, _, _ in results])
     stats["cpu_s"] = cpu
+    if steps_after:  # the steps of this run (the metric is exported once a step has run)
+        stats["fused_steps"] = {
+            k: int(v - steps_before.get(k, 0.0)) for k, v in sorted(steps_after.items())
+        }
     stats["token_gaps"] = token_gaps(arrivals)
     # The worker's own TTFT (from receiving the message to its first token): the rest of the
     # client's TTFT is transport (produce, fetch waits, publish).
@@ -142,13 +171,15 @@ def _harness_priority(args) -> str:
 
 
 def _client_run(
-    bootstrap: str, n: int, max_tokens: int, pids: dict, nice: bool, idle: bool
-) -> dict:
+    bootstrap: str, n: int, max_tokens: int, pids: dict, nice: bool, idle: bool,
+    metrics_url: str | None = None,
+) -> dict:  # fmt: skip
     """The measured Kafka run in a child process (the client), at nice 19 if `nice`, under
     SCHED_IDLE too if `idle`."""
     if nice or idle:
         lower_priority(os.getpid(), idle=idle)
-    return asyncio.run(run_e2e(bootstrap, n, max_tokens, {**pids, "client": os.getpid()}))
+    pids = {**pids, "client": os.getpid()}
+    return asyncio.run(run_e2e(bootstrap, n, max_tokens, pids, metrics_url))
 
 
 def start_worker(
@@ -156,7 +187,7 @@ def start_worker(
 ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "worker.cli", "serve", "--bootstrap-servers", bootstrap,
            "--model", model, "--dtype", dtype, "--log-level", "warning",
-           "--ready-file", str(ready_file)]  # fmt: skip
+           "--ready-file", str(ready_file), "--health-port", "0"]  # fmt: skip
     engine_options = dict(engine_options)
     if quantization := engine_options.pop("quantization", None):
         cmd += ["--quantization", quantization]
@@ -214,6 +245,8 @@ def run_pair(args, model: str, engine_options: dict) -> dict:
         )
         try:
             asyncio.run(wait_ready(worker, Path(tmp) / "ready"))
+            health_port = json.loads((Path(tmp) / "ready").read_text()).get("health_port")
+            metrics_url = f"http://127.0.0.1:{health_port}/metrics" if health_port else None
             pids = {"worker": worker.pid, "broker": broker.pid}
             if args.nice_harness or args.idle_harness:  # they take what the worker leaves
                 lower_priority(broker.pid, idle=args.idle_harness)
@@ -224,7 +257,7 @@ def run_pair(args, model: str, engine_options: dict) -> dict:
                 e2e = pool.apply(
                     _client_run,
                     (broker.bootstrap_servers, args.num_requests, args.max_tokens, pids,
-                     args.nice_harness, args.idle_harness),
+                     args.nice_harness, args.idle_harness, metrics_url),
                 )  # fmt: skip
             e2e["worker_peak_rss_mib"] = peak_rss_of(worker.pid)
         finally:
@@ -304,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{doc['throughput_ratio_e2e_over_direct']:.3f}; TTFT overhead p50 "
           f"{doc['ttft_overhead_p50_ms']} ms, p99 {doc['ttft_overhead_p99_ms']} ms (transport p50 "
           f"{doc.get('ttft_transport_p50_ms', 'n/a')} ms)")  # fmt: skip
+    for i, p in enumerate(pairs):
+        steps = p["e2e"].get("fused_steps")
+        if steps:
+            print(f"pair {i + 1}: the worker's fused decode steps on one thread (the thread "
+                  f"choice): {steps.get('one', 0)} of {steps.get('one', 0) + steps.get('all', 0)}")
     print(f"gaps between a stream's tokens as its reader got them, ms (bunched: within "
           f"{BUNCHED_GAP_S * 1000:g} ms of the one before)")  # fmt: skip
     print(f"{'pair':>4} {'side':>7} {'p50':>8} {'p90':>8} {'p99':>8} {'bunched':>8}")

@@ -72,8 +72,9 @@ class Health:
         self.is_started = is_started
         self.details.update(details)
         if self._ready_file is not None:
-            if is_started:
-                self._ready_file.write_text(json.dumps(self.details, default=str))
+            if is_started:  # with the bound health port (configured as 0: any free port)
+                ready = {**self.details, "health_port": self.port}
+                self._ready_file.write_text(json.dumps(ready, default=str))
             else:
                 self._ready_file.unlink(missing_ok=True)
         log.info(

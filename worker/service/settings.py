@@ -327,7 +327,11 @@ class ObservabilitySettings(_Group):
     health_port: int | None = Field(
         default=None, ge=0, le=65535, description="HTTP /healthz, /readyz, /metrics; 0 = any"
     )
-    ready_file: Path | None = Field(default=None, description="touched when ready, removed at exit")
+    ready_file: Path | None = Field(
+        default=None,
+        description="written when ready (JSON: worker id, model, group, the bound health port), "
+        "removed at exit",
+    )
     # Liveness fails when the engine has had work but finished no step for this long (a stuck
     # kernel or a deadlock), or when the event loop does not answer (the probe times out).
     engine_stall_s: float = Field(default=120.0, gt=0)

@@ -6,6 +6,7 @@ and a producer's trace that stops at the worker."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 import urllib.error
@@ -90,6 +91,8 @@ async def test_ready_means_started_and_able_to_work_not_holding_partitions(
         first = workers[0]
         await wait_for_status(first, "/readyz", 200)
         assert ready_file.exists() and (await get(first, "/healthz"))[0] == 200
+        # The ready file names the port a health_port of 0 was bound to.
+        assert json.loads(ready_file.read_text())["health_port"] == first.health.port > 0
         assert (await get(first, "/nope"))[0] == 404
         first.health.set_ready(False)  # stopping: no longer ready, still alive
         assert (await get(first, "/readyz"))[0] == 503

@@ -1,0 +1,41 @@
+"""`bench e2e` reads the worker's fused steps by thread count from its /metrics."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+
+from loadtest.bench_e2e import fused_steps
+
+METRICS = """# HELP mini_infer_engine_fused_steps_total fused decode steps
+# TYPE mini_infer_engine_fused_steps_total counter
+mini_infer_engine_fused_steps_total{model="m",threads="all"} 253.0
+mini_infer_engine_fused_steps_total{model="m",threads="one"} 2.0
+mini_infer_engine_fused_steps_created{model="m",threads="one"} 1.7e+09
+mini_infer_engine_step_seconds_count{model="m"} 255.0
+"""
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (the http.server name)
+        body = METRICS.encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_fused_steps_are_read_by_thread_count_and_other_series_ignored():
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.handle_request, daemon=True)  # one request
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        assert fused_steps(url) == {"all": 253.0, "one": 2.0}
+    finally:
+        thread.join(timeout=10)
+        server.server_close()
+    assert fused_steps(None) == {}
