@@ -15,6 +15,7 @@ Each check answers JSON naming every condition, so a failing probe says why.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Protocol
 
@@ -74,7 +75,10 @@ class Health:
         if self._ready_file is not None:
             if is_started:  # with the bound health port (configured as 0: any free port)
                 ready = {**self.details, "health_port": self.port}
-                self._ready_file.write_text(json.dumps(ready, default=str))
+                # Written aside and renamed: a reader that sees the file sees all of it.
+                staged = self._ready_file.with_name(self._ready_file.name + ".tmp")
+                staged.write_text(json.dumps(ready, default=str))
+                os.replace(staged, self._ready_file)
             else:
                 self._ready_file.unlink(missing_ok=True)
         log.info(
