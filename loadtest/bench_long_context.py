@@ -23,17 +23,15 @@ first side is faster):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from loadtest.report import emit
+from loadtest.trees import ROOT, print_result, run_in_tree
 
-ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 64  # steps per context length's median
 PROMPT_TOKENS = 32
 
@@ -73,25 +71,14 @@ def kernel_rounds(contexts: list[int], rounds: int, isa: str | None = None) -> d
     return {"threads": torch.get_num_threads(), "isa": isa or "native", "by_context": results}
 
 
-def _child(tree: Path, flags: list[str]):
-    """This script with `flags` in a fresh process, `tree`'s `engine/` imported first (this
-    script's own copy runs: an older checkout's may lack the flags): the JSON it prints."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), *flags]
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
-    out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"{tree}: no result\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-
-
 def _alternate(part: str, sides: dict[str, Path], rounds: int, flags: list[str]) -> dict:
-    """`_child(tree, flags)` for each side in turn, `rounds` times: each side's results."""
+    """This script with `flags` in each side's tree in turn (`run_in_tree`), `rounds` times:
+    each side's results."""
     runs: dict[str, list] = {name: [] for name in sides}
     for i in range(rounds):
         for name, tree in sides.items():
             print(f"[bench] {part} round {i + 1}/{rounds}: {name}", file=sys.stderr, flush=True)
-            runs[name].append(_child(tree, flags))
+            runs[name].append(run_in_tree(__file__, tree, flags, timeout_s=1800))
     return runs
 
 
@@ -135,10 +122,10 @@ def _engine_child(args) -> None:
     for ctx in contexts:
         start = max(0, ctx - PROMPT_TOKENS)
         by_context[ctx] = round(statistics.median(gaps[start : start + WINDOW]) * 1e3, 3)
-    print("RESULT " + json.dumps(by_context), flush=True)
+    print_result(by_context)
 
 
-def engine_rounds(args) -> dict:
+def engine_rounds(args, contexts: list[int]) -> dict:
     sides = {"this": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
     flags = ["--child", "--contexts", args.contexts, "--model", args.model]
     flags += ["--quantization", args.quantization] if args.quantization else []
@@ -146,7 +133,6 @@ def engine_rounds(args) -> dict:
         name: [{int(ctx): ms for ctx, ms in r.items()} for r in rs]
         for name, rs in _alternate("engine", sides, args.rounds, flags).items()
     }
-    contexts = [int(c) for c in args.contexts.split(",")]
     medians = {
         name: {ctx: statistics.median(r[ctx] for r in rs) for ctx in contexts}
         for name, rs in runs.items()
@@ -203,14 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         _engine_child(args)
         return 0
     if args.child_kernel:
-        print("RESULT " + json.dumps(kernel_rounds(contexts, 1, args.isa)), flush=True)
+        print_result(kernel_rounds(contexts, 1, args.isa))
         return 0
     doc: dict = {"contexts": contexts, "rounds": args.rounds, "load_before": os.getloadavg()[0]}
     doc["kernel"] = kernel_rounds(contexts, args.rounds, args.isa)
     if args.baseline:
         doc["kernel_against_baseline"] = kernel_against_baseline(args, contexts)
     if not args.kernel_only:
-        doc["engine"] = engine_rounds(args)
+        doc["engine"] = engine_rounds(args, contexts)
     doc["load_after"] = os.getloadavg()[0]
     kernel = doc["kernel"].get("by_context", {})
     if kernel:

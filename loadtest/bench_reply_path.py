@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,8 +29,7 @@ from types import SimpleNamespace
 
 from loadtest.bench_e2e import cpu_seconds_by_thread
 from loadtest.report import emit
-
-ROOT = Path(__file__).resolve().parent.parent
+from loadtest.trees import ROOT, print_result, run_in_tree
 
 
 class _Bridge:
@@ -144,20 +141,14 @@ def _child(args) -> None:
             _run(args.num_requests, args.num_tokens, args.step_ms / 1000, broker.pid,
                  broker.bootstrap_servers)
         )  # fmt: skip
-    print("RESULT " + json.dumps(result), flush=True)
+    print_result(result)
 
 
 def _side(tree: Path, args) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child",
-           "--num-requests", str(args.num_requests), "--num-tokens", str(args.num_tokens),
-           "--step-ms", str(args.step_ms)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}",
-           "MINI_INFER_OBSERVABILITY__LOG_LEVEL": "warning"}  # fmt: skip
-    out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{tree}: no result\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+    flags = ["--child", "--num-requests", str(args.num_requests),
+             "--num-tokens", str(args.num_tokens), "--step-ms", str(args.step_ms)]  # fmt: skip
+    env = {"MINI_INFER_OBSERVABILITY__LOG_LEVEL": "warning"}
+    return run_in_tree(__file__, tree, flags, timeout_s=600, env=env)
 
 
 def main(argv: list[str] | None = None) -> int:

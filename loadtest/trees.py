@@ -1,0 +1,49 @@
+"""A benchmark script run against another checkout: a fresh process in which that checkout's
+`engine/`, `worker/` and `schemas/` come first but this checkout's `loadtest/` runs (an older
+checkout may lack the script or the helpers it imports), its result read back from the line it
+prints with `print_result`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_RESULT = "RESULT "
+
+# The child's start: this checkout's `loadtest` package imported (and so kept) before the
+# tree goes first on the path for everything else; then the script as __main__.
+_BOOT = """
+import runpy, sys
+tree, root, script = sys.argv[1:4]
+sys.path.insert(0, root)
+import loadtest
+sys.path.insert(0, tree)
+sys.argv = [script, *sys.argv[4:]]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def print_result(result) -> None:
+    """A child's result, as `run_in_tree` reads it back."""
+    print(_RESULT + json.dumps(result), flush=True)
+
+
+def run_in_tree(
+    script: str, tree: Path, flags: list[str], timeout_s: float, env: dict | None = None
+):
+    """`script` (a file of this checkout's `loadtest/`) with `flags` in a fresh process, in
+    `tree`, with `tree`'s packages (also first on the PYTHONPATH its own children inherit;
+    `env`: more environment variables): the result it printed."""
+    cmd = [sys.executable, "-c", _BOOT, str(tree), str(ROOT), str(Path(script).resolve()), *flags]
+    run_env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}", **(env or {})}
+    out = subprocess.run(
+        cmd, cwd=tree, env=run_env, capture_output=True, text=True, timeout=timeout_s
+    )
+    for line in out.stdout.splitlines():
+        if line.startswith(_RESULT):
+            return json.loads(line[len(_RESULT) :])
+    raise RuntimeError(f"{tree}: no result\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
