@@ -8,7 +8,8 @@ The two runs never overlap (each owns both cores while it runs). Targets from th
 e2e throughput >= 90% of direct, TTFT overhead p50 <= 20 ms. With `--num-requests 1` (W1)
 the pair also gives the single-stream inter-token latency of both sides. The worker's peak
 RSS (VmHWM, read just before it is stopped) is reported with each Kafka run, and its fused
-decode steps by thread count (from its /metrics: how many the thread choice ran on one thread).
+decode steps by thread count (from its /metrics: how many the thread choice ran on one
+thread).
 
     mini-infer bench e2e [--dtype auto|float32|bfloat16] [--quantization int4] [--kv-cache-dtype int8]
                          [--num-requests 32] [--repeat 3] [--out r.json] [--plot r.png]

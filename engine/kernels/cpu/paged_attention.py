@@ -18,8 +18,8 @@ block's rows (blocks are scattered over the pool, so the hardware prefetcher can
 table: fp32 32 x 256 0.92x -> 1.18x before the specialisation). In the engine (SmolLM2, 2
 threads, context ~230, 32 new tokens, 3 alternating rounds, medians), tok/s of the kernel over
 the reference: bf16 0.96 at 1 stream and 1.27 at 16; fp32 0.91 and 1.20 (at 1 stream
-attention is a small part of the step and the difference is within this machine's noise). It also drops the gather buffer that grows with context length and the
-decode mask.
+attention is a small part of the step and the difference is within this machine's noise). It
+also drops the gather buffer that grows with context length and the decode mask.
 
 Decode prefetches the next block a row per token while it computes this one. The 64
 prefetches of a block (bf16, head_dim 64) used to go out at once: they filled the core's miss
@@ -28,10 +28,10 @@ one SmolLM2 row on the Zen 4 VM (`loadtest/README.md`, "Decode attention at long
 30 layers of decode attention from memory 1.4-1.7x faster from 256 tokens of context on (the
 AVX2 build 1.2-1.5x), an int4 step at 1.5-2K tokens 1.35-1.4x. A register path (rows widened
 and accumulators kept in AVX-512 registers for a whole partition, the same bits) was level
-with this one in the engine and from memory, 1.1-1.2x only with the cache in L2/L3: removed. Next levers:
-more rows in flight per thread (from memory the kernel reads ~10 GB/s, against 26 with the
-data in L2/L3), and a K layout transposed per block so a block's scores are one broadcast-FMA
-loop.
+with this one in the engine and from memory, 1.1-1.2x only with the cache in L2/L3: removed.
+Next levers: more rows in flight per thread (from memory the kernel reads ~10 GB/s, against 26
+with the data in L2/L3), and a K layout transposed per block so a block's scores are one
+broadcast-FMA loop.
 
 Extend (a prefill chunk after cached tokens: a prefix-cache hit, the next chunk of a chunked
 prefill, a resumed request) reads the cache in place too: `paged_attention_extend` takes all such
