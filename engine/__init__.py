@@ -4,6 +4,10 @@
 """
 
 import engine.openmp  # noqa: F401  (first: the OpenMP policy must precede torch's import)
+from engine.lean_imports import import_structlog_without_rich
+
+import_structlog_without_rich()  # before any module of the engine imports structlog
+
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, EngineStats, RequestDelta, RequestOutput
 from engine.sampling_params import SamplingParams

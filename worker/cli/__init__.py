@@ -7,6 +7,10 @@ import argparse
 import importlib
 import sys
 
+from engine.lean_imports import import_structlog_without_rich
+
+import_structlog_without_rich()  # every command, before its module imports structlog
+
 # name -> (module, help). Each module defines `add_arguments(parser)` and `main(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": (

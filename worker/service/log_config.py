@@ -36,7 +36,9 @@ def configure_logging(
     renderer = (
         structlog.processors.JSONRenderer()
         if is_json
-        else structlog.dev.ConsoleRenderer(colors=stream.isatty())
+        else structlog.dev.ConsoleRenderer(
+            colors=stream.isatty(), exception_formatter=structlog.dev.plain_traceback
+        )  # plain tracebacks, as in the JSON logs (rich is not imported: engine/lean_imports.py)
     )
     structlog.configure(
         processors=[

@@ -35,3 +35,28 @@ def test_json_events_carry_bound_context_and_stdlib_records_join_them() -> None:
     assert ours["completion_tokens"] == 5 and "timestamp" in ours
     assert theirs["event"] == "careful: thing" and theirs["logger"] == "some.library"
     assert theirs["level"] == "warning" and theirs["request_id"] == "r-1"
+
+
+def test_console_events_carry_a_plain_traceback() -> None:
+    """In a terminal's format the exception is still rendered, as plain Python prints it (the
+    engine imports structlog without rich: engine/lean_imports.py)."""
+    stream = io.StringIO()
+    root = logging.getLogger()
+    saved_handlers, saved_level = list(root.handlers), root.level
+    try:
+        configure_logging("info", "console", stream)
+        try:
+            raise ValueError("the cause")
+        except ValueError:
+            structlog.get_logger("worker.test").exception("request.handling_failed")
+        text = stream.getvalue()
+    finally:
+        structlog.reset_defaults()
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in saved_handlers:
+            root.addHandler(handler)
+        root.setLevel(saved_level)
+    assert "request.handling_failed" in text
+    assert "Traceback (most recent call last):" in text and "ValueError: the cause" in text
+    assert "\u256d" not in text  # no box drawn around it (rich's traceback)
