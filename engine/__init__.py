@@ -3,11 +3,8 @@
     from engine import LLM, SamplingParams
 """
 
-import engine.openmp  # noqa: F401  (first: the OpenMP policy must precede torch's import)
-from engine.lean_imports import import_structlog_without_rich
-
-import_structlog_without_rich()  # before any module of the engine imports structlog
-
+import engine.lean_imports  # noqa: F401  (first: structlog without rich, before any import of it)
+import engine.openmp  # noqa: F401  (before anything imports torch: the OpenMP policy)
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, EngineStats, RequestDelta, RequestOutput
 from engine.sampling_params import SamplingParams

@@ -9,10 +9,11 @@ renderer is given plain tracebacks too (worker/service/log_config.py). At W2 wit
 and the int8 KV cache those 4.4 MiB are 1% of the engine's peak RSS, whose target is 1.2x
 llama-server's (loadtest/README.md, sixteenth session).
 
-So `engine` imports structlog first, with rich hidden from it while it does (an entry of None in
-`sys.modules` makes `import rich` fail; it is removed again at once). Only structlog's choice is
-made without rich: rich itself stays importable, and a program that imports structlog (or rich)
-before the engine keeps structlog's rich tracebacks.
+So importing this module (`engine` does it first, and so does every `mini-infer` command)
+imports structlog with rich hidden from it: an entry of None in `sys.modules` makes `import
+rich` fail, and it is removed again at once. Only structlog's choice is made without rich:
+rich itself stays importable, and a program that imports structlog (or rich) before the engine
+keeps structlog's rich tracebacks.
 """
 
 from __future__ import annotations
@@ -34,3 +35,6 @@ def import_structlog_without_rich() -> None:
         for name in HIDDEN:
             if name in sys.modules and sys.modules[name] is None:
                 del sys.modules[name]
+
+
+import_structlog_without_rich()

@@ -7,9 +7,7 @@ import argparse
 import importlib
 import sys
 
-from engine.lean_imports import import_structlog_without_rich
-
-import_structlog_without_rich()  # every command, before its module imports structlog
+import engine.lean_imports  # noqa: F401  (every command: structlog without rich)
 
 # name -> (module, help). Each module defines `add_arguments(parser)` and `main(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
