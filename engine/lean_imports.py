@@ -9,7 +9,7 @@ renderer is given plain tracebacks too (worker/service/log_config.py). At W2 wit
 and the int8 KV cache those 4.4 MiB are 1% of the engine's peak RSS, whose target is 1.2x
 llama-server's (loadtest/README.md, sixteenth session).
 
-So importing this module (`engine` does it first, and so does every `mini-infer` command)
+So importing this module (`engine` does it first, and so does `mini-infer serve`, the worker)
 imports structlog with rich hidden from it: an entry of None in `sys.modules` makes `import
 rich` fail, and it is removed again at once. Only structlog's choice is made without rich:
 rich itself stays importable, and a program that imports structlog (or rich) before the engine

@@ -7,8 +7,6 @@ import argparse
 import importlib
 import sys
 
-import engine.lean_imports  # noqa: F401  (every command: structlog without rich)
-
 # name -> (module, help). Each module defines `add_arguments(parser)` and `main(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": (

@@ -9,6 +9,7 @@ import sys
 
 from pydantic import ValidationError
 
+import engine.lean_imports  # noqa: F401  (first: the worker imports structlog without rich)
 from worker.service.log_config import configure_logging
 from worker.service.settings import add_settings_arguments, settings_from_args
 
