@@ -13,7 +13,8 @@ So importing this module (`engine` does it first, and so does `mini-infer serve`
 imports structlog with rich hidden from it: an entry of None in `sys.modules` makes `import
 rich` fail, and it is removed again at once. Only structlog's choice is made without rich:
 rich itself stays importable, and a program that imports structlog (or rich) before the engine
-keeps structlog's rich tracebacks.
+keeps structlog's rich tracebacks. (While structlog is being imported, another thread's `import
+rich` would fail too; the engine is imported at start-up, before a program has such threads.)
 """
 
 from __future__ import annotations
