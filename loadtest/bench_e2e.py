@@ -23,19 +23,17 @@ import contextlib
 import json
 import multiprocessing
 import os
-import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from loadtest.bench_engine import run_engine
 from loadtest.llamacpp_peer import peak_rss_of
-from loadtest.loadgen_service import wait_ready
+from loadtest.loadgen_service import scrape_metrics, wait_ready
 from loadtest.report import BUNCHED_GAP_S, emit, percentile, summarize, token_gaps
 from loadtest.workloads import ENGINE_OPTIONS, chat_messages, chat_prompts
 
@@ -91,14 +89,10 @@ def fused_steps(metrics_url: str | None) -> dict[str, float]:
     them on one thread), from its /metrics; {} where it has none."""
     if metrics_url is None:
         return {}
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
     steps: dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(r'mini_infer_engine_fused_steps_total\{(.*)\} (\S+)$', line)
-        threads = match and re.search(r'threads="(\w+)"', match.group(1))
-        if threads:
-            steps[threads.group(1)] = steps.get(threads.group(1), 0.0) + float(match.group(2))
+    for labels, value in scrape_metrics(metrics_url).get("mini_infer_engine_fused_steps_total", []):
+        if "threads" in labels:
+            steps[labels["threads"]] = steps.get(labels["threads"], 0.0) + value
     return steps
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from loadtest.workloads import ENGINE_OPTIONS
@@ -81,6 +82,22 @@ def default_num_threads() -> int:
     2 alternating rounds): 2 engine threads took 58.6 and 47.1 s, 1 thread 14.8 and 7.3 s,
     a ratio of medians of 4.8x."""
     return max(1, (os.cpu_count() or 2) - 1)
+
+
+def scrape_metrics(
+    url: str, timeout_s: float = 10
+) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """A worker's /metrics at `url`: each sample's (labels, value) by sample name, parsed by
+    prometheus_client's text parser. Raises OSError where the worker does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        text = response.read().decode()
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return samples
 
 
 async def wait_ready(worker: subprocess.Popen, ready_file: Path) -> None:

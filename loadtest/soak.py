@@ -33,19 +33,23 @@ import contextlib
 import json
 import os
 import random
-import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loadtest.loadgen_service import default_num_threads, kafka_settings, make_client, wait_ready
+from loadtest.loadgen_service import (
+    default_num_threads,
+    kafka_settings,
+    make_client,
+    scrape_metrics,
+    wait_ready,
+)
 from loadtest.report import percentile
 from loadtest.workloads import ENGINE_OPTIONS
 
@@ -58,8 +62,6 @@ PROMPTS = (
     "Give me a haiku about autumn leaves.",
     "What is the capital of France? Answer in one sentence.",
 )
-_KV_USED = re.compile(r"^mini_infer_kv_cache_blocks_used\S*\s+(\S+)", re.M)
-_KV_TOTAL = re.compile(r"^mini_infer_kv_cache_blocks_total\S*\s+(\S+)", re.M)
 
 
 @dataclass
@@ -103,12 +105,15 @@ def num_fds(pid: int) -> int:
 def kv_blocks(port: int) -> tuple[float | None, float | None]:
     """(used, total) from the worker's /metrics; None where the gauge is not there yet."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            text = response.read().decode()
+        samples = scrape_metrics(f"http://127.0.0.1:{port}/metrics", timeout_s=5)
     except OSError:
         return None, None
-    used, total = _KV_USED.search(text), _KV_TOTAL.search(text)
-    return (float(used.group(1)) if used else None, float(total.group(1)) if total else None)
+
+    def first(name: str) -> float | None:
+        found = samples.get(name)
+        return found[0][1] if found else None
+
+    return first("mini_infer_kv_cache_blocks_used"), first("mini_infer_kv_cache_blocks_total")
 
 
 def slope_per_min(points: list[tuple[float, float]]) -> float:
