@@ -21,21 +21,17 @@ from __future__ import annotations
 
 import sys
 
-HIDDEN = ("rich",)
-
 
 def import_structlog_without_rich() -> None:
     """Import structlog with rich hidden from it, unless either is imported already."""
-    if "structlog" in sys.modules or any(name in sys.modules for name in HIDDEN):
+    if "structlog" in sys.modules or "rich" in sys.modules:
         return
-    for name in HIDDEN:
-        sys.modules[name] = None  # type: ignore[assignment]  # `import rich` now fails
+    sys.modules["rich"] = None  # type: ignore[assignment]  # `import rich` now fails
     try:
         import structlog  # noqa: F401  (structlog.dev and structlog.tracebacks with it)
     finally:
-        for name in HIDDEN:
-            if name in sys.modules and sys.modules[name] is None:
-                del sys.modules[name]
+        if "rich" in sys.modules and sys.modules["rich"] is None:
+            del sys.modules["rich"]
 
 
 import_structlog_without_rich()
