@@ -12,7 +12,12 @@ decode steps by thread count (from its /metrics: how many the thread choice ran 
 thread).
 
     mini-infer bench e2e [--dtype auto|float32|bfloat16] [--quantization int4] [--kv-cache-dtype int8]
-                         [--num-requests 32] [--repeat 3] [--out r.json] [--plot r.png]
+                         [--num-requests 32] [--repeat 3] [--worker-cpus 0-1] [--out r.json] [--plot r.png]
+
+By default everything shares the machine's cores, as on a 2-core box. `--worker-cpus` gives the
+engine (both runs) and the worker those CPUs alone and the broker and the client the others: on
+a machine with cores to spare, the stand-in for a worker whose broker and clients live on other
+machines, as in production.
 """
 
 from __future__ import annotations
@@ -71,6 +76,36 @@ def lower_priority(pid: int, niceness: int = 19, idle: bool = False) -> None:
             os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
             if idle:
                 os.sched_setscheduler(int(task.name), os.SCHED_IDLE, os.sched_param(0))
+
+
+def parse_cpus(text: str) -> set[int]:
+    """CPU ids from a list such as "0,1" or "0-3,8" (the form taskset and /sys use)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"not a CPU list: {text!r} (e.g. 0,1 or 0-3)")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def split_cpus(worker_cpus: set[int], available: set[int]) -> set[int]:
+    """The harness's CPUs: those available that the worker does not have; an error unless the
+    worker's are all available and at least one is left over."""
+    if not worker_cpus or not worker_cpus <= available:
+        raise ValueError(f"worker CPUs {sorted(worker_cpus)} not all in {sorted(available)}")
+    harness = available - worker_cpus
+    if not harness:
+        raise ValueError("--worker-cpus leaves no CPU for the broker and the client")
+    return harness
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` onto `cpus` (affinity is per thread; threads made later inherit
+    their creator's)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+            os.sched_setaffinity(int(task.name), cpus)
 
 
 def cpu_split(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict:
@@ -167,10 +202,12 @@ def _harness_priority(args) -> str:
 
 def _client_run(
     bootstrap: str, n: int, max_tokens: int, pids: dict, nice: bool, idle: bool,
-    metrics_url: str | None = None,
+    metrics_url: str | None = None, cpus: set[int] | None = None,
 ) -> dict:  # fmt: skip
     """The measured Kafka run in a child process (the client), at nice 19 if `nice`, under
-    SCHED_IDLE too if `idle`."""
+    SCHED_IDLE too if `idle`, on `cpus` if given."""
+    if cpus:
+        pin(os.getpid(), cpus)
     if nice or idle:
         lower_priority(os.getpid(), idle=idle)
     pids = {**pids, "client": os.getpid()}
@@ -223,6 +260,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "machines than nice 19: they run only on a core the worker leaves); not the default, "
         "so that runs compare with earlier ones",
     )  # fmt: skip
+    parser.add_argument(
+        "--worker-cpus", type=parse_cpus, default=None,
+        help="CPUs (e.g. 0-1) for the engine in both runs and for the worker, the rest for the "
+        "broker and the client: the harness off the worker's cores, as on other machines in "
+        "production (needs more cores than the worker's); engine threads default to their count",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="TTFT distribution plot (PNG)")
 
@@ -231,6 +274,9 @@ def run_pair(args, model: str, engine_options: dict) -> dict:
     """One direct run, then one run through Kafka (a fresh broker and worker)."""
     from worker.broker import EmbeddedBroker
 
+    harness_cpus = getattr(args, "harness_cpus", None)
+    if args.worker_cpus:  # this process (the direct engine) and the worker it starts
+        pin(os.getpid(), args.worker_cpus)
     print("[bench] direct engine ...", file=sys.stderr, flush=True)
     direct = run_direct(model, args.dtype, args.num_requests, args.max_tokens, engine_options)
     print("[bench] through Kafka ...", file=sys.stderr, flush=True)
@@ -243,6 +289,8 @@ def run_pair(args, model: str, engine_options: dict) -> dict:
             health_port = json.loads((Path(tmp) / "ready").read_text()).get("health_port")
             metrics_url = f"http://127.0.0.1:{health_port}/metrics" if health_port else None
             pids = {"worker": worker.pid, "broker": broker.pid}
+            if harness_cpus:
+                pin(broker.pid, harness_cpus)
             if args.nice_harness or args.idle_harness:  # they take what the worker leaves
                 lower_priority(broker.pid, idle=args.idle_harness)
             # The client in a process of its own, lowered there: lowered here, this process
@@ -252,7 +300,7 @@ def run_pair(args, model: str, engine_options: dict) -> dict:
                 e2e = pool.apply(
                     _client_run,
                     (broker.bootstrap_servers, args.num_requests, args.max_tokens, pids,
-                     args.nice_harness, args.idle_harness, metrics_url),
+                     args.nice_harness, args.idle_harness, metrics_url, harness_cpus),
                 )  # fmt: skip
             e2e["worker_peak_rss_mib"] = peak_rss_of(worker.pid)
         finally:
@@ -294,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     from engine.loader import resolve_model
 
     model = str(resolve_model(args.model))
+    if args.worker_cpus:  # the harness's CPUs: those this process may use, less the worker's
+        args.harness_cpus = split_cpus(args.worker_cpus, os.sched_getaffinity(0))
+        if args.num_threads is None:
+            args.num_threads = len(args.worker_cpus)
     engine_options = {} if args.num_threads is None else {"num_threads": args.num_threads}
     if args.quantization:
         engine_options["quantization"] = args.quantization
@@ -314,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         "engine_threads": args.num_threads or "torch default",
         "cpu_count": os.cpu_count(),
         "harness": _harness_priority(args),
+        "worker_cpus": sorted(args.worker_cpus) if args.worker_cpus else "all",
+        "harness_cpus": sorted(args.harness_cpus) if args.worker_cpus else "all",
         "repeat": args.repeat,
         # All 32 first tokens come from one prefill step, so each run is one TTFT sample: back
         # to back, the same direct run's prefill measured 535-680 ms. Hence the median of pairs.
