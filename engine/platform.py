@@ -26,6 +26,7 @@ import structlog
 import torch
 
 from engine import openmp
+from engine.cpus import cpu_budget
 
 log = structlog.get_logger(__name__)
 
@@ -139,12 +140,30 @@ def trim_heap() -> None:
 def tune_process(num_threads: int | None) -> None:
     """The process-wide settings the engine relies on, set in this one place (the engine calls
     it before loading, the model runner again for when it is built alone): torch's thread count
-    (when configured), glibc keeping freed memory (`keep_freed_memory`), and one warning when
+    (when configured; else torch's, one per CPU of the affinity, capped by a cgroup CPU quota:
+    `_default_threads`), glibc keeping freed memory (`keep_freed_memory`), and one warning when
     the OpenMP wait policy could not be applied (engine/openmp.py)."""
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+    else:
+        _default_threads()
     keep_freed_memory()
     _warn_if_openmp_spins()
+
+
+@functools.cache
+def _default_threads() -> None:
+    """Torch's thread count within the process's CPU budget (engine/cpus.py): torch counts the
+    CPUs it may run on, not a container's quota (`--cpus`, a Kubernetes limit), and more
+    threads than the quota allows are throttled in turn, each holding the others at the fused
+    step's barriers. `OMP_NUM_THREADS` set by the user is left as it is."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    budget = cpu_budget()
+    if budget < torch.get_num_threads():
+        log.info("engine.threads_capped", threads=budget, cpus=torch.get_num_threads(),
+                 reason="cgroup CPU quota")  # fmt: skip
+        torch.set_num_threads(budget)
 
 
 @functools.cache

@@ -349,3 +349,40 @@ def test_environment_before_import_drops_only_what_engine_set():
         "capture_output=True, text=True).stdout.strip())"
     )
     assert _fresh_python(child) == "None None"
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    platform._default_threads.cache_clear()
+    yield
+    platform._default_threads.cache_clear()
+    torch.set_num_threads(before)
+
+
+def test_default_threads_are_capped_by_the_cpu_budget(monkeypatch, restore_threads):
+    """A container's CPU quota below the CPUs torch counts: one thread per CPU of the quota."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(4)
+    monkeypatch.setattr(platform, "cpu_budget", lambda: 2)
+    platform.tune_process(None)
+    assert torch.get_num_threads() == 2
+
+
+def test_default_threads_are_never_raised_and_a_chosen_count_is_kept(monkeypatch, restore_threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(2)
+    monkeypatch.setattr(platform, "cpu_budget", lambda: 8)
+    platform.tune_process(None)
+    assert torch.get_num_threads() == 2
+    monkeypatch.setattr(platform, "cpu_budget", lambda: 1)
+    platform.tune_process(3)  # the configured count wins
+    assert torch.get_num_threads() == 3
+
+
+def test_omp_num_threads_set_by_the_user_is_left_alone(monkeypatch, restore_threads):
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    torch.set_num_threads(4)
+    monkeypatch.setattr(platform, "cpu_budget", lambda: 1)
+    platform.tune_process(None)
+    assert torch.get_num_threads() == 4

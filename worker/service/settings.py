@@ -378,7 +378,9 @@ class WorkerSettings(BaseSettings):
     # its time slice while the engine's other thread waited at the next barrier. One stream
     # through Kafka on 2 cores: inter-token latency 1.16x the direct engine's with "idle",
     # 1.35x with "normal" (medians of 11 alternating rounds, loadtest/README.md). Threads the
-    # loop starts later inherit it.
+    # loop starts later inherit it. Neither is applied where the worker may use one CPU only
+    # (affinity or cgroup quota, engine/cpus.py): there the engine's thread leaves the
+    # loop no room, and a lowered loop streamed each request's tokens in one burst at its end.
     event_loop_policy: Literal["idle", "normal"] = Field(
         default="idle", description="the loop thread's scheduling policy (Linux)"
     )

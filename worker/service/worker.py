@@ -43,6 +43,7 @@ from worker.service.batcher import Batcher
 from worker.service.bridge import EngineBridge
 from worker.service.consumer import RequestConsumer
 from worker.service.control import CancelListener
+from engine.cpus import cpu_budget
 from worker.service.dead_letters import DeadLetterWriter
 from worker.service.health import Health
 from worker.service.offsets import OffsetTracker
@@ -152,7 +153,7 @@ class Worker:
         self.bridge = EngineBridge(self._engine_factory, s.limits.max_consecutive_step_failures)
         info = await self.bridge.start()
         # after the engine's threads were started
-        lower_thread_priority(s.event_loop_nice, s.event_loop_policy)
+        lower_thread_priority(*loop_priority(s.event_loop_nice, s.event_loop_policy, cpu_budget()))
         if info.stats is not None:
             self.telemetry.observe_engine(info.stats)  # KV blocks known before any request
         log_.info(
@@ -438,6 +439,21 @@ async def _run_until_stopped(worker: Worker, stop: asyncio.Event) -> int:
     log.info("worker.stopping", reason="signal" if stop.is_set() else "task failure")
     await worker.stop()
     return 1 if worker.failed.is_set() else 0
+
+
+def loop_priority(niceness: int, policy: str, num_cpus: int) -> tuple[int, str]:
+    """The event loop's nice value and policy on a worker that may use `num_cpus` CPUs: as
+    configured where the engine leaves the loop room (two CPUs or more: its steps' threads
+    sleep at barriers, or one thread leaves a core), else as the engine's (0, "normal"). With
+    one CPU, the engine's thread computes without sleeping while it generates, and a loop at
+    nice 19 or under SCHED_IDLE got the CPU about once a second: one stream's tokens reached the
+    client in a single burst at the end (`bench e2e --worker-cpus 0`, loadtest/README.md)."""
+    if num_cpus >= 2:
+        return niceness, policy
+    if niceness > 0 or policy != "normal":
+        log.info("worker.loop_priority_kept", num_cpus=num_cpus, reason="one CPU: the engine "
+                 "would leave the event loop none")  # fmt: skip
+    return 0, "normal"
 
 
 def lower_thread_priority(niceness: int, policy: str = "normal") -> None:

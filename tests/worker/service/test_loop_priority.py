@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from worker.service.settings import WorkerSettings
-from worker.service.worker import lower_thread_priority
+from worker.service.worker import loop_priority, lower_thread_priority
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice is Linux's")
 
@@ -98,3 +98,16 @@ def test_the_policy_defaults_to_idle_and_is_one_of_two(monkeypatch):
     assert WorkerSettings().event_loop_policy == "normal"
     with pytest.raises(ValueError):
         WorkerSettings(event_loop_policy="fifo")
+
+
+@pytest.mark.parametrize("num_cpus", [2, 3, 64])
+def test_with_room_beside_the_engine_the_loop_is_lowered_as_configured(num_cpus: int):
+    assert loop_priority(19, "idle", num_cpus) == (19, "idle")
+    assert loop_priority(7, "normal", num_cpus) == (7, "normal")
+
+
+@pytest.mark.parametrize(("niceness", "policy"), [(19, "idle"), (19, "normal"), (0, "idle")])
+def test_with_one_cpu_the_loop_keeps_the_engines_priority(niceness: int, policy: str):
+    """One CPU: the engine's thread never sleeps while it generates, so a lowered loop would
+    stream a request's tokens in one burst at its end."""
+    assert loop_priority(niceness, policy, 1) == (0, "normal")
