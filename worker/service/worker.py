@@ -37,13 +37,13 @@ import time
 import structlog
 from aiokafka.errors import KafkaError
 
+from engine.cpus import cpu_budget
 from schemas.codec import Limits
 from worker.broker import BrokerError, EmbeddedBroker
 from worker.service.batcher import Batcher
 from worker.service.bridge import EngineBridge
 from worker.service.consumer import RequestConsumer
 from worker.service.control import CancelListener
-from engine.cpus import cpu_budget
 from worker.service.dead_letters import DeadLetterWriter
 from worker.service.health import Health
 from worker.service.offsets import OffsetTracker
