@@ -27,7 +27,7 @@ Pure Python over integers and hashable partition keys: no aiokafka, so it is tes
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 
 class PartitionOffsets:
@@ -84,6 +84,8 @@ class OffsetTracker:
     def __init__(self) -> None:
         self._partitions: dict[Hashable, PartitionOffsets] = {}
         self._committed: dict[Hashable, int] = {}
+        # Called when a finish leaves nothing in flight (the worker just went idle).
+        self.on_idle: Callable[[], None] | None = None
         # Revoked at the start of a rebalance, not yet known to come back: (epoch, committed).
         self._suspended: dict[Hashable, tuple[PartitionOffsets, int | None]] = {}
 
@@ -122,7 +124,11 @@ class OffsetTracker:
     def finish(self, partition: Hashable, offset: int, epoch: PartitionOffsets | None) -> bool:
         """False for a stale ack (another epoch: revoked or reset meanwhile) or an offset that
         is not in flight."""
-        return self.is_current(partition, epoch) and epoch.finish(offset)
+        if not (self.is_current(partition, epoch) and epoch.finish(offset)):
+            return False
+        if self.on_idle is not None and epoch.num_unfinished == 0 and self.num_unfinished == 0:
+            self.on_idle()
+        return True
 
     @property
     def num_unfinished(self) -> int:

@@ -98,3 +98,36 @@ async def test_the_fetcher_waits_longer_while_a_request_is_in_flight(
         await wait_for(lambda: consumer.fetch_wait_ms == 20, what="the idle wait again")
         assert consumer.fetcher_wait_ms() == 20
         await wait_for(lambda: consumer.poll_timeout_ms == 20, what="the idle poll again")
+
+
+async def test_the_idle_wait_applies_as_soon_as_the_last_request_is_done(
+    broker, tiny_model_dir
+) -> None:
+    """The next fetch waits the idle time once nothing is in flight, without waiting for the
+    poll (which, busy, waits as long as the busy fetch: 8 s here, with no records coming). A
+    request sent just after the last one finished would otherwise wait in a fetch that still
+    carried the busy wait."""
+    from engine import LLMEngine
+
+    topic, group_id = fresh_topics()
+    await create_topic(broker.bootstrap_servers, topic, 1)
+    settings = worker_settings(
+        tiny_model_dir, broker.bootstrap_servers, group_id, topic,
+        kafka={"num_partitions": 1, "fetch_max_wait_ms": 20, "fetch_max_wait_busy_ms": 8000},
+    )  # fmt: skip
+    gate = threading.Event()
+    factory = lambda: SlowEngine(LLMEngine(str(tiny_model_dir), **SMALL_ENGINE), 0.0, gate)  # noqa: E731
+    async with (
+        Producer(broker.bootstrap_servers) as producer,
+        ReplyReader(broker.bootstrap_servers) as replies,
+        running_worker(settings, factory, grace_s=10) as worker,
+    ):
+        consumer = worker.consumer
+        request = make_request(replies.topic, "held", max_tokens=3)
+        await producer.send(topic, request)
+        await wait_for(lambda: consumer.poll_timeout_ms == 8000, what="the busy poll")
+        gate.set()
+        await replies.wait_until(lambda: replies.finals(request.id), what="the final")
+        await wait_for(lambda: worker.tracker.num_unfinished == 0, what="the offset done")
+        assert consumer.fetcher_wait_ms() == 20  # set when the offset was done...
+        assert consumer.poll_timeout_ms == 8000  # ...while the busy poll still waits

@@ -129,3 +129,32 @@ def test_a_partition_given_back_by_an_eager_rebalance_keeps_its_epoch() -> None:
     tracker.assign(["a"])  # the assignment does not start a new epoch for a resumed partition
     assert tracker.is_current("a", epoch_a[2]) and tracker.unfinished("a") == [2]
     assert tracker.to_commit() == {"a": 2}
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "finish", "stale"]), st.integers(0, 2), st.integers(0, 5)
+        ),
+        max_size=60,
+    )
+)
+def test_on_idle_is_called_exactly_when_a_finish_leaves_nothing_in_flight(ops) -> None:
+    """The consumer's hook for the idle fetch wait: once per finish that empties the tracker,
+    never for a stale ack or one that leaves work in flight."""
+    tracker = OffsetTracker()
+    tracker.assign([0, 1, 2])
+    calls = []
+    tracker.on_idle = lambda: calls.append(tracker.num_unfinished)
+    epochs = {}
+    expected = 0
+    for op, partition, offset in ops:
+        if op == "add":
+            epochs[partition] = tracker.add(partition, offset) or epochs.get(partition)
+        elif op == "finish":
+            before = tracker.num_unfinished
+            if tracker.finish(partition, offset, epochs.get(partition)) and before == 1:
+                expected += 1
+        else:  # an ack from no epoch of ours
+            assert not tracker.finish(partition, offset, PartitionOffsets())
+    assert calls == [0] * expected
