@@ -360,24 +360,22 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
-def test_default_threads_are_capped_by_the_cpu_budget(monkeypatch, restore_threads):
-    """A container's CPU quota below the CPUs torch counts: one thread per CPU of the quota."""
+@pytest.mark.parametrize(
+    ("torch_threads", "budget", "configured", "expected"),
+    [
+        (4, 2, None, 2),  # a container's CPU quota below the CPUs torch counts: one per CPU
+        (2, 8, None, 2),  # never raised
+        (2, 1, 3, 3),  # a configured count wins
+    ],
+)
+def test_default_threads_within_the_cpu_budget(
+    monkeypatch, restore_threads, torch_threads, budget, configured, expected
+):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    torch.set_num_threads(4)
-    monkeypatch.setattr(platform, "cpu_budget", lambda: 2)
-    platform.tune_process(None)
-    assert torch.get_num_threads() == 2
-
-
-def test_default_threads_are_never_raised_and_a_chosen_count_is_kept(monkeypatch, restore_threads):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    torch.set_num_threads(2)
-    monkeypatch.setattr(platform, "cpu_budget", lambda: 8)
-    platform.tune_process(None)
-    assert torch.get_num_threads() == 2
-    monkeypatch.setattr(platform, "cpu_budget", lambda: 1)
-    platform.tune_process(3)  # the configured count wins
-    assert torch.get_num_threads() == 3
+    torch.set_num_threads(torch_threads)
+    monkeypatch.setattr(platform, "cpu_budget", lambda: budget)
+    platform.tune_process(configured)
+    assert torch.get_num_threads() == expected
 
 
 def test_omp_num_threads_set_by_the_user_is_left_alone(monkeypatch, restore_threads):

@@ -6,6 +6,7 @@ is held at a gate, so "in flight" is a fact, not a race."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -68,16 +69,17 @@ def test_a_fetcher_without_the_attribute_keeps_its_wait() -> None:
     assert fetcher._fetch_max_wait_ms == consumer.fetch_wait_ms == 100
 
 
-async def test_the_fetcher_waits_longer_while_a_request_is_in_flight(
-    broker, tiny_model_dir
-) -> None:
+@contextlib.asynccontextmanager
+async def _worker_held_at_a_gate(broker, tiny_model_dir, busy_ms: int):
+    """A worker (one request partition; fetch waits 20 ms idle, `busy_ms` busy) whose engine
+    waits at the gate; yields (producer, replies, worker, topic, gate)."""
     from engine import LLMEngine
 
     topic, group_id = fresh_topics()
     await create_topic(broker.bootstrap_servers, topic, 1)
     settings = worker_settings(
         tiny_model_dir, broker.bootstrap_servers, group_id, topic,
-        kafka={"num_partitions": 1, "fetch_max_wait_ms": 20, "fetch_max_wait_busy_ms": 300},
+        kafka={"num_partitions": 1, "fetch_max_wait_ms": 20, "fetch_max_wait_busy_ms": busy_ms},
     )  # fmt: skip
     gate = threading.Event()
     factory = lambda: SlowEngine(LLMEngine(str(tiny_model_dir), **SMALL_ENGINE), 0.0, gate)  # noqa: E731
@@ -86,6 +88,14 @@ async def test_the_fetcher_waits_longer_while_a_request_is_in_flight(
         ReplyReader(broker.bootstrap_servers) as replies,
         running_worker(settings, factory, grace_s=10) as worker,
     ):
+        yield producer, replies, worker, topic, gate
+
+
+async def test_the_fetcher_waits_longer_while_a_request_is_in_flight(
+    broker, tiny_model_dir
+) -> None:
+    async with _worker_held_at_a_gate(broker, tiny_model_dir, 300) as held:
+        producer, replies, worker, topic, gate = held
         consumer = worker.consumer
         await wait_for(lambda: consumer.fetch_wait_ms == 20, what="the idle fetch wait")
         request = make_request(replies.topic, "held", max_tokens=3)
@@ -107,21 +117,8 @@ async def test_the_idle_wait_applies_as_soon_as_the_last_request_is_done(
     poll (which, busy, waits as long as the busy fetch: 8 s here, with no records coming). A
     request sent just after the last one finished would otherwise wait in a fetch that still
     carried the busy wait."""
-    from engine import LLMEngine
-
-    topic, group_id = fresh_topics()
-    await create_topic(broker.bootstrap_servers, topic, 1)
-    settings = worker_settings(
-        tiny_model_dir, broker.bootstrap_servers, group_id, topic,
-        kafka={"num_partitions": 1, "fetch_max_wait_ms": 20, "fetch_max_wait_busy_ms": 8000},
-    )  # fmt: skip
-    gate = threading.Event()
-    factory = lambda: SlowEngine(LLMEngine(str(tiny_model_dir), **SMALL_ENGINE), 0.0, gate)  # noqa: E731
-    async with (
-        Producer(broker.bootstrap_servers) as producer,
-        ReplyReader(broker.bootstrap_servers) as replies,
-        running_worker(settings, factory, grace_s=10) as worker,
-    ):
+    async with _worker_held_at_a_gate(broker, tiny_model_dir, 8000) as held:
+        producer, replies, worker, topic, gate = held
         consumer = worker.consumer
         request = make_request(replies.topic, "held", max_tokens=3)
         await producer.send(topic, request)
