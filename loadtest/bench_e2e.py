@@ -52,14 +52,20 @@ def run_direct(model: str, dtype: str, n: int, max_tokens: int, engine_options: 
     return run_engine(model, dtype, prompts, max_tokens, with_token_gaps=True, **engine_options)
 
 
+def thread_ids(pid: int) -> list[int]:
+    """The threads of `pid` now (Linux: CPU time, nice value, policy and affinity are each a
+    thread's own). A thread may end before the caller reaches it."""
+    return [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()]
+
+
 def cpu_seconds_by_thread(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of each thread of `pid`, summed by thread name (the engine's
     thread is "engine"; the event loop runs on the main thread, named after the program)."""
     ticks = os.sysconf("SC_CLK_TCK")
     totals: dict[str, float] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    for tid in thread_ids(pid):
         try:
-            stat = (task / "stat").read_text()
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
         except OSError:  # the thread ended meanwhile
             continue
         name = stat[stat.index("(") + 1 : stat.rindex(")")]
@@ -71,11 +77,11 @@ def cpu_seconds_by_thread(pid: int) -> dict[str, float]:
 def lower_priority(pid: int, niceness: int = 19, idle: bool = False) -> None:
     """Every thread of `pid` (Linux nice values and policies are per thread) at `niceness`,
     and under SCHED_IDLE if `idle`."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    for tid in thread_ids(pid):
         with contextlib.suppress(ProcessLookupError, PermissionError):  # ended meanwhile
-            os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
             if idle:
-                os.sched_setscheduler(int(task.name), os.SCHED_IDLE, os.sched_param(0))
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
 
 
 def parse_cpus(text: str) -> set[int]:
@@ -103,9 +109,9 @@ def split_cpus(worker_cpus: set[int], available: set[int]) -> set[int]:
 def pin(pid: int, cpus: set[int]) -> None:
     """Every thread of `pid` onto `cpus` (affinity is per thread; threads made later inherit
     their creator's)."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    for tid in thread_ids(pid):
         with contextlib.suppress(ProcessLookupError):  # ended meanwhile
-            os.sched_setaffinity(int(task.name), cpus)
+            os.sched_setaffinity(tid, cpus)
 
 
 def cpu_split(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict:
@@ -274,7 +280,7 @@ def run_pair(args, model: str, engine_options: dict) -> dict:
     """One direct run, then one run through Kafka (a fresh broker and worker)."""
     from worker.broker import EmbeddedBroker
 
-    harness_cpus = getattr(args, "harness_cpus", None)
+    harness_cpus = args.harness_cpus
     if args.worker_cpus:  # this process (the direct engine) and the worker it starts
         pin(os.getpid(), args.worker_cpus)
     print("[bench] direct engine ...", file=sys.stderr, flush=True)
@@ -342,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     from engine.loader import resolve_model
 
     model = str(resolve_model(args.model))
-    if args.worker_cpus:  # the harness's CPUs: those this process may use, less the worker's
+    # The harness's CPUs: those this process may use, less the worker's (None: all shared).
+    args.harness_cpus = None
+    if args.worker_cpus:
         args.harness_cpus = split_cpus(args.worker_cpus, os.sched_getaffinity(0))
         if args.num_threads is None:
             args.num_threads = len(args.worker_cpus)
@@ -367,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "harness": _harness_priority(args),
         "worker_cpus": sorted(args.worker_cpus) if args.worker_cpus else "all",
-        "harness_cpus": sorted(args.harness_cpus) if args.worker_cpus else "all",
+        "harness_cpus": sorted(args.harness_cpus) if args.harness_cpus else "all",
         "repeat": args.repeat,
         # All 32 first tokens come from one prefill step, so each run is one TTFT sample: back
         # to back, the same direct run's prefill measured 535-680 ms. Hence the median of pairs.
