@@ -307,7 +307,7 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler
-        fused_steps, one_thread = self.runner.fused_step_counters()
+        fused_steps, one_thread, gil_wait_s = self.runner.fused_step_counters()
         return EngineStats(
             num_blocks_total=s.kv.num_blocks,
             num_blocks_free=s.kv.num_free_blocks,
@@ -321,6 +321,7 @@ class LLMEngine:
             num_tokens_reused=s.num_tokens_reused,
             num_fused_steps=fused_steps,
             num_fused_steps_one_thread=one_thread,
+            fused_step_gil_wait_s=gil_wait_s,
         )
 
 

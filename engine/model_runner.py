@@ -155,10 +155,11 @@ class ModelRunner:
         self._all_rows = torch.arange(max_rows)
         self.embedding = self._share_embedding()
 
-    def fused_step_counters(self) -> tuple[int, int]:
-        """(fused decode steps, of which on one thread) so far; (0, 0) without the fused step."""
+    def fused_step_counters(self) -> tuple[int, int, float]:
+        """(fused decode steps, of which on one thread, seconds waited for the GIL after them) so
+        far; (0, 0, 0.0) without the fused step."""
         counters = getattr(self._forward, "step_counters", None)
-        return counters() if counters is not None else (0, 0)
+        return counters() if counters is not None else (0, 0, 0.0)
 
     def _fused_decode_state(self) -> str:
         """For the ready log: "on", or why the fused decode step does not run."""

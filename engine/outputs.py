@@ -90,6 +90,9 @@ class EngineStats:
     # one thread because that measured faster (the cores busy with other work); 0 without it.
     num_fused_steps: int = 0
     num_fused_steps_one_thread: int = 0
+    # Seconds the engine's thread waited for the GIL after its fused steps (another Python
+    # thread held it: a worker's event loop); cumulative, like the counters above.
+    fused_step_gil_wait_s: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

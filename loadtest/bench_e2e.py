@@ -127,13 +127,17 @@ def cpu_split(before: dict[str, dict[str, float]], after: dict[str, dict[str, fl
 
 def fused_steps(metrics_url: str | None) -> dict[str, float]:
     """The worker's fused decode steps so far by `threads` ("all", "one": the thread choice ran
-    them on one thread), from its /metrics; {} where it has none."""
+    them on one thread), and under "gil_wait_s" the seconds its engine thread waited for the GIL
+    after them, from its /metrics; {} where it has none."""
     if metrics_url is None:
         return {}
+    series = scrape_metrics(metrics_url)
     steps: dict[str, float] = {}
-    for labels, value in scrape_metrics(metrics_url).get("mini_infer_engine_fused_steps_total", []):
+    for labels, value in series.get("mini_infer_engine_fused_steps_total", []):
         if "threads" in labels:
             steps[labels["threads"]] = steps.get(labels["threads"], 0.0) + value
+    for _, value in series.get("mini_infer_engine_gil_wait_seconds_total", []):
+        steps["gil_wait_s"] = steps.get("gil_wait_s", 0.0) + value
     return steps
 
 
@@ -187,9 +191,11 @@ async def run_e2e(
     stats = summarize(sum(k for _, k, _ in results), elapsed, [t for t, _, _ in results])
     stats["cpu_s"] = cpu
     if steps_after:  # the steps of this run (the metric is exported once a step has run)
+        wait_s = steps_after.pop("gil_wait_s", 0.0) - steps_before.pop("gil_wait_s", 0.0)
         stats["fused_steps"] = {
             k: int(v - steps_before.get(k, 0.0)) for k, v in sorted(steps_after.items())
         }
+        stats["gil_wait_ms"] = round(wait_s * 1000, 1)  # the engine thread's, after its steps
     stats["token_gaps"] = token_gaps(arrivals)
     # The worker's own TTFT (from receiving the message to its first token): the rest of the
     # client's TTFT is transport (produce, fetch waits, publish).
@@ -398,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         steps = p["e2e"].get("fused_steps")
         if steps:
             print(f"pair {i + 1}: the worker's fused decode steps on one thread (the thread "
-                  f"choice): {steps.get('one', 0)} of {steps.get('one', 0) + steps.get('all', 0)}")
+                  f"choice): {steps.get('one', 0)} of {steps.get('one', 0) + steps.get('all', 0)}; "
+                  f"its engine thread waited {p['e2e'].get('gil_wait_ms', 0.0)} ms for the GIL "
+                  f"after them")  # fmt: skip
     print(f"gaps between a stream's tokens as its reader got them, ms (bunched: within "
           f"{BUNCHED_GAP_S * 1000:g} ms of the one before)")  # fmt: skip
     print(f"{'pair':>4} {'side':>7} {'p50':>8} {'p90':>8} {'p99':>8} {'bunched':>8}")

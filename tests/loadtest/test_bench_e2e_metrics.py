@@ -1,4 +1,5 @@
-"""`bench e2e` reads the worker's fused steps by thread count from its /metrics."""
+"""`bench e2e` reads the worker's fused steps by thread count, and its engine thread's waits
+for the GIL, from its /metrics."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ mini_infer_engine_fused_steps_total{model="m",threads="all"} 253.0
 mini_infer_engine_fused_steps_total{model="m",threads="one"} 2.0
 mini_infer_engine_fused_steps_created{model="m",threads="one"} 1.7e+09
 mini_infer_engine_step_seconds_count{model="m"} 255.0
+# TYPE mini_infer_engine_gil_wait_seconds_total counter
+mini_infer_engine_gil_wait_seconds_total{model="m"} 0.125
 """
 
 
@@ -34,7 +37,7 @@ def test_fused_steps_are_read_by_thread_count_and_other_series_ignored():
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
-        assert fused_steps(url) == {"all": 253.0, "one": 2.0}
+        assert fused_steps(url) == {"all": 253.0, "one": 2.0, "gil_wait_s": 0.125}
     finally:
         thread.join(timeout=10)
         server.server_close()

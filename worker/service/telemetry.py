@@ -263,6 +263,11 @@ class Telemetry:
             "mini_infer.engine.fused_steps", unit="{step}",
             description="fused CPU decode steps, by threads (all, or one: the cores were busy)",
         ), model)  # fmt: skip
+        # The engine thread's waits for the GIL after its fused steps: the event loop held it.
+        self.gil_wait_s = _Bound(meter.create_counter(
+            "mini_infer.engine.gil_wait", unit="s",
+            description="time the engine thread waited for the GIL after its fused steps",
+        ), model)  # fmt: skip
         # Steps sized by urgency: how long steps take (against step_time_target_ms), and the
         # requests answered `expired` at admission because their deadline could not be met.
         self.step_s = _Bound(meter.create_histogram(
@@ -331,6 +336,8 @@ class Telemetry:
         for threads, count in (("one", one_thread), ("all", all_threads)):
             if count > 0:
                 self.fused_steps.add(count, {"threads": threads})
+        if stats.fused_step_gil_wait_s > previous.fused_step_gil_wait_s:
+            self.gil_wait_s.add(stats.fused_step_gil_wait_s - previous.fused_step_gil_wait_s)
         if stats.num_tokens_computed > previous.num_tokens_computed:
             self.step_tokens.record(stats.num_tokens_computed - previous.num_tokens_computed)
 

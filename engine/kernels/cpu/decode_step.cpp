@@ -366,13 +366,33 @@ class Plan {
   // slept ~0.1 ms and a one-stream step took 6x its idle time on two threads; with a worker's
   // event loop, broker and client on the same 2 cores, a one-stream step took 1.4x its idle
   // time, ~2.5 of its ~300 waits a step sleeping for a preempted partner.
+  //
+  // The step runs without the GIL. Getting it back can wait: another Python thread of the process
+  // (a worker's event loop) took it meanwhile and keeps it until its next blocking call or until
+  // the waiter's switch interval runs out (Python's default 5 ms; engine/fused_decode.py shortens
+  // it while the step runs). That wait is counted (`counters`, `stats`): through a worker at W2 it
+  // was ~0.1 s of a 4.4 s run with the default interval.
   void run(int64_t rows, int64_t num_threads, int64_t spin) {
     TORCH_CHECK(rows > 0, "decode_step: rows must be positive");
     int threads = static_cast<int>(num_threads > 0 ? num_threads : at::get_num_threads());
     const bool chosen = num_threads <= 0 && threads > 1 && !timing_;
     if (chosen && choice_.single(rows)) threads = 1;
     ++steps_;
-    py::gil_scoped_release no_gil;
+    int64_t finished = 0;
+    {
+      py::gil_scoped_release no_gil;
+      run_without_gil(rows, threads, chosen, spin);
+      finished = now_ns();
+    }
+    const int64_t waited = now_ns() - finished;
+    gil_wait_ns_ += waited;
+    gil_long_waits_ += waited > kLongGilWaitNs;
+  }
+
+ private:
+  static constexpr int64_t kLongGilWaitNs = 1000000;  // 1 ms
+
+  void run_without_gil(int64_t rows, int threads, bool chosen, int64_t spin) {
     const int64_t started = now_ns();
     if (threads == 1) {
       ++single_thread_steps_;
@@ -419,6 +439,7 @@ class Plan {
     if (chosen) choice_.record(rows, false, elapsed, waits_bad);
   }
 
+ public:
   // Per-task clocks (profiling): each thread's time in each task and in the barrier after it.
   void set_timing(bool on) {
     timing_ = on;
@@ -444,7 +465,9 @@ class Plan {
   }
 
   // (steps, steps the choice ran on one thread): cheap enough to read after every step.
-  py::tuple counters() const { return py::make_tuple(steps_, choice_.single_steps()); }
+  py::tuple counters() const {
+    return py::make_tuple(steps_, choice_.single_steps(), gil_wait_ns_);
+  }
 
   py::dict stats() const {
     py::dict d;
@@ -455,6 +478,8 @@ class Plan {
     d["tasks"] = static_cast<int64_t>(tasks_.size());
     d["barriers"] = num_barriers_;
     d["spin"] = spin_;
+    d["gil_wait_ns"] = gil_wait_ns_;
+    d["gil_long_waits"] = gil_long_waits_;
     d["probes"] = choice_.probes();
     d["switches"] = choice_.switches();
     d["by_rows"] = choice_.state();
@@ -495,6 +520,7 @@ class Plan {
   std::vector<Task> tasks_;
   int64_t num_barriers_ = 0, steps_ = 0, single_thread_steps_ = 0, slow_waits_ = 0;
   int64_t long_waits_ = 0, spin_ = 0;
+  int64_t gil_wait_ns_ = 0, gil_long_waits_ = 0;  // back from a step: waits for the GIL
   ThreadChoice choice_;
   bool timing_ = false;
   int64_t timed_threads_ = 0;  // the thread count of the timed steps (the layout of the clocks)
@@ -511,10 +537,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("spin") = 4000, "run every task for a step of `rows` rows")
       .def("set_timing", &Plan::set_timing, "per-task clocks on (profiling) or off; resets them")
       .def("task_times", &Plan::task_times, "(work_ns, wait_ns) per task and thread")
-      .def("counters", &Plan::counters, "(steps, steps the thread choice ran on one thread)")
+      .def("counters", &Plan::counters,
+           "(steps, steps the thread choice ran on one thread, ns waited for the GIL after them)")
       .def("stats", &Plan::stats,
-           "steps, steps on one thread, barrier waits that slept and slept past 2 ms, and the "
-           "thread choice (probes, switches, by_rows)");
+           "steps, steps on one thread, barrier waits that slept and slept past 2 ms, the waits "
+           "for the GIL after the steps (ns, and how many past 1 ms), and the thread choice "
+           "(probes, switches, by_rows)");
   // The thread choice on its own, for tests: they feed it step times.
   py::class_<ThreadChoice>(m, "ThreadChoice")
       .def(py::init<>())
