@@ -27,7 +27,6 @@ to make the step's tasks, sits above them.
 from __future__ import annotations
 
 import os
-import sys
 from types import ModuleType
 
 import structlog
@@ -54,13 +53,6 @@ MAX_ROWS_QUANT = 64
 # weights' bytes, and the screen's per-row work grows: those steps read the bf16 head.
 SCREEN_MAX_ROWS = 4
 SCREEN_MIN_SHARE = 0.125  # below this share of a step's weight bytes, a head gets no screen
-
-# Python's switch interval while a fused step runs without the GIL (`_run_plan`). Through a
-# worker (its event loop in another thread of the process), W2 with the default 5 ms: the engine
-# thread waited 99-112 ms per run for the GIL after its steps, 36-47 of those waits past 1 ms;
-# with 0.1 ms: 26-33 ms, 2-6 past 1 ms (loadtest/README.md, "The engine thread's waits for
-# the GIL").
-STEP_SWITCH_INTERVAL_S = 1e-4
 
 
 def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
@@ -504,17 +496,7 @@ class FusedDecode:
             int(not screened), int(screened),
         )  # fmt: skip
         self._greedy_rows = 0
-        # The step releases the GIL; whoever waits for it runs out a switch interval before it
-        # asks the holder to let go. Short while the step runs, so that this thread, back from
-        # it, gets the GIL from a worker's event loop within ~0.1 ms instead of up to 5
-        # (Python's default, restored at once: the loop, waiting while this thread runs Python
-        # between steps, still waits politely).
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, STEP_SWITCH_INTERVAL_S))
-        try:
-            self.plan.run(rows, 0, decode_step.SPIN)
-        finally:
-            sys.setswitchinterval(interval)
+        self.plan.run(rows, 0, decode_step.SPIN)
         self._greedy_rows = rows if greedy else 0
         self._screened = screened
         if screened:

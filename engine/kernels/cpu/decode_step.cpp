@@ -369,9 +369,11 @@ class Plan {
   //
   // The step runs without the GIL. Getting it back can wait: another Python thread of the process
   // (a worker's event loop) took it meanwhile and keeps it until its next blocking call or until
-  // the waiter's switch interval runs out (Python's default 5 ms; engine/fused_decode.py shortens
-  // it while the step runs). That wait is counted (`counters`, `stats`): through a worker at W2 it
-  // was ~0.1 s of a 4.4 s run with the default interval.
+  // the waiter's switch interval runs out (Python's 5 ms). That wait is counted (`counters`,
+  // `stats`): through a worker, ~0.1 s of a 4.4 s W2 run, ~20 ms of a one-stream run. It is the
+  // loop's time to work: shortening it (a 0.1 ms interval while the step ran) halved the waits and
+  // did not move what the client measured (loadtest/README.md, "The engine thread's waits for the
+  // GIL").
   void run(int64_t rows, int64_t num_threads, int64_t spin) {
     TORCH_CHECK(rows > 0, "decode_step: rows must be positive");
     int threads = static_cast<int>(num_threads > 0 ? num_threads : at::get_num_threads());

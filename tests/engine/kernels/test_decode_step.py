@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 import threading
 import time
 
@@ -851,46 +850,6 @@ def test_engine_stats_count_fused_steps_and_those_on_one_thread(step_ext, tiny_m
     )
     _run(off, [[5, 6, 7]], max_tokens=3)
     assert (off.get_stats().num_fused_steps, off.get_stats().num_fused_steps_one_thread) == (0, 0)
-
-
-class _IntervalProbe:
-    """Stands in for a fused step's plan: records the switch interval it runs under."""
-
-    def __init__(self, error: Exception | None = None) -> None:
-        self.seen: list[float] = []
-        self.error = error
-
-    def run(self, rows: int, num_threads: int, spin: int) -> None:
-        self.seen.append(sys.getswitchinterval())
-        if self.error is not None:
-            raise self.error
-
-
-@pytest.mark.parametrize("before", [0.005, 0.00002])
-def test_fused_step_runs_under_a_short_switch_interval_and_restores_it(
-    step_ext, tiny_model_dir, before
-):
-    """While the step runs without the GIL, Python's switch interval is at most
-    STEP_SWITCH_INTERVAL_S (so that the engine thread, back from the step, takes the GIL from
-    another thread within about that long); the interval before is restored after the step, also
-    when it raises, and one already shorter is kept."""
-    engine = _engine(tiny_model_dir, "int4")
-    fused = engine.runner._forward.fused
-    plan, probe = fused.plan, _IntervalProbe()
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(before)
-    try:
-        fused.plan = probe
-        fused._run_plan(1, 1, 1, greedy=True)
-        assert probe.seen == [pytest.approx(min(before, fused_decode.STEP_SWITCH_INTERVAL_S))]
-        assert sys.getswitchinterval() == pytest.approx(before)
-        fused.plan = _IntervalProbe(RuntimeError("a failed step"))
-        with pytest.raises(RuntimeError, match="a failed step"):
-            fused._run_plan(1, 1, 1, greedy=True)
-        assert sys.getswitchinterval() == pytest.approx(before)
-    finally:
-        fused.plan = plan
-        sys.setswitchinterval(previous)
 
 
 def test_fused_step_counts_its_waits_for_the_gil(step_ext, tiny_model_dir):
