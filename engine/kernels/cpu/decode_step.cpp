@@ -466,7 +466,8 @@ class Plan {
     return py::make_tuple(work, wait);
   }
 
-  // (steps, steps the choice ran on one thread): cheap enough to read after every step.
+  // (steps, steps the choice ran on one thread, ns waited for the GIL after steps): cheap enough
+  // to read after every step.
   py::tuple counters() const {
     return py::make_tuple(steps_, choice_.single_steps(), gil_wait_ns_);
   }
