@@ -125,6 +125,21 @@ def cpu_split(before: dict[str, dict[str, float]], after: dict[str, dict[str, fl
     }
 
 
+def beside_engine_us_per_token(cpu: dict[str, dict[str, float]], num_tokens: int) -> dict:
+    """CPU microseconds per generated token of what runs beside the engine (`cpu`: `cpu_split`'s
+    seconds by process and thread name): the worker's threads other than the engine's (its event
+    loop), the broker and the client. On a machine whose cores the engine's threads fill, each of
+    these microseconds comes out of the steps."""
+    spent = {
+        "worker_loop": sum(t for name, t in cpu.get("worker", {}).items() if name != "engine"),
+        "broker": sum(cpu.get("broker", {}).values()),
+        "client": sum(cpu.get("client", {}).values()),
+    }
+    per_token = {k: round(v / max(num_tokens, 1) * 1e6, 1) for k, v in spent.items()}
+    per_token["total"] = round(sum(spent.values()) / max(num_tokens, 1) * 1e6, 1)
+    return per_token
+
+
 def fused_steps(metrics_url: str | None) -> dict[str, float]:
     """The worker's fused decode steps so far by `threads` ("all", "one": the thread choice ran
     them on one thread), and under "gil_wait_s" the seconds its engine thread waited for the GIL
@@ -190,6 +205,7 @@ async def run_e2e(
         steps_after = fused_steps(metrics_url)
     stats = summarize(sum(k for _, k, _ in results), elapsed, [t for t, _, _ in results])
     stats["cpu_s"] = cpu
+    stats["cpu_beside_engine_us_per_token"] = beside_engine_us_per_token(cpu, stats["output_tokens"])
     if steps_after:  # the steps of this run (the metric is exported once a step has run)
         wait_s = steps_after.pop("gil_wait_s", 0.0) - steps_before.pop("gil_wait_s", 0.0)
         stats["fused_steps"] = {
@@ -407,6 +423,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"choice): {steps.get('one', 0)} of {steps.get('one', 0) + steps.get('all', 0)}; "
                   f"its engine thread waited {p['e2e'].get('gil_wait_ms', 0.0)} ms for the GIL "
                   f"after them")  # fmt: skip
+    print("CPU beside the engine per token, us (/proc's 10 ms ticks: coarse for one stream)")
+    print(f"{'pair':>4} {'loop':>7} {'broker':>7} {'client':>7} {'total':>7}")
+    for i, p in enumerate(pairs):
+        if c := p["e2e"].get("cpu_beside_engine_us_per_token"):
+            print(f"{i + 1:>4} {c['worker_loop']:>7.0f} {c['broker']:>7.0f} {c['client']:>7.0f} "
+                  f"{c['total']:>7.0f}")  # fmt: skip
     print(f"gaps between a stream's tokens as its reader got them, ms (bunched: within "
           f"{BUNCHED_GAP_S * 1000:g} ms of the one before)")  # fmt: skip
     print(f"{'pair':>4} {'side':>7} {'p50':>8} {'p90':>8} {'p99':>8} {'bunched':>8}")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loadtest.bench_e2e import parse_cpus, pin, split_cpus
+from loadtest.bench_e2e import beside_engine_us_per_token, parse_cpus, pin, split_cpus
 
 
 def test_cpu_lists_read_as_taskset_writes_them() -> None:
@@ -61,3 +61,15 @@ def test_pin_moves_every_thread_of_a_process() -> None:
         assert all(os.sched_getaffinity(int(t)) == one for t in tasks)
     finally:
         child.communicate("\n", timeout=10)
+
+
+def test_cpu_beside_the_engine_is_every_thread_but_the_engines_per_token() -> None:
+    cpu = {
+        "worker": {"engine": 0.92, "python": 0.03, "ThreadPoolExecutor-0_0": 0.01},
+        "broker": {"tokio-rt-worker": 0.02, "tansu": 0.005},
+        "client": {"python": 0.02},
+    }
+    assert beside_engine_us_per_token(cpu, 100) == {
+        "worker_loop": 400.0, "broker": 250.0, "client": 200.0, "total": 850.0,
+    }  # fmt: skip
+    assert beside_engine_us_per_token({}, 0)["total"] == 0.0  # no run, no division by zero
