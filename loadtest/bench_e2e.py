@@ -128,10 +128,10 @@ def cpu_split(before: dict[str, dict[str, float]], after: dict[str, dict[str, fl
 def beside_engine_us_per_token(cpu: dict[str, dict[str, float]], num_tokens: int) -> dict:
     """CPU microseconds per generated token of what runs beside the engine (`cpu`: `cpu_split`'s
     seconds by process and thread name): the worker's threads other than the engine's (its event
-    loop), the broker and the client. On a machine whose cores the engine's threads fill, each of
-    these microseconds comes out of the steps."""
+    loop; a tokenizer thread where there is one), the broker and the client. On a machine whose
+    cores the engine's threads fill, each of these microseconds comes out of the steps."""
     spent = {
-        "worker_loop": sum(t for name, t in cpu.get("worker", {}).items() if name != "engine"),
+        "worker": sum(t for name, t in cpu.get("worker", {}).items() if name != "engine"),
         "broker": sum(cpu.get("broker", {}).values()),
         "client": sum(cpu.get("client", {}).values()),
     }
@@ -423,11 +423,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"choice): {steps.get('one', 0)} of {steps.get('one', 0) + steps.get('all', 0)}; "
                   f"its engine thread waited {p['e2e'].get('gil_wait_ms', 0.0)} ms for the GIL "
                   f"after them")  # fmt: skip
-    print("CPU beside the engine per token, us (/proc's 10 ms ticks: coarse for one stream)")
-    print(f"{'pair':>4} {'loop':>7} {'broker':>7} {'client':>7} {'total':>7}")
+    print("CPU beside the engine per token, us (worker: its threads but the engine's; /proc's 10 "
+          "ms ticks, coarse for one stream)")
+    print(f"{'pair':>4} {'worker':>7} {'broker':>7} {'client':>7} {'total':>7}")
     for i, p in enumerate(pairs):
         if c := p["e2e"].get("cpu_beside_engine_us_per_token"):
-            print(f"{i + 1:>4} {c['worker_loop']:>7.0f} {c['broker']:>7.0f} {c['client']:>7.0f} "
+            print(f"{i + 1:>4} {c['worker']:>7.0f} {c['broker']:>7.0f} {c['client']:>7.0f} "
                   f"{c['total']:>7.0f}")  # fmt: skip
     print(f"gaps between a stream's tokens as its reader got them, ms (bunched: within "
           f"{BUNCHED_GAP_S * 1000:g} ms of the one before)")  # fmt: skip

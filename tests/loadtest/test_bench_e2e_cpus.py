@@ -70,6 +70,6 @@ def test_cpu_beside_the_engine_is_every_thread_but_the_engines_per_token() -> No
         "client": {"python": 0.02},
     }
     assert beside_engine_us_per_token(cpu, 100) == {
-        "worker_loop": 400.0, "broker": 250.0, "client": 200.0, "total": 850.0,
+        "worker": 400.0, "broker": 250.0, "client": 200.0, "total": 850.0,
     }  # fmt: skip
     assert beside_engine_us_per_token({}, 0)["total"] == 0.0  # no run, no division by zero
