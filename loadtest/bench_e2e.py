@@ -140,20 +140,19 @@ def beside_engine_us_per_token(cpu: dict[str, dict[str, float]], num_tokens: int
     return per_token
 
 
-def fused_steps(metrics_url: str | None) -> dict[str, float]:
-    """The worker's fused decode steps so far by `threads` ("all", "one": the thread choice ran
-    them on one thread), and under "gil_wait_s" the seconds its engine thread waited for the GIL
-    after them, from its /metrics; {} where it has none."""
+def worker_counters(metrics_url: str | None) -> tuple[dict[str, float], float]:
+    """From the worker's /metrics so far: its fused decode steps by `threads` ("all", "one": the
+    thread choice ran them on one thread), and the seconds its engine thread waited for the GIL
+    after them; ({}, 0.0) where it has none."""
     if metrics_url is None:
-        return {}
+        return {}, 0.0
     series = scrape_metrics(metrics_url)
     steps: dict[str, float] = {}
     for labels, value in series.get("mini_infer_engine_fused_steps_total", []):
         if "threads" in labels:
             steps[labels["threads"]] = steps.get(labels["threads"], 0.0) + value
-    for _, value in series.get("mini_infer_engine_gil_wait_seconds_total", []):
-        steps["gil_wait_s"] = steps.get("gil_wait_s", 0.0) + value
-    return steps
+    gil_wait_s = sum(v for _, v in series.get("mini_infer_engine_gil_wait_seconds_total", []))
+    return steps, gil_wait_s
 
 
 async def run_e2e(
@@ -194,7 +193,7 @@ async def run_e2e(
                     worker_ttft_s = delta.final.timing.ttft_ms / 1000
             return ttft, num_tokens, worker_ttft_s
 
-        steps_before = fused_steps(metrics_url)
+        steps_before, gil_wait_before_s = worker_counters(metrics_url)
         cpu_before = {name: cpu_seconds_by_thread(pid) for name, pid in pids.items()}
         start = time.perf_counter()
         results = await asyncio.gather(*(one(i) for i in range(n)))
@@ -202,16 +201,16 @@ async def run_e2e(
         cpu = cpu_split(
             cpu_before, {name: cpu_seconds_by_thread(pid) for name, pid in pids.items()}
         )
-        steps_after = fused_steps(metrics_url)
+        steps_after, gil_wait_after_s = worker_counters(metrics_url)
     stats = summarize(sum(k for _, k, _ in results), elapsed, [t for t, _, _ in results])
     stats["cpu_s"] = cpu
     stats["cpu_beside_engine_us_per_token"] = beside_engine_us_per_token(cpu, stats["output_tokens"])
     if steps_after:  # the steps of this run (the metric is exported once a step has run)
-        wait_s = steps_after.pop("gil_wait_s", 0.0) - steps_before.pop("gil_wait_s", 0.0)
         stats["fused_steps"] = {
             k: int(v - steps_before.get(k, 0.0)) for k, v in sorted(steps_after.items())
         }
-        stats["gil_wait_ms"] = round(wait_s * 1000, 1)  # the engine thread's, after its steps
+        # the engine thread's waits for the GIL after its steps
+        stats["gil_wait_ms"] = round((gil_wait_after_s - gil_wait_before_s) * 1000, 1)
     stats["token_gaps"] = token_gaps(arrivals)
     # The worker's own TTFT (from receiving the message to its first token): the rest of the
     # client's TTFT is transport (produce, fetch waits, publish).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import http.server
 import threading
 
-from loadtest.bench_e2e import fused_steps
+from loadtest.bench_e2e import worker_counters
 
 METRICS = """# HELP mini_infer_engine_fused_steps_total fused decode steps
 # TYPE mini_infer_engine_fused_steps_total counter
@@ -37,8 +37,8 @@ def test_fused_steps_are_read_by_thread_count_and_other_series_ignored():
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
-        assert fused_steps(url) == {"all": 253.0, "one": 2.0, "gil_wait_s": 0.125}
+        assert worker_counters(url) == ({"all": 253.0, "one": 2.0}, 0.125)
     finally:
         thread.join(timeout=10)
         server.server_close()
-    assert fused_steps(None) == {}
+    assert worker_counters(None) == ({}, 0.0)
