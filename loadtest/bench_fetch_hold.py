@@ -6,7 +6,15 @@ latency does not grow with the wait; the embedded broker holds an empty fetch fo
 wait. The worker's busy fetch wait (`fetch_max_wait_busy_ms`) costs a request that arrives
 while it works about this much on the embedded broker.
 
-    python -m loadtest.bench_fetch_hold [--waits 20,100,500] [--messages 12] [--bootstrap HOST:PORT]
+And what an idle consumer's empty fetches cost, per wait: `--idle-s` seconds of a consumer
+polling a topic of `--partitions` partitions with nothing in it, its CPU (this process: nothing
+else runs in it meanwhile) and the embedded broker's, per second and per fetch (an empty fetch
+is held for the whole wait, so there are about idle time / wait of them). On two cores these
+land beside the engine: a client's reply consumer and a worker's request consumer poll all the
+time.
+
+    python -m loadtest.bench_fetch_hold [--waits 20,100,500] [--messages 12] [--idle-s 5]
+                                        [--partitions 1] [--bootstrap HOST:PORT]
 """
 
 from __future__ import annotations
@@ -51,7 +59,64 @@ async def hold_ms(bootstrap: str, wait_ms: int, num_messages: int) -> list[float
         await producer.stop()
 
 
-async def run(bootstrap: str, waits: list[int], num_messages: int) -> dict:
+async def idle_cost(
+    bootstrap: str, wait_ms: int, idle_s: float, num_partitions: int, broker_pid: int | None
+) -> dict:
+    """CPU per second and per fetch of a consumer (fetch wait `wait_ms`) polling an empty topic
+    of `num_partitions` partitions for `idle_s`, and of the broker where its pid is known."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from loadtest.bench_e2e import cpu_seconds_by_thread
+    from worker.topics import create_topics
+
+    def broker_cpu_s() -> float:
+        return sum(cpu_seconds_by_thread(broker_pid).values()) if broker_pid else 0.0
+
+    topic = f"fetch-idle-{wait_ms}-{random.randrange(1 << 30)}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await create_topics(admin, {topic: num_partitions}, 1)
+    finally:
+        await admin.close()
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, fetch_max_wait_ms=wait_ms, group_id=None,
+        enable_auto_commit=False,
+    )  # fmt: skip
+    await consumer.start()
+    consumer.assign([TopicPartition(topic, p) for p in range(num_partitions)])
+
+    async def poll() -> None:
+        while True:
+            await consumer.getmany(timeout_ms=1000)
+
+    poller = asyncio.create_task(poll())
+    try:
+        await asyncio.sleep(1.0)  # connected, fetching
+        cpu_before, broker_before, started = time.process_time(), broker_cpu_s(), time.monotonic()
+        await asyncio.sleep(idle_s)
+        elapsed = time.monotonic() - started
+        consumer_s, broker_s = time.process_time() - cpu_before, broker_cpu_s() - broker_before
+    finally:
+        poller.cancel()
+        await asyncio.gather(poller, return_exceptions=True)
+        await consumer.stop()
+    fetches = elapsed * 1000 / wait_ms
+    result = {
+        "consumer_cpu_per_s": round(consumer_s / elapsed, 4),
+        "consumer_ms_per_fetch": round(consumer_s * 1000 / fetches, 3),
+    }
+    if broker_pid:
+        result["broker_cpu_per_s"] = round(broker_s / elapsed, 4)
+        result["broker_ms_per_fetch"] = round(broker_s * 1000 / fetches, 3)
+    return result
+
+
+async def run(
+    bootstrap: str, waits: list[int], num_messages: int, idle_s: float = 0.0,
+    num_partitions: int = 1, broker_pid: int | None = None,
+) -> dict:  # fmt: skip
     results = {}
     for wait_ms in waits:
         latencies = await hold_ms(bootstrap, wait_ms, num_messages)
@@ -61,6 +126,10 @@ async def run(bootstrap: str, waits: list[int], num_messages: int) -> dict:
             "max_ms": round(max(latencies), 1),
             "latencies_ms": [round(x, 1) for x in latencies],
         }
+        if idle_s > 0:
+            results[str(wait_ms)]["idle"] = await idle_cost(
+                bootstrap, wait_ms, idle_s, num_partitions, broker_pid
+            )
     return results
 
 
@@ -69,20 +138,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--waits", default="20,100,500", help="fetch waits to try, ms")
     parser.add_argument("--messages", type=int, default=12)
     parser.add_argument("--bootstrap", default=None, help="a running broker (default: embedded)")
+    parser.add_argument("--idle-s", type=float, default=5.0, help="0: no idle cost measured")
+    parser.add_argument("--partitions", type=int, default=1, help="of the idle topic")
     parser.add_argument("--out", default=None, help="write the JSON here too")
     args = parser.parse_args(argv)
     waits = [int(w) for w in args.waits.split(",")]
     if args.bootstrap:
-        results = asyncio.run(run(args.bootstrap, waits, args.messages))
+        results = asyncio.run(
+            run(args.bootstrap, waits, args.messages, args.idle_s, args.partitions)
+        )
     else:
         from worker.broker import EmbeddedBroker
 
         with EmbeddedBroker() as broker:
-            results = asyncio.run(run(broker.bootstrap_servers, waits, args.messages))
+            results = asyncio.run(
+                run(broker.bootstrap_servers, waits, args.messages, args.idle_s,
+                    args.partitions, broker.pid)
+            )  # fmt: skip
     print(f"{'fetch wait':>10} {'median':>8} {'min':>8} {'max':>8}  (produce -> consume, ms)")
     for wait, r in results.items():
         print(f"{wait:>10} {r['median_ms']:>8} {r['min_ms']:>8} {r['max_ms']:>8}")
-    doc = {"messages": args.messages, "broker": args.bootstrap or "embedded", "by_wait_ms": results}
+    if args.idle_s > 0:
+        print(f"\nidle, {args.partitions} partition(s): CPU per second of polling, and per fetch")
+        print(f"{'fetch wait':>10} {'consumer':>9} {'broker':>8} {'consumer ms':>12} "
+              f"{'broker ms':>10}")  # fmt: skip
+        for wait, r in results.items():
+            idle = r["idle"]
+            print(f"{wait:>10} {idle['consumer_cpu_per_s']:>9.4f} "
+                  f"{idle.get('broker_cpu_per_s', float('nan')):>8.4f} "
+                  f"{idle['consumer_ms_per_fetch']:>12.3f} "
+                  f"{idle.get('broker_ms_per_fetch', float('nan')):>10.3f}")  # fmt: skip
+    doc = {"messages": args.messages, "broker": args.bootstrap or "embedded",
+           "idle_s": args.idle_s, "idle_partitions": args.partitions, "by_wait_ms": results}  # fmt: skip
     from loadtest.report import emit
 
     emit(doc, None if args.out is None else Path(args.out), None, None)

@@ -41,11 +41,13 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 
 from loadtest.bench_e2e import cpu_seconds_by_thread, lower_priority
 from loadtest.report import emit
+from worker.client.client import DEFAULT_REPLY_FETCH_MAX_WAIT_MS
 
 SIDES = ("none", "process", "thread", "rdkafka")
 TOPIC = "floor.replies"
@@ -139,17 +141,16 @@ def _producer_child(bootstrap: str, read_fd: int, ready, rdkafka: bool) -> None:
     asyncio.run(_produce_from_pipe(bootstrap, read_fd, ready, rdkafka))
 
 
-def _consumer_child(bootstrap: str, ready, stop, consumed) -> None:
+def _consumer_child(bootstrap: str, ready, stop, consumed, fetch_wait_ms: int) -> None:
     """Reads the topic as the client SDK reads its reply partition, decoding each value;
     `consumed` (a shared counter) counts the messages read."""
-    from worker.client.client import DEFAULT_REPLY_FETCH_MAX_WAIT_MS
 
     async def consume() -> None:
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
         consumer = AIOKafkaConsumer(
             bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-            auto_offset_reset="earliest", fetch_max_wait_ms=DEFAULT_REPLY_FETCH_MAX_WAIT_MS,
+            auto_offset_reset="earliest", fetch_max_wait_ms=fetch_wait_ms,
         )  # fmt: skip
         await consumer.start()
         consumer.assign([TopicPartition(TOPIC, 0)])
@@ -241,7 +242,10 @@ def _generate(engine, prompts: list, num_tokens: int, on_step) -> dict:
     }
 
 
-def _run_side(side: str, engine, prompts: list, num_tokens: int) -> dict:
+def _run_side(
+    side: str, engine, prompts: list, num_tokens: int,
+    fetch_wait_ms: int = DEFAULT_REPLY_FETCH_MAX_WAIT_MS,
+) -> dict:  # fmt: skip
     from worker.broker import EmbeddedBroker
     from worker.topics import create_topics
 
@@ -263,7 +267,7 @@ def _run_side(side: str, engine, prompts: list, num_tokens: int) -> dict:
         lower_priority(broker.pid)
         consumer_ready, stop, consumed = spawn.Event(), spawn.Event(), spawn.Value("q", 0)
         consumer = spawn.Process(
-            target=_consumer_child, args=(bootstrap, consumer_ready, stop, consumed)
+            target=_consumer_child, args=(bootstrap, consumer_ready, stop, consumed, fetch_wait_ms)
         )
         producer = thread_producer = write_fd = None
         try:
@@ -344,8 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--num-streams", type=int, default=1, help="32: W2's shape")
     parser.add_argument("--num-tokens", type=int, default=256, help="per stream")
+    parser.add_argument(
+        "--fetch-wait-ms", type=int, default=DEFAULT_REPLY_FETCH_MAX_WAIT_MS,
+        help="the consumer's fetch_max_wait_ms (default: the client SDK's)",
+    )  # fmt: skip
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--out")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--plot", type=Path, help="each round's ratios by side (a PNG)")
     args = parser.parse_args(argv)
     sides = [s for s in args.sides.split(",") if s]
     unknown = set(sides) - set(SIDES)
@@ -369,7 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[dict] = []
     for round_ in range(args.rounds):
         order = sides if round_ % 2 == 0 else sides[::-1]  # neither side always first
-        results = {side: _run_side(side, engine, prompts, args.num_tokens) for side in order}
+        results = {
+            side: _run_side(side, engine, prompts, args.num_tokens, args.fetch_wait_ms)
+            for side in order
+        }
         none = results["none"]
         for result in results.values():
             result["itl_ratio"] = round(result["itl_ms"] / none["itl_ms"], 3)
@@ -407,13 +419,34 @@ def main(argv: list[str] | None = None) -> int:
               f"{m.get('producer_us_per_token', 0):9.0f}")  # fmt: skip
     doc = {
         "workload": workload,
+        "consumer_fetch_wait_ms": args.fetch_wait_ms,
         "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg()[0],
         "medians": medians,
         "rounds": rounds,
     }
-    emit(doc, args.out, None, None)
+    emit(doc, args.out, args.plot, lambda plt: _draw(doc, plt))
     return 0
+
+
+def _draw(doc: dict, plt):
+    """Each round's ratio to the engine alone, by side: inter-token latency and throughput."""
+    sides = [side for side in doc["medians"] if side != "none"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in (
+        (axes[0], "itl_ratio", "inter-token latency / engine alone (lower is better)"),
+        (axes[1], "throughput_ratio", "throughput / engine alone (higher is better)"),
+    ):
+        for x, side in enumerate(sides):
+            values = [r[side][key] for r in doc["rounds"]]
+            ax.scatter([x] * len(values), values, alpha=0.6)
+            ax.hlines(doc["medians"][side][key], x - 0.3, x + 0.3, colors="black")
+        ax.axhline(1.0, color="grey", linestyle=":")
+        ax.set_xticks(range(len(sides)), sides)
+        ax.set_title(label, fontsize=9)
+    fig.suptitle(f"{doc['workload']}: the Kafka transport beside the engine, no worker "
+                 f"(rounds; bars: medians)", fontsize=10)  # fmt: skip
+    return fig
 
 
 if __name__ == "__main__":
