@@ -293,8 +293,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "broker and the client: the harness off the worker's cores, as on other machines in "
         "production (needs more cores than the worker's); engine threads default to their count",
     )  # fmt: skip
+    parser.add_argument(
+        "--floor", action="store_true",
+        help="after each pair, the Kafka transport's floor in a fresh process, one round: the "
+        "engine alone and beside a bare producer on a loop thread, the broker and a consumer, "
+        "no worker (loadtest/bench_transport_floor.py, side `thread`); what the worker itself "
+        "could still remove is the pair's ratio against the floor's",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="TTFT distribution plot (PNG)")
+
+
+def floor_command(args, model: str, out: Path) -> list[str]:
+    """`bench_transport_floor` for this run's workload and engine settings, one round."""
+    command = [
+        sys.executable, "-m", "loadtest.bench_transport_floor", "--sides", "none,thread",
+        "--rounds", "1", "--num-streams", str(args.num_requests),
+        "--num-tokens", str(args.max_tokens), "--model", model, "--dtype", args.dtype,
+        "--out", str(out),
+    ]  # fmt: skip
+    for flag, value in (("--quantization", args.quantization),
+                        ("--kv-cache-dtype", args.kv_cache_dtype),
+                        ("--num-threads", args.num_threads)):  # fmt: skip
+        if value is not None:
+            command += [flag, str(value)]
+    return command
+
+
+def floor_ratios(doc: dict) -> dict:
+    """The floor's ratios to the engine alone, from `bench_transport_floor`'s JSON (one round)."""
+    side = doc["rounds"][0]["thread"]
+    return {
+        "floor_throughput_ratio": side["throughput_ratio"],
+        "floor_itl_ratio": side["itl_ratio"],
+        "floor_messages_read": side["messages_read"],
+        "floor_num_tokens": side["num_tokens"],
+    }
+
+
+def run_floor(args, model: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "floor.json"
+        print("[bench] the transport's floor ...", file=sys.stderr, flush=True)
+        subprocess.run(floor_command(args, model, out), check=True, stdout=subprocess.DEVNULL)
+        return floor_ratios(json.loads(out.read_text()))
 
 
 def run_pair(args, model: str, engine_options: dict) -> dict:
@@ -369,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     from engine.loader import resolve_model
 
     model = str(resolve_model(args.model))
+    if args.floor and args.worker_cpus:
+        parser.error("--floor runs on every CPU: not with --worker-cpus")
     # The harness's CPUs: those this process may use, less the worker's (None: all shared).
     args.harness_cpus = None
     if args.worker_cpus:
@@ -384,7 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.repeat):
         print(f"[bench] pair {i + 1}/{args.repeat}", file=sys.stderr, flush=True)
         pairs.append(run_pair(args, model, engine_options))
-    keys = ("throughput_ratio_e2e_over_direct", "ttft_overhead_p50_ms", "ttft_overhead_p99_ms",
+        if args.floor:
+            pairs[-1].update(run_floor(args, model))
+    keys = ("floor_throughput_ratio", "floor_itl_ratio", "throughput_ratio_e2e_over_direct", "ttft_overhead_p50_ms", "ttft_overhead_p99_ms",
             "ttft_transport_p50_ms", "itl_direct_ms", "itl_e2e_ms", "itl_ratio_e2e_over_direct",
             *(f"gap_{side}_{k}" for side in ("direct", "e2e") for k in GAP_KEYS))  # fmt: skip
     doc = {
@@ -415,6 +461,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{doc['throughput_ratio_e2e_over_direct']:.3f}; TTFT overhead p50 "
           f"{doc['ttft_overhead_p50_ms']} ms, p99 {doc['ttft_overhead_p99_ms']} ms (transport p50 "
           f"{doc.get('ttft_transport_p50_ms', 'n/a')} ms)")  # fmt: skip
+    if args.floor:
+        print(f"the transport's floor (no worker), medians: throughput "
+              f"{doc['floor_throughput_ratio']:.3f}, ITL {doc['floor_itl_ratio']:.3f}; through the "
+              f"worker: throughput {doc['throughput_ratio_e2e_over_direct']:.3f}"
+              + (f", ITL {doc['itl_ratio_e2e_over_direct']:.3f}"
+                 if "itl_ratio_e2e_over_direct" in doc else ""))  # fmt: skip
     for i, p in enumerate(pairs):
         steps = p["e2e"].get("fused_steps")
         if steps:

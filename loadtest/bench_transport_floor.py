@@ -353,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the consumer's fetch_max_wait_ms (default: the client SDK's)",
     )  # fmt: skip
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--kv-cache-dtype", default=None)
+    parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--plot", type=Path, help="each round's ratios by side (a PNG)")
     args = parser.parse_args(argv)
@@ -372,7 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     from engine import LLMEngine
     from loadtest.workloads import ENGINE_OPTIONS, chat_prompts
 
-    engine = LLMEngine(args.model, **ENGINE_OPTIONS)
+    options = {**ENGINE_OPTIONS, "dtype": args.dtype}
+    for key in ("quantization", "kv_cache_dtype", "num_threads"):
+        if getattr(args, key) is not None:
+            options[key] = getattr(args, key)
+    engine = LLMEngine(args.model, **options)
     prompts = chat_prompts(engine.tokenizer, args.num_streams)
     _generate(engine, prompts, 16, lambda streams: None)  # warm-up
     rounds: list[dict] = []

@@ -37,3 +37,40 @@ def test_a_side_sends_every_token_and_reads_it_back(engine, side):
 def test_an_unknown_side_is_refused():
     with pytest.raises(SystemExit):
         floor.main(["--sides", "none,carrier-pigeon"])
+
+
+def test_bench_e2e_runs_the_floor_with_its_own_workload_and_engine_settings(tmp_path, capsys):
+    from loadtest import bench_e2e
+
+    parser = __import__("argparse").ArgumentParser()
+    bench_e2e.add_arguments(parser)
+    args = parser.parse_args(
+        ["--num-requests", "32", "--max-tokens", "64", "--quantization", "int8",
+         "--kv-cache-dtype", "int8", "--num-threads", "2", "--floor"]
+    )  # fmt: skip
+    command = bench_e2e.floor_command(args, "/models/m", tmp_path / "f.json")
+    flags = dict(zip(command[3::2], command[4::2], strict=True))
+    assert command[1:3] == ["-m", "loadtest.bench_transport_floor"]
+    assert flags == {
+        "--sides": "none,thread", "--rounds": "1", "--num-streams": "32", "--num-tokens": "64",
+        "--model": "/models/m", "--dtype": "auto", "--out": str(tmp_path / "f.json"),
+        "--quantization": "int8", "--kv-cache-dtype": "int8", "--num-threads": "2",
+    }  # fmt: skip
+    # The floor bench knows every one of those flags: refused for the side given last, it
+    # complains of that and of nothing else.
+    with pytest.raises(SystemExit):
+        floor.main([*command[3:], "--sides", "none,carrier-pigeon"])
+    error = capsys.readouterr().err
+    assert "unknown sides ['carrier-pigeon']" in error
+    assert "unrecognized arguments" not in error
+
+
+def test_bench_e2e_reads_the_floors_ratios():
+    from loadtest import bench_e2e
+
+    side = {"throughput_ratio": 0.9, "itl_ratio": 1.15, "messages_read": 128, "num_tokens": 128}
+    doc = {"rounds": [{"none": {"throughput_ratio": 1.0, "itl_ratio": 1.0}, "thread": side}]}
+    assert bench_e2e.floor_ratios(doc) == {
+        "floor_throughput_ratio": 0.9, "floor_itl_ratio": 1.15, "floor_messages_read": 128,
+        "floor_num_tokens": 128,
+    }  # fmt: skip
