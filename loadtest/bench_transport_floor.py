@@ -1,10 +1,10 @@
-"""What streaming one stream's tokens through Kafka costs an engine on the same cores, with no
-worker: the transport's floor under `bench e2e`'s one-stream inter-token latency.
+"""What streaming tokens through Kafka costs an engine on the same cores, with no worker: the
+transport's floor under `bench e2e`'s ratios.
 
 `mini-infer bench e2e --num-requests 1` compares one stream through the worker with the direct
 engine; the gap has stayed at ~1.2x on two cores, against a target of 1.1x. This bench asks how
-much of it the transport alone costs: the direct engine generates one stream while, on the same
-cores, a producer sends one message per token it generates (as the worker's reply path does, one
+much of it the transport alone costs: the direct engine generates one stream (or `--num-streams`)
+while, on the same cores, a producer sends one message per token it generates (as the worker's reply path does, one
 Kafka message per token), the embedded broker takes it, and a consumer reads it (as the client
 SDK does). Nothing of the worker runs: no pipeline, no batcher, no reply encoding. If the
 engine's inter-token latency beside that alone is already more than 10% above its own, no work
@@ -14,21 +14,25 @@ cores for it.
 Sides (the engine is built once; the sides alternate for `--rounds`, each with a fresh broker):
 - `none`: the engine alone (the baseline of every ratio);
 - `process`: the producer in a process of its own (aiokafka, `acks=all`, `linger_ms=0`, one
-  `send` per token, as `Publisher` does), told of each token through a pipe; the broker and the
+  `send` per token, as `Publisher` does), told of each step's tokens through a pipe; the broker and the
   consumer at nice 19 as `bench e2e` runs them; the producer at nice 19 under SCHED_IDLE, as the
   worker's event loop runs;
 - `thread`: the same producer on an event loop in a thread of the engine's process, handed each
-  token by `call_soon_threadsafe` (the worker's layout: the loop shares the GIL with the engine);
+  step's tokens by `call_soon_threadsafe` (the worker's layout: the loop shares the GIL with the
+  engine);
 - `rdkafka`: the `process` side with confluent-kafka's producer (librdkafka) in place of
   aiokafka's, where confluent-kafka is importable (it is not a dependency of this project: the
   side is there to price lever 2 of loadtest/README.md, a reply path on librdkafka).
 
-Each round reports the engine's mean gap between tokens after the first, its ratio to the
-`none` run of the same round, and the CPU time the broker, producer and consumer took per token
-(/proc's 10 ms ticks). Medians over the rounds, a table, the JSON.
+Each round reports the engine's mean gap between a stream's tokens after its first and its
+throughput, their ratios to the `none` run of the same round, the messages the consumer read
+(every token's, or the round says so), and the CPU time the broker, producer and consumer took
+per token (/proc's 10 ms ticks; the producer on the `thread` side by its thread's clock).
+Medians over the rounds, a table, the JSON, and with `--plot` every round's ratios by side.
+`mini-infer bench e2e --floor` runs one round of the `thread` side after each of its pairs.
 
     python -m loadtest.bench_transport_floor [--sides none,process,thread] [--rounds 6]
-                                             [--num-tokens 256] [--out r.json]
+        [--num-streams 1] [--num-tokens 256] [--fetch-wait-ms 20] [--out r.json] [--plot r.png]
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ def _lower_this_thread() -> None:
 
 
 class _AiokafkaSender:
-    """One `send` per token on an event loop, each acknowledged through a callback."""
+    """One `send` per token on an event loop, each with a callback on its delivery (as
+    `Publisher` has)."""
 
     def __init__(self, bootstrap: str) -> None:
         from aiokafka import AIOKafkaProducer
@@ -168,7 +173,7 @@ def _consumer_child(bootstrap: str, ready, stop, consumed, fetch_wait_ms: int) -
 
 class _ThreadProducer:
     """The `thread` side: the producer's loop in a thread of this process, lowered as the
-    worker lowers its loop; the engine hands it each token with `call_soon_threadsafe`."""
+    worker lowers its loop; the engine hands it each step's tokens with `call_soon_threadsafe`."""
 
     def __init__(self, bootstrap: str) -> None:
         self.loop = asyncio.new_event_loop()
