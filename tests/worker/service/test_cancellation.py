@@ -76,8 +76,10 @@ async def test_cancels_and_deadlines_reach_requests_everywhere_on_every_worker(
             make_request(replies.topic, f"expiring {i}", deadline_ms=soon_ms, **long)
             for i in range(4)
         ]
-        for request in [*requests, *expiring]:
-            await producer.send(topic, request)
+        # Spread over the partitions by hand: keyed by random request ids, 14 of the 16 once
+        # landed on one partition, and the other worker never had one held in its batcher.
+        for i, request in enumerate([*requests, *expiring]):
+            await producer.send(topic, request, partition=i % NUM_PARTITIONS)
         # Both workers hold some: one decoding, one waiting in the engine, the rest held.
         where = {"decoding", "engine queue", "batcher"}
         await wait_for(lambda: all(placed(w) == where for w in workers))

@@ -106,8 +106,8 @@ async def test_two_workers_share_the_partitions_and_answer_each_request_once(
     ):
         async with running_workers(workers, num_partitions):
             requests = [make_request(replies.topic, f"prompt {i}", max_tokens=6) for i in range(16)]
-            for request in requests:
-                await producer.send(topic, request)
+            for i, request in enumerate(requests):  # every partition, so both workers, gets some
+                await producer.send(topic, request, partition=i % num_partitions)
             for request in requests:
                 await replies.final_of(request.id)
         # Everything the workers sent is flushed now; a marker shows the reader has read it all.
