@@ -328,6 +328,7 @@ class Telemetry:
             (self.preemptions, stats.num_preemptions, previous.num_preemptions),
             (self.prefix_cache_queries, stats.num_prefix_queries, previous.num_prefix_queries),
             (self.prefix_cache_hits, stats.num_prefix_hits, previous.num_prefix_hits),
+            (self.gil_wait_s, stats.fused_step_gil_wait_s, previous.fused_step_gil_wait_s),
         ):
             if now > before:
                 counter.add(now - before)
@@ -336,8 +337,6 @@ class Telemetry:
         for threads, count in (("one", one_thread), ("all", all_threads)):
             if count > 0:
                 self.fused_steps.add(count, {"threads": threads})
-        if stats.fused_step_gil_wait_s > previous.fused_step_gil_wait_s:
-            self.gil_wait_s.add(stats.fused_step_gil_wait_s - previous.fused_step_gil_wait_s)
         if stats.num_tokens_computed > previous.num_tokens_computed:
             self.step_tokens.record(stats.num_tokens_computed - previous.num_tokens_computed)
 
