@@ -65,21 +65,15 @@ async def idle_cost(
     """CPU per second and per fetch of a consumer (fetch wait `wait_ms`) polling an empty topic
     of `num_partitions` partitions for `idle_s`, and of the broker where its pid is known."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
-    from aiokafka.admin import AIOKafkaAdminClient
 
     from loadtest.bench_e2e import cpu_seconds_by_thread
-    from worker.topics import create_topics
+    from loadtest.loadgen_service import create_bench_topics
 
     def broker_cpu_s() -> float:
         return sum(cpu_seconds_by_thread(broker_pid).values()) if broker_pid else 0.0
 
     topic = f"fetch-idle-{wait_ms}-{random.randrange(1 << 30)}"
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await create_topics(admin, {topic: num_partitions}, 1)
-    finally:
-        await admin.close()
+    await create_bench_topics(bootstrap, {topic: num_partitions})
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap, fetch_max_wait_ms=wait_ms, group_id=None,
         enable_auto_commit=False,

@@ -50,6 +50,7 @@ from pathlib import Path
 import msgpack
 
 from loadtest.bench_e2e import cpu_seconds_by_thread, lower_priority
+from loadtest.loadgen_service import create_bench_topics
 from loadtest.report import emit
 from worker.client.client import DEFAULT_REPLY_FETCH_MAX_WAIT_MS
 
@@ -78,7 +79,6 @@ class _AiokafkaSender:
         from aiokafka import AIOKafkaProducer
 
         self.producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
-        self.num_acked = 0
 
     async def start(self) -> None:
         await self.producer.start()
@@ -87,13 +87,15 @@ class _AiokafkaSender:
         delivery = await self.producer.send(
             TOPIC, VALUE, key=b"r%d" % stream, headers=HEADERS, partition=0
         )
-        delivery.add_done_callback(self._acked)
-
-    def _acked(self, _future) -> None:
-        self.num_acked += 1
+        delivery.add_done_callback(_delivered)
 
     async def stop(self) -> None:
         await self.producer.stop()
+
+
+def _delivered(_future) -> None:
+    """The per-delivery callback (`Publisher` has one for every message); the consumer's count
+    is what checks delivery."""
 
 
 async def _produce_from_pipe(bootstrap: str, read_fd: int, ready, rdkafka: bool) -> None:
@@ -139,11 +141,6 @@ async def _produce_from_pipe(bootstrap: str, read_fd: int, ready, rdkafka: bool)
         producer.flush(10)
     else:
         await sender.stop()
-
-
-def _producer_child(bootstrap: str, read_fd: int, ready, rdkafka: bool) -> None:
-    _lower_this_thread()
-    asyncio.run(_produce_from_pipe(bootstrap, read_fd, ready, rdkafka))
 
 
 def _consumer_child(bootstrap: str, ready, stop, consumed, fetch_wait_ms: int) -> None:
@@ -252,23 +249,13 @@ def _run_side(
     fetch_wait_ms: int = DEFAULT_REPLY_FETCH_MAX_WAIT_MS,
 ) -> dict:  # fmt: skip
     from worker.broker import EmbeddedBroker
-    from worker.topics import create_topics
 
     if side == "none":
         return _generate(engine, prompts, num_tokens, lambda streams: None)
     spawn = multiprocessing.get_context("spawn")
     with EmbeddedBroker() as broker:
         bootstrap = broker.bootstrap_servers
-
-        async def topic() -> None:
-            from aiokafka.admin import AIOKafkaAdminClient
-
-            admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-            await admin.start()
-            await create_topics(admin, {TOPIC: 1}, 1)
-            await admin.close()
-
-        asyncio.run(topic())
+        asyncio.run(create_bench_topics(bootstrap, {TOPIC: 1}))
         lower_priority(broker.pid)
         consumer_ready, stop, consumed = spawn.Event(), spawn.Event(), spawn.Value("q", 0)
         consumer = spawn.Process(
@@ -341,10 +328,12 @@ def _spawn_with_fd(spawn, bootstrap: str, read_fd: int, ready, side: str):
 
 
 def _fd_child(bootstrap: str, conn, ready, rdkafka: bool) -> None:
+    """The producer child: takes the pipe's read end, lowers itself as the worker's loop is."""
     from multiprocessing import reduction
 
     read_fd = reduction.recv_handle(conn)
-    _producer_child(bootstrap, read_fd, ready, rdkafka)
+    _lower_this_thread()
+    asyncio.run(_produce_from_pipe(bootstrap, read_fd, ready, rdkafka))
 
 
 def main(argv: list[str] | None = None) -> int:

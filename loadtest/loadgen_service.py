@@ -84,6 +84,21 @@ def default_num_threads() -> int:
     return max(1, (os.cpu_count() or 2) - 1)
 
 
+async def create_bench_topics(bootstrap_servers: str, topics: dict[str, int]) -> None:
+    """Create `{name: num_partitions}` (replication 1; one that exists counts as created) on a
+    bench's broker, through an admin client opened and closed for it."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from worker.topics import create_topics
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+    await admin.start()
+    try:
+        await create_topics(admin, topics, 1)
+    finally:
+        await admin.close()
+
+
 def scrape_metrics(
     url: str, timeout_s: float = 10
 ) -> dict[str, list[tuple[dict[str, str], float]]]:

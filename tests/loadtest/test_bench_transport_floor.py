@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from collections import Counter
 
 import pytest
@@ -42,7 +43,7 @@ def test_an_unknown_side_is_refused():
 def test_bench_e2e_runs_the_floor_with_its_own_workload_and_engine_settings(tmp_path, capsys):
     from loadtest import bench_e2e
 
-    parser = __import__("argparse").ArgumentParser()
+    parser = argparse.ArgumentParser()
     bench_e2e.add_arguments(parser)
     args = parser.parse_args(
         ["--num-requests", "32", "--max-tokens", "64", "--quantization", "int8",
