@@ -89,7 +89,10 @@ class EngineState:
     num_waiting: int = 0
     num_blocks_used: int = 0
     num_blocks_total: int = 0
-    last_stats: Any = None  # engine.outputs.EngineStats: its counters are cumulative
+    # engine.outputs.EngineStats: its counters are cumulative. The first one seen is the
+    # start-up baseline (what warm-up did is not traffic); the counters report from it.
+    first_stats: Any = None
+    last_stats: Any = None
 
 
 @dataclass
@@ -239,34 +242,41 @@ class Telemetry:
             lambda: state.num_blocks_used / state.num_blocks_total if state.num_blocks_total else 0.0,
             "blocks used / total",
         )  # fmt: skip
+
+        # The engine's cumulative counters, read at each collection like the gauges (nothing
+        # is added per step): asynchronous counters, counted from the start-up baseline.
+        def counter(name: str, unit: str, reads, description: str = "") -> None:
+            def observe(_options: CallbackOptions) -> list[Observation]:
+                first, last = state.first_stats, state.last_stats
+                return [
+                    Observation(0 if first is None else read(last) - read(first),
+                                {**model, **attributes})
+                    for read, attributes in reads
+                ]  # fmt: skip
+
+            meter.create_observable_counter(name, [observe], unit=unit, description=description)
+
         # Prefix cache as vLLM counts it: prompt tokens looked up, and of those found; the hit
         # rate over any window is rate(hits) / rate(queries).
-        self.prefix_cache_queries = _Bound(meter.create_counter(
-            "mini_infer.prefix_cache.queries", unit="{token}",
-            description="prompt tokens looked up in the prefix cache",
-        ), model)  # fmt: skip
-        self.prefix_cache_hits = _Bound(meter.create_counter(
-            "mini_infer.prefix_cache.hits", unit="{token}",
-            description="prompt tokens found in the prefix cache",
-        ), model)  # fmt: skip
+        counter("mini_infer.prefix_cache.queries", "{token}",
+                [(lambda s: s.num_prefix_queries, {})],
+                "prompt tokens looked up in the prefix cache")  # fmt: skip
+        counter("mini_infer.prefix_cache.hits", "{token}", [(lambda s: s.num_prefix_hits, {})],
+                "prompt tokens found in the prefix cache")  # fmt: skip
+        counter("mini_infer.engine.preemptions", "{event}", [(lambda s: s.num_preemptions, {})])
+        # The fused CPU decode step, by threads: "one" where one thread measured faster than all
+        # (other work on the engine's cores: the loop, a co-located broker or clients).
+        counter("mini_infer.engine.fused_steps", "{step}", [
+            (lambda s: s.num_fused_steps_one_thread, {"threads": "one"}),
+            (lambda s: s.num_fused_steps - s.num_fused_steps_one_thread, {"threads": "all"}),
+        ], "fused CPU decode steps, by threads (all, or one: the cores were busy)")  # fmt: skip
+        # The engine thread's waits for the GIL after its fused steps: the event loop held it.
+        counter("mini_infer.engine.gil_wait", "s", [(lambda s: s.fused_step_gil_wait_s, {})],
+                "time the engine thread waited for the GIL after its fused steps")  # fmt: skip
         self.step_tokens = _Bound(meter.create_histogram(
             "mini_infer.engine.step.tokens", unit="{token}",
             description="tokens computed per step",
             explicit_bucket_boundaries_advisory=_STEP_TOKEN_BUCKETS,
-        ), model)  # fmt: skip
-        self.preemptions = _Bound(
-            meter.create_counter("mini_infer.engine.preemptions", unit="{event}"), model
-        )
-        # The fused CPU decode step, by threads: "one" where one thread measured faster than all
-        # (other work on the engine's cores: the loop, a co-located broker or clients).
-        self.fused_steps = _Bound(meter.create_counter(
-            "mini_infer.engine.fused_steps", unit="{step}",
-            description="fused CPU decode steps, by threads (all, or one: the cores were busy)",
-        ), model)  # fmt: skip
-        # The engine thread's waits for the GIL after its fused steps: the event loop held it.
-        self.gil_wait_s = _Bound(meter.create_counter(
-            "mini_infer.engine.gil_wait", unit="s",
-            description="time the engine thread waited for the GIL after its fused steps",
         ), model)  # fmt: skip
         # Steps sized by urgency: how long steps take (against step_time_target_ms), and the
         # requests answered `expired` at admission because their deadline could not be met.
@@ -278,8 +288,6 @@ class Telemetry:
             "mini_infer.requests.expired_at_admission", unit="{request}",
             description="deadline unreachable given the work ahead and the step cost model",
         ), model)  # fmt: skip
-        for counter in (self.prefix_cache_queries, self.prefix_cache_hits, self.preemptions):
-            counter.add(0)
 
     def _make_kafka_instruments(self, meter) -> None:
         kafka, state = self.kafka_attributes, self.kafka_state
@@ -316,28 +324,16 @@ class Telemetry:
 
     def observe_engine(self, stats) -> None:
         """The engine's `EngineStats` after a step (or at start, the baseline: what warm-up did
-        is not counted as traffic)."""
+        is not counted as traffic). Its cumulative counters are read at collection; a step adds
+        only its tokens to the histogram."""
         state, previous = self.engine_state, self.engine_state.last_stats
         state.last_stats = stats
         state.num_running, state.num_waiting = stats.num_running, stats.num_waiting
         state.num_blocks_used = stats.num_blocks_total - stats.num_blocks_free
         state.num_blocks_total = stats.num_blocks_total
         if previous is None:
-            return
-        for counter, now, before in (
-            (self.preemptions, stats.num_preemptions, previous.num_preemptions),
-            (self.prefix_cache_queries, stats.num_prefix_queries, previous.num_prefix_queries),
-            (self.prefix_cache_hits, stats.num_prefix_hits, previous.num_prefix_hits),
-            (self.gil_wait_s, stats.fused_step_gil_wait_s, previous.fused_step_gil_wait_s),
-        ):
-            if now > before:
-                counter.add(now - before)
-        one_thread = stats.num_fused_steps_one_thread - previous.num_fused_steps_one_thread
-        all_threads = stats.num_fused_steps - previous.num_fused_steps - one_thread
-        for threads, count in (("one", one_thread), ("all", all_threads)):
-            if count > 0:
-                self.fused_steps.add(count, {"threads": threads})
-        if stats.num_tokens_computed > previous.num_tokens_computed:
+            state.first_stats = stats
+        elif stats.num_tokens_computed > previous.num_tokens_computed:
             self.step_tokens.record(stats.num_tokens_computed - previous.num_tokens_computed)
 
     def start_request_span(
