@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 
 import pytest
+import structlog.testing
 
 from schemas import JSON, InvalidRequestError, Request, Urgency, encode
 from schemas.contract import DEFAULT_SHARED_REPLY_TOPIC
@@ -152,6 +153,49 @@ async def test_timeout_raises_and_sends_a_cancel(broker, client, topics) -> None
     with pytest.raises(RequestTimeoutError):
         await client.generate("nobody answers", request_id="req-timeout", timeout_s=0.5)
     assert await read_cancel(broker, topics) == (b"req-timeout", "req-timeout")
+
+
+def replying_by_hand(monkeypatch, texts: list[str], with_final: bool) -> tuple:
+    """A client never started: its `send` routes `texts` (and a final) to the stream itself, so
+    they are queued before the stream's deadline is armed; its cancels are recorded."""
+    client, cancelled = MiniInferClient("127.0.0.1:1"), []
+
+    async def send(request: Request, urgency, traceparent) -> None:
+        replies = tokens_of(request, "w:0", texts)
+        if with_final:
+            replies.append(final_of(request, "w:0", len(texts), "".join(texts)))
+        for reply in replies:
+            client._router.route(encode(reply), "application/msgpack")
+
+    async def cancel(request_id: str) -> None:
+        cancelled.append(request_id)
+
+    monkeypatch.setattr(client, "send", send)
+    monkeypatch.setattr(client, "_cancel_quietly", cancel)
+    return client, cancelled
+
+
+async def test_a_stream_past_its_deadline_gets_what_came_before_it_then_times_out(
+    monkeypatch,
+) -> None:
+    """One timer per stream: at the deadline the timeout queues behind the replies already
+    there, so a slow reader still gets them, then the timeout (and a cancel goes out)."""
+    client, cancelled = replying_by_hand(monkeypatch, ["never", " ending"], with_final=False)
+    texts = []
+    with pytest.raises(RequestTimeoutError):
+        async for delta in client.stream("x", request_id="late", timeout_s=0.05):
+            texts.append(delta.text)
+            await asyncio.sleep(0.1)  # the deadline passes while the reader is busy
+    assert texts == ["never", " ending"] and cancelled == ["late"]
+
+
+async def test_a_finished_stream_leaves_no_deadline_behind(monkeypatch) -> None:
+    client, cancelled = replying_by_hand(monkeypatch, ["a", "b"], with_final=True)
+    with structlog.testing.capture_logs() as logs:
+        deltas = [d async for d in client.stream("x", request_id="done", timeout_s=0.05)]
+        await asyncio.sleep(0.1)  # past the deadline: its timer was cancelled with the stream
+    assert deltas[-1].final is not None and cancelled == []
+    assert not [e for e in logs if e["event"] == "client.request_timeout"]
 
 
 @pytest.mark.kafka
