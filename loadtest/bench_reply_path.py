@@ -2,10 +2,11 @@
 
 `mini-infer bench e2e` showed the worker's loop thread spending ~0.45 CPU seconds on W2's 4096
 tokens (about 110 us a token) on the two cores the engine computes on. This bench isolates that
-path: the worker's own `Pipeline.on_deltas` (metrics, the reply stream, encoding), `ReplyWriter`,
-`Publisher` and aiokafka's producer, against the embedded broker, fed W2's shape of engine output
-(32 streaming requests, 128 tokens each, one delta per request per step, a step every
-`--step-ms`) by this process instead of an engine. It reports the process's CPU time (the loop
+path: the worker's own `Pipeline.on_event` (the step's metrics, then its deltas: metrics, the
+reply stream, encoding), `ReplyWriter`, `Publisher` and aiokafka's producer, against the
+embedded broker, fed W2's shape of engine output (32 streaming requests, 128 tokens each, one
+delta per request per step, a step every `--step-ms`, with the engine's cumulative stats) by
+this process instead of an engine. It reports the process's CPU time (the loop
 and aiokafka: nothing else runs here) per token, and the broker's, until every final is
 acknowledged.
 
@@ -53,11 +54,12 @@ async def _run(num_requests: int, num_tokens: int, step_s: float, broker_pid: in
     from aiokafka import TopicPartition
     from aiokafka.admin import AIOKafkaAdminClient
 
-    from engine.outputs import RequestDelta
+    from engine.outputs import EngineStats, RequestDelta
     from schemas.codec import MSGPACK, Limits, encode
     from schemas.headers import request_headers
     from schemas.messages import Request
     from worker.service.batcher import Batcher
+    from worker.service.bridge import Deltas, StepInfo
     from worker.service.job import JobState
     from worker.service.offsets import OffsetTracker
     from worker.service.pipeline import Pipeline
@@ -107,7 +109,7 @@ async def _run(num_requests: int, num_tokens: int, step_s: float, broker_pid: in
     cpu_before, wall_before = time.process_time(), time.perf_counter()
     for step in range(num_tokens):
         is_last = step == num_tokens - 1
-        pipeline.on_deltas([
+        deltas = [
             RequestDelta(
                 request_id=job.attempt, text=words[(step + i) % len(words)],
                 token_ids=[1000 + step], finished=is_last,
@@ -115,7 +117,15 @@ async def _run(num_requests: int, num_tokens: int, step_s: float, broker_pid: in
                 num_output_tokens=step + 1,
             )
             for i, job in enumerate(jobs)
-        ])  # fmt: skip
+        ]  # fmt: skip
+        # The step's stats, as the engine's fused decode step leaves them (cumulative).
+        stats = EngineStats(
+            num_blocks_total=1024, num_blocks_free=1024 - num_requests, num_blocks_cached=0,
+            num_running=num_requests, num_waiting=0, num_preemptions=0, num_prefix_queries=0,
+            num_prefix_hits=0, num_tokens_computed=(step + 1) * num_requests, num_tokens_reused=0,
+            num_fused_steps=step + 1, fused_step_gil_wait_s=step * 1e-4,
+        )  # fmt: skip
+        pipeline.on_event(Deltas(deltas, StepInfo(time.monotonic(), step_s, stats)))
         await asyncio.sleep(step_s)  # the engine's step, during which the loop sends
     while any(job.state is not JobState.DONE for job in jobs):  # every final acknowledged
         await asyncio.sleep(0.005)
