@@ -144,8 +144,11 @@ class Batcher:
         return sum(p.num_tokens for p in self._pending if p.urgency.priority <= priority)
 
     def wake(self) -> None:
-        """The engine started work (its queue shrank): maybe there is budget again."""
-        self._wakeup.set()
+        """The engine started work (its queue shrank): maybe there is budget again. With nothing
+        pending there is nothing to look at (`add` wakes the batcher): no wake-up, which the
+        pipeline would otherwise pay after every engine step."""
+        if self._pending:
+            self._wakeup.set()
 
     def remove(self, predicate: Callable[[Any], bool]) -> list[Any]:
         """Take out pending items (cancelled, expired, revoked) before they reach the engine."""
