@@ -10,6 +10,7 @@ import pytest
 import structlog.testing
 
 from schemas import JSON, InvalidRequestError, Request, Urgency, encode
+from schemas.codec import MSGPACK
 from schemas.contract import DEFAULT_SHARED_REPLY_TOPIC
 from schemas.headers import read_content_type, read_traceparent, read_urgency
 from schemas.messages import ErrorInfo, FinalReply, TokenLogprob, TokenReply
@@ -165,7 +166,7 @@ def replying_by_hand(monkeypatch, texts: list[str], with_final: bool) -> tuple:
         if with_final:
             replies.append(final_of(request, "w:0", len(texts), "".join(texts)))
         for reply in replies:
-            client._router.route(encode(reply), "application/msgpack")
+            client._router.route(encode(reply, MSGPACK), MSGPACK)
 
     async def cancel(request_id: str) -> None:
         cancelled.append(request_id)
