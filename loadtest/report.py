@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
+import subprocess
 from pathlib import Path
 
 
@@ -56,8 +58,35 @@ def token_gaps(arrivals: list[list[float]]) -> dict:
     }
 
 
+def code_under_test(package: str = "worker") -> dict:
+    """Which checkout a result measured: the directory `package` is imported from (a script run
+    from elsewhere, or against another checkout, need not import the checkout it was started
+    in: Python puts the script's own directory first on the path, not the working directory),
+    that checkout's commit, and whether its tracked files had uncommitted changes (then the
+    commit alone does not reproduce the result). None where git cannot tell."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        return {"tree": None, "commit": None, "dirty": None}
+    tree = Path(spec.origin).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", "-C", str(tree), *args], capture_output=True, text=True, timeout=30
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"tree": str(tree), "commit": commit, "dirty": None if status is None else bool(status)}
+
+
 def emit(doc: dict, out: Path | None, plot: Path | None, draw) -> None:
-    """Print the JSON document, and write it and its plot where asked."""
+    """Print the JSON document (with the code it measured, `code_under_test`), and write it and
+    its plot where asked."""
+    doc = {**doc, "code": doc.get("code") or code_under_test()}
     print(json.dumps(doc, indent=2))
     if out:
         out.write_text(json.dumps(doc, indent=2))

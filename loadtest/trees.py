@@ -28,7 +28,12 @@ runpy.run_path(script, run_name="__main__")
 
 
 def print_result(result) -> None:
-    """A child's result, as `run_in_tree` reads it back."""
+    """A child's result, as `run_in_tree` reads it back; a dict also names the checkout whose
+    code it ran (`code`: the tree `worker` came from, its commit, uncommitted changes)."""
+    if isinstance(result, dict) and "code" not in result:
+        from loadtest.report import code_under_test
+
+        result = {**result, "code": code_under_test()}
     print(_RESULT + json.dumps(result), flush=True)
 
 
