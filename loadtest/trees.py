@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from loadtest.report import code_under_test
+
 ROOT = Path(__file__).resolve().parent.parent
 _RESULT = "RESULT "
 
@@ -31,8 +33,6 @@ def print_result(result) -> None:
     """A child's result, as `run_in_tree` reads it back; a dict also names the checkout whose
     code it ran (`code`: the tree `worker` came from, its commit, uncommitted changes)."""
     if isinstance(result, dict) and "code" not in result:
-        from loadtest.report import code_under_test
-
         result = {**result, "code": code_under_test()}
     print(_RESULT + json.dumps(result), flush=True)
 
