@@ -74,6 +74,11 @@ def cpu_seconds_by_thread(pid: int) -> dict[str, float]:
     return totals
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds of `pid`'s threads, all together (`cpu_seconds_by_thread` summed)."""
+    return sum(cpu_seconds_by_thread(pid).values())
+
+
 def lower_priority(pid: int, niceness: int = 19, idle: bool = False) -> None:
     """Every thread of `pid` (Linux nice values and policies are per thread) at `niceness`,
     and under SCHED_IDLE if `idle`."""

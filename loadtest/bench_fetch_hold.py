@@ -66,11 +66,11 @@ async def idle_cost(
     of `num_partitions` partitions for `idle_s`, and of the broker where its pid is known."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from loadtest.bench_e2e import cpu_seconds_by_thread
+    from loadtest.bench_e2e import cpu_seconds
     from loadtest.loadgen_service import create_bench_topics
 
     def broker_cpu_s() -> float:
-        return sum(cpu_seconds_by_thread(broker_pid).values()) if broker_pid else 0.0
+        return cpu_seconds(broker_pid) if broker_pid else 0.0
 
     topic = f"fetch-idle-{wait_ms}-{random.randrange(1 << 30)}"
     await create_bench_topics(bootstrap, {topic: num_partitions})

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from loadtest.bench_e2e import cpu_seconds_by_thread
+from loadtest.bench_e2e import cpu_seconds
+from loadtest.loadgen_service import create_bench_topics
 from loadtest.report import emit
 from loadtest.trees import ROOT, print_result, run_in_tree
 
@@ -52,7 +53,6 @@ class _Bridge:
 async def _run(num_requests: int, num_tokens: int, step_s: float, broker_pid: int,
                bootstrap: str) -> dict:  # fmt: skip
     from aiokafka import TopicPartition
-    from aiokafka.admin import AIOKafkaAdminClient
 
     from engine.outputs import EngineStats, RequestDelta
     from schemas.codec import MSGPACK, Limits, encode
@@ -68,14 +68,10 @@ async def _run(num_requests: int, num_tokens: int, step_s: float, broker_pid: in
     from worker.service.routing import Accepted, RoutingPolicy, route
     from worker.service.settings import WorkerSettings
     from worker.service.telemetry import Telemetry
-    from worker.topics import create_topics
 
     settings = WorkerSettings()
     reply_topic = settings.kafka.shared_reply_topic_name
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    await create_topics(admin, {reply_topic: 4}, 1)
-    await admin.close()
+    await create_bench_topics(bootstrap, {reply_topic: 4})
     publisher = Publisher(settings, bootstrap)
     await publisher.start()
     replies = ReplyWriter(
@@ -105,7 +101,7 @@ async def _run(num_requests: int, num_tokens: int, step_s: float, broker_pid: in
         job.state = JobState.RUNNING
         jobs.append(job)
     words = [" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog."]
-    broker_before = sum(cpu_seconds_by_thread(broker_pid).values())
+    broker_before = cpu_seconds(broker_pid)
     cpu_before, wall_before = time.process_time(), time.perf_counter()
     for step in range(num_tokens):
         is_last = step == num_tokens - 1
@@ -131,7 +127,7 @@ async def _run(num_requests: int, num_tokens: int, step_s: float, broker_pid: in
         await asyncio.sleep(0.005)
     cpu_s = time.process_time() - cpu_before
     wall_s = time.perf_counter() - wall_before
-    broker_s = sum(cpu_seconds_by_thread(broker_pid).values()) - broker_before
+    broker_s = cpu_seconds(broker_pid) - broker_before
     await publisher.stop()
     num_messages = num_requests * num_tokens
     return {

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import msgpack
 
-from loadtest.bench_e2e import cpu_seconds_by_thread, lower_priority
+from loadtest.bench_e2e import cpu_seconds, lower_priority
 from loadtest.loadgen_service import create_bench_topics
 from loadtest.report import emit
 from worker.client.client import DEFAULT_REPLY_FETCH_MAX_WAIT_MS
@@ -284,7 +284,7 @@ def _run_side(
                         os.write(fd, bytes(i % 256 for i in streams))
 
             time.sleep(0.5)  # the children's start-up off the cores before the measured run
-            before = {name: sum(cpu_seconds_by_thread(pid).values()) for name, pid in pids.items()}
+            before = {name: cpu_seconds(pid) for name, pid in pids.items()}
             own_before = thread_producer.cpu_s() if thread_producer is not None else 0.0
             result = _generate(engine, prompts, num_tokens, on_step)
             # Every token's message read (a side that lost messages would look cheap), and
@@ -294,7 +294,7 @@ def _run_side(
                 time.sleep(0.01)
             result["messages_read"] = consumed.value
             cpu = {
-                name: sum(cpu_seconds_by_thread(pid).values()) - before[name]
+                name: cpu_seconds(pid) - before[name]
                 for name, pid in pids.items()
             }  # fmt: skip
             if thread_producer is not None:
