@@ -70,6 +70,9 @@ async def test_sigterm_drains_exits_zero_and_unfinished_work_is_redelivered(
         assert unfinished == long  # the gate made that a fact
         drained = [e for e in log_events(log_path) if e.get("event") == "worker.drained"]
         assert drained and drained[0]["num_redelivered"] == len(unfinished)
+        # `serve` owns its process: start-up's heap was frozen once it was ready.
+        frozen = [e for e in log_events(log_path) if e.get("event") == "worker.heap_frozen"]
+        assert len(frozen) == 1 and frozen[0]["num_objects"] > 10_000, frozen
         assert not ready_file.exists()
 
         settings = worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id="next",
