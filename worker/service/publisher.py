@@ -1,7 +1,9 @@
 """The worker's producers: replies, finals and dead letters, in the order they were made.
 
 Callers hand messages over synchronously (`publish`), from any callback on the event loop; one
-task feeds them to aiokafka in that order. aiokafka keeps per-partition order (one in-flight batch
+task feeds them to aiokafka in that order: one `send` each, or, for small messages that name
+their partition (replies to the shared reply topic: a step's tokens), one batch per partition of
+the messages waiting (`send_batch`), outcomes still told per message. aiokafka keeps per-partition order (one in-flight batch
 per partition), and replies are keyed by request id, so a request's `seq` order holds on the
 wire. `acks="all"` and, on real Kafka, idempotence: a retried batch is neither lost nor doubled.
 A caller that must know the broker has the message (a final, before its offset is committed)
@@ -56,6 +58,10 @@ _FRAMING_BYTES = 64 * 1024
 # Private producers set aside because a topic stuck them; past this many, no more are replaced
 # (each holds connections and, on Kafka, the stuck topic's batches retried for good).
 MAX_NUM_RETIRED_PRODUCERS = 8
+# Messages up to this size go out in batches of their own making (`_is_batched`): aiokafka's
+# default `max_batch_size`, which the producers keep, so such a message never needs a batch
+# larger than aiokafka would have made for it.
+MAX_BATCHED_BYTES = 16 * 1024
 
 
 @dataclass
@@ -257,9 +263,14 @@ class Publisher:
     async def _drain_lane(self, topic: str, lane: deque[Outgoing]) -> None:
         try:
             while lane:
-                if not lane[0].is_done:  # expired while it waited: skipped
-                    await self._send(lane[0])
-                lane.popleft()
+                head = lane[0]
+                if head.is_done:  # expired while it waited: skipped
+                    lane.popleft()
+                elif _is_batched(head):
+                    await self._send_batched(topic, lane)
+                else:
+                    await self._send(head)
+                    lane.popleft()
         finally:
             del self._lanes[topic]
             for message in lane:  # cancelled (stop): fail what never went out
@@ -283,6 +294,59 @@ class Publisher:
         error = DeliveryTimeout(f"not acknowledged within {self._delivery_timeout_s} s")
         self._done(message, error)
         self._isolate(message)
+
+    async def _send_batched(self, topic: str, lane: deque[Outgoing]) -> None:
+        """The run of batched messages at the head of `lane` (`_is_batched`), handed to aiokafka
+        as one batch per partition (`send_batch`), each in the lane's order, then taken off the
+        lane. `send` costs a coroutine, a metadata check and a future per message: at W2 (a
+        step's 32 token messages at once, over the shared reply topic's partitions) the
+        batches took the event loop's CPU a message from 46 to 34 us in aiokafka alone
+        (loadtest/README.md). Outcomes stay per message: a batch's ack or error is told to
+        each of its messages, and a deadline still fails a message on its own."""
+        producer = self._producer_for(topic)
+        by_partition: dict[int, list[Outgoing]] = {}
+        count = 0
+        for message in lane:
+            if not _is_batched(message):
+                break
+            count += 1
+            if not message.is_done:
+                by_partition.setdefault(message.partition, []).append(message)
+        for partition, messages in by_partition.items():
+            batch, in_batch = producer.create_batch(), []
+            for message in messages:
+                message.producer = producer
+                metadata = batch.append(
+                    key=message.key, value=message.value, timestamp=None, headers=message.headers
+                )
+                if metadata is None:  # full (a batch's first message always fits)
+                    await self._submit(producer, batch, topic, partition, in_batch)
+                    batch, in_batch = producer.create_batch(), []
+                    batch.append(
+                        key=message.key, value=message.value, timestamp=None,
+                        headers=message.headers,
+                    )  # fmt: skip
+                in_batch.append(message)
+            await self._submit(producer, batch, topic, partition, in_batch)
+        for _ in range(count):  # handed over (a cancelled stop fails what is still here)
+            lane.popleft()
+
+    async def _submit(
+        self, producer, batch, topic: str, partition: int, messages: list[Outgoing]
+    ) -> None:
+        try:
+            delivery = await producer.send_batch(batch, topic, partition=partition)
+        except (KafkaError, ValueError, TypeError, AssertionError) as error:
+            for message in messages:
+                self._done(message, error)
+            return
+
+        def done(future: asyncio.Future) -> None:
+            error = _error_of(future)
+            for message in messages:
+                self._done(message, error)
+
+        delivery.add_done_callback(done)
 
     async def _send(self, message: Outgoing) -> None:
         message.producer = self._producer_for(message.topic)
@@ -312,6 +376,16 @@ class Publisher:
             self._num_unacked -= 1
             if self._num_unacked == 0:
                 self._all_acked.set()
+
+
+def _is_batched(message: Outgoing) -> bool:
+    """Whether `message` goes out in a batch (`Publisher._send_batched`): it names its
+    partition (replies to the shared reply topic do) and is small. The others take `send`:
+    its partitioner picks the partition by key, and it checks a message against
+    `max_request_size` (a batch is not checked before the broker sees it)."""
+    return message.partition is not None and (
+        len(message.value) + len(message.key or b"") <= MAX_BATCHED_BYTES
+    )
 
 
 def _error_of(future: asyncio.Future) -> BaseException | None:

@@ -13,11 +13,18 @@ from __future__ import annotations
 
 import asyncio
 
+from aiokafka.errors import KafkaTimeoutError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.service.delivery import deliver
-from worker.service.publisher import DeliveryTimeout, LaneFull, Outgoing, Publisher
+from worker.service.publisher import (
+    MAX_BATCHED_BYTES,
+    DeliveryTimeout,
+    LaneFull,
+    Outgoing,
+    Publisher,
+)
 from worker.service.settings import WorkerSettings
 
 
@@ -280,3 +287,130 @@ def test_every_message_ends_once_acknowledged_or_at_its_own_deadline(ops) -> Non
             await asyncio.gather(*publisher._lane_tasks, return_exceptions=True)
 
     asyncio.run(run())
+
+
+class BatchingProducer:
+    """aiokafka's two ways in: `send` one message, or `create_batch` / `send_batch` (a batch
+    holds `capacity` messages: `append` returns None past it). Every hand-over is recorded in
+    order as (how, topic, partition, values); futures are acknowledged at once, or failed with
+    `error`, or held (`hold`: never completed); `refuse` makes `send_batch` itself raise."""
+
+    class Batch:
+        def __init__(self, capacity: int) -> None:
+            self.capacity, self.values = capacity, []
+
+        def append(self, *, key, value, timestamp, headers):
+            if len(self.values) >= self.capacity:
+                return None
+            self.values.append(value)
+            return object()
+
+    def __init__(self, capacity: int = 1000, error=None, hold=False, refuse=None) -> None:
+        self.capacity, self.error, self.hold, self.refuse = capacity, error, hold, refuse
+        self.handed: list[tuple[str, str, int | None, list[bytes]]] = []
+        self.futures: list[asyncio.Future] = []
+
+    def _future(self) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        if self.error is not None:
+            future.set_exception(self.error)
+        elif not self.hold:
+            future.set_result(None)
+        self.futures.append(future)
+        return future
+
+    async def send(self, topic, value, key=None, headers=None, partition=None):
+        self.handed.append(("send", topic, partition, [value]))
+        return self._future()
+
+    def create_batch(self):
+        return self.Batch(self.capacity)
+
+    async def send_batch(self, batch, topic, *, partition):
+        if self.refuse is not None:
+            raise self.refuse
+        assert batch.values, "an empty batch was submitted"
+        self.handed.append(("batch", topic, partition, list(batch.values)))
+        return self._future()
+
+
+messages = st.lists(
+    st.tuples(
+        st.sampled_from(["shared", "dlq"]),
+        st.one_of(st.none(), st.integers(0, 3)),  # None: aiokafka's partitioner (send)
+        st.booleans(),  # larger than a batch takes: send
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(messages, st.integers(1, 5))
+def test_messages_naming_their_partition_go_in_batches_in_order_each_told_once(
+    specs, capacity
+) -> None:
+    """Whatever the mix of partitions, sizes and batch capacity: every message is handed over
+    once, each partition's messages in publish order, small ones naming a partition in
+    batches (never empty, never over capacity), the others by `send`; each is told once."""
+
+    async def run() -> None:
+        producer = BatchingProducer(capacity)
+        publisher = make_publisher(producer, delivery_timeout_s=30)
+        told: dict[bytes, list] = {}
+        big = b"x" * (MAX_BATCHED_BYTES + 1)
+        expected: dict[tuple[str, int | None], list[bytes]] = {}
+        try:
+            for i, (topic, partition, is_big) in enumerate(specs):
+                value = (big if is_big else b"") + b"%d" % i
+                told[value] = []
+                expected.setdefault((topic, partition), []).append(value)
+                publisher.publish(Outgoing(topic, b"k", value, [], told[value].append,
+                                           partition=partition))  # fmt: skip
+            assert await publisher.flush(5)
+            assert all(outcome == [None] for outcome in told.values())
+            handed: dict[tuple[str, int | None], list[bytes]] = {}
+            for how, topic, partition, values in producer.handed:
+                assert 1 <= len(values) <= capacity
+                is_small = all(len(v) <= MAX_BATCHED_BYTES for v in values)
+                assert (how == "batch") == (partition is not None and is_small)
+                handed.setdefault((topic, partition), []).extend(values)
+            assert handed == expected
+            assert publisher._num_unacked == 0
+        finally:
+            for task in publisher._lane_tasks:
+                task.cancel()
+            await asyncio.gather(*publisher._lane_tasks, return_exceptions=True)
+
+    asyncio.run(run())
+
+
+async def test_a_batch_that_fails_tells_each_of_its_messages() -> None:
+    for producer in (
+        BatchingProducer(capacity=2, error=KafkaTimeoutError()),  # the batch's future fails
+        BatchingProducer(capacity=2, refuse=KafkaTimeoutError()),  # send_batch itself raises
+    ):
+        publisher = make_publisher(producer, delivery_timeout_s=30)
+        told: list[list] = [[] for _ in range(5)]
+        for i in range(5):
+            publisher.publish(Outgoing("shared", b"k", b"%d" % i, [], told[i].append, partition=1))
+        assert await publisher.flush(5)
+        assert all(len(t) == 1 and isinstance(t[0], KafkaTimeoutError) for t in told), told
+        assert publisher._num_unacked == 0 and not publisher.failed.is_set()
+
+
+async def test_a_batched_message_fails_at_its_own_deadline_and_a_late_ack_is_ignored() -> None:
+    producer = BatchingProducer(hold=True)  # batches taken, never acknowledged
+    publisher = make_publisher(producer, delivery_timeout_s=0.2)
+    told: list[list] = [[] for _ in range(4)]
+    try:
+        for i in range(4):
+            publisher.publish(Outgoing("shared", b"k", b"%d" % i, [], told[i].append, partition=i % 2))
+        assert await publisher.flush(5)  # bounded by the deadline
+        assert all(len(t) == 1 and isinstance(t[0], DeliveryTimeout) for t in told), told
+        for future in producer.futures:
+            future.set_result(None)  # late: already failed, not told twice
+        await asyncio.sleep(0)
+        assert all(len(t) == 1 for t in told) and publisher._num_unacked == 0
+    finally:
+        for task in publisher._lane_tasks:
+            task.cancel()
