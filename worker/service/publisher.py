@@ -103,6 +103,9 @@ class Publisher:
         self._all_acked = asyncio.Event()
         self._all_acked.set()
         self._lanes: dict[str, deque[Outgoing]] = {}  # per topic: messages not yet sent
+        # (topic, partition) -> the last batch or message handed to aiokafka there, while it is
+        # unacknowledged (`_send_batched`)
+        self._unacked_by_partition: dict[tuple[str, int], asyncio.Future] = {}
         # Every message not yet done, in publish order, which is deadline order (each gets the
         # same `delivery_timeout_s`): one timer, armed for the oldest, expires them. (A timer
         # per message was ~9% of the event loop's time per streamed token.)
@@ -302,7 +305,14 @@ class Publisher:
         step's 32 token messages at once, over the shared reply topic's partitions) the
         batches took the event loop's CPU a message from 46 to 34 us in aiokafka alone
         (loadtest/README.md). Outcomes stay per message: a batch's ack or error is told to
-        each of its messages, and a deadline still fails a message on its own."""
+        each of its messages, and a deadline still fails a message on its own.
+
+        `send_batch` waits until the partition's last batch has left for the broker, and a
+        broker takes one produce request at a time from a producer: where a partition still has
+        something of ours unacknowledged, a batch would hold the lane, every partition behind
+        it, for a slow broker's round trip (Kafka spreads a topic's partitions over brokers).
+        So that partition's messages take `send` this time (appended to aiokafka's open batch,
+        no wait), and so do the ones that did not fit in the batch."""
         producer = self._producer_for(topic)
         by_partition: dict[int, list[Outgoing]] = {}
         count = 0
@@ -313,33 +323,50 @@ class Publisher:
             if not message.is_done:
                 by_partition.setdefault(message.partition, []).append(message)
         for partition, messages in by_partition.items():
-            batch, in_batch = producer.create_batch(), []
-            for message in messages:
-                message.producer = producer
-                metadata = batch.append(
-                    key=message.key, value=message.value, timestamp=None, headers=message.headers
-                )
-                if metadata is None:  # full (a batch's first message always fits)
-                    await self._submit(producer, batch, topic, partition, in_batch)
-                    batch, in_batch = producer.create_batch(), []
-                    batch.append(
+            where = (topic, partition)
+            last = self._unacked_by_partition.get(where)
+            num_batched = 0
+            if last is None or last.done():  # nothing of ours waits in aiokafka there
+                batch = producer.create_batch()
+                for message in messages:
+                    metadata = batch.append(
                         key=message.key, value=message.value, timestamp=None,
                         headers=message.headers,
                     )  # fmt: skip
-                in_batch.append(message)
-            await self._submit(producer, batch, topic, partition, in_batch)
+                    if metadata is None:  # full (a batch's first message always fits)
+                        break
+                    message.producer = producer
+                    num_batched += 1
+                batched = messages[:num_batched]
+                self._track(where, await self._submit(producer, batch, topic, partition, batched))
+            for message in messages[num_batched:]:
+                self._track(where, await self._send(message))
         for _ in range(count):  # handed over (a cancelled stop fails what is still here)
             lane.popleft()
 
+    def _track(self, where: tuple[str, int], delivery: asyncio.Future | None) -> None:
+        """`delivery` is the last thing handed to aiokafka for partition `where`: remembered
+        until it is acknowledged (or failed), and forgotten then, unless a later one took
+        its place."""
+        if delivery is None:
+            return
+        self._unacked_by_partition[where] = delivery
+
+        def forget(future: asyncio.Future) -> None:
+            if self._unacked_by_partition.get(where) is future:
+                del self._unacked_by_partition[where]
+
+        delivery.add_done_callback(forget)
+
     async def _submit(
         self, producer, batch, topic: str, partition: int, messages: list[Outgoing]
-    ) -> None:
+    ) -> asyncio.Future | None:
         try:
             delivery = await producer.send_batch(batch, topic, partition=partition)
         except (KafkaError, ValueError, TypeError, AssertionError) as error:
             for message in messages:
                 self._done(message, error)
-            return
+            return None
 
         def done(future: asyncio.Future) -> None:
             error = _error_of(future)
@@ -347,8 +374,9 @@ class Publisher:
                 self._done(message, error)
 
         delivery.add_done_callback(done)
+        return delivery
 
-    async def _send(self, message: Outgoing) -> None:
+    async def _send(self, message: Outgoing) -> asyncio.Future | None:
         message.producer = self._producer_for(message.topic)
         try:
             delivery = await message.producer.send(
@@ -358,8 +386,9 @@ class Publisher:
         # e.g. too large, no metadata; aiokafka asserts that a chosen partition exists
         except (KafkaError, ValueError, TypeError, AssertionError) as error:
             self._done(message, error)
-            return
+            return None
         delivery.add_done_callback(lambda fut, m=message: self._done(m, _error_of(fut)))
+        return delivery
 
     def _done(self, message: Outgoing, error: BaseException | None) -> None:
         if message.is_done:  # expired, then acknowledged (or failed) late: already told

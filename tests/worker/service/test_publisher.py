@@ -293,7 +293,9 @@ class BatchingProducer:
     """aiokafka's two ways in: `send` one message, or `create_batch` / `send_batch` (a batch
     holds `capacity` messages: `append` returns None past it). Every hand-over is recorded in
     order as (how, topic, partition, values); futures are acknowledged at once, or failed with
-    `error`, or held (`hold`: never completed); `refuse` makes `send_batch` itself raise."""
+    `error`, or held (`hold`: never completed); `refuse` makes `send_batch` itself raise.
+    `waited` counts the `send_batch` calls that aiokafka would have made wait (the partition
+    still had something unacknowledged)."""
 
     class Batch:
         def __init__(self, capacity: int) -> None:
@@ -309,19 +311,22 @@ class BatchingProducer:
         self.capacity, self.error, self.hold, self.refuse = capacity, error, hold, refuse
         self.handed: list[tuple[str, str, int | None, list[bytes]]] = []
         self.futures: list[asyncio.Future] = []
+        self.by_partition: dict[tuple[str, int | None], list[asyncio.Future]] = {}
+        self.waited = 0
 
-    def _future(self) -> asyncio.Future:
+    def _future(self, topic, partition) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
         if self.error is not None:
             future.set_exception(self.error)
         elif not self.hold:
             future.set_result(None)
         self.futures.append(future)
+        self.by_partition.setdefault((topic, partition), []).append(future)
         return future
 
     async def send(self, topic, value, key=None, headers=None, partition=None):
         self.handed.append(("send", topic, partition, [value]))
-        return self._future()
+        return self._future(topic, partition)
 
     def create_batch(self):
         return self.Batch(self.capacity)
@@ -330,8 +335,9 @@ class BatchingProducer:
         if self.refuse is not None:
             raise self.refuse
         assert batch.values, "an empty batch was submitted"
+        self.waited += not all(f.done() for f in self.by_partition.get((topic, partition), []))
         self.handed.append(("batch", topic, partition, list(batch.values)))
-        return self._future()
+        return self._future(topic, partition)
 
 
 messages = st.lists(
@@ -350,8 +356,10 @@ def test_messages_naming_their_partition_go_in_batches_in_order_each_told_once(
     specs, capacity
 ) -> None:
     """Whatever the mix of partitions, sizes and batch capacity: every message is handed over
-    once, each partition's messages in publish order, small ones naming a partition in
-    batches (never empty, never over capacity), the others by `send`; each is told once."""
+    once, each partition's messages in publish order, each told once; batches hold only small
+    messages that name their partition (never none, never over capacity), the others go by
+    `send`, and so do those past a full batch; no batch is handed over where aiokafka would
+    make it wait."""
 
     async def run() -> None:
         producer = BatchingProducer(capacity)
@@ -372,10 +380,14 @@ def test_messages_naming_their_partition_go_in_batches_in_order_each_told_once(
             for how, topic, partition, values in producer.handed:
                 assert 1 <= len(values) <= capacity
                 is_small = all(len(v) <= MAX_BATCHED_BYTES for v in values)
-                assert (how == "batch") == (partition is not None and is_small)
+                if how == "batch":  # (a `send`: any message; big ones and None always)
+                    assert partition is not None and is_small
+                else:
+                    assert len(values) == 1
                 handed.setdefault((topic, partition), []).extend(values)
             assert handed == expected
-            assert publisher._num_unacked == 0
+            assert publisher._num_unacked == 0 and producer.waited == 0
+            assert not publisher._unacked_by_partition  # every ack forgotten
         finally:
             for task in publisher._lane_tasks:
                 task.cancel()
@@ -386,8 +398,8 @@ def test_messages_naming_their_partition_go_in_batches_in_order_each_told_once(
 
 async def test_a_batch_that_fails_tells_each_of_its_messages() -> None:
     for producer in (
-        BatchingProducer(capacity=2, error=KafkaTimeoutError()),  # the batch's future fails
-        BatchingProducer(capacity=2, refuse=KafkaTimeoutError()),  # send_batch itself raises
+        BatchingProducer(error=KafkaTimeoutError()),  # the batch's future fails
+        BatchingProducer(refuse=KafkaTimeoutError()),  # send_batch itself raises
     ):
         publisher = make_publisher(producer, delivery_timeout_s=30)
         told: list[list] = [[] for _ in range(5)]
@@ -411,6 +423,44 @@ async def test_a_batched_message_fails_at_its_own_deadline_and_a_late_ack_is_ign
             future.set_result(None)  # late: already failed, not told twice
         await asyncio.sleep(0)
         assert all(len(t) == 1 for t in told) and publisher._num_unacked == 0
+    finally:
+        for task in publisher._lane_tasks:
+            task.cancel()
+
+
+async def test_a_partition_with_an_unacknowledged_batch_takes_send_and_never_waits() -> None:
+    """aiokafka's `send_batch` waits until the partition's last batch left for the broker: a
+    lane must not wait there (every partition behind it would). While partition 0's first batch
+    is unacknowledged, its next messages go by `send`; partition 1, with nothing pending, still
+    gets a batch; once everything is acknowledged, partition 0 is batched again."""
+    producer = BatchingProducer(hold=True)
+    publisher = make_publisher(producer, delivery_timeout_s=30)
+    told: list[list] = []
+
+    def publish(partition: int) -> None:
+        told.append([])
+        value = b"%d" % len(told)
+        publisher.publish(Outgoing("shared", b"k", value, [], told[-1].append, partition=partition))
+
+    try:
+        publish(0)
+        publish(0)
+        await asyncio.sleep(0.01)
+        assert [h[0] for h in producer.handed] == ["batch"]  # both in one batch, held
+        publish(0)
+        publish(1)
+        await asyncio.sleep(0.01)
+        assert [(h[0], h[2]) for h in producer.handed[1:]] == [("send", 0), ("batch", 1)]
+        for future in producer.futures:
+            future.set_result(None)
+        await asyncio.sleep(0.01)
+        assert not publisher._unacked_by_partition
+        publish(0)
+        await asyncio.sleep(0.01)
+        assert producer.handed[-1][:3] == ("batch", "shared", 0)
+        producer.futures[-1].set_result(None)
+        assert await publisher.flush(5)
+        assert all(t == [None] for t in told) and producer.waited == 0
     finally:
         for task in publisher._lane_tasks:
             task.cancel()
