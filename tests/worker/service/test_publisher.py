@@ -59,6 +59,13 @@ def make_publisher(producer, delivery_timeout_s: float = 0.2, max_lane: int = 10
     return publisher
 
 
+async def cancel_lanes(publisher: Publisher) -> None:
+    """The test's end: the lane tasks still running (a stuck topic's) cancelled and awaited."""
+    for task in publisher._lane_tasks:
+        task.cancel()
+    await asyncio.gather(*publisher._lane_tasks, return_exceptions=True)
+
+
 async def test_a_stuck_topic_fails_at_its_deadline_and_the_others_are_acknowledged() -> None:
     producer = StuckProducer("stuck")
     publisher = make_publisher(producer)
@@ -78,8 +85,7 @@ async def test_a_stuck_topic_fails_at_its_deadline_and_the_others_are_acknowledg
         assert len(outcomes) == 12 and publisher._num_unacked == 0
         assert not publisher.failed.is_set()
     finally:
-        for task in publisher._lane_tasks:
-            task.cancel()
+        await cancel_lanes(publisher)
 
 
 @settings(max_examples=20, deadline=None)
@@ -97,9 +103,7 @@ def test_a_stuck_lane_holds_at_most_its_bound(max_lane: int, num_messages: int) 
             assert len(errors) == max(0, num_messages - max_lane)
             assert all(isinstance(e, LaneFull) for e in errors)
         finally:
-            for task in publisher._lane_tasks:
-                task.cancel()
-            await asyncio.gather(*publisher._lane_tasks, return_exceptions=True)
+            await cancel_lanes(publisher)
 
     asyncio.run(run())
 
@@ -111,8 +115,7 @@ async def test_deliver_does_not_retry_past_the_deadline() -> None:
         outcome = deliver(publisher, lambda: Outgoing("stuck", None, b"f", []), 3, "final")
         error = await asyncio.wait_for(outcome, 2)
     finally:
-        for task in publisher._lane_tasks:
-            task.cancel()
+        await cancel_lanes(publisher)
     assert isinstance(error, DeliveryTimeout)
     assert len(producer.sent) == 1  # tried once: the deadline was the whole budget
 
@@ -169,9 +172,7 @@ async def test_a_refused_client_topic_does_not_hold_the_shared_reply_topic() -> 
         assert await asyncio.wait_for(asyncio.gather(*others), 10) == [None] * 6
         assert not any(outcomes[f"{refused}{i}"].done() for i in range(3))  # still refused
     finally:
-        for task in publisher._lane_tasks:
-            task.cancel()
-        await asyncio.gather(*publisher._lane_tasks, return_exceptions=True)
+        await cancel_lanes(publisher)
 
 
 async def test_a_refused_client_topic_moves_the_topics_sharing_its_producer_to_a_fresh_one() -> (
@@ -209,9 +210,7 @@ async def test_a_refused_client_topic_moves_the_topics_sharing_its_producer_to_a
         assert await asyncio.wait_for(publish(other), 5) is None
         assert publisher._producer_for(refused) is made[0] and len(made) == 2
     finally:
-        for task in publisher._lane_tasks:
-            task.cancel()
-        await asyncio.gather(*publisher._lane_tasks, return_exceptions=True)
+        await cancel_lanes(publisher)
 
 
 class HeldProducer:
@@ -282,9 +281,7 @@ def test_every_message_ends_once_acknowledged_or_at_its_own_deadline(ops) -> Non
                     assert isinstance(told[0], DeliveryTimeout)
             assert publisher._num_unacked == 0
         finally:
-            for task in publisher._lane_tasks:
-                task.cancel()
-            await asyncio.gather(*publisher._lane_tasks, return_exceptions=True)
+            await cancel_lanes(publisher)
 
     asyncio.run(run())
 
@@ -389,9 +386,7 @@ def test_messages_naming_their_partition_go_in_batches_in_order_each_told_once(
             assert publisher._num_unacked == 0 and producer.waited == 0
             assert not publisher._unacked_by_partition  # every ack forgotten
         finally:
-            for task in publisher._lane_tasks:
-                task.cancel()
-            await asyncio.gather(*publisher._lane_tasks, return_exceptions=True)
+            await cancel_lanes(publisher)
 
     asyncio.run(run())
 
@@ -424,8 +419,7 @@ async def test_a_batched_message_fails_at_its_own_deadline_and_a_late_ack_is_ign
         await asyncio.sleep(0)
         assert all(len(t) == 1 for t in told) and publisher._num_unacked == 0
     finally:
-        for task in publisher._lane_tasks:
-            task.cancel()
+        await cancel_lanes(publisher)
 
 
 async def test_a_partition_with_an_unacknowledged_batch_takes_send_and_never_waits() -> None:
@@ -462,5 +456,4 @@ async def test_a_partition_with_an_unacknowledged_batch_takes_send_and_never_wai
         assert await publisher.flush(5)
         assert all(t == [None] for t in told) and producer.waited == 0
     finally:
-        for task in publisher._lane_tasks:
-            task.cancel()
+        await cancel_lanes(publisher)
