@@ -3,11 +3,12 @@
 Callers hand messages over synchronously (`publish`), from any callback on the event loop; one
 task feeds them to aiokafka in that order: one `send` each, or, for small messages that name
 their partition (replies to the shared reply topic: a step's tokens), one batch per partition of
-the messages waiting (`send_batch`), outcomes still told per message. aiokafka keeps per-partition order (one in-flight batch
-per partition), and replies are keyed by request id, so a request's `seq` order holds on the
-wire. `acks="all"` and, on real Kafka, idempotence: a retried batch is neither lost nor doubled.
-A caller that must know the broker has the message (a final, before its offset is committed)
-passes `on_done`, called with None or the delivery error.
+the messages waiting (`send_batch`), outcomes still told per message. aiokafka keeps
+per-partition order (one in-flight batch per partition), and replies are keyed by request id, so
+a request's `seq` order holds on the wire. `acks="all"` and, on real Kafka, idempotence: a
+retried batch is neither lost nor doubled. A caller that must know the broker has the message
+(a final, before its offset is committed) passes `on_done`, called with None or the delivery
+error.
 
 One topic must not hold up the others. aiokafka's `send` waits (up to `request_timeout_ms`) for
 the metadata of a topic it does not know yet, and for room when a partition's batch is full; an
