@@ -42,7 +42,7 @@ run: install
 
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -rs
 
 bench: install
 	$(BIN)/mini-infer bench engine
