@@ -176,9 +176,11 @@ async def run_e2e(
 
         arrivals: list[list[float]] = []  # per stream, when each token reached the client
 
-        async def one(i: int) -> tuple[float, int, float | None]:
+        timings: list[dict] = []  # each final's Timing: where the worker's time went
+
+        async def one(i: int) -> tuple[float, int, float | None, float | None]:
             sent = time.perf_counter()
-            ttft, num_tokens, worker_ttft_s = None, 0, None
+            ttft, num_tokens, worker_ttft_s, final_transport_s = None, 0, None, None
             times: list[float] = []
             arrivals.append(times)
             async for delta in client.stream(
@@ -196,7 +198,11 @@ async def run_e2e(
                 num_tokens += len(delta.token_ids)
                 if delta.final is not None and delta.final.timing.ttft_ms is not None:
                     worker_ttft_s = delta.final.timing.ttft_ms / 1000
-            return ttft, num_tokens, worker_ttft_s
+                if delta.final is not None:  # the final's way out (and the request's way in)
+                    timings.append(delta.final.timing.model_dump(exclude_none=True))
+                    total_s = delta.final.timing.total_ms / 1000
+                    final_transport_s = time.perf_counter() - sent - total_s
+            return ttft, num_tokens, worker_ttft_s, final_transport_s
 
         steps_before, gil_wait_before_s = worker_counters(metrics_url)
         cpu_before = {name: cpu_seconds_by_thread(pid) for name, pid in pids.items()}
@@ -207,7 +213,7 @@ async def run_e2e(
             cpu_before, {name: cpu_seconds_by_thread(pid) for name, pid in pids.items()}
         )
         steps_after, gil_wait_after_s = worker_counters(metrics_url)
-    stats = summarize(sum(k for _, k, _ in results), elapsed, [t for t, _, _ in results])
+    stats = summarize(sum(r[1] for r in results), elapsed, [r[0] for r in results])
     stats["cpu_s"] = cpu
     stats["cpu_beside_engine_us_per_token"] = beside_engine_us_per_token(cpu, stats["output_tokens"])
     if steps_after:  # the steps of this run (the metric is exported once a step has run)
@@ -219,9 +225,21 @@ async def run_e2e(
     stats["token_gaps"] = token_gaps(arrivals)
     # The worker's own TTFT (from receiving the message to its first token): the rest of the
     # client's TTFT is transport (produce, fetch waits, publish).
-    worker_ttfts = [w for _, _, w in results if w is not None]
+    worker_ttfts = [r[2] for r in results if r[2] is not None]
     if worker_ttfts:
         stats["worker_ttft_p50_ms"] = round(percentile(worker_ttfts, 50) * 1000, 1)
+    # The same for the final: the client's time to it less the worker's (from receiving the
+    # request to the final). Against the TTFT's share, what the last tokens waited beyond the
+    # first's: on busy cores the reply path lags the engine and catches up once it stops.
+    final_transports = [r[3] for r in results if r[3] is not None]
+    if final_transports:
+        stats["final_transport_p50_ms"] = round(percentile(final_transports, 50) * 1000, 1)
+        stats["final_transport_max_ms"] = round(max(final_transports) * 1000, 1)
+    if timings:  # the worker's stages (batcher, engine queue, prefill, ...), medians
+        stats["worker_timing_p50_ms"] = {
+            key: round(percentile([t[key] for t in timings if key in t], 50), 1)
+            for key in timings[0]
+        }
     return stats
 
 
@@ -404,6 +422,9 @@ def run_pair(args, model: str, engine_options: dict) -> dict:
         # Kafka's share of the overhead: from the worker's first token to the client's, plus
         # the request's way in. The rest is the worker's own prefill against the direct one's.
         pair["ttft_transport_p50_ms"] = round(e2e["ttft_p50_ms"] - e2e["worker_ttft_p50_ms"], 1)
+    if "final_transport_p50_ms" in e2e:
+        pair["final_transport_p50_ms"] = e2e["final_transport_p50_ms"]
+        pair["final_transport_max_ms"] = e2e["final_transport_max_ms"]
     return pair
 
 
@@ -436,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.floor:
             pairs[-1].update(run_floor(args, model))
     keys = ("floor_throughput_ratio", "floor_itl_ratio", "throughput_ratio_e2e_over_direct", "ttft_overhead_p50_ms", "ttft_overhead_p99_ms",
-            "ttft_transport_p50_ms", "itl_direct_ms", "itl_e2e_ms", "itl_ratio_e2e_over_direct",
+            "ttft_transport_p50_ms", "final_transport_p50_ms", "itl_direct_ms", "itl_e2e_ms", "itl_ratio_e2e_over_direct",
             *(f"gap_{side}_{k}" for side in ("direct", "e2e") for k in GAP_KEYS))  # fmt: skip
     doc = {
         "workload": f"{args.num_requests} chat prompts x {args.max_tokens} tokens, greedy, no EOS",
@@ -465,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"median of {args.repeat}: e2e/direct throughput "
           f"{doc['throughput_ratio_e2e_over_direct']:.3f}; TTFT overhead p50 "
           f"{doc['ttft_overhead_p50_ms']} ms, p99 {doc['ttft_overhead_p99_ms']} ms (transport p50 "
-          f"{doc.get('ttft_transport_p50_ms', 'n/a')} ms)")  # fmt: skip
+          f"{doc.get('ttft_transport_p50_ms', 'n/a')} ms; the final's p50 "
+          f"{doc.get('final_transport_p50_ms', 'n/a')} ms)")  # fmt: skip
     if args.floor:
         print(f"the transport's floor (no worker), medians: throughput "
               f"{doc['floor_throughput_ratio']:.3f}, ITL {doc['floor_itl_ratio']:.3f}; through the "
