@@ -196,12 +196,13 @@ async def run_e2e(
                         ttft = now - sent
                     times.extend([now] * len(delta.token_ids))
                 num_tokens += len(delta.token_ids)
-                if delta.final is not None and delta.final.timing.ttft_ms is not None:
-                    worker_ttft_s = delta.final.timing.ttft_ms / 1000
-                if delta.final is not None:  # the final's way out (and the request's way in)
-                    timings.append(delta.final.timing.model_dump(exclude_none=True))
-                    total_s = delta.final.timing.total_ms / 1000
-                    final_transport_s = time.perf_counter() - sent - total_s
+                if delta.final is not None:
+                    timing = delta.final.timing
+                    timings.append(timing.model_dump(exclude_none=True))
+                    if timing.ttft_ms is not None:
+                        worker_ttft_s = timing.ttft_ms / 1000
+                    # the final's way out (and the request's way in)
+                    final_transport_s = time.perf_counter() - sent - timing.total_ms / 1000
             return ttft, num_tokens, worker_ttft_s, final_transport_s
 
         steps_before, gil_wait_before_s = worker_counters(metrics_url)
@@ -213,7 +214,7 @@ async def run_e2e(
             cpu_before, {name: cpu_seconds_by_thread(pid) for name, pid in pids.items()}
         )
         steps_after, gil_wait_after_s = worker_counters(metrics_url)
-    stats = summarize(sum(r[1] for r in results), elapsed, [r[0] for r in results])
+    stats = summarize(sum(k for _, k, _, _ in results), elapsed, [t for t, _, _, _ in results])
     stats["cpu_s"] = cpu
     stats["cpu_beside_engine_us_per_token"] = beside_engine_us_per_token(cpu, stats["output_tokens"])
     if steps_after:  # the steps of this run (the metric is exported once a step has run)
@@ -225,20 +226,20 @@ async def run_e2e(
     stats["token_gaps"] = token_gaps(arrivals)
     # The worker's own TTFT (from receiving the message to its first token): the rest of the
     # client's TTFT is transport (produce, fetch waits, publish).
-    worker_ttfts = [r[2] for r in results if r[2] is not None]
+    worker_ttfts = [w for _, _, w, _ in results if w is not None]
     if worker_ttfts:
         stats["worker_ttft_p50_ms"] = round(percentile(worker_ttfts, 50) * 1000, 1)
     # The same for the final: the client's time to it less the worker's (from receiving the
     # request to the final). Against the TTFT's share, what the last tokens waited beyond the
     # first's: on busy cores the reply path lags the engine and catches up once it stops.
-    final_transports = [r[3] for r in results if r[3] is not None]
+    final_transports = [f for _, _, _, f in results if f is not None]
     if final_transports:
         stats["final_transport_p50_ms"] = round(percentile(final_transports, 50) * 1000, 1)
         stats["final_transport_max_ms"] = round(max(final_transports) * 1000, 1)
     if timings:  # the worker's stages (batcher, engine queue, prefill, ...), medians
         stats["worker_timing_p50_ms"] = {
             key: round(percentile([t[key] for t in timings if key in t], 50), 1)
-            for key in timings[0]
+            for key in dict.fromkeys(key for t in timings for key in t)  # any final's stages
         }
     return stats
 
