@@ -266,6 +266,46 @@ class SlowEngine:
         return getattr(self._engine, name)
 
 
+class HeldEngine:
+    """The real engine, held in two places so that "still running" is a fact: it takes no step
+    until `num_requests` requests were added (they all start together), steps until each of
+    them has had text (a token message closes only once it holds some: reply_stream.py), then
+    takes empty steps (it still reads its inbox: aborts are served) until `release` is set, and
+    runs freely after that."""
+
+    IDLE_STEP_S = 0.005
+
+    def __init__(self, engine, num_requests: int, release: threading.Event) -> None:
+        self._engine = engine
+        self._num_requests = num_requests
+        self.release = release
+        self._added: set[str] = set()
+        self._streaming: set[str] = set()
+        self.held = threading.Event()  # set once every request has had text
+        self.num_finished_before_release = 0  # none, unless a request outran the hold
+
+    def add_request(self, request_id, *args, **kwargs) -> None:
+        self._engine.add_request(request_id, *args, **kwargs)
+        self._added.add(request_id)
+
+    def step(self):
+        if not self.release.is_set() and (
+            len(self._added) < self._num_requests or self._added <= self._streaming
+        ):
+            if self._added and self._added <= self._streaming:
+                self.held.set()
+            time.sleep(self.IDLE_STEP_S)
+            return []
+        deltas = self._engine.step()
+        self._streaming.update(d.request_id for d in deltas if d.text)
+        if not self.release.is_set():
+            self.num_finished_before_release += sum(1 for d in deltas if d.finished)
+        return deltas
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
 def slow_engine_factory(model_dir, step_s: float = 0.03):
     def build():
         from engine import LLMEngine

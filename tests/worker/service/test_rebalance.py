@@ -246,14 +246,12 @@ async def test_a_worker_joining_and_leaving_under_load_loses_nothing_and_redoes_
         print(f"{num_commit_failed} CommitFailedError over {num_rebalances} assignments")
         assert num_commit_failed <= num_rebalances * len(members), num_commit_failed
 
-        # Whether this run exercised the keep path: a kept partition had work in flight at a
-        # revocation that went on. On a fast idle machine the 200-token load can have nothing
-        # in flight at that instant (seen once in CI); then the run says so instead of passing
-        # as if it had checked it. (Everything above was checked either way.)
+        # Whether this run went through the keep path (a kept partition with work in flight at
+        # a revocation) depends on the moment of the join: reported, not required. The keep
+        # path itself is proven where it is made a fact (a held engine): test_redelivery's
+        # test_a_rebalance_mid_generation_moves_some_work_and_keeps_the_rest_going.
         num_kept = sum(e["num_kept"] for m in members for e in m.events("consumer.assigned"))
         print(f"{num_kept} jobs in flight at a revocation went on where their partition stayed")
-        if num_kept == 0:
-            pytest.skip("no job was in flight on a kept partition at the revocation this run")
     finally:
         for member in processes:
             member.kill()

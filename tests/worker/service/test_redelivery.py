@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
 from tests.worker.kafka_helpers import (
+    SMALL_ENGINE,
+    HeldEngine,
     Producer,
     ReplyReader,
     create_topic,
@@ -119,9 +123,14 @@ async def test_two_workers_share_the_partitions_and_answer_each_request_once(
     assert answered_by == {"pool-0", "pool-1"}
 
 
-async def test_a_rebalance_mid_generation_hands_unfinished_work_to_the_new_owner(
+async def test_a_rebalance_mid_generation_moves_some_work_and_keeps_the_rest_going(
     broker, tiny_model_dir
 ) -> None:
+    """`busy` holds all four partitions, two requests streaming on each, its engine held there
+    (so "still running" at the rebalance is a fact, not a race). `joining` joins: aiokafka's
+    eager protocol revokes every partition of `busy` and gives two of them back. The requests of
+    the two that moved are dropped by `busy` and generated again, in full, by `joining`; those
+    of the two `busy` kept go on where they were, never generated twice (the keep path)."""
     topic, group_id = fresh_topics()
     num_partitions = 4
     await create_topic(broker.bootstrap_servers, topic, num_partitions)
@@ -130,7 +139,20 @@ async def test_a_rebalance_mid_generation_hands_unfinished_work_to_the_new_owner
         return worker_settings(tiny_model_dir, broker.bootstrap_servers, group_id, topic, worker_id=worker_id,
                                kafka={"num_partitions": num_partitions, "urgency_lanes": False})  # fmt: skip
 
-    busy = Worker(settings("busy"), engine_factory=slow_engine_factory(tiny_model_dir, step_s=0.03))
+    requests_per_partition = 2
+    release = threading.Event()
+    engines: list[HeldEngine] = []
+
+    def held_engine():
+        from engine import LLMEngine
+
+        engines.append(HeldEngine(
+            LLMEngine(str(tiny_model_dir), **SMALL_ENGINE),
+            num_partitions * requests_per_partition, release,
+        ))  # fmt: skip
+        return engines[-1]
+
+    busy = Worker(settings("busy"), engine_factory=held_engine)
     joining = Worker(settings("joining"))
     async with (
         Producer(broker.bootstrap_servers) as producer,
@@ -141,24 +163,41 @@ async def test_a_rebalance_mid_generation_hands_unfinished_work_to_the_new_owner
             await busy.wait_assigned()
             requests = [
                 make_request(replies.topic, f"long {i}", max_tokens=300, ignore_eos=True)
-                for i in range(8)
+                for i in range(num_partitions * requests_per_partition)
             ]
+            partition_of = {r.id: i % num_partitions for i, r in enumerate(requests)}
             for request in requests:
-                await producer.send(topic, request)
+                await producer.send(topic, request, partition=partition_of[request.id])
+            assert await asyncio.to_thread(engines[0].held.wait, 60), "never all streaming"
             await replies.wait_until(
                 lambda: all(replies.tokens(r.id) for r in requests), what="all to stream"
             )
-            await joining.start()  # the group rebalances while `busy` is mid-generation
+            await joining.start()  # the group rebalances while every request is mid-generation
+            await joining.wait_assigned()
+            deadline_s = time.monotonic() + 60
+            while (
+                len(busy.consumer.assignment) == num_partitions or busy.consumer.tracker.suspended
+            ):
+                assert time.monotonic() < deadline_s, "busy never settled its new assignment"
+                await asyncio.sleep(0.05)
+            kept = {tp.partition for tp in busy.consumer.assignment}
+            release.set()
             for request in requests:
                 await replies.final_of(request.id, timeout_s=120)
         finally:
+            release.set()
             await asyncio.gather(busy.stop(grace_s=5), joining.stop(grace_s=5))
         await producer.send(replies.topic, make_request(replies.topic, id="end-marker"))
         await replies.wait_until(lambda: "end-marker" in replies.raw_ids, what="the end marker")
+    assert engines[0].num_finished_before_release == 0
+    assert 0 < len(kept) < num_partitions, kept
     finals = {r.id: replies.finals(r.id) for r in requests}
     assert all(len(f) == 1 for f in finals.values()), finals  # revoked work sends no final
-    taken_over = [rid for rid, (f,) in finals.items() if f.attempt.startswith("joining:")]
-    assert taken_over, "the joining worker got no partitions with work on them"
-    for rid in taken_over:  # started by `busy`, dropped at the revocation, redone in full
-        attempts = {m.attempt.split(":")[0] for m in replies.messages[rid]}
-        assert attempts == {"busy", "joining"} and finals[rid][0].usage.completion_tokens == 300
+    for rid, (final,) in finals.items():
+        attempts = sorted({m.attempt for m in replies.messages[rid]})
+        assert final.usage.completion_tokens == 300
+        if partition_of[rid] in kept:  # went on in `busy`: one attempt, never redone
+            assert attempts == [final.attempt] and final.attempt.startswith("busy:"), attempts
+        else:  # started by `busy`, dropped at the revocation, redone in full by `joining`
+            assert [a.split(":")[0] for a in attempts] == ["busy", "joining"], attempts
+            assert final.attempt.startswith("joining:")
