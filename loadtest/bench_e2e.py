@@ -74,6 +74,35 @@ def cpu_seconds_by_thread(pid: int) -> dict[str, float]:
     return totals
 
 
+def wakeups_by_thread(pid: int) -> dict[str, int]:
+    """Voluntary context switches of each thread of `pid` (each a sleep that something had to
+    end: a wake-up), summed by thread name as `cpu_seconds_by_thread` does. On a virtual
+    machine a wake-up can cost far more CPU than the work it wakes for."""
+    totals: dict[str, int] = {}
+    for tid in thread_ids(pid):
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        name = fields["Name"].strip()
+        totals[name] = totals.get(name, 0) + int(fields["voluntary_ctxt_switches"])
+    return totals
+
+
+def wakeups_by_side(per_token: dict[str, dict[str, float]]) -> dict[str, float]:
+    """`wakeups_per_token` (by process and thread name) as the CPU table's sides: the engine's
+    threads (the engine thread and the OpenMP threads it started), the worker's others (its
+    event loop), the broker and the client."""
+    worker = per_token.get("worker", {})
+    return {
+        "engine": worker.get("engine", 0.0),
+        "worker": sum(k for name, k in worker.items() if name != "engine"),
+        "broker": sum(per_token.get("broker", {}).values()),
+        "client": sum(per_token.get("client", {}).values()),
+    }
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU seconds of `pid`'s threads, all together (`cpu_seconds_by_thread` summed)."""
     return sum(cpu_seconds_by_thread(pid).values())
@@ -207,16 +236,26 @@ async def run_e2e(
 
         steps_before, gil_wait_before_s = worker_counters(metrics_url)
         cpu_before = {name: cpu_seconds_by_thread(pid) for name, pid in pids.items()}
+        wakeups_before = {name: wakeups_by_thread(pid) for name, pid in pids.items()}
         start = time.perf_counter()
         results = await asyncio.gather(*(one(i) for i in range(n)))
         elapsed = time.perf_counter() - start
         cpu = cpu_split(
             cpu_before, {name: cpu_seconds_by_thread(pid) for name, pid in pids.items()}
         )
+        wakeups = cpu_split(
+            wakeups_before, {name: wakeups_by_thread(pid) for name, pid in pids.items()}
+        )
         steps_after, gil_wait_after_s = worker_counters(metrics_url)
     stats = summarize(sum(k for _, k, _, _ in results), elapsed, [t for t, _, _, _ in results])
     stats["cpu_s"] = cpu
-    stats["cpu_beside_engine_us_per_token"] = beside_engine_us_per_token(cpu, stats["output_tokens"])
+    stats["cpu_beside_engine_us_per_token"] = beside_engine_us_per_token(
+        cpu, stats["output_tokens"]
+    )
+    stats["wakeups_per_token"] = {
+        process: {name: round(k / max(stats["output_tokens"], 1), 2) for name, k in threads.items()}
+        for process, threads in wakeups.items()
+    }
     if steps_after:  # the steps of this run (the metric is exported once a step has run)
         stats["fused_steps"] = {
             k: int(v - steps_before.get(k, 0.0)) for k, v in sorted(steps_after.items())
@@ -503,12 +542,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"its engine thread waited {p['e2e'].get('gil_wait_ms', 0.0)} ms for the GIL "
                   f"after them")  # fmt: skip
     print("CPU beside the engine per token, us (worker: its threads but the engine's; /proc's 10 "
-          "ms ticks, coarse for one stream)")
-    print(f"{'pair':>4} {'worker':>7} {'broker':>7} {'client':>7} {'total':>7}")
+          "ms ticks, coarse for one stream); wake-ups per token (voluntary context switches: the "
+          "engine's threads, the worker's others, the broker, the client)")  # fmt: skip
+    print(f"{'pair':>4} {'worker':>7} {'broker':>7} {'client':>7} {'total':>7}   "
+          f"{'w:engine':>8} {'w:worker':>8} {'w:broker':>8} {'w:client':>8}")  # fmt: skip
     for i, p in enumerate(pairs):
         if c := p["e2e"].get("cpu_beside_engine_us_per_token"):
+            w = wakeups_by_side(p["e2e"].get("wakeups_per_token", {}))
             print(f"{i + 1:>4} {c['worker']:>7.0f} {c['broker']:>7.0f} {c['client']:>7.0f} "
-                  f"{c['total']:>7.0f}")  # fmt: skip
+                  f"{c['total']:>7.0f}   {w['engine']:>8.2f} {w['worker']:>8.2f} "
+                  f"{w['broker']:>8.2f} {w['client']:>8.2f}")  # fmt: skip
     print(f"gaps between a stream's tokens as its reader got them, ms (bunched: within "
           f"{BUNCHED_GAP_S * 1000:g} ms of the one before)")  # fmt: skip
     print(f"{'pair':>4} {'side':>7} {'p50':>8} {'p90':>8} {'p99':>8} {'bunched':>8}")

@@ -4,7 +4,10 @@ for the GIL, from its /metrics."""
 from __future__ import annotations
 
 import http.server
+import sys
 import threading
+
+import pytest
 
 from loadtest.bench_e2e import worker_counters
 
@@ -42,3 +45,44 @@ def test_fused_steps_are_read_by_thread_count_and_other_series_ignored():
         thread.join(timeout=10)
         server.server_close()
     assert worker_counters(None) == ({}, 0.0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/task")
+def test_wake_ups_are_counted_per_thread_name_and_grouped_by_side() -> None:
+    """A thread that sleeps 20 times shows at least 20 wake-ups under its own name; the sides
+    put the engine's threads apart from the worker's others."""
+    import os
+    import time
+
+    from loadtest.bench_e2e import wakeups_by_side, wakeups_by_thread
+    from worker.service.bridge import set_os_thread_name
+
+    named, started, done, finish = (threading.Event() for _ in range(4))
+
+    def sleeper() -> None:
+        set_os_thread_name("sleeper-x")
+        named.set()
+        started.wait()
+        for _ in range(20):
+            time.sleep(0.001)
+        done.set()
+        finish.wait(10)  # alive while it is read
+
+    thread = threading.Thread(target=sleeper, daemon=True)
+    thread.start()
+    try:
+        assert named.wait(10)
+        before = wakeups_by_thread(os.getpid())
+        started.set()
+        assert done.wait(10)
+        after = wakeups_by_thread(os.getpid())
+    finally:
+        finish.set()
+        thread.join(10)
+    assert after["sleeper-x"] - before.get("sleeper-x", 0) >= 20
+
+    sides = wakeups_by_side(
+        {"worker": {"engine": 3.0, "python": 1.5, "tokenizer": 0.5},
+         "broker": {"tokio-rt-worker": 2.0}, "client": {"python": 0.25}}
+    )  # fmt: skip
+    assert sides == {"engine": 3.0, "worker": 2.0, "broker": 2.0, "client": 0.25}
