@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import PromptTooLongError
 from engine.kv_cache_manager import cdiv
+from engine.library_pages import release_library_pages
 from engine.loader import load_tokenizer, resolve_model
 from engine.logprobs import PromptLogprobsAccumulator, StepLogprobs
 from engine.model_runner import ModelRunner
@@ -66,6 +67,8 @@ class LLMEngine:
     ) -> None:
         self.config = EngineConfig.from_kwargs(**engine_config)
         tune_process(self.config.num_threads)  # before a GGUF is converted, too
+        # Import-only library pages out of RSS before loading adds to it (engine/library_pages.py)
+        release_library_pages("import")
         self.model_path = resolve_model(model, revision=revision)
         self.tokenizer = load_tokenizer(self.model_path)
         # The runner resolves dtype ("auto": from the checkpoint's config and this CPU).
@@ -85,6 +88,10 @@ class LLMEngine:
         # hold this engine: collected now, a dropped engine frees its weights and KV pool at
         # once instead of at some later cyclic GC (found as a doubled peak RSS in the bench).
         gc.collect()
+        # And the ones only loading used. What a step runs comes back at its first use (the
+        # first request after start: ~30 ms more on the 2-core VM; the worker's calibration
+        # below runs steps, so there it is before ready).
+        release_library_pages("load")
         if self.config.has_step_cost:  # steps sized by time need costs
             self.scheduler.cost_model = calibrate_on(self)
             log.info("engine.step_cost_calibrated", model=repr(self.scheduler.cost_model))

@@ -89,6 +89,19 @@ def child(model: str, options: dict, num_requests: int, max_tokens: int) -> dict
 
 
 def run_llama_server(args) -> dict:
+    """`llama_server_child` in a process of its own: this one never imports torch, whose
+    library pages it would then share with the engine children's (the engine pages its out
+    of RSS, engine/library_pages.py, and the kernel skips pages another process maps)."""
+    cmd = [sys.executable, "-m", "loadtest.bench_memory", "--llama-child", "--model", args.model,
+           "--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens),
+           "--llama-server", str(args.llama_server)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": done.stderr[-800:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def llama_server_child(args) -> dict:
     """llama.cpp's llama-server on the same GGUF and W2 (its own -np 32 slots): its peak RSS."""
     from engine.loader import gguf_source, load_tokenizer, resolve_model
     from loadtest.llamacpp_peer import run_llamacpp
@@ -124,11 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--llama-server", type=Path, default=None, help="also llama-server")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--llama-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.child:
         result = child(args.model, args.options, args.num_requests, args.max_tokens)
         print(json.dumps(result), flush=True)
+        return 0
+    if args.llama_child:
+        print(json.dumps(llama_server_child(args)), flush=True)
         return 0
     trees = {"baseline": args.baseline.resolve(), "this": HERE}
     if args.llama_server is not None:

@@ -1,0 +1,106 @@
+"""Shared-library pages handed back to the kernel (engine/library_pages.py): which mappings, and
+that their pages leave RSS."""
+
+from __future__ import annotations
+
+import mmap
+import sys
+
+import pytest
+
+from engine import library_pages
+
+MAPS = """\
+7f0000000000-7f0000100000 r--p 00000000 08:01 11 /venv/torch/lib/libtorch_cpu.so
+7f0000100000-7f0000900000 r-xp 00100000 08:01 11 /venv/torch/lib/libtorch_cpu.so
+7f0000900000-7f0000a00000 r--p 00900000 08:01 11 /venv/torch/lib/libtorch_cpu.so
+7f0000a00000-7f0000a10000 rw-p 00a00000 08:01 11 /venv/torch/lib/libtorch_cpu.so
+7f0001000000-7f0001100000 r-xp 00000000 08:01 12 /usr/lib/libpython3.11.so.1.0
+7f0002000000-7f0002100000 r--p 00000000 08:01 13 /models/model.Q4_1.gguf
+7f0003000000-7f0003100000 rw-p 00000000 00:00 0
+7f0004000000-7f0004100000 r-xp 00000000 08:01 14 /tmp/libgone.so (deleted)
+7f0005000000-7f0005001000 r-xp 00000000 08:01 15 /venv/numpy/_core/_umath.cpython-311-x86_64-linux-gnu.so
+7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0                          [stack]
+7ffd00100000-7ffd00102000 r-xp 00000000 00:00 0                          [vdso]
+"""
+
+
+def test_only_the_read_only_mappings_of_shared_libraries_are_chosen() -> None:
+    assert list(library_pages.library_mappings(MAPS)) == [
+        (0x7F0000000000, 0x7F0000100000),  # libtorch's read-only data, code, relocated data
+        (0x7F0000100000, 0x7F0000900000),
+        (0x7F0000900000, 0x7F0000A00000),
+        (0x7F0001000000, 0x7F0001100000),  # a versioned .so name
+        (0x7F0005000000, 0x7F0005001000),  # an extension module
+    ]  # not: the writable data, the GGUF, anonymous memory, a deleted file, the stack, the vdso
+
+
+def _rss_kib_of(address: int) -> int:
+    """Rss of the mapping that starts at `address`, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and not first.endswith(":"):
+                inside = int(first.split("-")[0], 16) == address
+            elif inside and first == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
+def test_a_read_only_file_mapping_leaves_rss_once_paged_out(tmp_path, monkeypatch) -> None:
+    """A file of our own (no other process maps its pages, which the kernel would skip), read
+    page by page: resident; paged out: not resident; read again: the same bytes, resident."""
+    path = tmp_path / "libfake.so"
+    data = bytes(range(256)) * (4 << 12)  # 4 MiB
+    path.write_bytes(data)
+    with open(path, "rb") as file:
+        view = mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ, flags=mmap.MAP_PRIVATE)
+    try:
+        address = _address_of(str(path))
+        assert sum(view[i] for i in range(0, len(view), mmap.PAGESIZE)) >= 0  # every page read
+        assert _rss_kib_of(address) >= 4096 - 64
+        ranges = [(s, e) for s, e in library_pages.library_mappings(_maps()) if s == address]
+        assert ranges, "the fake library's mapping was not chosen"
+        if not library_pages.page_out(iter(ranges)):
+            pytest.skip("this kernel has no MADV_PAGEOUT (Linux < 5.4)")
+        assert _rss_kib_of(address) < 512
+        assert view[:] == data  # faulted back from the file, unchanged
+        assert _rss_kib_of(address) >= 4096 - 64
+    finally:
+        view.close()
+
+
+def test_it_can_be_switched_off(monkeypatch) -> None:
+    monkeypatch.setattr(library_pages, "_released", set())
+    monkeypatch.setenv("MINI_INFER_RELEASE_LIBRARY_PAGES", "0")
+    assert library_pages.release_library_pages("import") is False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
+def test_each_stage_of_start_up_releases_once_per_process(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(library_pages, "_released", set())
+    monkeypatch.setattr(
+        library_pages, "page_out", lambda ranges: calls.append(list(ranges)) or True
+    )
+    monkeypatch.delenv("MINI_INFER_RELEASE_LIBRARY_PAGES", raising=False)
+    assert library_pages.release_library_pages("import") is True
+    assert library_pages.release_library_pages("import") is False  # a second engine: past it
+    assert library_pages.release_library_pages("load") is True
+    assert library_pages.release_library_pages("load") is False
+    assert len(calls) == 2 and all(calls)  # this process maps libraries: some were chosen
+
+
+def _maps() -> str:
+    with open("/proc/self/maps") as maps:
+        return maps.read()
+
+
+def _address_of(path: str) -> int:
+    """Where `path` is mapped in this process (its first mapping)."""
+    for line in _maps().splitlines():
+        if line.rstrip().endswith(path):
+            return int(line.split("-")[0], 16)
+    raise AssertionError(f"{path} is not mapped")
