@@ -21,6 +21,7 @@ cache may keep the pages it dropped from this process (reclaimable, as any file 
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import os
 import sys
@@ -57,8 +58,11 @@ def page_out(ranges: Iterator[tuple[int, int]]) -> bool:
     if madvise is None:
         return False
     for start, end in ranges:
-        if madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_PAGEOUT) != 0:
-            return False  # EINVAL: the kernel has no MADV_PAGEOUT; the rest would fail alike
+        failed = madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_PAGEOUT) != 0
+        # EINVAL: the kernel has no MADV_PAGEOUT, and the rest would fail alike. ENOMEM: the
+        # range was unmapped meanwhile (a library another thread unloaded): go on.
+        if failed and ctypes.get_errno() == errno.EINVAL:
+            return False
     return True
 
 

@@ -4,6 +4,7 @@ that their pages leave RSS."""
 from __future__ import annotations
 
 import mmap
+import os
 import sys
 
 import pytest
@@ -48,7 +49,18 @@ def _rss_kib_of(address: int) -> int:
     raise AssertionError(f"no mapping at {address:#x}")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
+def _has_pageout() -> bool:
+    """Linux 5.4 or later (MADV_PAGEOUT)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    major, minor = (int(part) for part in os.uname().release.split(".")[:2])
+    return (major, minor) >= (5, 4)
+
+
+NEEDS_PAGEOUT = pytest.mark.skipif(not _has_pageout(), reason="needs Linux 5.4+ (MADV_PAGEOUT)")
+
+
+@NEEDS_PAGEOUT
 def test_a_read_only_file_mapping_leaves_rss_once_paged_out(tmp_path, monkeypatch) -> None:
     """A file of our own (no other process maps its pages, which the kernel would skip), read
     page by page: resident; paged out: not resident; read again: the same bytes, resident."""
@@ -63,8 +75,7 @@ def test_a_read_only_file_mapping_leaves_rss_once_paged_out(tmp_path, monkeypatc
         assert _rss_kib_of(address) >= 4096 - 64
         ranges = [(s, e) for s, e in library_pages.library_mappings(_maps()) if s == address]
         assert ranges, "the fake library's mapping was not chosen"
-        if not library_pages.page_out(iter(ranges)):
-            pytest.skip("this kernel has no MADV_PAGEOUT (Linux < 5.4)")
+        assert library_pages.page_out(iter(ranges))
         assert _rss_kib_of(address) < 512
         assert view[:] == data  # faulted back from the file, unchanged
         assert _rss_kib_of(address) >= 4096 - 64
@@ -104,3 +115,32 @@ def _address_of(path: str) -> int:
         if line.rstrip().endswith(path):
             return int(line.split("-")[0], 16)
     raise AssertionError(f"{path} is not mapped")
+
+
+@NEEDS_PAGEOUT
+def test_a_range_unmapped_meanwhile_does_not_stop_the_others(tmp_path) -> None:
+    """/proc/self/maps is read before the madvise calls: a library unloaded in between leaves a
+    range with nothing mapped (ENOMEM), and the ranges after it are still paged out."""
+    path = tmp_path / "libafter.so"
+    path.write_bytes(b"\x01" * (1 << 20))
+    with open(path, "rb") as file:
+        view = mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ, flags=mmap.MAP_PRIVATE)
+    gone = mmap.mmap(-1, 4 << 20)  # mapped after the file, so the file cannot land in its place
+    start = _address_of_anonymous(gone)
+    gone.close()  # unmapped: madvise there fails with ENOMEM
+    try:
+        assert sum(view[i] for i in range(0, len(view), mmap.PAGESIZE)) > 0
+        address = _address_of(str(path))
+        assert not start <= address < start + (4 << 20)
+        assert _rss_kib_of(address) >= 1024 - 64
+        ranges = [(start, start + (4 << 20)), (address, address + len(view))]
+        assert library_pages.page_out(iter(ranges))
+        assert _rss_kib_of(address) < 256
+    finally:
+        view.close()
+
+
+def _address_of_anonymous(view: mmap.mmap) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
