@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from engine import library_pages
+from tests.engine.smaps import mapping_field
 
 MAPS = """\
 7f0000000000-7f0000100000 r--p 00000000 08:01 11 /venv/torch/lib/libtorch_cpu.so
@@ -37,16 +38,8 @@ def test_only_the_read_only_mappings_of_shared_libraries_are_chosen() -> None:
 
 
 def _rss_kib_of(address: int) -> int:
-    """Rss of the mapping that starts at `address`, from /proc/self/smaps."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            first = line.split()[0]
-            if "-" in first and not first.endswith(":"):
-                inside = int(first.split("-")[0], 16) == address
-            elif inside and first == "Rss:":
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping at {address:#x}")
+    """Rss of the mapping at `address`, in KiB."""
+    return int(mapping_field(address, "Rss").split()[0])
 
 
 def _has_pageout() -> bool:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from engine import LLM, LLMEngine, SamplingParams
 from engine.config import EngineConfig
+from tests.engine.smaps import mapping_field
 from tests.tiny_model import make_tiny_llama
 
 
@@ -205,18 +206,9 @@ def test_kv_pool_is_committed_on_use_or_at_start_up(tiny_dir, prefault):
 
 
 def _mapping_flags(address: int) -> set[str]:
-    """The VmFlags of the mapping holding `address` (/proc/self/smaps: "nh" = MADV_NOHUGEPAGE,
-    "hg" = MADV_HUGEPAGE)."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "VmFlags:":
-                return set(line.split()[1:])
-    raise AssertionError(f"no mapping holds {address:#x}")
+    """The VmFlags of the mapping holding `address` ("nh" = MADV_NOHUGEPAGE, "hg" =
+    MADV_HUGEPAGE)."""
+    return set(mapping_field(address, "VmFlags").split())
 
 
 def _resident_bytes(tensor: torch.Tensor) -> int:
