@@ -58,48 +58,55 @@ def thread_ids(pid: int) -> list[int]:
     return [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()]
 
 
+def _by_thread_name(pid: int, file: str, read) -> dict[str, float]:
+    """`read(text)` -> (thread name, value) for /proc/<pid>/task/<tid>/`file` of each thread of
+    `pid`, the values summed by thread name."""
+    totals: dict[str, float] = {}
+    for tid in thread_ids(pid):
+        try:
+            text = Path(f"/proc/{pid}/task/{tid}/{file}").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name, value = read(text)
+        totals[name] = totals.get(name, 0) + value
+    return totals
+
+
 def cpu_seconds_by_thread(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of each thread of `pid`, summed by thread name (the engine's
     thread is "engine"; the event loop runs on the main thread, named after the program)."""
     ticks = os.sysconf("SC_CLK_TCK")
-    totals: dict[str, float] = {}
-    for tid in thread_ids(pid):
-        try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:  # the thread ended meanwhile
-            continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
-    return totals
+
+    def read(stat: str) -> tuple[str, float]:
+        name_end = stat.rindex(")")  # a name may hold parentheses itself
+        fields = stat[name_end + 2 :].split()
+        return stat[stat.index("(") + 1 : name_end], (int(fields[11]) + int(fields[12])) / ticks
+
+    return _by_thread_name(pid, "stat", read)
 
 
 def wakeups_by_thread(pid: int) -> dict[str, int]:
     """Voluntary context switches of each thread of `pid` (each a sleep that something had to
     end: a wake-up), summed by thread name as `cpu_seconds_by_thread` does. On a virtual
     machine a wake-up can cost far more CPU than the work it wakes for."""
-    totals: dict[str, int] = {}
-    for tid in thread_ids(pid):
-        try:
-            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-        except OSError:
-            continue
+
+    def read(status: str) -> tuple[str, int]:
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        name = fields["Name"].strip()
-        totals[name] = totals.get(name, 0) + int(fields["voluntary_ctxt_switches"])
-    return totals
+        return fields["Name"].strip(), int(fields["voluntary_ctxt_switches"])
+
+    return _by_thread_name(pid, "status", read)
 
 
-def wakeups_by_side(per_token: dict[str, dict[str, float]]) -> dict[str, float]:
-    """`wakeups_per_token` (by process and thread name) as the CPU table's sides: the engine's
-    threads (the engine thread and the OpenMP threads it started), the worker's others (its
-    event loop), the broker and the client."""
-    worker = per_token.get("worker", {})
+def by_side(per_thread: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Per process and thread name (`cpu_split`'s, or per token) as the tables' sides: the
+    engine's threads (the engine thread and the OpenMP threads it started), the worker's others
+    (its event loop; a tokenizer thread where there is one), the broker and the client."""
+    worker = per_thread.get("worker", {})
     return {
         "engine": worker.get("engine", 0.0),
-        "worker": sum(k for name, k in worker.items() if name != "engine"),
-        "broker": sum(per_token.get("broker", {}).values()),
-        "client": sum(per_token.get("client", {}).values()),
+        "worker": sum(v for name, v in worker.items() if name != "engine"),
+        "broker": sum(per_thread.get("broker", {}).values()),
+        "client": sum(per_thread.get("client", {}).values()),
     }
 
 
@@ -149,7 +156,8 @@ def pin(pid: int, cpus: set[int]) -> None:
 
 
 def cpu_split(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict:
-    """CPU seconds spent during the run per process and thread name (after - before)."""
+    """What each process's threads spent during the run, by thread name (after - before): CPU
+    seconds, or wake-ups."""
     return {
         process: {
             name: round(seconds - before.get(process, {}).get(name, 0.0), 2)
@@ -164,11 +172,8 @@ def beside_engine_us_per_token(cpu: dict[str, dict[str, float]], num_tokens: int
     seconds by process and thread name): the worker's threads other than the engine's (its event
     loop; a tokenizer thread where there is one), the broker and the client. On a machine whose
     cores the engine's threads fill, each of these microseconds comes out of the steps."""
-    spent = {
-        "worker": sum(t for name, t in cpu.get("worker", {}).items() if name != "engine"),
-        "broker": sum(cpu.get("broker", {}).values()),
-        "client": sum(cpu.get("client", {}).values()),
-    }
+    spent = by_side(cpu)
+    del spent["engine"]
     per_token = {k: round(v / max(num_tokens, 1) * 1e6, 1) for k, v in spent.items()}
     per_token["total"] = round(sum(spent.values()) / max(num_tokens, 1) * 1e6, 1)
     return per_token
@@ -548,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'w:engine':>8} {'w:worker':>8} {'w:broker':>8} {'w:client':>8}")  # fmt: skip
     for i, p in enumerate(pairs):
         if c := p["e2e"].get("cpu_beside_engine_us_per_token"):
-            w = wakeups_by_side(p["e2e"].get("wakeups_per_token", {}))
+            w = by_side(p["e2e"].get("wakeups_per_token", {}))
             print(f"{i + 1:>4} {c['worker']:>7.0f} {c['broker']:>7.0f} {c['client']:>7.0f} "
                   f"{c['total']:>7.0f}   {w['engine']:>8.2f} {w['worker']:>8.2f} "
                   f"{w['broker']:>8.2f} {w['client']:>8.2f}")  # fmt: skip

@@ -95,10 +95,7 @@ def run_llama_server(args) -> dict:
     cmd = [sys.executable, "-m", "loadtest.bench_memory", "--llama-child", "--model", args.model,
            "--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens),
            "--llama-server", str(args.llama_server)]  # fmt: skip
-    done = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True)
-    if done.returncode != 0:
-        return {"error": done.stderr[-800:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _child_result(cmd, HERE)
 
 
 def llama_server_child(args) -> dict:
@@ -121,7 +118,12 @@ def run_tree(tree: Path, args) -> dict:
            "--options", json.dumps(args.options), "--num-requests", str(args.num_requests),
            "--max-tokens", str(args.max_tokens)]  # fmt: skip
     # Run as a script: sys.path[0] is loadtest/, then PYTHONPATH, so `engine` is `tree`'s.
-    done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    return _child_result(cmd, tree, env)
+
+
+def _child_result(cmd: list[str], cwd: Path, env: dict | None = None) -> dict:
+    """Run a child of this bench; the JSON on its last line of output, or its error."""
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         return {"error": done.stderr[-800:]}
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -54,7 +54,7 @@ def test_wake_ups_are_counted_per_thread_name_and_grouped_by_side() -> None:
     import os
     import time
 
-    from loadtest.bench_e2e import wakeups_by_side, wakeups_by_thread
+    from loadtest.bench_e2e import by_side, wakeups_by_thread
     from worker.service.bridge import set_os_thread_name
 
     named, started, done, finish = (threading.Event() for _ in range(4))
@@ -81,7 +81,7 @@ def test_wake_ups_are_counted_per_thread_name_and_grouped_by_side() -> None:
         thread.join(10)
     assert after["sleeper-x"] - before.get("sleeper-x", 0) >= 20
 
-    sides = wakeups_by_side(
+    sides = by_side(
         {"worker": {"engine": 3.0, "python": 1.5, "tokenizer": 0.5},
          "broker": {"tokio-rt-worker": 2.0}, "client": {"python": 0.25}}
     )  # fmt: skip
