@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from engine.platform import trim_heap
+from engine.platform import SWITCH_OFF, trim_heap
 
 HUGE_PAGE_BYTES = 2 << 20
 CHUNK_BYTES = 16 << 20  # a multiple of the huge page; larger tensors get a mapping of their own
@@ -36,7 +36,7 @@ THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 def enabled() -> bool:
     """Whether packed weights go to huge-page memory (see the module doc)."""
     setting = os.environ.get("MINI_INFER_HUGE_PAGES", "auto").strip().lower()
-    if setting in ("0", "off", "false", "no"):
+    if setting in SWITCH_OFF:
         return False
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False

@@ -27,13 +27,15 @@ import os
 import sys
 from collections.abc import Iterator
 
+from engine.platform import SWITCH_OFF
+
 MADV_PAGEOUT = 21  # <linux/mman.h>, Linux 5.4
 _READ_ONLY = ("r-xp", "r--p")  # code and read-only data: never written, always clean
 
 
 def enabled() -> bool:
     setting = os.environ.get("MINI_INFER_RELEASE_LIBRARY_PAGES", "1").strip().lower()
-    return sys.platform.startswith("linux") and setting not in ("0", "off", "false", "no")
+    return sys.platform.startswith("linux") and setting not in SWITCH_OFF
 
 
 def library_mappings(maps: str) -> Iterator[tuple[int, int]]:

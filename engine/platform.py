@@ -31,6 +31,9 @@ from engine.cpus import cpu_budget
 log = structlog.get_logger(__name__)
 
 _CPUINFO = Path("/proc/cpuinfo")
+# What turns an engine switch in the environment off (MINI_INFER_HUGE_PAGES,
+# MINI_INFER_RELEASE_LIBRARY_PAGES), lower case and stripped.
+SWITCH_OFF = frozenset({"0", "off", "false", "no"})
 
 
 @dataclass(frozen=True)
