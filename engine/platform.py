@@ -77,6 +77,32 @@ def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
     return model_name, frozenset(flags.split())
 
 
+# MINI_INFER_MAX_ISA: the widest instruction set the engine's own choices may see of this CPU,
+# so that a narrower machine's paths run, and are measured, here: "avx512" hides the AVX-512
+# extensions past the foundation (bf16, fp16, VNNI, VBMI) and AMX; "avx2" every AVX-512 flag as
+# well; "portable" AVX, AVX2, FMA and F16C too. torch's own kernels keep their dispatch level
+# (ATEN_CPU_CAPABILITY sets that).
+MAX_ISA_ENV = "MINI_INFER_MAX_ISA"
+_HIDDEN_ABOVE = {
+    "avx512": ("avx512_", "avx512vbmi", "avx512ifma", "amx"),
+    "avx2": ("avx512", "amx"),
+    "portable": ("avx512", "amx", "avx", "fma", "f16c"),
+}
+
+
+def cap_flags(flags: frozenset[str], max_isa: str | None) -> frozenset[str]:
+    """`flags` without those above `max_isa` (None or "": all of them kept); ValueError for an
+    unknown name."""
+    if not max_isa:
+        return flags
+    hidden = _HIDDEN_ABOVE.get(max_isa.strip().lower())
+    if hidden is None:
+        raise ValueError(
+            f"{MAX_ISA_ENV} must be one of {', '.join(_HIDDEN_ABOVE)}, got {max_isa!r}"
+        )
+    return frozenset(f for f in flags if not f.startswith(hidden))
+
+
 @functools.cache
 def cpu_info() -> CpuInfo:
     try:
@@ -84,6 +110,7 @@ def cpu_info() -> CpuInfo:
     except OSError:
         text = ""
     model_name, flags = parse_cpuinfo(text)
+    flags = cap_flags(flags, os.environ.get(MAX_ISA_ENV))
     return CpuInfo(model_name, flags, torch.backends.cpu.get_cpu_capability())
 
 
@@ -115,14 +142,6 @@ def can_pack_onednn(dtype: torch.dtype) -> bool:
     if dtype == torch.float16:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     return False
-
-
-def auto_dtype(checkpoint_dtype: torch.dtype | None, info: CpuInfo | None = None) -> torch.dtype:
-    """dtype="auto": the checkpoint's own dtype when this CPU computes it natively, else fp32
-    (which is also what a checkpoint that names no dtype gets)."""
-    if checkpoint_dtype in (torch.bfloat16, torch.float16) and has_native(checkpoint_dtype, info):
-        return checkpoint_dtype
-    return torch.float32
 
 
 def trim_heap() -> None:

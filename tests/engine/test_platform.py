@@ -1,4 +1,5 @@
-"""CPU feature detection, dtype="auto", and the per-machine linear kernel choice.
+"""CPU feature detection (and MINI_INFER_MAX_ISA), dtype="auto", and the per-machine linear kernel
+choice.
 
 Every path is exercised on any x86-64 CPU by forcing it: fabricated CpuInfo for the dtype rule,
 `linear_kernel="plain" | "packed" | "gemv"` for the GEMM paths, a patched oneDNN check for a CPU
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -17,12 +19,14 @@ from transformers import AutoModelForCausalLM
 
 import engine.kernels.cpu.linear_choice as linear_choice
 import engine.platform as platform
+import engine.precision as precision
 from engine.config import EngineConfig
 from engine.kernels.cpu import bf16_gemm
 from engine.layers.linear import Linear
 from engine.model_runner import ModelRunner
-from engine.platform import CpuInfo, auto_dtype, has_native, parse_cpuinfo
+from engine.platform import CpuInfo, has_native, parse_cpuinfo
 from engine.precision import resolve_dtype
+from engine.quant.config import QuantConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from tests.tiny_model import make_tiny_llama
@@ -61,14 +65,10 @@ def test_vector_isa_follows_the_flags():
     ("info", "bf16", "fp16"),
     [(ZEN4, True, False), (AVX2_ONLY, False, False), (SAPPHIRE, True, True), (BARE, False, False)],
 )
-def test_native_dtypes_and_auto(info, bf16, fp16):
+def test_native_dtypes(info, bf16, fp16):
     assert has_native(torch.float32, info)
     assert has_native(torch.bfloat16, info) is bf16
     assert has_native(torch.float16, info) is fp16
-    assert auto_dtype(torch.bfloat16, info) == (torch.bfloat16 if bf16 else torch.float32)
-    assert auto_dtype(torch.float16, info) == (torch.float16 if fp16 else torch.float32)
-    assert auto_dtype(torch.float32, info) == torch.float32
-    assert auto_dtype(None, info) == torch.float32
 
 
 def test_this_machine_is_detected():
@@ -259,11 +259,81 @@ def tiny_bf16_dir(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize(("info", "expected"), [(ZEN4, torch.bfloat16), (AVX2_ONLY, torch.float32)])
-def test_auto_dtype_of_a_bf16_checkpoint(tiny_bf16_dir, monkeypatch, info, expected):
+@pytest.mark.parametrize(
+    ("info", "kernels_built", "expected"),
+    [
+        (ZEN4, False, torch.bfloat16),  # native: the kernels do not matter
+        (AVX2_ONLY, False, torch.float32),  # torch's bf16 emulation is slower than fp32
+        (AVX2_ONLY, True, torch.bfloat16),  # our kernels take the bf16 step
+    ],
+)
+def test_auto_dtype_of_a_bf16_checkpoint(tiny_bf16_dir, monkeypatch, info, kernels_built, expected):
     monkeypatch.setattr(platform, "cpu_info", lambda: info)
+    monkeypatch.setattr(precision, "bf16_kernels_built", lambda: kernels_built)
     runner = ModelRunner(tiny_bf16_dir, EngineConfig(num_kv_blocks=8), "auto")
     assert runner.dtype == expected and runner.kv_cache.dtype == expected
+
+
+def _config(dtype):
+    return types.SimpleNamespace(dtype=dtype)
+
+
+@pytest.mark.parametrize("kernels_built", [False, True])
+@pytest.mark.parametrize("info", [ZEN4, AVX2_ONLY, SAPPHIRE, BARE], ids=lambda i: i.model_name)
+def test_auto_dtype_table(monkeypatch, info, kernels_built):
+    monkeypatch.setattr(platform, "cpu_info", lambda: info)
+    monkeypatch.setattr(precision, "bf16_kernels_built", lambda: kernels_built)
+    fast = has_native(torch.bfloat16, info) or kernels_built
+    half = torch.bfloat16 if fast else torch.float32
+    int4 = QuantConfig.parse("int4")
+    assert resolve_dtype("auto", _config(torch.bfloat16)) == half
+    assert resolve_dtype("auto", _config("bfloat16")) == half
+    assert resolve_dtype("auto", _config(torch.float16)) == (
+        torch.float16 if has_native(torch.float16, info) else half
+    )
+    assert resolve_dtype("auto", _config(torch.float32)) == torch.float32
+    assert resolve_dtype("auto", _config(None)) == torch.float32
+    for checkpoint in (torch.float32, torch.float16, None):  # quantized layers: bf16 if fast
+        assert resolve_dtype("auto", _config(checkpoint), int4) == half
+    # On CUDA only native bf16 counts (the CPU kernels do not run there).
+    native = torch.bfloat16 if has_native(torch.bfloat16, info) else torch.float32
+    assert resolve_dtype("auto", _config(torch.bfloat16), device="cuda") == native
+    assert resolve_dtype("float32", _config(torch.bfloat16), int4) == torch.float32
+
+
+def test_portable_cpus_never_count_the_kernels(monkeypatch):
+    monkeypatch.setattr(platform, "cpu_info", lambda: BARE)
+    assert not precision.bf16_kernels_built()
+
+
+@pytest.mark.parametrize(
+    ("cap", "gone", "kept"),
+    [
+        (None, set(), {"avx512f", "avx512_bf16", "avx2"}),
+        ("avx512", {"avx512_bf16", "avx512_vnni"}, {"avx512f", "avx512bw", "avx2", "fma"}),
+        ("avx2", {"avx512f", "avx512_bf16"}, {"avx2", "fma", "f16c"}),
+        ("portable", {"avx512f", "avx2", "fma", "f16c"}, {"sse2"}),
+    ],
+)
+def test_max_isa_hides_the_flags_above_it(monkeypatch, cap, gone, kept):
+    flags = ZEN4.flags | {"sse2"}
+    assert not (platform.cap_flags(flags, cap) & gone)
+    assert kept <= platform.cap_flags(flags, cap)
+    if cap is None:
+        monkeypatch.delenv(platform.MAX_ISA_ENV, raising=False)
+    else:
+        monkeypatch.setenv(platform.MAX_ISA_ENV, cap)
+    seen = platform.cpu_info.__wrapped__()  # uncached: read the environment now
+    real = parse_cpuinfo(platform._CPUINFO.read_text())[1] if platform._CPUINFO.exists() else set()
+    assert seen.flags == platform.cap_flags(frozenset(real), cap)
+    expected_isa = {"avx2": "avx2", "portable": "portable"}.get(cap)
+    if expected_isa is not None:
+        assert seen.vector_isa == expected_isa
+
+
+def test_max_isa_rejects_unknown_names():
+    with pytest.raises(ValueError, match="MINI_INFER_MAX_ISA"):
+        platform.cap_flags(frozenset({"avx2"}), "sse9")
 
 
 def test_resolve_dtype_rejects_auto_without_a_config_and_unknown_names():

@@ -19,8 +19,7 @@ from engine.config import EngineConfig
 from engine.layers.attention import TorchPagedAttention
 from engine.model_runner import ModelRunner
 from engine.models import get_model_class
-from engine.platform import has_native
-from engine.precision import resolve_precision
+from engine.precision import bf16_runs_fast, resolve_precision
 from engine.quant import load_model_weights
 from engine.quant.config import QuantConfig
 from engine.quant.gguf import (
@@ -101,7 +100,7 @@ def test_gguf_model_runs_in_its_own_quantization(
     hf_config = AutoConfig.from_pretrained(model_dir)
     dtype, quant = resolve_precision(model_dir, hf_config, "auto", "auto")
     assert quant.scheme == scheme and loads_as_is(gguf_path, quant) is as_is
-    assert dtype == (torch.bfloat16 if has_native(torch.bfloat16) else torch.float32)
+    assert dtype == (torch.bfloat16 if bf16_runs_fast() else torch.float32)
     model = _build_model(model_dir, quant)
     origin = load_model_weights(model, model_dir, quant, cache_root=tmp_path / "qc", pack=False)
     assert origin == ("gguf" if as_is else "quantized")
