@@ -1,7 +1,7 @@
 """Peak RSS and throughput of the engine process at W2, one code tree against another, in one
 run (issue 17's memory target: int4 weights + the int8 KV cache).
 
-    python loadtest/bench_memory.py --baseline /path/to/other/checkout [--rounds 3]
+    python loadtest/bench_memory.py [--baseline /path/to/other/checkout] [--rounds 3]
         [--options '{"dtype": "bfloat16", "quantization": "int4", "kv_cache_dtype": "int8"}']
         [--llama-server path/to/llama-server] [--out r.json]
 
@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.llama_child:
         print(json.dumps(llama_server_child(args)), flush=True)
         return 0
-    trees = {"baseline": args.baseline.resolve(), "this": HERE}
+    trees = {"this": HERE}
+    if args.baseline is not None:  # (optional: against llama-server alone, no other tree)
+        trees = {"baseline": args.baseline.resolve(), **trees}
     if args.llama_server is not None:
         trees["llama-server"] = args.llama_server
     runs: dict[str, list[dict]] = {name: [] for name in trees}
