@@ -271,3 +271,36 @@ def test_the_source_is_staged_once_and_restaged_when_it_changes(tmp_path):
     source.write_text("int b;\n")
     _staged(source, build_dir)
     assert staged.read_text() == "int b;\n"
+
+
+_PREFETCH_PROBE = """
+import hashlib, torch
+from engine.kernels.cpu import quant_gemm as qg
+torch.manual_seed(0)
+codes = torch.randint(0, 16, (64, 256), dtype=torch.uint8)
+packed, sm = qg.pack_int4(codes, torch.rand(64, 8) * 0.01, -torch.rand(64, 8) * 0.1)
+i8, s8 = qg.pack_int8(torch.randint(-127, 128, (64, 256), dtype=torch.int8), torch.rand(64))
+x = torch.randn(3, 256).bfloat16()
+out = [qg.int4_gemm(qg.load(), x, packed, sm, 32, 64), qg.int8_gemm(qg.load(), x, i8, s8, 64)]
+print(hashlib.sha256(b"".join(t.float().numpy().tobytes() for t in out)).hexdigest())
+"""
+
+
+def test_the_prefetch_distance_changes_no_bits(ext):
+    """MINI_INFER_GEMV_PREFETCH_BYTES (read once per process) only moves memory traffic: off,
+    a short or a long distance, garbage (none) and the default give the same outputs."""
+    import os
+    import subprocess
+    import sys
+
+    digests = set()
+    for value in ("0", "64", "65536", "abc", None):
+        env = {k: v for k, v in os.environ.items() if k != "MINI_INFER_GEMV_PREFETCH_BYTES"}
+        if value is not None:
+            env["MINI_INFER_GEMV_PREFETCH_BYTES"] = value
+        run = subprocess.run(
+            [sys.executable, "-c", _PREFETCH_PROBE], env=env, capture_output=True, text=True,
+            timeout=120, check=True,
+        )  # fmt: skip
+        digests.add(run.stdout.strip().splitlines()[-1])
+    assert len(digests) == 1
