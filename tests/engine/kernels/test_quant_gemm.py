@@ -282,12 +282,17 @@ packed, sm = qg.pack_int4(codes, torch.rand(64, 8) * 0.01, -torch.rand(64, 8) * 
 i8, s8 = qg.pack_int8(torch.randint(-127, 128, (64, 256), dtype=torch.int8), torch.rand(64))
 x = torch.randn(3, 256).bfloat16()
 out = [qg.int4_gemm(qg.load(), x, packed, sm, 32, 64), qg.int8_gemm(qg.load(), x, i8, s8, 64)]
+from engine.kernels.cpu import bf16_gemm as bg
+for isa in bg.ISAS:  # every bf16 path this CPU runs (the AVX-512 one prefetches)
+    if bg.can_run(isa):
+        out.append(bg.gemm(bg.load(), x, bg.pack(torch.randn(64, 256)), None, 64, isa))
 print(hashlib.sha256(b"".join(t.float().numpy().tobytes() for t in out)).hexdigest())
 """
 
 
 def test_the_prefetch_distance_changes_no_bits(ext):
-    """MINI_INFER_GEMV_PREFETCH_BYTES (read once per process) only moves memory traffic: off,
+    """MINI_INFER_GEMV_PREFETCH_BYTES (read once per process; quant_gemm's VNNI paths and
+    bf16_gemm's AVX-512 one) only moves memory traffic: off,
     a short or a long distance, garbage (none) and the default give the same outputs."""
     import os
     import subprocess
