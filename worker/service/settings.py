@@ -354,8 +354,9 @@ class WorkerSettings(BaseSettings):
     )
     # The name requests' `model` field and the health/metrics labels use; None: `model`.
     served_model_name: str | None = Field(default=None, min_length=1, max_length=256)
-    # "auto" (both): a GGUF runs in its own quantization, computing in bf16 where this CPU has
-    # it natively; see engine/precision.py. float32 and "none" give the HF-exact path.
+    # "auto" (both): a GGUF runs in its own quantization, computing in bf16 where it runs fast
+    # here (natively, or on the engine's C++ kernels for AVX2 / AVX-512); see
+    # engine/precision.py. float32 and "none" give the HF-exact path.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: str | None = "auto"
     engine: EngineConfig = Field(default_factory=lambda: EngineConfig(**_STEP_DEFAULTS))
