@@ -34,35 +34,14 @@
 #include <limits>
 #include <string>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include "gemv_prefetch.h"
 
 namespace {
 
 constexpr int64_t kBlock = 16;  // output channels per block (one AVX-512 vector of fp32)
-
-// Software prefetch of the weights this far ahead (the next blocks follow in memory), on the
-// AVX-512 path that widens bf16 by shifts (no avx512_bf16): measured there on the Intel Xeon VM,
-// as quant_gemm.cpp's (loadtest/README.md). MINI_INFER_GEMV_PREFETCH_BYTES overrides it (0:
-// none), read once.
-constexpr int64_t kPrefetchBytes = 2048;
-
-inline int64_t prefetch_distance() {
-  static const int64_t d = [] {
-    const char* e = std::getenv("MINI_INFER_GEMV_PREFETCH_BYTES");
-    return e != nullptr && *e != '\0' ? std::max<int64_t>(0, std::atoll(e)) : kPrefetchBytes;
-  }();
-  return d;
-}
-
-inline void prefetch_ahead(const void* p, int64_t bytes) {
-  const int64_t d = prefetch_distance();
-  if (d <= 0) return;
-  const char* c = static_cast<const char*>(p) + d;
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset);
-}
-
 enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 struct Problem {
@@ -202,7 +181,7 @@ AVX512_TARGET void block_avx512(const Problem& p, int64_t b, int64_t row0) {
     for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
   const int64_t main_pairs = p.num_pairs - p.num_pairs % U;
   for (int64_t e = 0; e < main_pairs; e += U) {
-    prefetch_ahead(wb + e * 2 * kBlock, U * 2 * kBlock * sizeof(uint16_t));
+    gemv_prefetch::ahead(wb + e * 2 * kBlock, U * 2 * kBlock * sizeof(uint16_t));
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) fma_pair_avx512<R, U>(wb, x, x_stride, e + u, u, acc);
   }

@@ -7,6 +7,9 @@ later start imports the cached library in about a second; a changed source or an
 its own directory. The source is compiled from a copy inside that directory, so checkouts at
 different paths holding the same source share one build instead of rebuilding it in turn.
 
+A source may include headers of its own folder by quotes (`#include "gemv_prefetch.h"`): they
+are staged beside the copy and hashed with it, so a changed header builds again too.
+
 A build leaves a stamp beside its library (`built.json`: the library, the flags, torch's and
 Python's versions); a later start whose source and stamp match imports the library directly.
 torch's builder is imported only to build: with it come setuptools and distutils, 4.3 MiB of
@@ -22,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -42,8 +46,22 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+"([^"/\\]+)"', re.MULTILINE)
+
+
+def build_inputs(source: Path) -> list[Path]:
+    """`source` and the headers it includes by quotes from its own folder (one level: headers
+    include none of their own)."""
+    source = Path(source)
+    names = _LOCAL_INCLUDE.findall(source.read_bytes())
+    return [source, *(source.with_name(name.decode()) for name in dict.fromkeys(names))]
+
+
 def source_digest(source: Path) -> str:
-    return hashlib.sha256(Path(source).read_bytes()).hexdigest()[:10]
+    digest = hashlib.sha256()
+    for i, path in enumerate(build_inputs(source)):
+        digest.update(path.read_bytes() if i == 0 else path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 def build(
@@ -121,11 +139,13 @@ def _import_prebuilt(
 ) -> ModuleType | None:
     """The library a build left in `directory`, if it was built from `source` as it is now,
     with `flags`, for this torch and this Python (its stamp says so); else None."""
-    staged = directory / Path(source).name
     try:
         stamp = json.loads((directory / STAMP).read_text())
         library = directory / stamp.pop("library")
-        if not library.is_file() or staged.read_bytes() != Path(source).read_bytes():
+        if not library.is_file() or any(
+            (directory / path.name).read_bytes() != path.read_bytes()
+            for path in build_inputs(source)
+        ):
             return None
     except (OSError, ValueError, LookupError, TypeError, AttributeError):  # none, or of old
         return None
@@ -144,16 +164,18 @@ def _import_prebuilt(
 
 
 def _staged(source: Path, directory: Path) -> Path:
-    """A copy of `source` inside its build directory, written only when missing or different.
-    ninja tracks a source by path and mtime: built from the checkout itself, two checkouts of
-    the same source (same directory name) would each rebuild it in turn, every time."""
-    staged = directory / Path(source).name
-    text = Path(source).read_bytes()
-    if not staged.is_file() or staged.read_bytes() != text:
-        tmp = staged.with_name(f".{staged.name}.tmp-{os.getpid()}")
-        tmp.write_bytes(text)
-        os.replace(tmp, staged)
-    return staged
+    """A copy of `source` (and of its headers, `build_inputs`) inside its build directory, each
+    written only when missing or different; the copy of `source` is returned. ninja tracks a
+    source by path and mtime: built from the checkout itself, two checkouts of the same source
+    (same directory name) would each rebuild it in turn, every time."""
+    for path in build_inputs(source):
+        staged = directory / path.name
+        text = path.read_bytes()
+        if not staged.is_file() or staged.read_bytes() != text:
+            tmp = staged.with_name(f".{staged.name}.tmp-{os.getpid()}")
+            tmp.write_bytes(text)
+            os.replace(tmp, staged)
+    return directory / Path(source).name
 
 
 def wait_for_build_lock(

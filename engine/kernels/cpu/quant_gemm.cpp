@@ -31,9 +31,10 @@
 #include <type_traits>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include "gemv_prefetch.h"
 
 namespace {
 
@@ -360,29 +361,6 @@ AVX512BF16_TARGET void int4_block_avx512bf16(const Problem& p, const uint8_t* cb
 //   sum_k (q_k + 128) a_k = sum_k q_k a_k + 128 * sum_k a_k.
 // Integer sums are exact; each chunk's sum is scaled by its d in fp32.
 
-// Software prefetch of the codes this far ahead of the ones being read (the next blocks follow
-// in memory). On the 2-core Intel Xeon VM (AVX-512 VNNI, no avx512_bf16) the hardware
-// prefetcher alone left a streamed GEMV at 16-19 GB/s of the 23-26 a plain read makes; 2 KiB
-// ahead took it to 22-26 (loadtest/README.md). MINI_INFER_GEMV_PREFETCH_BYTES overrides it (0:
-// none), read once, to measure it on another CPU.
-constexpr int64_t kPrefetchBytes = 2048;
-
-inline int64_t prefetch_distance() {
-  static const int64_t d = [] {
-    const char* e = std::getenv("MINI_INFER_GEMV_PREFETCH_BYTES");
-    return e != nullptr && *e != '\0' ? std::max<int64_t>(0, std::atoll(e)) : kPrefetchBytes;
-  }();
-  return d;
-}
-
-// One prefetch per cache line of the `bytes` that lie prefetch_distance() past `p`.
-inline void prefetch_ahead(const void* p, int64_t bytes) {
-  const int64_t d = prefetch_distance();
-  if (d <= 0) return;
-  const char* c = static_cast<const char*>(p) + d;
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset);
-}
-
 // vpermb indices: byte 4j + i of the result is byte 16i + j of the source.
 VNNI_TARGET inline __m512i transpose_4x16() {
   alignas(64) uint8_t index[64];
@@ -416,7 +394,7 @@ VNNI_TARGET void int4_block_vnni(const Problem& p, const uint8_t* cb, const uint
     for (int64_t cg = 0; cg < chunks_per_group; ++cg) {
       const int64_t chunk = g * chunks_per_group + cg;
       const uint8_t* c = cb + (g * gs2 + cg * (kChunk / 2)) * kBlock;
-      prefetch_ahead(c, kChunk / 2 * kBlock);
+      gemv_prefetch::ahead(c, kChunk / 2 * kBlock);
       __m512i acc[R][U];
       for (int r = 0; r < R; ++r)
         for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_si512();
@@ -461,7 +439,7 @@ VNNI_TARGET void int8_block_vnni(const Problem& p, const int8_t* cb, const float
   for (int r = 0; r < R; ++r) out[r] = _mm512_setzero_ps();
   for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
     const int8_t* c = cb + chunk * kChunk * kBlock;
-    prefetch_ahead(c, kChunk * kBlock);
+    gemv_prefetch::ahead(c, kChunk * kBlock);
     __m512i acc[R][U];
     for (int r = 0; r < R; ++r)
       for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_si512();

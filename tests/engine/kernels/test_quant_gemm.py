@@ -273,6 +273,60 @@ def test_the_source_is_staged_once_and_restaged_when_it_changes(tmp_path):
     assert staged.read_text() == "int b;\n"
 
 
+def test_a_local_header_is_staged_and_hashed_with_its_source(tmp_path):
+    """A header included by quotes from the source's folder is copied beside the staged source
+    and is part of its digest: a changed header names (and builds) another library; a header
+    included by angle brackets or from another folder is not ours to stage."""
+    from engine.kernels.cpu.extension import _staged, build_inputs, source_digest
+
+    source = tmp_path / "kernel.cpp"
+    header = tmp_path / "helper.h"
+    header.write_text("int h = 1;\n")
+    source.write_text(
+        '#include <vector>\n  #  include "helper.h"\n#include "../other/x.h"\n'
+        '#include "helper.h"\nint a;\n'
+    )
+    assert build_inputs(source) == [source, header]
+    build_dir = tmp_path / "build"
+    build_dir.mkdir()
+    _staged(source, build_dir)
+    assert (build_dir / "helper.h").read_text() == "int h = 1;\n"
+    before = source_digest(source)
+    header.write_text("int h = 2;\n")
+    assert source_digest(source) != before
+    _staged(source, build_dir)
+    assert (build_dir / "helper.h").read_text() == "int h = 2;\n"
+    plain = tmp_path / "plain.cpp"
+    plain.write_text("int a;\n")
+    assert build_inputs(plain) == [plain]
+
+
+def test_a_prebuilt_library_is_stale_when_its_header_changed(tmp_path):
+    """The prebuilt check compares the staged header too: with it unchanged the library is
+    loaded (here an empty file, which fails to load and says so); changed, it is not tried."""
+    from structlog.testing import capture_logs
+
+    from engine.kernels.cpu import extension
+
+    source = tmp_path / "kernel.cpp"
+    header = tmp_path / "helper.h"
+    header.write_text("int h = 1;\n")
+    source.write_text('#include "helper.h"\nint a;\n')
+    directory = tmp_path / "build"
+    directory.mkdir()
+    extension._staged(source, directory)
+    library = directory / "kernel.so"
+    library.write_bytes(b"")
+    extension._write_stamp(directory, library, ["-O3"])
+    with capture_logs() as logs:
+        assert extension._import_prebuilt("kernel", source, directory, ["-O3"]) is None
+    assert [entry["event"] for entry in logs] == ["extension.prebuilt_unloadable"]
+    header.write_text("int h = 2;\n")
+    with capture_logs() as logs:
+        assert extension._import_prebuilt("kernel", source, directory, ["-O3"]) is None
+    assert logs == []
+
+
 _PREFETCH_PROBE = """
 import hashlib, torch
 from engine.kernels.cpu import quant_gemm as qg

@@ -1,0 +1,33 @@
+// Software prefetch for the GEMVs (quant_gemm.cpp, bf16_gemm.cpp): the weights a GEMV streams
+// lie in order (the next blocks follow in memory), and on the 2-core Intel Xeon VM (AVX-512
+// VNNI, no avx512_bf16) the hardware prefetcher alone left a GEMV streamed from memory at 16-19
+// GB/s of the 23-26 a plain read makes; fetching 2 KiB ahead took it to 20-26
+// (loadtest/README.md). MINI_INFER_GEMV_PREFETCH_BYTES overrides the distance (0: none), read
+// once per library, to measure it on another CPU.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+
+namespace gemv_prefetch {
+
+constexpr int64_t kDefaultBytes = 2048;
+
+inline int64_t distance() {
+  static const int64_t d = [] {
+    const char* e = std::getenv("MINI_INFER_GEMV_PREFETCH_BYTES");
+    return e != nullptr && *e != '\0' ? std::max<int64_t>(0, std::atoll(e)) : kDefaultBytes;
+  }();
+  return d;
+}
+
+// One prefetch per cache line of the `bytes` that lie distance() past `p`.
+inline void ahead(const void* p, int64_t bytes) {
+  const int64_t d = distance();
+  if (d <= 0) return;
+  const char* c = static_cast<const char*>(p) + d;
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset);
+}
+
+}  // namespace gemv_prefetch
