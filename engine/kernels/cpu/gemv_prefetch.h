@@ -14,7 +14,8 @@ namespace gemv_prefetch {
 
 constexpr int64_t kDefaultBytes = 2048;
 
-inline int64_t distance() {
+// static: each library keeps its own (no symbol shared between the two libraries).
+static inline int64_t distance() {
   static const int64_t d = [] {
     const char* e = std::getenv("MINI_INFER_GEMV_PREFETCH_BYTES");
     return e != nullptr && *e != '\0' ? std::max<int64_t>(0, std::atoll(e)) : kDefaultBytes;
@@ -23,7 +24,7 @@ inline int64_t distance() {
 }
 
 // One prefetch per cache line of the `bytes` that lie distance() past `p`.
-inline void ahead(const void* p, int64_t bytes) {
+static inline void ahead(const void* p, int64_t bytes) {
   const int64_t d = distance();
   if (d <= 0) return;
   const char* c = static_cast<const char*>(p) + d;
