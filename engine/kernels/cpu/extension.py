@@ -58,9 +58,12 @@ def build_inputs(source: Path) -> list[Path]:
 
 
 def source_digest(source: Path) -> str:
-    digest = hashlib.sha256()
-    for i, path in enumerate(build_inputs(source)):
-        digest.update(path.read_bytes() if i == 0 else path.name.encode() + path.read_bytes())
+    """A hash of `source` and its headers (a source without headers keeps the digest, so the
+    build, it had before headers were hashed)."""
+    source, *headers = build_inputs(source)
+    digest = hashlib.sha256(source.read_bytes())
+    for header in headers:
+        digest.update(header.name.encode() + header.read_bytes())
     return digest.hexdigest()[:10]
 
 
