@@ -37,6 +37,16 @@ def test_only_the_read_only_mappings_of_shared_libraries_are_chosen() -> None:
     ]  # not: the writable data, the GGUF, anonymous memory, a deleted file, the stack, the vdso
 
 
+def _write_clean(path, data: bytes) -> None:
+    """Write `path` and flush it to disk, as a library on disk is: the kernel pages out clean
+    file pages only, so pages still dirty from the write stay resident until writeback has run
+    (a race with the machine's flusher, lost once in a CI rehearsal)."""
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
 def _rss_kib_of(address: int) -> int:
     """Rss of the mapping at `address`, in KiB."""
     return int(mapping_field(address, "Rss").split()[0])
@@ -59,7 +69,7 @@ def test_a_read_only_file_mapping_leaves_rss_once_paged_out(tmp_path, monkeypatc
     page by page: resident; paged out: not resident; read again: the same bytes, resident."""
     path = tmp_path / "libfake.so"
     data = bytes(range(256)) * (4 << 12)  # 4 MiB
-    path.write_bytes(data)
+    _write_clean(path, data)
     with open(path, "rb") as file:
         view = mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ, flags=mmap.MAP_PRIVATE)
     try:
@@ -115,7 +125,7 @@ def test_a_range_unmapped_meanwhile_does_not_stop_the_others(tmp_path) -> None:
     """/proc/self/maps is read before the madvise calls: a library unloaded in between leaves a
     range with nothing mapped (ENOMEM), and the ranges after it are still paged out."""
     path = tmp_path / "libafter.so"
-    path.write_bytes(b"\x01" * (1 << 20))
+    _write_clean(path, b"\x01" * (1 << 20))
     with open(path, "rb") as file:
         view = mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ, flags=mmap.MAP_PRIVATE)
     gone = mmap.mmap(-1, 4 << 20)  # mapped after the file, so the file cannot land in its place
