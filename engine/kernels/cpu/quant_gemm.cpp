@@ -262,6 +262,7 @@ AVX512_TARGET void int8_block_avx512(const Problem& p, const int8_t* cb, const f
     for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
   const int64_t k_main = p.in_features - p.in_features % U;
   for (int64_t k = 0; k < k_main; k += U) {
+    gemv_prefetch::ahead(cb + k * kBlock, U * kBlock);
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
       const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(

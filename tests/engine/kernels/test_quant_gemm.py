@@ -336,6 +336,8 @@ packed, sm = qg.pack_int4(codes, torch.rand(64, 8) * 0.01, -torch.rand(64, 8) * 
 i8, s8 = qg.pack_int8(torch.randint(-127, 128, (64, 256), dtype=torch.int8), torch.rand(64))
 x = torch.randn(3, 256).bfloat16()
 out = [qg.int4_gemm(qg.load(), x, packed, sm, 32, 64), qg.int8_gemm(qg.load(), x, i8, s8, 64)]
+if qg.can_run("avx512"):  # the exact int8 path (a bf16 lm_head's screen) prefetches too
+    out.append(qg.int8_gemm(qg.load(), x, i8, s8, 64, isa="avx512"))
 from engine.kernels.cpu import bf16_gemm as bg
 for isa in bg.ISAS:  # every bf16 path this CPU runs (the AVX-512 one prefetches)
     if bg.can_run(isa):
@@ -346,7 +348,7 @@ print(hashlib.sha256(b"".join(t.float().numpy().tobytes() for t in out)).hexdige
 
 def test_the_prefetch_distance_changes_no_bits(ext):
     """MINI_INFER_GEMV_PREFETCH_BYTES (read once per process; quant_gemm's VNNI paths and
-    bf16_gemm's AVX-512 one) only moves memory traffic: off,
+    exact AVX-512 int8 one, bf16_gemm's AVX-512 one) only moves memory traffic: off,
     a short or a long distance, garbage (none) and the default give the same outputs."""
     import os
     import subprocess
