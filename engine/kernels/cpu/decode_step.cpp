@@ -135,7 +135,8 @@ class Barrier {
 // nothing. On one thread, threads are probed every period, the only way to see the cores free
 // again. The further apart the two arms, the longer the period before the next probe, so
 // probing costs about 1% of the steps' time whichever arm is slower; but a switch is confirmed
-// by a probe after the shortest period (`decide`). Step time is per row, in ns.
+// by a probe after the shortest period, and on one thread the period grows at most twofold per
+// probe that keeps it (`decide`). Step time is per row, in ns.
 //
 // Why the fresh measure after a probe. Through a worker (its event loop, the broker and a
 // client streaming on the same 2 cores) one-stream steps on threads are heavy-tailed: a median
@@ -312,9 +313,13 @@ class ThreadChoice {
     }
     const double a = b.estimate[chosen], c = b.estimate[1 - chosen];
     const double gap = a > 0 && c > a ? c / a - 1.0 : 0.0;
-    b.period = switched ? kFirstPeriod
-                        : std::clamp<int64_t>(static_cast<int64_t>(kPeriodPerGap * gap),
-                                              kFirstPeriod, kMaxPeriod);
+    const int64_t by_gap = std::clamp<int64_t>(static_cast<int64_t>(kPeriodPerGap * gap),
+                                               kFirstPeriod, kMaxPeriod);
+    // On one thread the period at most doubles per decision that keeps it: a burst that slows
+    // threads can last past the confirming probe (through a worker, 10-50 steps of threads at
+    // 2-3x their usual time), and the gap measured in it set ~100-450 steps on one thread,
+    // the rest of a stream, at ~2x the threads' time once the burst had passed.
+    b.period = switched ? kFirstPeriod : b.single ? std::min(by_gap, 2 * b.period) : by_gap;
     b.left = b.period;
   }
 

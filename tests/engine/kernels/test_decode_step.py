@@ -751,6 +751,25 @@ def test_a_switch_made_in_a_burst_of_other_work_is_undone_once_it_has_passed(ste
     assert sum(settled) <= 0.02 * len(settled)
 
 
+def test_one_thread_chosen_in_a_long_burst_is_left_soon_after_it(step_ext):
+    """Threads slowed 3x for the first 120 steps, past the switch to one thread and the probe
+    that confirms it (through a worker, threads ran at 2-3x their usual time for tens of
+    steps); one thread costs 1.6x the threads' usual. The gap measured in the burst would set a
+    period of ~350 steps on one thread (a whole stream of 128 tokens, at 1.6x): the period on
+    one thread grows at most twofold per probe instead, and the steps are back on threads
+    within ~60 steps of the burst's end."""
+    import random
+
+    def costs(step: int) -> tuple[int, int]:  # ns per row: (threads, one thread)
+        return (3000 if step < 120 else 1000), 1600
+
+    choice = step_ext.ThreadChoice()
+    arms = _drive(choice, 1, costs, 800, random.Random(2))
+    assert sum(arms[FIRST_PERIOD : 120]) > 40  # on one thread in the burst
+    settled = arms[200:]
+    assert sum(settled) <= 0.03 * len(settled)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_threads_with_rare_slow_steps_keep_the_steps_when_their_mean_is_lower(step_ext, seed):
     """Threads as a worker's one stream sees them: 3.4 us per row, one step in ten 6.5 us
