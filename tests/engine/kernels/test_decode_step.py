@@ -525,15 +525,24 @@ class _Head:
     near_ties=st.integers(0, 40),
     x_scale=st.sampled_from([1e-3, 1.0, 30.0]),
     threads=st.sampled_from([1, 2]),
+    isa=st.sampled_from(bf16_gemm.ISAS),
+    poison=st.sampled_from([None, "nan", "inf", "overflow"]),
     seed=st.integers(0, 2**16),
 )
 def test_the_screened_lm_heads_ids_are_the_full_logits_argmax(
-    step_ext, rows, vocab, in_features, near_ties, x_scale, threads, seed
+    step_ext, rows, vocab, in_features, near_ties, x_scale, threads, isa, poison, seed
 ):
     """The int8 screen rules channels out, the rest are computed exactly: the ids are
     torch.max's over the full bf16 logits of the same kernel, whatever the ties. Channels are
     drawn as copies of others (exact ties), copies nudged by one bf16 step (ties the screen
-    cannot tell apart), and zero rows."""
+    cannot tell apart), and zero rows. Every head kernel this CPU runs (the screen's passes
+    over the vocabulary are AVX-512 beside an AVX-512 kernel, scalar beside the others). A
+    first row poisoned: a NaN or an infinity in its activations, or two huge ones of opposite
+    signs on equal weights, whose screen (int8 codes times x, summed in fp32) overflows to
+    inf - inf while the logits cancel them exactly: a row whose screen is not finite is
+    computed whole."""
+    if not bf16_gemm.can_run(isa):
+        isa = "portable"
     generator = torch.Generator().manual_seed(seed)
     w = torch.randn(vocab, in_features, generator=generator) * 0.05
     for _ in range(near_ties):
@@ -545,6 +554,11 @@ def test_the_screened_lm_heads_ids_are_the_full_logits_argmax(
     if vocab > 3:
         w[vocab // 3] = 0.0
     x = (torch.randn(rows, in_features, generator=generator) * x_scale).bfloat16()
+    if poison == "overflow":
+        w[:, 1] = w[:, 0]
+        x[0, 0], x[0, 1] = 3e37, -3e37
+    elif poison is not None:
+        x[0, 0] = float(poison)
     head = _Head(w.bfloat16())
     screen = fused_decode.HeadScreen(head)
     bg, qg = bf16_gemm.load(), quant_gemm.load()
@@ -552,8 +566,9 @@ def test_the_screened_lm_heads_ids_are_the_full_logits_argmax(
     screened = torch.empty(rows, vocab, dtype=torch.bfloat16)
     ids = torch.full((rows,), -7, dtype=torch.int64)
     candidates = torch.zeros(rows, dtype=torch.int64)
-    isa = bf16_gemm.isa_code()
-    head_args, head_blocks = bg.make_gemv_task(x, full, head.weight, None, vocab, isa)
+    head_args, head_blocks = bg.make_gemv_task(
+        x, full, head.weight, None, vocab, bf16_gemm.isa_code(isa)
+    )
     screen_args, screen_blocks = qg.make_gemv_task(
         x, screened, screen.codes, screen.scales, 8, 0, vocab, screen.isa
     )
@@ -565,12 +580,16 @@ def test_the_screened_lm_heads_ids_are_the_full_logits_argmax(
         (bg.screen_argmax_task_fn(), exact, 0, 1, True),
     ])  # fmt: skip
     plan.run(rows, threads, decode_step.SPIN)
-    assert torch.equal(full, bf16_gemm.gemm(bg, x, head.weight, None, vocab))
+    reference = bf16_gemm.gemm(bg, x, head.weight, None, vocab, isa)
+    assert torch.equal(full.view(torch.int16), reference.view(torch.int16))  # NaNs too
     # Each channel's bound holds (float64 arithmetic; the 2^-7 term is the bf16 roundings').
-    norm = x.double().abs().sum(dim=1, keepdim=True)
+    clean = slice(1 if poison else 0, rows)
+    norm = x[clean].double().abs().sum(dim=1, keepdim=True)
     e = screen.bounds.double() * norm
-    e = e + 2.0**-7 * (screened.double().abs() + e)
-    assert ((screened.double() - full.double()).abs() <= e).all()
+    e = e + 2.0**-7 * (screened[clean].double().abs() + e)
+    assert ((screened[clean].double() - full[clean].double()).abs() <= e).all()
+    if poison is not None and not (poison == "overflow" and torch.isfinite(screened[0]).all()):
+        assert candidates[0] == vocab  # its norm or its screen is not finite: all computed
     assert torch.equal(ids, full.max(dim=-1).indices), (ids, full.max(dim=-1))
     assert (candidates >= 1).all() and (candidates <= -(-vocab // 16) * 16).all()
 
