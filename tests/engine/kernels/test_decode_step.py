@@ -784,7 +784,7 @@ def test_one_thread_chosen_in_a_long_burst_is_left_soon_after_it(step_ext):
 
     choice = step_ext.ThreadChoice()
     arms = _drive(choice, 1, costs, 800, random.Random(2))
-    assert sum(arms[FIRST_PERIOD : 120]) > 40  # on one thread in the burst
+    assert sum(arms[FIRST_PERIOD:120]) > 40  # on one thread in the burst
     settled = arms[200:]
     assert sum(settled) <= 0.03 * len(settled)
 
