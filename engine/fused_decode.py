@@ -192,10 +192,8 @@ class FusedDecode:
         # A bf16 lm_head's greedy steps of few rows through an int8 screen (`HeadScreen`);
         # `screened_steps`, and the channels they computed exactly, count its use.
         self.screen = (
-            HeadScreen(model.lm_head)
-            if self.has_lm_head and _worth_a_screen(model) and quant_gemm.load() is not None
-            else None
-        )  # fmt: skip
+            HeadScreen(model.lm_head) if self.has_lm_head and _worth_a_screen(model) else None
+        )
         self.screen_candidates = torch.zeros(m, dtype=i64)
         self._screened = False  # the last run took the screen (its logits are not all there)
         self.screened_steps = self.screened_channels = 0
@@ -334,12 +332,15 @@ class FusedDecode:
                              self.head_multiplier)  # fmt: skip
             if self.screen is not None:  # screened steps: A into the logits buffer, then ids
                 screen = self.screen
-                quant_gemv("lm_head_screen", self.normed, self.logits, screen.codes,
-                           screen.scales, 8, 0, screen.out_features, screen.isa,
-                           self.screen_multiplier)  # fmt: skip
-                args = bg.make_screen_task(
-                    head_args, self.logits, screen.bounds, self.greedy_ids, self.screen_candidates
+                args, blocks = bg.make_screen_gemv_task(
+                    self.normed, self.logits, screen.codes, screen.scales, screen.out_features,
+                    screen.isa,
                 )
+                tasks.append((bg.screen_gemv_task_fn(), args, blocks, 0, True,
+                              self.screen_multiplier))  # fmt: skip
+                self.task_names.append("lm_head_screen")
+                args = bg.make_screen_task(head_args, self.logits, screen.bounds, screen.rounding,
+                                           self.greedy_ids, self.screen_candidates)  # fmt: skip
                 tasks.append((bg.screen_argmax_task_fn(), args, 0, 1, True, self.screen_multiplier))
                 self.task_names.append("lm_head_screen_exact")
             args = fo.make_argmax_task(
@@ -539,21 +540,26 @@ class FusedDecode:
 class HeadScreen:
     """An int8 copy of a bf16 lm_head that rules out the channels that cannot be a greedy
     step's argmax (bf16_gemm.cpp's `screen_argmax_task`): per output channel j, scale
-    s_j = max|W_j| / 127 and codes round(W_j / s_j). Each channel's screen logit is within
-    b_j |x|_1 of the exact one, b_j the channel's largest weight error (measured in float64
-    against what its codes and scale stand for, at most s_j / 2) plus room for both GEMVs' fp32
-    sums. The channels it cannot rule out are computed exactly from the bf16 weight, by the
-    same kernel calls as the full GEMV: the ids are the full logits' argmax, bit for bit
-    (tests/engine/kernels/test_decode_step.py). Its codes run on quant_gemm's exact-math path
-    (no int8 activations, whose error the bound leaves out). SmolLM2 at W1: ~95 of 49152
-    channels computed exactly a step. An int4 copy (a quarter of the head's bytes) ruled out
-    none there: its error times the final hidden state's |x|_1 exceeds the logits' spread. Nor
-    does the VNNI path pay (0.89 against 1.12 ms for the GEMV): its int8 activations, a scale
-    per 32 inputs, put the final hidden state's outliers into the bound, and 88% of the
-    channels were left to compute exactly."""
+    s_j = max|W_j| / 127 and codes round(W_j / s_j). Its GEMV (bf16_gemm.cpp's
+    `screen_gemv_task`) multiplies the codes by the activations rounded to integers of up to
+    15 bits, d = max|x| / Q per row, in exact integer sums. Each channel's screen logit is then
+    within b_j |x|_1 + c_j d of the exact one: b_j the channel's largest weight error (measured
+    in float64 against what its codes and scale stand for, at most s_j / 2) plus room for fp32
+    sums, c_j = 0.51 s_j sum_k |q_jk| the activations' rounding. The channels it cannot rule
+    out are computed exactly from the bf16 weight, by the same kernel calls as the full GEMV:
+    the ids are the full logits' argmax, bit for bit (tests/engine/kernels/test_decode_step.py).
+    SmolLM2 at W1: ~95 of 49152 channels computed exactly a step. An int4 copy (a quarter of
+    the head's bytes) ruled out none there: its error times the final hidden state's |x|_1
+    exceeds the logits' spread. Nor do int8 activations with a scale per 32 inputs (the VNNI
+    GEMV's): they put the final hidden state's outliers into the bound, and 88% of the channels
+    were left to compute exactly. Integer activations of 15 bits widen the bound little against
+    exact fp32 ones (SmolLM2, 3 prompts, 63 greedy steps of 3 rows: 31.2 channels computed
+    exactly per row and step against 30.2, the same tokens), and their GEMV streams at the
+    memory's pace where the fp32 one was bound by its conversions."""
 
     ROWS_PER_CHUNK = 4096  # quantized this many rows at a time (a float copy of the whole
     # head would be 113 MiB at load)
+    ROUNDING = 0.51  # |x_k - d r_k| <= 0.51 d: 0.5 for the integer, 0.01 for x_k / d's rounding
 
     def __init__(self, head: Linear):
         out_features, in_features = head.out_features, head.in_features
@@ -561,6 +567,7 @@ class HeadScreen:
         codes = torch.empty(out_features, in_features, dtype=torch.int8)
         scales = torch.empty(out_features, dtype=torch.float32)
         bounds = torch.empty(out_features, dtype=torch.float64)
+        rounding = torch.empty(out_features, dtype=torch.float64)
         for start in range(0, out_features, self.ROWS_PER_CHUNK):
             rows = slice(start, start + self.ROWS_PER_CHUNK)
             q, scale = quantize_int8_per_channel(weight[rows])
@@ -573,14 +580,18 @@ class HeadScreen:
             # terms' magnitudes (at most 128 s_j |x|_1): twice what they need.
             slack = 4 * in_features * 2.0**-24 * 128 * scale.double()
             bounds[rows] = (error + slack) * (1 + 1e-6)
+            rounding[rows] = self.ROUNDING * scale.double() * q.double().abs().sum(dim=1)
         del weight
-        codes, scales = quant_gemm.pack_int8(codes, scales)
         # Streamed whole every screened step, as the quantized linears' codes: in huge pages
-        # where the OS offers them (the Xeon: 19 -> 20-21 GB/s for this GEMV, streamed).
-        self.codes, self.scales = huge_pages.adopt(codes), huge_pages.adopt(scales)
+        # where the OS offers them.
+        self.codes = huge_pages.adopt(bf16_gemm.pack_screen(codes))
+        padded = torch.zeros(self.codes.shape[0] * bf16_gemm.BLOCK, dtype=torch.float32)
+        padded[:out_features] = scales
+        self.scales = huge_pages.adopt(padded)
         self.bounds = bounds.float()
+        self.rounding = (rounding * (1 + 1e-6)).float()
         self.out_features = out_features
-        self.isa = quant_gemm.isa_code(quant_gemm.best_isa(int8_activations=False))
+        self.isa = bf16_gemm.screen_isa_code()
 
 
 def _worth_a_screen(model) -> bool:

@@ -431,24 +431,217 @@ void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
 // ---------------------------------------------------------------------------------------------
 // A greedy step's lm_head, screened (engine/fused_decode.py, `HeadScreen`): the argmax of the
 // bf16 logits y = round_bf16(x W^T) without reading all of W. A screen A ~ x W'^T from a
-// quantized copy W' of W (computed by quant_gemm's exact-math GEMV: fp32 sums, bf16 output)
+// quantized copy W' of W (screen_gemv_task below: exact integer sums, bf16 output)
 // bounds every logit: with b_j >= max_k |W_jk - W'_jk| plus both GEMVs' fp32 slack (the
-// caller's `bounds`),
-//   |A_j - y_j| <= e_j = b_j |x|_1 + 2^-7 (|A_j| + b_j |x|_1),
-// the 2^-7 term covering the rounding of A and y to bf16 (2^-9 each). So the row's largest
+// caller's `bounds`) and c_j d the activations' rounding in the screen's GEMV (`rounding`),
+//   |A_j - y_j| <= e_j = b_j |x|_1 + c_j d + 2^-7 (|A_j| + b_j |x|_1 + c_j d),
+// the 2^-7 term covering the rounding of A and y to bf16 (2^-9 each; A's three fp32 roundings
+// before, 2^-24 each, fit in the room left). So the row's largest
 // logit is at least L = max_j (A_j - e_j), and a channel with A_j + e_j < L cannot hold it; the
 // channels that can are computed exactly, block by block, by this library's kernel on the
 // step's rows (the same calls, the same bits as the full GEMV), and their first largest value
 // is torch.max's index over the full logits. A row whose activations or screen are not finite
 // is computed whole. Items: rows.
 
+// The screen's GEMV: A_j = (fl(sum_k q_jk r_k) * d) * s_j, the int8 codes q times the row's
+// activations as integers r_k = round(x_k / d), d = max|x| / Q, and the sum exact in int32 (Q,
+// at most 32767, keeps 127 Q K2 within it: 29356 at K = 576). So each product is one integer
+// multiply-add of two int16 (`vpdpwssd` with AVX-512 VNNI, `vpmaddwd` without): the exact-math
+// int8 path's fp32 conversion and FMA per weight made it compute-bound (25 GB/s a thread from
+// L2 on the Xeon, ~20 from memory in the step). The activations' rounding adds at most
+// c_j d to channel j's error, c_j = 0.51 s_j sum_k |q_jk| (`HeadScreen.quantization_bounds`;
+// 0.5 for the rounding to an integer, 0.01 for x_k / d's own), which the screen task adds to
+// its bound. The codes are packed as the bf16 weights are: [blocks, K2 / 2, 16, 2], lane j's
+// pair of inputs side by side.
+constexpr int64_t kAvx512Vnni = 4;  // quant_gemm.cpp's number for the VNNI path
+
+struct ScreenGemvTask {
+  const int8_t* codes;  // [num_blocks, num_pairs, 16, 2]
+  const float* scales;  // [num_blocks * 16], zero padded
+  int64_t in_features, out_features, num_pairs, num_blocks, isa;
+  const uint16_t* x;  // bf16 [rows, in_features]
+  at::BFloat16* y;    // bf16 [rows, out_features]
+};
+
+// Q for num_pairs pairs of inputs: 127 * Q * 2 * num_pairs <= 2^31 - 1.
+inline int32_t screen_range(int64_t num_pairs) {
+  return static_cast<int32_t>(
+      std::min<int64_t>(32767, int64_t{2147483647} / (127 * 2 * std::max<int64_t>(num_pairs, 1))));
+}
+
+// d for a row of k bf16 activations: max|x| / Q; 0 where that is 0 or not finite (the screen
+// task computes such a row whole, whatever the screen says). Both tasks call this.
+inline float screen_step(const uint16_t* x, int64_t k, int64_t num_pairs) {
+  float m = 0.f;
+  bool finite = true;
+  for (int64_t i = 0; i < k; ++i) {
+    const float v = std::fabs(bf16_to_float(x[i]));
+    finite = finite && std::isfinite(v);
+    m = std::max(m, v);
+  }
+  const float d = m / static_cast<float>(screen_range(num_pairs));
+  return finite && d > 0.f && std::isfinite(d) ? d : 0.f;
+}
+
+// The row's r_k as int16 pairs, one int32 per pair (the even input in the low half); returns d.
+float quantize_int16(const uint16_t* x, int64_t k, int64_t num_pairs, int32_t* pairs) {
+  const float d = screen_step(x, k, num_pairs);
+  const float inv = d > 0.f ? 1.f / d : 0.f, range = static_cast<float>(screen_range(num_pairs));
+  for (int64_t e = 0; e < num_pairs; ++e) {
+    uint32_t halves[2];
+    for (int h = 0; h < 2; ++h) {
+      const int64_t i = 2 * e + h;
+      float q = i < k ? std::nearbyint(bf16_to_float(x[i]) * inv) : 0.f;  // to nearest even
+      q = std::isnan(q) ? 0.f : std::clamp(q, -range, range);
+      halves[h] = static_cast<uint32_t>(static_cast<int32_t>(q)) & 0xffffu;
+    }
+    pairs[e] = static_cast<int32_t>(halves[0] | (halves[1] << 16));
+  }
+  return d;
+}
+
+inline at::BFloat16 round_bf16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return at::BFloat16(static_cast<uint16_t>(rounded), at::BFloat16::from_bits());
+}
+
+void screen_block_portable(const ScreenGemvTask& t, const int32_t* xp, float d, int64_t row,
+                           int64_t b) {
+  const int8_t* cb = t.codes + b * t.num_pairs * 2 * kBlock;
+  const int64_t lanes = std::min(kBlock, t.out_features - b * kBlock);
+  for (int64_t j = 0; j < lanes; ++j) {
+    int32_t sum = 0;
+    for (int64_t e = 0; e < t.num_pairs; ++e) {
+      const int32_t r0 = static_cast<int16_t>(xp[e] & 0xffff), r1 = static_cast<int16_t>(xp[e] >> 16);
+      sum += cb[(e * kBlock + j) * 2] * r0 + cb[(e * kBlock + j) * 2 + 1] * r1;
+    }
+    t.y[row * t.out_features + b * kBlock + j] =
+        round_bf16(static_cast<float>(sum) * d * t.scales[b * kBlock + j]);
+  }
+}
+
+AVX2_TARGET void screen_block_avx2(const ScreenGemvTask& t, const int32_t* xp, float d,
+                                   int64_t row, int64_t b) {
+  const int8_t* cb = t.codes + b * t.num_pairs * 2 * kBlock;
+  __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int64_t e = 0; e < t.num_pairs; ++e) {
+    const __m256i x = _mm256_set1_epi32(xp[e]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i w = _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(cb + e * 2 * kBlock + 16 * h)));
+      acc[h] = _mm256_add_epi32(acc[h], _mm256_madd_epi16(w, x));
+    }
+  }
+  alignas(32) int32_t sums[kBlock];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums), acc[0]);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums + 8), acc[1]);
+  const int64_t lanes = std::min(kBlock, t.out_features - b * kBlock);
+  for (int64_t j = 0; j < lanes; ++j)
+    t.y[row * t.out_features + b * kBlock + j] =
+        round_bf16(static_cast<float>(sums[j]) * d * t.scales[b * kBlock + j]);
+}
+
+#define SCREEN_VNNI_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
+
+// One block's sums for one row, four accumulators along the pairs (vpdpwssd's latency is 5
+// cycles: with two, a thread ran ~30 GB/s from L2): acc += the pair's products, by
+// STEP(acc, w, x) (VNNI: vpdpwssd; else vpmaddwd and an add, the same integers).
+#define SCREEN_SUMS(STEP)                                                                     \
+  __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),  \
+                    _mm512_setzero_si512()};                                                 \
+  int64_t e = 0;                                                                             \
+  for (; e + 4 <= num_pairs; e += 4) {                                                       \
+    gemv_prefetch::ahead(cb + e * 2 * kBlock, 8 * kBlock);                                   \
+    for (int u = 0; u < 4; ++u) {                                                            \
+      const __m512i w = _mm512_cvtepi8_epi16(                                                \
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + (e + u) * 2 * kBlock)));  \
+      acc[u] = STEP(acc[u], w, _mm512_set1_epi32(xp[e + u]));                                \
+    }                                                                                        \
+  }                                                                                          \
+  for (; e < num_pairs; ++e) {                                                               \
+    const __m512i w = _mm512_cvtepi8_epi16(                                                  \
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + e * 2 * kBlock)));          \
+    acc[0] = STEP(acc[0], w, _mm512_set1_epi32(xp[e]));                                      \
+  }                                                                                          \
+  return _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3]));
+
+AVX512_TARGET __attribute__((always_inline)) inline __m512i madd_step(__m512i acc, __m512i w,
+                                                                      __m512i x) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+}
+
+AVX512_TARGET __attribute__((always_inline)) inline __m512i screen_sums_avx512(
+    const int8_t* cb, const int32_t* xp, int64_t num_pairs) {
+  SCREEN_SUMS(madd_step)
+}
+
+SCREEN_VNNI_TARGET __attribute__((always_inline)) inline __m512i screen_sums_vnni(
+    const int8_t* cb, const int32_t* xp, int64_t num_pairs) {
+  SCREEN_SUMS(_mm512_dpwssd_epi32)
+}
+#undef SCREEN_SUMS
+
+// (float(sum) * d) * s, rounded to nearest-even bf16, the block's lanes stored.
+AVX512_TARGET __attribute__((always_inline)) inline void screen_store_avx512(
+    const ScreenGemvTask& t, __m512i sums, float d, int64_t row, int64_t b) {
+  const int64_t lanes = std::min(kBlock, t.out_features - b * kBlock);
+  const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
+  const __m512 a = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(d)),
+                                 _mm512_loadu_ps(t.scales + b * kBlock));
+  const __m512i bits = _mm512_castps_si512(a);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  _mm256_mask_storeu_epi16(t.y + row * t.out_features + b * kBlock, mask,
+                           _mm512_cvtepi32_epi16(rounded));
+}
+
+AVX512_TARGET void screen_block_avx512(const ScreenGemvTask& t, const int32_t* xp, float d,
+                                       int64_t row, int64_t b) {
+  screen_store_avx512(
+      t, screen_sums_avx512(t.codes + b * t.num_pairs * 2 * kBlock, xp, t.num_pairs), d,
+      row, b);
+}
+
+SCREEN_VNNI_TARGET void screen_block_vnni(const ScreenGemvTask& t, const int32_t* xp, float d,
+                                          int64_t row, int64_t b) {
+  screen_store_avx512(
+      t, screen_sums_vnni(t.codes + b * t.num_pairs * 2 * kBlock, xp, t.num_pairs), d,
+      row, b);
+}
+
+// Blocks [b0, b1) of the screen for every row of the step; each call quantizes the rows for
+// itself (a thread's share is one call: the task is split statically).
+void screen_gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
+  const ScreenGemvTask& t = *static_cast<const ScreenGemvTask*>(raw);
+  thread_local std::vector<int32_t> pairs;
+  thread_local std::vector<float> steps;
+  pairs.resize(rows * t.num_pairs);
+  steps.resize(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    steps[r] = quantize_int16(t.x + r * t.in_features, t.in_features, t.num_pairs,
+                              pairs.data() + r * t.num_pairs);
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t* xp = pairs.data() + r * t.num_pairs;
+      if (t.isa == kAvx512Vnni) screen_block_vnni(t, xp, steps[r], r, b);
+      else if (t.isa >= kAvx512) screen_block_avx512(t, xp, steps[r], r, b);
+      else if (t.isa == kAvx2) screen_block_avx2(t, xp, steps[r], r, b);
+      else screen_block_portable(t, xp, steps[r], r, b);
+    }
+}
+
 // 2^-7: the rounding of A and of y to bf16 (2^-9 each), with room, relative to |A_j| + e_j.
 constexpr float kRoundingBound = 0.0078125f;
 
 struct ScreenTask {
   const GemvTask* head;      // the bf16 lm_head's GEMV task (its weight and x)
-  const at::BFloat16* screen;  // [max_rows, vocab]: A, from the int8 copy
+  const at::BFloat16* screen;  // [max_rows, vocab]: A, from the int8 copy (screen_gemv_task)
   const float* bounds;       // [vocab]: b_j
+  const float* rounding;     // [vocab]: c_j, the activations' rounding per unit of d
   int64_t* ids;              // [max_rows]: each row's argmax
   int64_t* candidates;       // [max_rows]: channels computed exactly (a measure of the screen)
 };
@@ -457,11 +650,11 @@ struct ScreenTask {
 // is not finite), then which blocks of 16 channels can hold the argmax. Scalar, and AVX-512 for
 // a head whose kernel is AVX-512 (16 channels a vector: the same arithmetic, in the same order;
 // with a 49152-channel vocabulary the scalar passes took ~0.2 ms of a W1 step, on one thread).
-bool screen_lower_scalar(const at::BFloat16* a, const float* bounds, int64_t vocab, float norm,
-                         float* lower) {
+bool screen_lower_scalar(const at::BFloat16* a, const float* bounds, const float* rounding,
+                         int64_t vocab, float norm, float d, float* lower) {
   float low = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < vocab; ++j) {
-    const float aj = static_cast<float>(a[j]), ej = bounds[j] * norm;
+    const float aj = static_cast<float>(a[j]), ej = bounds[j] * norm + rounding[j] * d;
     if (!std::isfinite(aj)) return false;
     low = std::max(low, aj - ej - kRoundingBound * (std::fabs(aj) + ej));
   }
@@ -469,12 +662,13 @@ bool screen_lower_scalar(const at::BFloat16* a, const float* bounds, int64_t voc
   return true;
 }
 
-void screen_wanted_scalar(const at::BFloat16* a, const float* bounds, int64_t vocab, float norm,
-                          float lower, std::vector<uint8_t>& wanted) {
+void screen_wanted_scalar(const at::BFloat16* a, const float* bounds, const float* rounding,
+                          int64_t vocab, float norm, float d, float lower,
+                          std::vector<uint8_t>& wanted) {
   for (int64_t b = 0; b * kBlock < vocab; ++b) {
     bool any = false;
     for (int64_t j = b * kBlock; j < std::min(vocab, (b + 1) * kBlock) && !any; ++j) {
-      const float aj = static_cast<float>(a[j]), ej = bounds[j] * norm;
+      const float aj = static_cast<float>(a[j]), ej = bounds[j] * norm + rounding[j] * d;
       any = aj + ej + kRoundingBound * (std::fabs(aj) + ej) >= lower;
     }
     wanted[b] = any;
@@ -492,15 +686,18 @@ AVX512_TARGET inline __mmask16 lanes_of(int64_t vocab, int64_t j) {
   return static_cast<__mmask16>((1u << n) - 1u);
 }
 
-AVX512_TARGET bool screen_lower_avx512(const at::BFloat16* a, const float* bounds, int64_t vocab,
-                                       float norm, float* lower) {
+AVX512_TARGET bool screen_lower_avx512(const at::BFloat16* a, const float* bounds,
+                                       const float* rounding, int64_t vocab, float norm,
+                                       float d, float* lower) {
   const __m512 n = _mm512_set1_ps(norm), k = _mm512_set1_ps(kRoundingBound);
+  const __m512 dv = _mm512_set1_ps(d);
   __m512 low = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __mmask16 not_finite = 0;
   for (int64_t j = 0; j < vocab; j += kBlock) {
     const __mmask16 m = lanes_of(vocab, j);
     const __m512 aj = load_bf16x16(a + j, m);
-    const __m512 ej = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, bounds + j), n);
+    const __m512 ej = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, bounds + j), n),
+                                     _mm512_mul_ps(_mm512_maskz_loadu_ps(m, rounding + j), dv));
     not_finite |= _mm512_fpclass_ps_mask(aj, 0x99);  // QNaN, SNaN, +inf, -inf
     const __m512 v = _mm512_sub_ps(_mm512_sub_ps(aj, ej),
                                    _mm512_mul_ps(k, _mm512_add_ps(_mm512_abs_ps(aj), ej)));
@@ -512,14 +709,16 @@ AVX512_TARGET bool screen_lower_avx512(const at::BFloat16* a, const float* bound
 }
 
 AVX512_TARGET void screen_wanted_avx512(const at::BFloat16* a, const float* bounds,
-                                        int64_t vocab, float norm, float lower,
-                                        std::vector<uint8_t>& wanted) {
+                                        const float* rounding, int64_t vocab, float norm,
+                                        float d, float lower, std::vector<uint8_t>& wanted) {
   const __m512 n = _mm512_set1_ps(norm), k = _mm512_set1_ps(kRoundingBound);
+  const __m512 dv = _mm512_set1_ps(d);
   const __m512 low = _mm512_set1_ps(lower);
   for (int64_t j = 0; j < vocab; j += kBlock) {
     const __mmask16 m = lanes_of(vocab, j);
     const __m512 aj = load_bf16x16(a + j, m);
-    const __m512 ej = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, bounds + j), n);
+    const __m512 ej = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, bounds + j), n),
+                                     _mm512_mul_ps(_mm512_maskz_loadu_ps(m, rounding + j), dv));
     const __m512 u = _mm512_add_ps(_mm512_add_ps(aj, ej),
                                    _mm512_mul_ps(k, _mm512_add_ps(_mm512_abs_ps(aj), ej)));
     wanted[j / kBlock] = _mm512_mask_cmp_ps_mask(m, u, low, _CMP_GE_OQ) != 0;
@@ -549,12 +748,13 @@ void screen_argmax_task(const void* raw, int64_t rows, int64_t begin, int64_t en
     // does not cover.)
     float lower = 0.f;
     bool finite = std::isfinite(norm) && norm > 1e-30f;
+    const float d = screen_step(x, k, head.num_pairs);  // as the screen's GEMV took it
     if (finite)
-      finite = vector ? screen_lower_avx512(a, t.bounds, vocab, norm, &lower)
-                      : screen_lower_scalar(a, t.bounds, vocab, norm, &lower);
+      finite = vector ? screen_lower_avx512(a, t.bounds, t.rounding, vocab, norm, d, &lower)
+                      : screen_lower_scalar(a, t.bounds, t.rounding, vocab, norm, d, &lower);
     if (!finite) std::fill(wanted.begin(), wanted.end(), uint8_t{1});
-    else if (vector) screen_wanted_avx512(a, t.bounds, vocab, norm, lower, wanted);
-    else screen_wanted_scalar(a, t.bounds, vocab, norm, lower, wanted);
+    else if (vector) screen_wanted_avx512(a, t.bounds, t.rounding, vocab, norm, d, lower, wanted);
+    else screen_wanted_scalar(a, t.bounds, t.rounding, vocab, norm, d, lower, wanted);
     int64_t best = -1, num_exact = 0;
     float best_value = 0.f;
     for (int64_t b = 0; b < num_blocks; ++b) {
@@ -611,27 +811,60 @@ py::tuple make_gemv_task(const at::Tensor& x, const at::Tensor& y, const at::Ten
   return py::make_tuple(args, num_blocks);
 }
 
+// (task arguments capsule, number of blocks) for the screen's GEMV A = x W'^T on the step's x
+// (bf16 [rows, in]) into y (bf16 [rows, out_features]): codes int8 [blocks, K2 / 2, 16, 2],
+// scales float32 [blocks * 16]; isa: 0 portable, 1 avx2, 2 avx512 (vpmaddwd), 4 avx512vnni.
+py::tuple make_screen_gemv_task(const at::Tensor& x, const at::Tensor& y, const at::Tensor& codes,
+                                const at::Tensor& scales, int64_t out_features, int64_t isa) {
+  TORCH_CHECK(isa == kPortable || isa == kAvx2 || isa == kAvx512 || isa == kAvx512Vnni,
+              "screen gemv: unknown isa ", isa);
+  if (isa != kPortable) check_isa(std::min<int64_t>(isa, kAvx512));
+  if (isa == kAvx512Vnni)
+    TORCH_CHECK(__builtin_cpu_supports("avx512vnni"), "screen gemv: this CPU has no AVX-512 VNNI");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16 &&
+                  x.is_contiguous() && y.is_contiguous() && x.dim() == 2 && y.dim() == 2 &&
+                  y.size(0) == x.size(0) && y.size(1) == out_features,
+              "screen gemv: x, y must be contiguous bf16 [rows, in], [rows, out]");
+  const int64_t in_features = x.size(1), num_pairs = (in_features + 1) / 2;
+  const int64_t num_blocks = (out_features + kBlock - 1) / kBlock;
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() &&
+                  codes.sizes() == at::IntArrayRef({num_blocks, num_pairs, kBlock, 2}),
+              "screen gemv: the codes do not match x and out_features");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == num_blocks * kBlock,
+              "screen gemv: scales float32 [blocks * 16]");
+  auto* task = new ScreenGemvTask{codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                                  in_features, out_features, num_pairs, num_blocks, isa,
+                                  reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                                  y.data_ptr<at::BFloat16>()};
+  py::capsule args(task, "mini_infer.task_args",
+                   [](void* p) { delete static_cast<ScreenGemvTask*>(p); });
+  return py::make_tuple(args, num_blocks);
+}
+
 // head: make_gemv_task's arguments for the bf16 lm_head (kept alive by the caller); screen bf16
-// [max_rows, vocab] (the quantized copy's GEMV output), bounds float32 [vocab] (b_j, see
-// ScreenTask), ids and candidates int64 [max_rows].
+// [max_rows, vocab] (make_screen_gemv_task's output), bounds and rounding float32 [vocab] (b_j
+// and c_j, see ScreenTask), ids and candidates int64 [max_rows].
 py::capsule make_screen_task(const py::capsule& head, const at::Tensor& screen,
-                             const at::Tensor& bounds, const at::Tensor& ids,
-                             const at::Tensor& candidates) {
+                             const at::Tensor& bounds, const at::Tensor& rounding,
+                             const at::Tensor& ids, const at::Tensor& candidates) {
   TORCH_CHECK(std::string(head.name() ? head.name() : "") == "mini_infer.task_args",
               "screen task: head must be make_gemv_task's arguments");
   const auto* h = static_cast<const GemvTask*>(head.get_pointer());
   TORCH_CHECK(screen.scalar_type() == at::kBFloat16 && screen.dim() == 2 &&
                   screen.is_contiguous() && screen.size(1) == h->out_features,
               "screen task: screen bf16 [rows, vocab], contiguous");
-  TORCH_CHECK(bounds.scalar_type() == at::kFloat && bounds.is_contiguous() &&
-                  bounds.numel() >= h->out_features,
-              "screen task: bounds float32 [vocab]");
+  for (const auto* v : {&bounds, &rounding})
+    TORCH_CHECK(v->scalar_type() == at::kFloat && v->is_contiguous() &&
+                    v->numel() >= h->out_features,
+                "screen task: bounds and rounding float32 [vocab]");
   for (const auto* v : {&ids, &candidates})
     TORCH_CHECK(v->scalar_type() == at::kLong && v->is_contiguous() &&
                     v->numel() >= screen.size(0),
                 "screen task: ids and candidates int64 [rows]");
   auto* task = new ScreenTask{h, screen.data_ptr<at::BFloat16>(), bounds.data_ptr<float>(),
-                              ids.data_ptr<int64_t>(), candidates.data_ptr<int64_t>()};
+                              rounding.data_ptr<float>(), ids.data_ptr<int64_t>(),
+                              candidates.data_ptr<int64_t>()};
   return py::capsule(task, "mini_infer.task_args",
                      [](void* p) { delete static_cast<ScreenTask*>(p); });
 }
@@ -646,6 +879,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return py::capsule(reinterpret_cast<void*>(&gemv_task), "mini_infer.task_fn");
   });
   m.def("make_gemv_task", &make_gemv_task, "(task arguments, blocks) for one linear of a fused step");
+  m.def("screen_gemv_task_fn", [] {
+    return py::capsule(reinterpret_cast<void*>(&screen_gemv_task), "mini_infer.task_fn");
+  });
+  m.def("make_screen_gemv_task", &make_screen_gemv_task,
+        "(task arguments, blocks) for an lm_head screen's GEMV: int8 codes, int16 activations");
   m.def("screen_argmax_task_fn", [] {
     return py::capsule(reinterpret_cast<void*>(&screen_argmax_task), "mini_infer.task_fn");
   });

@@ -86,6 +86,30 @@ def pack(weight: torch.Tensor, huge_pages: bool | None = None) -> torch.Tensor:
     return layout.contiguous() if target is None else target.copy_(layout)
 
 
+SCREEN_ISAS = ("portable", "avx2", "avx512", "avx512vnni")  # the screen GEMV's paths
+
+
+def pack_screen(codes: torch.Tensor) -> torch.Tensor:
+    """An lm_head screen's int8 codes [out, in] -> int8 [ceil(out/16), ceil(in/2), 16, 2] as
+    `pack` lays out bf16 weights (the screen GEMV's `vpdpwssd` takes lane j's pair of inputs
+    side by side), zero padded."""
+    if codes.dim() != 2 or codes.dtype != torch.int8:
+        raise ValueError(f"codes must be int8 [out_features, in_features], got {codes.dtype} "
+                         f"{tuple(codes.shape)}")  # fmt: skip
+    out_features, in_features = codes.shape
+    c = torch.nn.functional.pad(codes, (0, in_features % 2, 0, -out_features % BLOCK))
+    num_blocks, num_pairs = c.shape[0] // BLOCK, c.shape[1] // 2
+    return c.reshape(num_blocks, BLOCK, num_pairs, 2).transpose(1, 2).contiguous()
+
+
+def screen_isa_code(isa: str | None = None) -> int:
+    """The screen GEMV's number for `isa` (default: the widest of SCREEN_ISAS this CPU runs)."""
+    isa = isa or next(i for i in reversed(SCREEN_ISAS) if can_run(i))
+    if isa not in SCREEN_ISAS:
+        raise ValueError(f"{isa!r} is not a screen GEMV path; expected one of {SCREEN_ISAS}")
+    return quant_gemm.isa_code(isa)
+
+
 def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """The inverse of `pack`: bf16 [out_features, in_features]."""
     num_blocks, num_pairs = packed.shape[:2]

@@ -517,6 +517,81 @@ class _Head:
         self.bias = None
 
 
+def _screen_range(in_features: int) -> int:
+    """bf16_gemm.cpp's Q: the largest |r_k| that keeps 127 Q K2 within int32."""
+    return min(32767, (2**31 - 1) // (127 * 2 * ((in_features + 1) // 2)))
+
+
+def _screen_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The screen GEMV's bits from torch: d = max|x| / Q (fp32), r = round(x * (1 / d)) to
+    nearest even, clamped to Q, the sums in int64, then (float(sum) * d) * s rounded to bf16."""
+    xf = x.float()
+    q_max = _screen_range(x.shape[1])
+    d = xf.abs().amax(dim=1) / q_max
+    d = torch.where(torch.isfinite(d) & (d > 0), d, torch.zeros_like(d))
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    r = torch.round(xf * inv[:, None]).nan_to_num(0.0).clamp(-q_max, q_max).long()
+    sums = r @ codes.long().T
+    return ((sums.float() * d[:, None]) * scales[None, :]).bfloat16()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    out_features=st.integers(1, 80),
+    in_features=st.sampled_from([1, 7, 64, 130, 576]),
+    x_scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e4]),
+    zero_row=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_screen_gemv_is_the_same_integer_math_on_every_path(
+    step_ext, rows, out_features, in_features, x_scale, zero_row, threads, seed
+):
+    """The screen's GEMV (int8 codes times the activations rounded to integers, exact int32
+    sums) gives torch's bits for the same math on every path this CPU runs: portable, AVX2
+    (vpmaddwd), AVX-512 (vpmaddwd), AVX-512 VNNI (vpdpwssd); odd input counts, a zero row,
+    activations from 1e-30 to 1e4. Outputs go into a NaN-poisoned buffer."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (out_features, in_features), generator=generator)
+    codes = codes.to(torch.int8)
+    scales = torch.rand(out_features, generator=generator) * 0.01
+    x = (torch.randn(rows, in_features, generator=generator) * x_scale).bfloat16()
+    if zero_row:
+        x[0] = 0.0
+    expected = _screen_reference(x, codes, scales)
+    bg = bf16_gemm.load()
+    packed = bf16_gemm.pack_screen(codes)
+    padded = torch.zeros(packed.shape[0] * bf16_gemm.BLOCK)
+    padded[:out_features] = scales
+    ran = []
+    for isa in bf16_gemm.SCREEN_ISAS:
+        if not bf16_gemm.can_run(isa):
+            continue
+        y = torch.full((rows, out_features), float("nan"), dtype=torch.bfloat16)
+        args, blocks = bg.make_screen_gemv_task(
+            x, y, packed, padded, out_features, bf16_gemm.screen_isa_code(isa)
+        )
+        step_ext.Plan([(bg.screen_gemv_task_fn(), args, blocks, 0, True)]).run(
+            rows, threads, decode_step.SPIN
+        )
+        assert torch.equal(y.view(torch.int16), expected.view(torch.int16)), isa
+        ran.append(isa)
+    assert "portable" in ran
+
+
+def test_the_screen_gemv_refuses_a_path_it_has_not(step_ext):
+    """An unknown path, or a bf16 one (3), is a clear error, not a silent fallback."""
+    bg = bf16_gemm.load()
+    x, y = torch.zeros(1, 4, dtype=torch.bfloat16), torch.zeros(1, 16, dtype=torch.bfloat16)
+    codes, scales = bf16_gemm.pack_screen(torch.zeros(16, 4, dtype=torch.int8)), torch.zeros(16)
+    for isa in (3, 5, -1):
+        with pytest.raises(RuntimeError, match="unknown isa"):
+            bg.make_screen_gemv_task(x, y, codes, scales, 16, isa)
+    with pytest.raises(ValueError, match="not a screen GEMV path"):
+        bf16_gemm.screen_isa_code("avx512bf16")
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     rows=st.integers(1, 4),
@@ -561,7 +636,7 @@ def test_the_screened_lm_heads_ids_are_the_full_logits_argmax(
         x[0, 0] = float(poison)
     head = _Head(w.bfloat16())
     screen = fused_decode.HeadScreen(head)
-    bg, qg = bf16_gemm.load(), quant_gemm.load()
+    bg = bf16_gemm.load()
     full = torch.empty(rows, vocab, dtype=torch.bfloat16)
     screened = torch.empty(rows, vocab, dtype=torch.bfloat16)
     ids = torch.full((rows,), -7, dtype=torch.int64)
@@ -569,14 +644,15 @@ def test_the_screened_lm_heads_ids_are_the_full_logits_argmax(
     head_args, head_blocks = bg.make_gemv_task(
         x, full, head.weight, None, vocab, bf16_gemm.isa_code(isa)
     )
-    screen_args, screen_blocks = qg.make_gemv_task(
-        x, screened, screen.codes, screen.scales, 8, 0, vocab, screen.isa
+    screen_args, screen_blocks = bg.make_screen_gemv_task(
+        x, screened, screen.codes, screen.scales, vocab, screen.isa
     )
-    exact = bg.make_screen_task(head_args, screened, screen.bounds, ids, candidates)
+    exact = bg.make_screen_task(
+        head_args, screened, screen.bounds, screen.rounding, ids, candidates
+    )
     plan = step_ext.Plan([
         (bg.gemv_task_fn(), head_args, head_blocks, 0, True),
-        (qg.gemv_prepare_task_fn(), screen_args, 1, 0, False, None, decode_step.TASK_EVERY_THREAD),
-        (qg.gemv_blocks_task_fn(), screen_args, screen_blocks, 0, True, None, decode_step.TASK_DYNAMIC),
+        (bg.screen_gemv_task_fn(), screen_args, screen_blocks, 0, True),
         (bg.screen_argmax_task_fn(), exact, 0, 1, True),
     ])  # fmt: skip
     plan.run(rows, threads, decode_step.SPIN)
@@ -585,7 +661,8 @@ def test_the_screened_lm_heads_ids_are_the_full_logits_argmax(
     # Each channel's bound holds (float64 arithmetic; the 2^-7 term is the bf16 roundings').
     clean = slice(1 if poison else 0, rows)
     norm = x[clean].double().abs().sum(dim=1, keepdim=True)
-    e = screen.bounds.double() * norm
+    step = x[clean].double().abs().amax(dim=1, keepdim=True) / _screen_range(in_features)
+    e = screen.bounds.double() * norm + screen.rounding.double() * step
     e = e + 2.0**-7 * (screened[clean].double().abs() + e)
     assert ((screened[clean].double() - full[clean].double()).abs() <= e).all()
     if poison is not None and not (poison == "overflow" and torch.isfinite(screened[0]).all()):
