@@ -336,19 +336,29 @@ packed, sm = qg.pack_int4(codes, torch.rand(64, 8) * 0.01, -torch.rand(64, 8) * 
 i8, s8 = qg.pack_int8(torch.randint(-127, 128, (64, 256), dtype=torch.int8), torch.rand(64))
 x = torch.randn(3, 256).bfloat16()
 out = [qg.int4_gemm(qg.load(), x, packed, sm, 32, 64), qg.int8_gemm(qg.load(), x, i8, s8, 64)]
-if qg.can_run("avx512"):  # the exact int8 path (a bf16 lm_head's screen) prefetches too
+if qg.can_run("avx512"):  # the exact int8 path prefetches too
     out.append(qg.int8_gemm(qg.load(), x, i8, s8, 64, isa="avx512"))
 from engine.kernels.cpu import bf16_gemm as bg
 for isa in bg.ISAS:  # every bf16 path this CPU runs (the AVX-512 one prefetches)
     if bg.can_run(isa):
         out.append(bg.gemm(bg.load(), x, bg.pack(torch.randn(64, 256)), None, 64, isa))
+from engine.kernels.cpu import decode_step as ds
+screen = bg.pack_screen(torch.randint(-127, 128, (64, 256), dtype=torch.int8))
+scales = torch.rand(64)  # (the task keeps pointers: alive until it has run)
+for isa in bg.SCREEN_ISAS:  # a bf16 lm_head's screen GEMV (the AVX-512 ones prefetch)
+    if bg.can_run(isa) and ds.load() is not None:
+        y = torch.empty(3, 64, dtype=torch.bfloat16)
+        args, n = bg.load().make_screen_gemv_task(x, y, screen, scales, 64,
+                                                  bg.screen_isa_code(isa))
+        ds.load().Plan([(bg.load().screen_gemv_task_fn(), args, n, 0, True)]).run(3, 1, ds.SPIN)
+        out.append(y)
 print(hashlib.sha256(b"".join(t.float().numpy().tobytes() for t in out)).hexdigest())
 """
 
 
 def test_the_prefetch_distance_changes_no_bits(ext):
     """MINI_INFER_GEMV_PREFETCH_BYTES (read once per process; quant_gemm's VNNI paths and
-    exact AVX-512 int8 one, bf16_gemm's AVX-512 one) only moves memory traffic: off,
+    exact AVX-512 int8 one, bf16_gemm's AVX-512 one and its screen's) only moves memory traffic: off,
     a short or a long distance, garbage (none) and the default give the same outputs."""
     import os
     import subprocess
