@@ -781,18 +781,28 @@ void screen_argmax_task(const void* raw, int64_t rows, int64_t begin, int64_t en
   }
 }
 
+struct TaskShape {
+  int64_t in_features, num_pairs, num_blocks;
+};
+
+// A task's step buffers, x bf16 [rows, in] and y bf16 [rows, out_features], both contiguous,
+// checked; their inputs, pairs of inputs and blocks of outputs.
+TaskShape task_shape(const at::Tensor& x, const at::Tensor& y, int64_t out_features,
+                     const char* what) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16 &&
+                  x.is_contiguous() && y.is_contiguous() && x.dim() == 2 && y.dim() == 2 &&
+                  y.size(0) == x.size(0) && y.size(1) == out_features,
+              what, " task: x, y must be contiguous bf16 [rows, in], [rows, out]");
+  return {x.size(1), (x.size(1) + 1) / 2, (out_features + kBlock - 1) / kBlock};
+}
+
 // (task arguments capsule, number of blocks) for y = x @ W^T (+ b) on the step's x and y
 // buffers (bf16, contiguous).
 py::tuple make_gemv_task(const at::Tensor& x, const at::Tensor& y, const at::Tensor& packed,
                          const c10::optional<at::Tensor>& bias, int64_t out_features,
                          int64_t isa) {
   check_isa(isa);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16 &&
-                  x.is_contiguous() && y.is_contiguous() && x.dim() == 2 && y.dim() == 2 &&
-                  y.size(0) == x.size(0) && y.size(1) == out_features,
-              "bf16_gemm task: x, y must be contiguous bf16 [rows, in], [rows, out]");
-  const int64_t in_features = x.size(1), num_pairs = (in_features + 1) / 2;
-  const int64_t num_blocks = (out_features + kBlock - 1) / kBlock;
+  const auto [in_features, num_pairs, num_blocks] = task_shape(x, y, out_features, "bf16_gemm");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.sizes() == at::IntArrayRef({num_blocks, num_pairs, kBlock, 2}),
               "bf16_gemm task: the packed weight does not match x and out_features");
@@ -821,12 +831,7 @@ py::tuple make_screen_gemv_task(const at::Tensor& x, const at::Tensor& y, const 
   if (isa != kPortable) check_isa(std::min<int64_t>(isa, kAvx512));
   if (isa == kAvx512Vnni)
     TORCH_CHECK(__builtin_cpu_supports("avx512vnni"), "screen gemv: this CPU has no AVX-512 VNNI");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16 &&
-                  x.is_contiguous() && y.is_contiguous() && x.dim() == 2 && y.dim() == 2 &&
-                  y.size(0) == x.size(0) && y.size(1) == out_features,
-              "screen gemv: x, y must be contiguous bf16 [rows, in], [rows, out]");
-  const int64_t in_features = x.size(1), num_pairs = (in_features + 1) / 2;
-  const int64_t num_blocks = (out_features + kBlock - 1) / kBlock;
+  const auto [in_features, num_pairs, num_blocks] = task_shape(x, y, out_features, "screen gemv");
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous() &&
                   codes.sizes() == at::IntArrayRef({num_blocks, num_pairs, kBlock, 2}),
               "screen gemv: the codes do not match x and out_features");

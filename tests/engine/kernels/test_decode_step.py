@@ -580,8 +580,9 @@ def test_the_screen_gemv_is_the_same_integer_math_on_every_path(
     assert "portable" in ran
 
 
-def test_the_screen_gemv_refuses_a_path_it_has_not(step_ext):
-    """An unknown path, or a bf16 one (3), is a clear error, not a silent fallback."""
+def test_the_screen_gemv_refuses_what_it_cannot_run(step_ext):
+    """An unknown path, or a bf16 one (3), is a clear error, not a silent fallback; so are
+    codes that do not match x, and buffers of another dtype."""
     bg = bf16_gemm.load()
     x, y = torch.zeros(1, 4, dtype=torch.bfloat16), torch.zeros(1, 16, dtype=torch.bfloat16)
     codes, scales = bf16_gemm.pack_screen(torch.zeros(16, 4, dtype=torch.int8)), torch.zeros(16)
@@ -590,6 +591,12 @@ def test_the_screen_gemv_refuses_a_path_it_has_not(step_ext):
             bg.make_screen_gemv_task(x, y, codes, scales, 16, isa)
     with pytest.raises(ValueError, match="not a screen GEMV path"):
         bf16_gemm.screen_isa_code("avx512bf16")
+    with pytest.raises(RuntimeError, match="codes do not match"):
+        bg.make_screen_gemv_task(torch.zeros(1, 6, dtype=torch.bfloat16), y, codes, scales, 16, 0)
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        bg.make_screen_gemv_task(x.float(), y, codes, scales, 16, 0)
+    with pytest.raises(ValueError, match="int8"):
+        bf16_gemm.pack_screen(torch.zeros(16, 4))
 
 
 @settings(max_examples=60, deadline=None)
