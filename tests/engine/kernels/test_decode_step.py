@@ -873,6 +873,30 @@ def test_one_thread_chosen_in_a_long_burst_is_left_soon_after_it(step_ext):
     assert sum(settled) <= 0.03 * len(settled)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    start=st.integers(0, 300),
+    length=st.integers(1, 200),
+    slowdown=st.floats(1.5, 4.0),
+    seed=st.integers(0, 2**16),
+)
+def test_after_any_burst_the_steps_go_back_to_threads(step_ext, start, length, slowdown, seed):
+    """Threads slowed `slowdown` times for `length` steps from `start`, one thread 1.6x the
+    threads' usual cost: whatever the burst switched, the steps are back on threads within
+    about twice the burst's length (at least the shortest period) of its end, apart from
+    probes."""
+    import random
+
+    def costs(step: int) -> tuple[int, int]:  # ns per row: (threads, one thread)
+        return (int(1000 * slowdown) if start <= step < start + length else 1000), 1600
+
+    choice = step_ext.ThreadChoice()
+    end = start + length
+    arms = _drive(choice, 1, costs, end + 2 * max(length, FIRST_PERIOD) + 1000, random.Random(seed))
+    settled = arms[end + 2 * max(length, FIRST_PERIOD) + 3 * (PROBE_STEPS + 8) :]
+    assert sum(settled) <= 0.03 * len(settled)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_threads_with_rare_slow_steps_keep_the_steps_when_their_mean_is_lower(step_ext, seed):
     """Threads as a worker's one stream sees them: 3.4 us per row, one step in ten 6.5 us
