@@ -105,6 +105,16 @@ void block_portable(const Problem& p, int64_t b, int64_t row0, int64_t n) {
 template <int R>
 constexpr int unroll() { return R >= 8 ? 1 : (R >= 4 ? 2 : 4); }
 
+// 16 fp32 lanes rounded to nearest-even bf16: add 0x7fff plus the lowest kept bit, keep the
+// high half.
+AVX512_TARGET __attribute__((always_inline)) inline __m256i round_bf16_avx512(__m512 a) {
+  const __m512i bits = _mm512_castps_si512(a);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
 // Sum the U accumulators of each row, add the bias, round to bf16 and store (masked lanes).
 template <int R, int U>
 AVX512_TARGET __attribute__((always_inline)) inline void finish_avx512(const Problem& p, int64_t b, int64_t row0,
@@ -117,13 +127,8 @@ AVX512_TARGET __attribute__((always_inline)) inline void finish_avx512(const Pro
     __m512 a = acc[r][0];
     for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[r][u]);
     a = _mm512_add_ps(a, bias_v);
-    // Round to nearest even: add 0x7fff plus the lowest kept bit, keep the high half.
-    const __m512i bits = _mm512_castps_si512(a);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
     _mm256_mask_storeu_epi16(p.y + (row0 + r) * p.out_features + b * kBlock, mask,
-                             _mm512_cvtepi32_epi16(rounded));
+                             round_bf16_avx512(a));
   }
 }
 
@@ -449,8 +454,8 @@ void gemv_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
 // multiply-add of two int16 (`vpdpwssd` with AVX-512 VNNI, `vpmaddwd` without): the exact-math
 // int8 path's fp32 conversion and FMA per weight made it compute-bound (25 GB/s a thread from
 // L2 on the Xeon, ~20 from memory in the step). The activations' rounding adds at most
-// c_j d to channel j's error, c_j = 0.51 s_j sum_k |q_jk| (`HeadScreen.quantization_bounds`;
-// 0.5 for the rounding to an integer, 0.01 for x_k / d's own), which the screen task adds to
+// c_j d to channel j's error, c_j = 0.51 s_j sum_k |q_jk| (`HeadScreen.rounding`; 0.5 for
+// the rounding to an integer, 0.01 for x_k * (1 / d)'s own), which the screen task adds to
 // its bound. The codes are packed as the bf16 weights are: [blocks, K2 / 2, 16, 2], lane j's
 // pair of inputs side by side.
 constexpr int64_t kAvx512Vnni = 4;  // quant_gemm.cpp's number for the VNNI path
@@ -500,13 +505,6 @@ float quantize_int16(const uint16_t* x, int64_t k, int64_t num_pairs, int32_t* p
   return d;
 }
 
-inline at::BFloat16 round_bf16(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  return at::BFloat16(static_cast<uint16_t>(rounded), at::BFloat16::from_bits());
-}
-
 void screen_block_portable(const ScreenGemvTask& t, const int32_t* xp, float d, int64_t row,
                            int64_t b) {
   const int8_t* cb = t.codes + b * t.num_pairs * 2 * kBlock;
@@ -514,11 +512,12 @@ void screen_block_portable(const ScreenGemvTask& t, const int32_t* xp, float d, 
   for (int64_t j = 0; j < lanes; ++j) {
     int32_t sum = 0;
     for (int64_t e = 0; e < t.num_pairs; ++e) {
-      const int32_t r0 = static_cast<int16_t>(xp[e] & 0xffff), r1 = static_cast<int16_t>(xp[e] >> 16);
+      const int32_t r0 = static_cast<int16_t>(xp[e] & 0xffff);
+      const int32_t r1 = static_cast<int16_t>(xp[e] >> 16);
       sum += cb[(e * kBlock + j) * 2] * r0 + cb[(e * kBlock + j) * 2 + 1] * r1;
     }
     t.y[row * t.out_features + b * kBlock + j] =
-        round_bf16(static_cast<float>(sum) * d * t.scales[b * kBlock + j]);
+        static_cast<at::BFloat16>(static_cast<float>(sum) * d * t.scales[b * kBlock + j]);
   }
 }
 
@@ -540,7 +539,7 @@ AVX2_TARGET void screen_block_avx2(const ScreenGemvTask& t, const int32_t* xp, f
   const int64_t lanes = std::min(kBlock, t.out_features - b * kBlock);
   for (int64_t j = 0; j < lanes; ++j)
     t.y[row * t.out_features + b * kBlock + j] =
-        round_bf16(static_cast<float>(sums[j]) * d * t.scales[b * kBlock + j]);
+        static_cast<at::BFloat16>(static_cast<float>(sums[j]) * d * t.scales[b * kBlock + j]);
 }
 
 #define SCREEN_VNNI_TARGET \
@@ -591,12 +590,7 @@ AVX512_TARGET __attribute__((always_inline)) inline void screen_store_avx512(
   const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
   const __m512 a = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(d)),
                                  _mm512_loadu_ps(t.scales + b * kBlock));
-  const __m512i bits = _mm512_castps_si512(a);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-  _mm256_mask_storeu_epi16(t.y + row * t.out_features + b * kBlock, mask,
-                           _mm512_cvtepi32_epi16(rounded));
+  _mm256_mask_storeu_epi16(t.y + row * t.out_features + b * kBlock, mask, round_bf16_avx512(a));
 }
 
 AVX512_TARGET void screen_block_avx512(const ScreenGemvTask& t, const int32_t* xp, float d,
@@ -650,11 +644,17 @@ struct ScreenTask {
 // is not finite), then which blocks of 16 channels can hold the argmax. Scalar, and AVX-512 for
 // a head whose kernel is AVX-512 (16 channels a vector: the same arithmetic, in the same order;
 // with a 49152-channel vocabulary the scalar passes took ~0.2 ms of a W1 step, on one thread).
+// e_j before the rounding term: b_j |x|_1 + c_j d.
+inline float screen_error(const float* bounds, const float* rounding, int64_t j, float norm,
+                          float d) {
+  return bounds[j] * norm + rounding[j] * d;
+}
+
 bool screen_lower_scalar(const at::BFloat16* a, const float* bounds, const float* rounding,
                          int64_t vocab, float norm, float d, float* lower) {
   float low = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < vocab; ++j) {
-    const float aj = static_cast<float>(a[j]), ej = bounds[j] * norm + rounding[j] * d;
+    const float aj = static_cast<float>(a[j]), ej = screen_error(bounds, rounding, j, norm, d);
     if (!std::isfinite(aj)) return false;
     low = std::max(low, aj - ej - kRoundingBound * (std::fabs(aj) + ej));
   }
@@ -668,7 +668,7 @@ void screen_wanted_scalar(const at::BFloat16* a, const float* bounds, const floa
   for (int64_t b = 0; b * kBlock < vocab; ++b) {
     bool any = false;
     for (int64_t j = b * kBlock; j < std::min(vocab, (b + 1) * kBlock) && !any; ++j) {
-      const float aj = static_cast<float>(a[j]), ej = bounds[j] * norm + rounding[j] * d;
+      const float aj = static_cast<float>(a[j]), ej = screen_error(bounds, rounding, j, norm, d);
       any = aj + ej + kRoundingBound * (std::fabs(aj) + ej) >= lower;
     }
     wanted[b] = any;
@@ -686,6 +686,13 @@ AVX512_TARGET inline __mmask16 lanes_of(int64_t vocab, int64_t j) {
   return static_cast<__mmask16>((1u << n) - 1u);
 }
 
+// screen_error for the 16 channels from j (the first `m` lanes).
+AVX512_TARGET inline __m512 screen_error_avx512(const float* bounds, const float* rounding,
+                                                int64_t j, __mmask16 m, __m512 norm, __m512 d) {
+  return _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, bounds + j), norm),
+                       _mm512_mul_ps(_mm512_maskz_loadu_ps(m, rounding + j), d));
+}
+
 AVX512_TARGET bool screen_lower_avx512(const at::BFloat16* a, const float* bounds,
                                        const float* rounding, int64_t vocab, float norm,
                                        float d, float* lower) {
@@ -696,8 +703,7 @@ AVX512_TARGET bool screen_lower_avx512(const at::BFloat16* a, const float* bound
   for (int64_t j = 0; j < vocab; j += kBlock) {
     const __mmask16 m = lanes_of(vocab, j);
     const __m512 aj = load_bf16x16(a + j, m);
-    const __m512 ej = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, bounds + j), n),
-                                     _mm512_mul_ps(_mm512_maskz_loadu_ps(m, rounding + j), dv));
+    const __m512 ej = screen_error_avx512(bounds, rounding, j, m, n, dv);
     not_finite |= _mm512_fpclass_ps_mask(aj, 0x99);  // QNaN, SNaN, +inf, -inf
     const __m512 v = _mm512_sub_ps(_mm512_sub_ps(aj, ej),
                                    _mm512_mul_ps(k, _mm512_add_ps(_mm512_abs_ps(aj), ej)));
@@ -717,8 +723,7 @@ AVX512_TARGET void screen_wanted_avx512(const at::BFloat16* a, const float* boun
   for (int64_t j = 0; j < vocab; j += kBlock) {
     const __mmask16 m = lanes_of(vocab, j);
     const __m512 aj = load_bf16x16(a + j, m);
-    const __m512 ej = _mm512_add_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, bounds + j), n),
-                                     _mm512_mul_ps(_mm512_maskz_loadu_ps(m, rounding + j), dv));
+    const __m512 ej = screen_error_avx512(bounds, rounding, j, m, n, dv);
     const __m512 u = _mm512_add_ps(_mm512_add_ps(aj, ej),
                                    _mm512_mul_ps(k, _mm512_add_ps(_mm512_abs_ps(aj), ej)));
     wanted[j / kBlock] = _mm512_mask_cmp_ps_mask(m, u, low, _CMP_GE_OQ) != 0;
