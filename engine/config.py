@@ -47,6 +47,12 @@ class EngineConfig:
     # or bf16 ones on our GEMV, the bf16 or int8 KV cache, fused ops on), "off" the
     # per-operator path. Same bits either way.
     fused_decode: str = "auto"
+    # Speculative decoding in the fused step (engine/fused_decode.py `speculate`): a greedy
+    # request decoding alone drafts 2 tokens on int4 copies of the layers, verified in one
+    # step; the tokens are the ones one-token steps give. "auto" | "on" where the fused step has
+    # bf16 projections on our GEMV and the lm_head's int8 screen (SmolLM2-135M in bf16: +60 MB
+    # of draft weights), "off" never.
+    speculative_decoding: str = "auto"
     # torch.compile of the model forward: "on" | "off" | "auto" (True/False mean on/off). "auto"
     # is off: on the 2-core Zen 4 the compiled step did not beat eager (engine/compile.py).
     compile: str | bool = "auto"
@@ -114,6 +120,11 @@ class EngineConfig:
         if self.fused_decode not in ("auto", "on", "off"):
             raise ValueError(
                 f"fused_decode must be 'auto', 'on' or 'off', got {self.fused_decode!r}"
+            )
+        if self.speculative_decoding not in ("auto", "on", "off"):
+            raise ValueError(
+                "speculative_decoding must be 'auto', 'on' or 'off', "
+                f"got {self.speculative_decoding!r}"
             )
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(

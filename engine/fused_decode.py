@@ -38,7 +38,7 @@ from engine.kernels.cpu import bf16_gemm, decode_step, fused_ops, paged_attentio
 from engine.layers.linear import Linear
 from engine.quant.embedding import HeadEmbedding
 from engine.quant.linear import QuantLinear
-from engine.quant.primitives import quantize_int8_per_channel
+from engine.quant.primitives import quantize_int4_groupwise, quantize_int8_per_channel
 
 log = structlog.get_logger(__name__)
 
@@ -54,6 +54,13 @@ MAX_ROWS_QUANT = 64
 # weights' bytes, and the screen's per-row work grows: those steps read the bf16 head.
 SCREEN_MAX_ROWS = 4
 SCREEN_MIN_SHARE = 0.125  # below this share of a step's weight bytes, a head gets no screen
+
+# Speculative decoding (`FusedDecode.speculate`): tokens a draft proposes per step. Verified in
+# one step of DRAFT_TOKENS + 1 rows, whose bits are each row's one-row step's only while our
+# bf16 GEMV sums a row the same way at that row count (bf16_gemm.cpp's `unroll`: the same for 1
+# to 3 rows) and the rows take the screen (at most SCREEN_MAX_ROWS).
+DRAFT_TOKENS = 2
+DRAFT_GROUP_SIZE = 32  # the draft's int4 weights: a scale and minimum per 32 inputs (as Q4_1)
 
 
 def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
@@ -109,7 +116,12 @@ class FusedDecode:
     KV caches are attached; `run` for each decode-only step."""
 
     def __init__(
-        self, model, step_ext: ModuleType, max_model_len: int, max_rows: int | None = None
+        self,
+        model,
+        step_ext: ModuleType,
+        max_model_len: int,
+        max_rows: int | None = None,
+        speculative: bool = False,
     ):
         cfg = model.model.layers[0].self_attn
         hidden = model.model.norm.weight.shape[0]
@@ -153,14 +165,15 @@ class FusedDecode:
             name: getattr(self, name).numpy()
             for name in ("block_table", "context_lens", "slot_mapping", "input_ids", "positions")
         }
-        # [num_partitions, blocks per partition, merge multiplier (0 in steps of one
-        # partition), greedy multiplier (1 in steps whose rows all take the argmax)]: the plan
-        # reads them through pointers; set per step through a numpy view of the same memory.
-        # [.., the bf16 lm_head (0 in screened steps), the screen (1 in screened steps)]
-        scalars = torch.tensor([1, self.partition_blocks, 0, 0, 1, 0], dtype=i64)
-        self.num_partitions, self.merge_multiplier = scalars[0:2], scalars[2:3]
-        self.greedy_multiplier = scalars[3:4]
-        self.head_multiplier, self.screen_multiplier = scalars[4:5], scalars[5:6]
+        # [num_partitions, blocks per partition, K/V written by the store task (1 in verifying
+        # steps: `speculate`), merge multiplier (0 in steps of one partition), greedy multiplier
+        # (1 in steps whose rows all take the argmax), the bf16 lm_head (0 in screened steps),
+        # the screen (1 in screened steps)]: the plan reads them through pointers; set per step
+        # through a numpy view of the same memory.
+        scalars = torch.tensor([1, self.partition_blocks, 0, 0, 0, 1, 0], dtype=i64)
+        self.num_partitions, self.store_multiplier = scalars[0:3], scalars[2:3]
+        self.merge_multiplier, self.greedy_multiplier = scalars[3:4], scalars[4:5]
+        self.head_multiplier, self.screen_multiplier = scalars[5:6], scalars[6:7]
         self._step_scalars = scalars.numpy()
         group = heads // kv_heads
         self.kv_heads = kv_heads
@@ -217,11 +230,30 @@ class FusedDecode:
             else None
         )
         self.plan = step_ext.Plan(self._tasks(model, heads, kv_heads, head_dim))
+        # Speculative decoding's draft: the same step on int4 copies of the layers' bf16
+        # projections, the lm_head's screen for its head (`speculate`).
+        self.draft = (
+            DraftWeights(model)
+            if speculative and speculation_reason(model, self) is None and max_rows > DRAFT_TOKENS
+            else None
+        )
+        self.draft_plan = self.draft_task_names = None
+        if self.draft is not None:
+            names = self.task_names
+            self.draft_plan = step_ext.Plan(
+                self._tasks(model, heads, kv_heads, head_dim, self.draft)
+            )
+            self.draft_task_names, self.task_names = self.task_names, names
+        self.speculative_steps = self.drafted_tokens = self.accepted_tokens = 0
         # `run_decodes`: per row of the block table, whose block ids it holds and how many
         # (None: nothing known, the row is written whole next time).
         self._row_owners: list[tuple[str, int] | None] = [None] * m
 
-    def _tasks(self, model, heads: int, kv_heads: int, head_dim: int) -> list[tuple]:
+    def _tasks(
+        self, model, heads: int, kv_heads: int, head_dim: int, draft: DraftWeights | None = None
+    ) -> list[tuple]:
+        """The plan's tasks; with `draft`, the draft's (`speculate`): the layers' projections
+        on the draft's int4 copies, the lm_head's screen alone (its argmax: the draft token)."""
         fo, pa, qg, bg = (
             fused_ops.load(),
             paged_attention.load(),
@@ -231,7 +263,9 @@ class FusedDecode:
         norm_fn, rope_fn, silu_fn = fo.norm_task_fn(), fo.rotary_task_fn(), fo.silu_mul_task_fn()
         gather_fn = fo.gather_task_fn()
         attn_fn, attn_int8_fn, merge_fn = (
-            pa.decode_task_fn(), pa.decode_task_int8_fn(), pa.merge_task_fn()
+            pa.decode_task_fn(),
+            pa.decode_task_int8_fn(),
+            pa.merge_task_fn(),
         )
         prepare_fn = qg.gemv_prepare_task_fn() if qg is not None else None
         blocks_fn = qg.gemv_blocks_task_fn() if qg is not None else None
@@ -251,6 +285,10 @@ class FusedDecode:
             self.task_names.append("norm")
 
         def gemv(name, linear, x, y, multiplier=None):
+            if draft is not None:
+                codes, scales = draft.weights[id(linear)]
+                return quant_gemv(name, x, y, codes, scales, 4, DRAFT_GROUP_SIZE,
+                                  linear.out_features, draft.isa, multiplier)  # fmt: skip
             if not isinstance(linear, QuantLinear):  # our bf16 GEMV (the "gemv" layout)
                 args, blocks = bg.make_gemv_task(
                     x, y, linear.weight, linear.bias, linear.out_features, linear._isa
@@ -300,8 +338,6 @@ class FusedDecode:
             else:  # residual += the last MLP output; normed = RMSNorm(residual)
                 norm(layer.input_layernorm, self.branch, self.residual)
             gemv("qkv_proj", attn.qkv_proj, self.normed, self.qkv)
-            tasks.append((rope_fn, fo.make_rotary_task(rope_view, self.cos, self.sin), 0, 1, True))
-            self.task_names.append("rotary")
             step_args = (
                 self.block_table, self.context_lens, self.slot_mapping, self.num_partitions,
                 self.partials, self.attn, heads, self.partition_blocks, head_dim**-0.5,
@@ -311,10 +347,15 @@ class FusedDecode:
                 decode_args = pa.make_decode_task_int8(
                     self.qkv, cache.codes, cache.scales, *step_args
                 )
-                decode_fn = attn_int8_fn
+                decode_fn, store_fn = attn_int8_fn, pa.store_task_int8_fn()
             else:
                 decode_args = pa.make_decode_task(self.qkv, attn.kv_cache, *step_args)
-                decode_fn = attn_fn
+                decode_fn, store_fn = attn_fn, pa.store_task_fn()
+            tasks.append((rope_fn, fo.make_rotary_task(rope_view, self.cos, self.sin), 0, 1, True))
+            self.task_names.append("rotary")
+            # (a verifying step's K and V, before any row attends to them: skipped elsewhere)
+            tasks.append((store_fn, decode_args, 0, kv_heads, True, self.store_multiplier))
+            self.task_names.append("kv_store")
             tasks.append((decode_fn, decode_args, 0, kv_heads, True, self.num_partitions))
             # (skipped, with its barrier, in steps of one partition: the decode wrote the output)
             tasks.append((merge_fn, decode_args, 0, kv_heads, True, self.merge_multiplier))
@@ -327,18 +368,21 @@ class FusedDecode:
             self.task_names.append("silu_mul")
             gemv("down_proj", mlp.down_proj, self.act, self.branch)
         norm(model.model.norm, self.branch, self.residual)
+        if draft is not None:  # the screen's logits and their argmax: the draft tokens
+            self._screen_tasks(tasks, bg, None)
+            args = fo.make_argmax_task(
+                self.logits, self.argmax_keys, self.argmax_partial, self.greedy_ids
+            )
+            tasks.append((fo.argmax_parts_task_fn(), args, 0, self.argmax_slices, True))
+            tasks.append((fo.argmax_merge_task_fn(), args, 0, 1, False))
+            self.task_names += ["argmax", "argmax_merge"]
+            return tasks
         if self.has_lm_head:
             head_args = gemv("lm_head", model.lm_head, self.normed, self.logits,
                              self.head_multiplier)  # fmt: skip
             if self.screen is not None:  # screened steps: A into the logits buffer, then ids
                 screen = self.screen
-                args, blocks = bg.make_screen_gemv_task(
-                    self.normed, self.logits, screen.codes, screen.scales, screen.out_features,
-                    screen.isa,
-                )
-                tasks.append((bg.screen_gemv_task_fn(), args, blocks, 0, True,
-                              self.screen_multiplier))  # fmt: skip
-                self.task_names.append("lm_head_screen")
+                self._screen_tasks(tasks, bg, self.screen_multiplier)
                 args = bg.make_screen_task(head_args, self.logits, screen.bounds, screen.rounding,
                                            self.greedy_ids, self.screen_candidates)  # fmt: skip
                 tasks.append((bg.screen_argmax_task_fn(), args, 0, 1, True, self.screen_multiplier))
@@ -351,6 +395,15 @@ class FusedDecode:
             tasks.append((fo.argmax_merge_task_fn(), args, 0, 1, False, self.greedy_multiplier))
             self.task_names += ["argmax", "argmax_merge"]
         return tasks
+
+    def _screen_tasks(self, tasks: list, bg: ModuleType, multiplier) -> None:
+        """The screen's GEMV: its logits (A) into the logits buffer."""
+        screen = self.screen
+        args, blocks = bg.make_screen_gemv_task(
+            self.normed, self.logits, screen.codes, screen.scales, screen.out_features, screen.isa
+        )
+        tasks.append((bg.screen_gemv_task_fn(), args, blocks, 0, True, multiplier))
+        self.task_names.append("lm_head_screen")
 
     def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Whether this step can run fused: decode rows only, few enough."""
@@ -405,42 +458,12 @@ class FusedDecode:
         rows = len(scheduled)
         if rows > self.max_rows:
             return None
-        inputs = self._inputs_np
-        ids, pos, ctx = inputs["input_ids"], inputs["positions"], inputs["context_lens"]
-        slots, table, owners = inputs["slot_mapping"], inputs["block_table"], self._row_owners
-        block_size, width = self.block_size, 0
-        vocab = self.num_embeddings
-        num_positions = self.rope_tables[0].shape[0] if self.rope_tables is not None else None
+        width = 0
         for row, request in enumerate(scheduled):
-            position, blocks, token = request.start_position, request.block_ids, request.token_ids[0]
-            request_id = request.request_id
-            if position < 0:
-                raise ValueError(f"request {request_id}: nothing to compute")
-            if position >= max_model_len:
-                raise ValueError(f"request {request_id}: {position + 1} tokens > max_model_len")
-            needed = position // block_size + 1
-            if len(blocks) < needed:
-                raise ValueError(
-                    f"request {request_id}: block_ids do not cover {position + 1} tokens"
-                )
-            owner = owners[row]
-            known = owner[1] if owner is not None and owner[0] == request_id else 0
-            if known > needed or (known == needed and table[row, needed - 1] != blocks[needed - 1]):
-                known = 0  # not the blocks the row holds (never from our scheduler): all again
-            if known < needed:
-                new = blocks[known:needed]
-                if min(new) < 0 or max(new) >= num_kv_blocks:
-                    raise ValueError(f"request {request_id}: block id outside the pool")
-                table[row, known:needed] = new
-                owners[row] = (request_id, needed)
-            if vocab is not None and not 0 <= token < vocab:
-                raise IndexError(f"fused decode step: a token id outside [0, {vocab})")
-            if num_positions is not None and position >= num_positions:
-                raise IndexError(f"fused decode step: a position outside [0, {num_positions})")
-            ids[row], pos[row], ctx[row] = token, position, position + 1
-            # From the row (every id in it was checked), never from the request's own list.
-            slots[row] = table[row, needed - 1] * block_size + position % block_size
-            width = max(width, needed)
+            width = max(width, self._write_row(
+                row, request.request_id, request.start_position, request.block_ids,
+                request.token_ids[0], num_kv_blocks, max_model_len,
+            ))  # fmt: skip
         num_partitions, blocks_per = self._partitions(rows, width)
         if num_partitions == 0:
             return None
@@ -451,6 +474,117 @@ class FusedDecode:
             self.cos[:rows].copy_(cos.view(rows, -1))
             self.sin[:rows].copy_(sin.view(rows, -1))
         return self._run_plan(rows, num_partitions, blocks_per, greedy, screen)
+
+    def _write_row(
+        self,
+        row: int,
+        request_id: str,
+        position: int,
+        blocks: list[int],
+        token: int,
+        num_kv_blocks: int,
+        max_model_len: int,
+    ) -> int:
+        """Row `row` of the step's inputs: `token` at `position` of the request whose block ids
+        are `blocks` (of the table, only the ids the row lacks: `run_decodes`). Returns the
+        blocks the row's context spans."""
+        inputs = self._inputs_np
+        table, owners, block_size = inputs["block_table"], self._row_owners, self.block_size
+        if position < 0:
+            raise ValueError(f"request {request_id}: nothing to compute")
+        if position >= max_model_len:
+            raise ValueError(f"request {request_id}: {position + 1} tokens > max_model_len")
+        needed = position // block_size + 1
+        if len(blocks) < needed:
+            raise ValueError(f"request {request_id}: block_ids do not cover {position + 1} tokens")
+        owner = owners[row]
+        known = owner[1] if owner is not None and owner[0] == request_id else 0
+        if known > needed or (known == needed and table[row, needed - 1] != blocks[needed - 1]):
+            known = 0  # not the blocks the row holds (never from our scheduler): all again
+        if known < needed:
+            new = blocks[known:needed]
+            if min(new) < 0 or max(new) >= num_kv_blocks:
+                raise ValueError(f"request {request_id}: block id outside the pool")
+            table[row, known:needed] = new
+            owners[row] = (request_id, needed)
+        vocab = self.num_embeddings
+        if vocab is not None and not 0 <= token < vocab:
+            raise IndexError(f"fused decode step: a token id outside [0, {vocab})")
+        if self.rope_tables is not None and position >= self.rope_tables[0].shape[0]:
+            raise IndexError(
+                f"fused decode step: a position outside [0, {self.rope_tables[0].shape[0]})"
+            )
+        inputs["input_ids"][row], inputs["positions"][row] = token, position
+        inputs["context_lens"][row] = position + 1
+        # From the row (every id in it was checked), never from the request's own list.
+        inputs["slot_mapping"][row] = table[row, needed - 1] * block_size + position % block_size
+        return needed
+
+    def speculate(
+        self, request, num_kv_blocks: int, max_model_len: int, max_new_tokens: int
+    ) -> list[int] | None:
+        """A greedy decode of one request, speculatively: the draft (the same step on int4
+        copies of the projections, the lm_head's screen as its head) proposes up to
+        DRAFT_TOKENS tokens, one draft step each; then one step of the request's token and the
+        proposals as consecutive rows computes each row's greedy token exactly (its K and V
+        written first, by the store task; the lm_head through its screen). The first token,
+        the proposals that equal the token before them verified, and the verified token after
+        the last of those are this step's tokens: 1 to DRAFT_TOKENS + 1 of them, at most
+        `max_new_tokens`.
+
+        Each row's bits are those of the one-row step at its position: the bf16 GEMV sums a row
+        as it does alone (up to SCREEN_MAX_ROWS rows, `DRAFT_TOKENS`), the rows are split in
+        the one-row step's attention partitions (rows that would split otherwise are not
+        drafted), and the rows of norms, RoPE and SiLU are row-wise. So the tokens are the ones
+        one-token steps would give, faster where proposals hold (a verifying step streams the
+        weights once for up to 3 tokens; a draft step reads a third of them).
+
+        The K and V rows a draft step and a rejected row wrote lie past the request's
+        computed tokens, in its own blocks: the next step writes over them. Drafts stay within
+        the blocks the request holds. None, with nothing run, where no token can be drafted
+        (the request's last block is full, or its rows would split differently): the caller
+        runs a one-token step."""
+        if self.draft_plan is None:
+            return None
+        position, blocks, request_id = request.start_position, request.block_ids, request.request_id
+        block_size = self.block_size
+        k = min(
+            DRAFT_TOKENS,
+            len(blocks) * block_size - position - 1,
+            max_model_len - position - 1,
+            max_new_tokens - 1,
+        )
+        split = self._partitions(1, position // block_size + 1)
+        while k > 0 and self._partitions(1, (position + k) // block_size + 1) != split:
+            k -= 1  # (the split only grows with the context: the last row's says)
+        if k <= 0 or split[0] == 0:
+            return None
+        num_partitions, blocks_per = split
+        tokens = [request.token_ids[0]]
+        scalars, spin = self._step_scalars, decode_step.SPIN
+        self._greedy_rows = 0
+        for i in range(k):  # the draft, one row at a time
+            self._write_row(0, request_id, position + i, blocks, tokens[-1], num_kv_blocks,
+                            max_model_len)  # fmt: skip
+            scalars[:] = (num_partitions, blocks_per, 0, int(num_partitions > 1), 1, 0, 0)
+            self.draft_plan.run(1, 0, spin)
+            tokens.append(int(self.greedy_ids[0]))
+        for j in range(k + 1):  # the verification: all rows in one step
+            self._write_row(j, request_id, position + j, blocks, tokens[j], num_kv_blocks,
+                            max_model_len)  # fmt: skip
+        scalars[:] = (num_partitions, blocks_per, 1, int(num_partitions > 1), 0, 0, 1)
+        self.plan.run(k + 1, 0, spin)
+        verified = self.greedy_ids[: k + 1].tolist()
+        accepted = 0
+        while accepted < k and tokens[accepted + 1] == verified[accepted]:
+            accepted += 1
+        self._screened = True
+        self.screened_steps += 1
+        self.screened_channels += int(self.screen_candidates[: k + 1].sum())
+        self.speculative_steps += 1
+        self.drafted_tokens += k
+        self.accepted_tokens += accepted
+        return verified[: accepted + 1]
 
     def run(
         self,
@@ -494,7 +628,7 @@ class FusedDecode:
         greedy = greedy and self.has_lm_head
         screened = greedy and screen and self.screen is not None and rows <= SCREEN_MAX_ROWS
         self._step_scalars[:] = (
-            num_partitions, blocks, int(num_partitions > 1), int(greedy and not screened),
+            num_partitions, blocks, 0, int(num_partitions > 1), int(greedy and not screened),
             int(not screened), int(screened),
         )  # fmt: skip
         self._greedy_rows = 0
@@ -594,6 +728,46 @@ class HeadScreen:
         self.isa = bf16_gemm.screen_isa_code()
 
 
+class DraftWeights:
+    """The speculative draft's weights (`FusedDecode.speculate`): every bf16 projection of the
+    layers as int4 codes for quant_gemm's GEMV (a scale and minimum per DRAFT_GROUP_SIZE
+    inputs; a bias left out: a draft only proposes). SmolLM2-135M: 60 MB beside the 212 MB of
+    bf16 layers; the draft's head is the lm_head's int8 screen, already there. Its greedy tokens
+    equal the bf16 model's 94.8% of the time there (loadtest/bench_draft_acceptance.py)."""
+
+    def __init__(self, model):
+        self.isa = quant_gemm.isa_code(quant_gemm.best_isa(True))
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                weight = bf16_gemm.unpack(linear.weight, linear.out_features, linear.in_features)
+                codes, scale, minimum = quantize_int4_groupwise(weight, DRAFT_GROUP_SIZE)
+                packed, scale_min = quant_gemm.pack_int4(codes, scale, minimum)
+                self.weights[id(linear)] = (huge_pages.adopt(packed), huge_pages.adopt(scale_min))
+        self.num_bytes = sum(c.nbytes + s.nbytes for c, s in self.weights.values())
+
+
+def speculation_reason(model, fused: FusedDecode) -> str | None:
+    """Why the fused step `fused` of `model` cannot decode speculatively (None: it can): the
+    draft stands in for bf16 projections on our GEMV, its head is the lm_head's screen, and its
+    step gathers its inputs itself."""
+    if fused.screen is None:
+        return "no lm_head screen"
+    if quant_gemm.load() is None:
+        return "no quant_gemm library (the draft's GEMV)"
+    if fused.num_embeddings is None or fused.rope_tables is None:
+        return "embedding or rotary tables the step cannot gather"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if isinstance(linear, QuantLinear):
+                return "quantized projections"
+            if linear.in_features % DRAFT_GROUP_SIZE:
+                return f"in_features {linear.in_features} not a multiple of {DRAFT_GROUP_SIZE}"
+    return None
+
+
 def _worth_a_screen(model) -> bool:
     """Whether a bf16 lm_head is worth its int8 screen: at least SCREEN_MIN_SHARE of the weight
     bytes a one-row step streams (SmolLM2-135M: 0.21; a 1B Llama's shapes: 0.08, where the
@@ -668,6 +842,17 @@ class StepForward:
     def forget_rows(self) -> None:
         self.fused.forget_rows()
 
+    @property
+    def speculates(self) -> bool:
+        return self.fused.draft is not None
+
+    def speculate(
+        self, request, num_kv_blocks: int, max_model_len: int, max_new_tokens: int
+    ) -> list[int] | None:
+        """`FusedDecode.speculate`: 1 to DRAFT_TOKENS + 1 greedy tokens of one request, or None
+        where nothing can be drafted (then a one-token step)."""
+        return self.fused.speculate(request, num_kv_blocks, max_model_len, max_new_tokens)
+
     def step_counters(self) -> tuple[int, int, float]:
         """(fused steps, of which the thread choice ran on one thread, seconds this thread
         waited for the GIL after them) so far."""
@@ -689,9 +874,11 @@ class StepForward:
         return self.fused.greedy_ids_of(hidden, rows)
 
 
-def resolve(model, mode: str, kv_dtype: torch.dtype, max_model_len: int):
+def resolve(model, mode: str, kv_dtype: torch.dtype, max_model_len: int, speculative: str = "off"):
     """The model's forward for the runner: fused where `mode` ("auto", "on", "off") and the
-    model allow, else the model itself. "on" where it cannot apply logs why and falls back."""
+    model allow, else the model itself. "on" where it cannot apply logs why and falls back.
+    `speculative` ("auto", "on", "off"): the fused step's speculative decoding where it applies
+    (`FusedDecode.speculate`); "on" where it cannot logs why."""
     if mode == "off":
         return model, "off"
     reason = unsupported_reason(model, kv_dtype)
@@ -701,4 +888,7 @@ def resolve(model, mode: str, kv_dtype: torch.dtype, max_model_len: int):
     if reason is not None:
         (log.warning if mode == "on" else log.debug)("decode_step.unsupported", reason=reason)
         return model, reason
-    return StepForward(model, FusedDecode(model, step_ext, max_model_len)), None
+    fused = FusedDecode(model, step_ext, max_model_len, speculative=speculative != "off")
+    if speculative == "on" and fused.draft is None:
+        log.warning("decode_step.speculation_unsupported", reason=speculation_reason(model, fused))
+    return StepForward(model, fused), None

@@ -244,7 +244,11 @@ class LLMEngine:
             if produced.prompt_chunk is not None and accumulator is not None:
                 accumulator.add(produced.prompt_chunk)
         updated = self.scheduler.update_from_output(out, result.sampled)
-        return [self._postprocess(req, step_logprobs.get(req.request_id)) for req in updated]
+        extra = result.extra
+        return [
+            self._postprocess(req, step_logprobs.get(req.request_id), extra.get(req.request_id))
+            for req in updated
+        ]
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
@@ -262,20 +266,31 @@ class LLMEngine:
             return True
         return req.grammar.is_terminated
 
-    def _postprocess(self, req: Request, logprobs: StepLogprobs | None = None) -> RequestDelta:
+    def _postprocess(
+        self,
+        req: Request,
+        logprobs: StepLogprobs | None = None,
+        extra: list[int] | None = None,
+    ) -> RequestDelta:
+        """The delta of the token the step appended to `req`, and of the `extra` tokens it
+        verified after it (a speculative step), each taken only while the request is not
+        finished: a stop token, a stop string or max_tokens ends it where a one-token step
+        would have."""
         token = req.all_token_ids[-1]
-        reason = self._finish_reason(req, token)
-        if req.grammar is not None and reason is None and self._grammar_done(req, token):
-            reason = FINISH_STOP
+        tokens = [token]
+        reason = self._advance(req, token)
+        for token in extra or ():
+            if reason is not None:
+                break
+            self.scheduler.accept_token(req, token)
+            tokens.append(token)
+            reason = self._advance(req, token)
         detok = self._detokenizers[req.request_id]
-        detok.add_token(token, is_last=reason is not None)
-        if reason is None and detok.stopped_on is not None:
-            reason = FINISH_STOP
         finished = reason is not None
         delta = RequestDelta(
             request_id=req.group_id,
             text=detok.flush(finished),
-            token_ids=[token],
+            token_ids=tokens,
             finished=finished,
             finish_reason=reason,
             num_prompt_tokens=req.num_prompt_tokens,
@@ -293,6 +308,18 @@ class LLMEngine:
             self.scheduler.finish_request(req.request_id, reason)
             self._detokenizers.pop(req.request_id, None)
         return delta
+
+    def _advance(self, req: Request, token: int) -> str | None:
+        """`token`, just appended to `req`, through its grammar and detokenizer: why the request
+        finishes with it, or None."""
+        reason = self._finish_reason(req, token)
+        if req.grammar is not None and reason is None and self._grammar_done(req, token):
+            reason = FINISH_STOP
+        detok = self._detokenizers[req.request_id]
+        detok.add_token(token, is_last=reason is not None)
+        if reason is None and detok.stopped_on is not None:
+            reason = FINISH_STOP
+        return reason
 
     def _num_other_samples(self, req: Request, finished: bool) -> int:
         """Samples of req's request still running besides req (which leaves if `finished`)."""
@@ -329,6 +356,7 @@ class LLMEngine:
             num_fused_steps=fused_steps,
             num_fused_steps_one_thread=one_thread,
             fused_step_gil_wait_s=gil_wait_s,
+            **self.runner.draft_counters(),
         )
 
 

@@ -11,7 +11,7 @@ malloc, OpenMP) is set in engine/platform.py.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -60,6 +60,9 @@ class ModelRunnerOutput:
 
     sampled: dict[str, int]  # request id -> the token sampled (requests with needs_sample)
     logprobs: dict[str, StepLogprobs]  # request id -> prompt chunk / sample logprobs, if asked
+    # request id -> the greedy tokens after `sampled`'s that a speculative step verified, in
+    # order (each the argmax after the one before it; engine/fused_decode.py `speculate`)
+    extra: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -146,8 +149,9 @@ class ModelRunner:
         self.fused_decode = None  # why the fused decode step does not apply; None when it does
         if is_eager_cpu:
             self._forward, self.fused_decode = fused_decode.resolve(
-                self.model, self.config.fused_decode, self.kv_cache.dtype, self.max_model_len
-            )
+                self.model, self.config.fused_decode, self.kv_cache.dtype, self.max_model_len,
+                self.config.speculative_decoding,
+            )  # fmt: skip
         # The forward takes `greedy` (and finds the greedy ids itself): the fused step's.
         self._forward_takes_greedy = isinstance(self._forward, fused_decode.StepForward)
         # ... and runs decode-only steps from the requests themselves (`_run_decodes`).
@@ -160,6 +164,16 @@ class ModelRunner:
         far; (0, 0, 0.0) without the fused step."""
         counters = getattr(self._forward, "step_counters", None)
         return counters() if counters is not None else (0, 0, 0.0)
+
+    def draft_counters(self) -> dict[str, int]:
+        """Speculative decoding's tokens drafted and accepted so far (EngineStats' fields)."""
+        fused = getattr(self._forward, "fused", None)
+        if fused is None:
+            return {"num_draft_tokens": 0, "num_draft_accepted": 0}
+        return {
+            "num_draft_tokens": fused.drafted_tokens,
+            "num_draft_accepted": fused.accepted_tokens,
+        }
 
     def _fused_decode_state(self) -> str:
         """For the ready log: "on", or why the fused decode step does not run."""
@@ -294,6 +308,9 @@ class ModelRunner:
             trim_heap()
             self._is_trim_due_fused = False
         self._is_trim_due = sum(len(r.token_ids) for r in out.scheduled) >= TRIM_AFTER_TOKENS
+        speculated = self._speculate(out)
+        if speculated is not None:
+            return speculated
         requests, logits, greedy_ids, step_logprobs = self._run(out)
         if not requests:
             return ModelRunnerOutput({}, step_logprobs)
@@ -301,6 +318,36 @@ class ModelRunner:
         add_sample_logprobs(step_logprobs, logits, requests, token_ids)
         sampled = {r.request_id: t for r, t in zip(requests, token_ids, strict=True)}
         return ModelRunnerOutput(sampled, step_logprobs)
+
+    def _speculate(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """A step of one greedy decode that wants its tokens only, speculatively where the fused
+        step can (`FusedDecode.speculate`); None where not (then `_run` runs the step)."""
+        if len(out.scheduled) != 1 or not getattr(self._forward, "speculates", False):
+            return None
+        request = out.scheduled[0]
+        params = request.params
+        if (
+            len(request.token_ids) != 1
+            or not request.needs_sample
+            or not takes_argmax(request)
+            or params.logprobs is not None
+            or (params.prompt_logprobs is not None and request.num_output_tokens == 0)
+        ):
+            return None
+        self.sampler.drop(out.finished_request_ids)
+        if out.finished_request_ids or out.preempted_request_ids:
+            self._forward.forget_rows()  # their blocks were freed
+        if self._is_trim_due_fused:
+            trim_heap()
+            self._is_trim_due_fused = False
+        tokens = self._forward.speculate(
+            request, self.num_kv_blocks, self.max_model_len,
+            params.max_tokens - request.num_output_tokens,
+        )  # fmt: skip
+        if tokens is None:
+            return None
+        request_id = request.request_id
+        return ModelRunnerOutput({request_id: tokens[0]}, {}, {request_id: tokens[1:]})
 
     @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:

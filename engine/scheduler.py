@@ -376,6 +376,14 @@ class Scheduler:
                 updated.append(req)
         return updated
 
+    def accept_token(self, req: Request, token: int) -> None:
+        """Append a further token a speculative step verified after the one just appended: that
+        one's K and V were computed in the same step (engine/fused_decode.py `speculate`)."""
+        req.num_computed_tokens += 1
+        self.num_tokens_computed += 1
+        self.kv.cache_computed_blocks(req)
+        req.append_token(token)
+
 
 def _has_computed_prompt(req: Request) -> bool:
     """The request's prompt has been computed once (its full blocks were offered to the cache)."""

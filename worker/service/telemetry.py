@@ -273,6 +273,11 @@ class Telemetry:
         # The engine thread's waits for the GIL after its fused steps: the event loop held it.
         counter("mini_infer.engine.gil_wait", "s", [(lambda s: s.fused_step_gil_wait_s, {})],
                 "time the engine thread waited for the GIL after its fused steps")  # fmt: skip
+        # Speculative decoding: tokens drafted, by whether the verifying step kept them.
+        counter("mini_infer.engine.draft_tokens", "{token}", [
+            (lambda s: s.num_draft_accepted, {"accepted": "true"}),
+            (lambda s: s.num_draft_tokens - s.num_draft_accepted, {"accepted": "false"}),
+        ], "tokens a speculative step drafted, by whether its verification kept them")  # fmt: skip
         self.step_tokens = _Bound(meter.create_histogram(
             "mini_infer.engine.step.tokens", unit="{token}",
             description="tokens computed per step",

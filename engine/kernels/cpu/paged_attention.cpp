@@ -662,6 +662,12 @@ void extend_impl(const torch::Tensor& q, const torch::Tensor& kv_cache,
 // cache, quantized into an int8 one (`quantize_row`, the bits of store_kv_int8). The second
 // merges each (row, KV head)'s partitions (nothing to do with one). bf16 q; a bf16 cache, or
 // int8 codes with their scales.
+//
+// A step whose rows are consecutive positions of one sequence (a speculative step's
+// verification: row j attends to the K and V rows 0..j-1 write) cannot write them inside the
+// attention items, which run at once on the threads: such a step says so in num_partitions[2],
+// and a task of its own (`store_task`, items: row x KV head) writes every row's K and V first,
+// with the same `write_kv`, behind a barrier.
 
 using bf16 = at::BFloat16;
 
@@ -672,7 +678,8 @@ struct DecodeTask {
   const int64_t* block_table;     // [max_rows, max_blocks]
   const int64_t* context_lens;    // [max_rows]
   const int64_t* slot_mapping;    // [max_rows]
-  const int64_t* num_partitions;  // [2]: this step's partitions, and blocks per partition
+  const int64_t* num_partitions;  // [3]: this step's partitions, blocks per partition, and
+                                  // whether store_task wrote the new K and V (1) or not (0)
   float* partials;                // [max_rows, num_kv_heads, max_partitions, G * (D + 2)]
   bf16* out;                      // [rows, num_heads, head_dim]
   Shapes shapes;                  // num_partitions: the most a step may use
@@ -715,13 +722,28 @@ void decode_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
     const bf16* q_row = t.qkv + row * s.q_seq_stride;
     const int64_t context_len = t.context_lens[row];
     const int64_t last_block = (context_len - 1) / s.block_size;
-    if (part == last_block / s.partition_blocks) {
+    if (t.num_partitions[2] == 0 && part == last_block / s.partition_blocks) {
       write_kv(t, q_row + (s.num_heads + kv_head) * D, q_row + (s.num_heads + KVH + kv_head) * D,
                t.slot_mapping[row], kv_head, D, KVH, cache);
     }
     decode_item<bf16, cache_t>(q_row, cache, t.scales, t.block_table + row * s.max_blocks,
                                context_len, row, kv_head, part, t.softmax_scale, s,
                                t.partials + item * partial, t.out);
+  }
+}
+
+// Items: row x KV head. Each row's new K and V into its slot (steps that set num_partitions[2]).
+template <typename cache_t>
+void store_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
+  const DecodeTask& t = *static_cast<const DecodeTask*>(raw);
+  const Shapes& s = t.shapes;
+  const int64_t D = s.head_dim, KVH = s.num_kv_heads;
+  cache_t* cache = static_cast<cache_t*>(t.cache);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t row = item / KVH, kv_head = item % KVH;
+    const bf16* q_row = t.qkv + row * s.q_seq_stride;
+    write_kv(t, q_row + (s.num_heads + kv_head) * D, q_row + (s.num_heads + KVH + kv_head) * D,
+             t.slot_mapping[row], kv_head, D, KVH, cache);
   }
 }
 
@@ -737,11 +759,11 @@ void merge_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
 
 // qkv [max_rows, (H + 2 KVH) * D] bf16 buffer; cache the layer's pool (bf16, or int8 codes with
 // `scales` [num_blocks, block_size, 2, KVH] float32); block_table [max_rows, max_blocks],
-// context_lens and slot_mapping [max_rows] int64 buffers; num_partitions [2] int64 (set per
-// step: partitions, blocks per partition; the caller keeps rows * KVH * partitions within the
-// partials); partials float32 [max_rows * KVH * max_partitions * G * (D + 2)], max_partitions
-// those of `partition_blocks`; out [max_rows, H, D]. Items per run: rows * KVH * partitions,
-// then rows * KVH.
+// context_lens and slot_mapping [max_rows] int64 buffers; num_partitions [3] int64 (set per
+// step: partitions, blocks per partition, K/V written by store_task; the caller keeps
+// rows * KVH * partitions within the partials); partials float32
+// [max_rows * KVH * max_partitions * G * (D + 2)], max_partitions those of `partition_blocks`;
+// out [max_rows, H, D]. Items per run: rows * KVH * partitions, then rows * KVH.
 py::capsule decode_task_args(torch::Tensor qkv, torch::Tensor cache, float* scales,
                              torch::Tensor block_table, torch::Tensor context_lens,
                              torch::Tensor slot_mapping, torch::Tensor num_partitions,
@@ -756,8 +778,9 @@ py::capsule decode_task_args(torch::Tensor qkv, torch::Tensor cache, float* scal
     TORCH_CHECK(x->scalar_type() == at::kLong && x->is_contiguous(),
                 "decode task: block_table, context_lens, slot_mapping, num_partitions "
                 "contiguous int64");
-  TORCH_CHECK(num_partitions.numel() >= 2,
-              "decode task: num_partitions holds (partitions, blocks per partition)");
+  TORCH_CHECK(num_partitions.numel() >= 3,
+              "decode task: num_partitions holds (partitions, blocks per partition, K/V stored "
+              "by store_task)");
   Shapes s;
   s.num_seqs = out.size(0);
   s.num_heads = num_heads;
@@ -992,6 +1015,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("decode_task_int8_fn", [] {
     return py::capsule(reinterpret_cast<void*>(&decode_task<int8_t>), "mini_infer.task_fn");
+  });
+  m.def("store_task_fn", [] {
+    return py::capsule(reinterpret_cast<void*>(&store_task<bf16>), "mini_infer.task_fn");
+  });
+  m.def("store_task_int8_fn", [] {
+    return py::capsule(reinterpret_cast<void*>(&store_task<int8_t>), "mini_infer.task_fn");
   });
   m.def("merge_task_fn", [] {
     return py::capsule(reinterpret_cast<void*>(&merge_task), "mini_infer.task_fn");

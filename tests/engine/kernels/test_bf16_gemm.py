@@ -99,6 +99,52 @@ def test_real_widths_and_more_rows_than_one_tile(ext, isa, rows):
     _check(bf16_gemm.gemm(ext, x, bf16_gemm.pack(weight), bias, 1000, isa), x, weight, bias)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@settings(max_examples=15, deadline=None)
+@given(
+    rows=st.integers(2, 3),
+    in_features=st.integers(1, 300),
+    out_features=st.integers(1, 80),
+    has_bias=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_up_to_three_rows_each_get_the_bits_of_the_row_alone(
+    ext, isa, rows, in_features, out_features, has_bias, seed
+):
+    """Speculative decoding verifies up to 3 rows in one step and needs each row's bits to be
+    its one-row step's (engine/fused_decode.py DRAFT_TOKENS): on every path a row's sums are
+    the same at 1, 2 and 3 rows."""
+    isa = _isa(isa)
+    x, weight, bias = _case(torch.Generator().manual_seed(seed), rows, in_features,
+                            out_features, has_bias)  # fmt: skip
+    _check_rows_alone(ext, isa, x, weight, bias)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [2, 3])
+def test_rows_alone_where_the_grouping_of_the_sums_shows(ext, isa, rows):
+    """Random products hide a different grouping of the fp32 sums under the bf16 rounding;
+    these do not: pairs of 2^25, 1, -2^25, 1 (x all ones) sum to 1, 2 or 4 depending on how
+    the pairs are shared among accumulators (the AVX-512 paths give 4 at 4 rows against 2 at
+    one: checked, so 4 verification rows would not keep a row's bits)."""
+    isa = _isa(isa)
+    in_features = 64
+    weight = torch.zeros(16, in_features)
+    for pair in range(in_features // 2):
+        weight[:, 2 * pair] = (2.0**25, 1.0, -(2.0**25), 1.0)[pair % 4]
+    x = torch.ones(rows, in_features, dtype=torch.bfloat16)
+    _check_rows_alone(ext, isa, x, weight.to(torch.bfloat16), None)
+
+
+def _check_rows_alone(ext, isa, x, weight, bias):
+    out_features = weight.shape[0]
+    packed = bf16_gemm.pack(weight)
+    together = bf16_gemm.gemm(ext, x, packed, bias, out_features, isa)
+    for r in range(x.shape[0]):
+        alone = bf16_gemm.gemm(ext, x[r : r + 1].clone(), packed, bias, out_features, isa)
+        assert torch.equal(together[r : r + 1], alone), (isa, r)
+
+
 @settings(max_examples=20, deadline=None)
 @given(
     out_features=st.integers(1, 70),

@@ -68,6 +68,7 @@ def stats(**counts) -> SimpleNamespace:
         num_running=0, num_waiting=0, num_blocks_total=100, num_blocks_free=100,
         num_preemptions=0, num_prefix_queries=0, num_prefix_hits=0, num_tokens_computed=0,
         num_fused_steps=0, num_fused_steps_one_thread=0, fused_step_gil_wait_s=0.0,
+        num_draft_tokens=0, num_draft_accepted=0,
     )  # fmt: skip
     return SimpleNamespace(**{**base, **counts})
 
@@ -76,17 +77,21 @@ def test_engine_counters_count_from_the_start_up_baseline() -> None:
     t = Telemetry(ObservabilitySettings(), "w", model_name="smol")
     t.observe_engine(stats(num_prefix_queries=40, num_prefix_hits=16, num_tokens_computed=64,
                            num_fused_steps=10, num_fused_steps_one_thread=2,
-                           fused_step_gil_wait_s=0.25))  # fmt: skip
+                           fused_step_gil_wait_s=0.25, num_draft_tokens=20,
+                           num_draft_accepted=18))  # fmt: skip
     t.observe_engine(
         stats(num_running=2, num_waiting=1, num_blocks_free=75, num_preemptions=1,
               num_prefix_queries=100, num_prefix_hits=46, num_tokens_computed=96,
-              num_fused_steps=50, num_fused_steps_one_thread=12, fused_step_gil_wait_s=0.375)
+              num_fused_steps=50, num_fused_steps_one_thread=12, fused_step_gil_wait_s=0.375,
+              num_draft_tokens=60, num_draft_accepted=50)
     )  # fmt: skip
     series = scrape(t)
     fused = {labels["threads"]: n for labels, n in series["mini_infer_engine_fused_steps_total"]}
     assert fused == {"all": 30, "one": 10}  # 40 steps since start-up, 10 of them on one thread
     [(_, gil_wait)] = series["mini_infer_engine_gil_wait_seconds_total"]
     assert gil_wait == pytest.approx(0.125)  # waited for the GIL since start-up
+    drafts = {labels["accepted"]: n for labels, n in series["mini_infer_engine_draft_tokens_total"]}
+    assert drafts == {"true": 32, "false": 8}  # 40 drafted since start-up, 32 kept
 
     def value(name: str) -> float:
         ((labels, number),) = series[name]

@@ -1,0 +1,168 @@
+"""Speculative decoding in the fused decode step (engine/fused_decode.py `speculate`): a greedy
+request decoding alone drafts tokens on int4 copies of the layers and verifies them in one step
+of consecutive rows. Its promise is exactness: the tokens, the finish and the K/V written are
+the ones one-token steps give, whatever the draft proposed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import LLMEngine, SamplingParams, fused_decode
+from engine.config import EngineConfig
+from engine.kernels.cpu import decode_step, quant_gemm
+from tests.tiny_model import make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def built():
+    if decode_step.load() is None or quant_gemm.load() is None:
+        pytest.skip("the C++ kernels did not build here (no compiler)")
+
+
+def _engine(model_dir, mode: str, **kwargs) -> LLMEngine:
+    return LLMEngine(
+        model_dir, dtype="bfloat16", quantization=None, num_kv_blocks=64,
+        linear_kernel="gemv", speculative_decoding=mode, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["auto", "int8"], ids=["bf16-kv", "int8-kv"])
+def pair(request, built, tiny_model_dir):
+    """(speculating engine, one-token engine) over the same tiny model and KV cache dtype."""
+    kv = {"kv_cache_dtype": "int8"} if request.param == "int8" else {}
+    spec, plain = _engine(tiny_model_dir, "on", **kv), _engine(tiny_model_dir, "off", **kv)
+    assert spec.runner._forward.fused.draft is not None
+    assert plain.runner._forward.fused.draft is None
+    return spec, plain
+
+
+def _generate(engine: LLMEngine, request_id: str, prompt, params: SamplingParams):
+    """One request alone: (token ids, text, finish reason, the block ids its last step had)."""
+    engine.add_request(request_id, prompt, params)
+    tokens, text, reason, blocks = [], "", None, []
+    schedule, outs = engine.scheduler.schedule, []
+    engine.scheduler.schedule = lambda: outs.append(schedule()) or outs[-1]
+    try:
+        while engine.has_unfinished_requests():
+            deltas = engine.step()
+            blocks = outs[-1].scheduled[0].block_ids if outs[-1].scheduled else blocks
+            for delta in deltas:
+                tokens += delta.token_ids
+                text += delta.text
+                reason = delta.finish_reason
+    finally:
+        del engine.scheduler.schedule
+    return tokens, text, reason, blocks
+
+
+_counter = iter(range(10**9))
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    prompt=st.lists(st.integers(3, 300), min_size=1, max_size=40),
+    max_tokens=st.integers(1, 40),
+    stop_at=st.one_of(st.none(), st.integers(0, 39)),
+)
+def test_the_tokens_and_finish_are_the_one_token_steps(pair, prompt, max_tokens, stop_at):
+    """Any prompt, max_tokens and a stop token taken from inside the output (so the stop falls
+    among drafted tokens as often as not): the same tokens, text and finish reason, and every
+    block back in the pool after."""
+    spec, plain = pair
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    i = next(_counter)
+    want = _generate(plain, f"p{i}", prompt, params)
+    if stop_at is not None and stop_at < len(want[0]):
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+            stop_token_ids=[want[0][stop_at]],
+        )  # fmt: skip
+        want = _generate(plain, f"q{i}", prompt, params)
+    before = spec.runner._forward.fused.accepted_tokens
+    got = _generate(spec, f"s{i}", prompt, params)
+    assert got[:3] == want[:3]
+    for engine in (spec, plain):
+        assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+    if len(want[0]) >= 8:  # long enough to draft past a block's end: some drafts held
+        assert spec.runner._forward.fused.accepted_tokens > before
+
+
+@pytest.mark.parametrize("prompt_len", [5, 100])
+def test_the_kv_written_is_the_one_token_steps(pair, prompt_len):
+    """The K and V rows a speculating run leaves for its tokens (every row but the last
+    token's, which no step computes) are the one-token steps' bits: the verifying step writes
+    them (store task) before its rows attend, and its rows compute as they would alone (past
+    64 tokens the tiny model's attention is split in partitions, whose size changes with the
+    context: rows that would split otherwise are not drafted)."""
+    spec, plain = pair
+    params = SamplingParams(max_tokens=45, temperature=0.0, ignore_eos=True)
+    prompt = [7 + i % 200 for i in range(prompt_len)]
+    tokens, _, _, spec_blocks = _generate(spec, f"kv-s{prompt_len}", prompt, params)
+    want, _, _, plain_blocks = _generate(plain, f"kv-p{prompt_len}", prompt, params)
+    assert tokens == want
+    size = spec.config.block_size
+    positions = torch.arange(len(prompt) + len(tokens) - 1)
+    for blocks in (spec_blocks, plain_blocks):
+        assert len(blocks) * size >= positions.numel()
+
+    def rows(engine, blocks):
+        ids = torch.tensor(blocks)[positions // size]
+        cache = engine.runner.kv_cache  # [layers, blocks, block_size, 2, kv heads, head dim]
+        picked = cache[:, ids, positions % size]
+        scales = engine.runner.kv_cache_scales
+        if scales is not None:
+            return picked, scales[:, ids, positions % size]
+        return picked, None
+
+    got, got_scales = rows(spec, spec_blocks)
+    want_rows, want_scales = rows(plain, plain_blocks)
+    assert torch.equal(got, want_rows)
+    if want_scales is not None:
+        assert torch.equal(got_scales, want_scales)
+
+
+def test_only_a_greedy_request_decoding_alone_speculates(built, tiny_model_dir):
+    """Two requests at once, a sampled request, or one that wants logprobs: one-token steps."""
+    engine = _engine(tiny_model_dir, "auto")
+    fused = engine.runner._forward.fused
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], greedy)
+    engine.add_request("b", [9, 10], greedy)
+    engine.step()  # both prompts
+    engine.step()  # both decode: no speculation with two rows
+    assert fused.speculative_steps == 0
+    for params in (
+        SamplingParams(max_tokens=12, temperature=0.8, ignore_eos=True, seed=1),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2),
+    ):
+        engine.add_request(f"c{params.temperature}", [5, 6, 7], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert fused.speculative_steps == 0
+    assert engine.get_stats().num_draft_tokens == 0
+    _generate(engine, "alone", [5, 6, 7], greedy)
+    assert fused.speculative_steps > 0
+    stats = engine.get_stats()
+    assert stats.num_draft_tokens == fused.drafted_tokens > 0
+    assert stats.num_draft_accepted == fused.accepted_tokens
+
+
+def test_where_speculation_applies(built, tiny_model_dir, tmp_path):
+    """bf16 projections on our GEMV with the lm_head's screen: yes; "off", int4 weights, or a
+    head too small a share for its screen: no draft."""
+    assert _engine(tiny_model_dir, "auto").runner._forward.fused.draft is not None
+    assert _engine(tiny_model_dir, "off").runner._forward.fused.draft is None
+    quantized = LLMEngine(tiny_model_dir, dtype="bfloat16", quantization="int4", num_kv_blocks=64)
+    fused = quantized.runner._forward.fused
+    assert fused.draft is None
+    assert fused_decode.speculation_reason(quantized.runner.model, fused) is not None
+    small_head = make_tiny_llama(tmp_path, num_hidden_layers=4, intermediate_size=1024)
+    fused = _engine(small_head, "on").runner._forward.fused
+    assert fused.draft is None and fused.screen is None
+    with pytest.raises(ValueError, match="speculative_decoding"):
+        EngineConfig(speculative_decoding="yes")
