@@ -75,6 +75,7 @@ def run_engine(
     while eng.has_unfinished_requests():
         eng.step()
     warm_compile_s = compile_s()
+    drafted0, accepted0 = _draft_counts(eng)
     start = time.perf_counter()
     first: dict[str, float] = {}
     arrivals: dict[str, list[float]] = {}  # per request, when each token came out of a step
@@ -96,9 +97,17 @@ def run_engine(
         num_graphs=getattr(compiled, "num_compiles", 0),
         tokens_per_s_with_compile=round(num_tokens / elapsed, 1),
     )  # fmt: skip
+    drafted, accepted = _draft_counts(eng)
+    if drafted > drafted0:  # speculative decoding ran: how many drafts the verification kept
+        result.update(draft_tokens=drafted - drafted0, draft_accepted=accepted - accepted0)
     if with_token_gaps:
         result["token_gaps"] = token_gaps(list(arrivals.values()))
     return result
+
+
+def _draft_counts(eng) -> tuple[int, int]:
+    stats = eng.get_stats()
+    return stats.num_draft_tokens, stats.num_draft_accepted
 
 
 def _hf_model(auto_class, model_path: Path, torch_dtype):
@@ -183,6 +192,7 @@ def _child(impl: str, spec: dict, q) -> None:
                 options = {"compile": spec["compile"], "quantization": spec["quantization"],
                            "fused_ops": spec.get("fused_ops", "auto"),
                            "fused_decode": spec.get("fused_decode", "auto"),
+                           "speculative_decoding": spec.get("speculative_decoding", "auto"),
                            "linear_kernel": spec.get("linear_kernel", "auto")}  # fmt: skip
                 results[name] = run_engine(spec["model"], spec["dtype"], prompts, lengths,
                                            **options)  # fmt: skip
@@ -256,6 +266,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="engine fused decode step: auto|on|off, or a comma list to alternate (e.g. on,off)",
     )  # fmt: skip
     parser.add_argument(
+        "--speculative-decoding", default="auto",
+        help="engine speculative decoding: auto|on|off, or a comma list to alternate (on,off)",
+    )  # fmt: skip
+    parser.add_argument(
         "--linear-kernel", default="auto", help="engine bf16 linears: auto|plain|packed|gemv"
     )
     parser.add_argument("--llama-server", default=None, help=f"llama-server binary ({ENV_VAR})")
@@ -307,13 +321,15 @@ def run(args) -> int:
                 "llama_server": str(server), "gguf": str(gguf)}  # fmt: skip
         # llama.cpp runs its own quantised GGUF: one run per round whatever the dtype list.
         first_dtype = dtype == args.dtypes.split(",")[0]
-        # Engine sides, alternated with the peers: each quantization x each fused-decode value.
+        # Engine sides, alternated with the peers: each quantization x each fused-decode value
+        # x each speculative-decoding value.
         variants = args.fused_decode.split(",")
+        speculations = args.speculative_decoding.split(",")
         quants = (args.quantization or "").split(",")
-        impls = [*(("engine", q, v) for q in quants for v in variants),
-                 *((p, "", "") for p in peers if p not in LLAMACPP_PEERS or first_dtype)]  # fmt: skip
+        impls = [*(("engine", q, v, s) for q in quants for v in variants for s in speculations),
+                 *((p, "", "", "") for p in peers if p not in LLAMACPP_PEERS or first_dtype)]  # fmt: skip
         for round_index in range(args.rounds):
-            for impl, quant, variant in impls:
+            for impl, quant, variant, speculation in impls:
                 key = LLAMACPP_PEERS.get(impl, f"{impl}-{dtype}")
                 if impl == "engine" and quant:
                     key += f"-{quant}"
@@ -321,8 +337,11 @@ def run(args) -> int:
                     key += f"-{args.linear_kernel}"
                 if impl == "engine" and len(variants) > 1:
                     key += f"-fused-{variant}"
+                if impl == "engine" and len(speculations) > 1:
+                    key += f"-spec-{speculation}"
                 print(f"[bench] round {round_index + 1}: {key} ...", file=sys.stderr, flush=True)
-                side = {**spec, "fused_decode": variant or "auto", "quantization": quant or None}
+                side = {**spec, "fused_decode": variant or "auto", "quantization": quant or None,
+                        "speculative_decoding": speculation or "auto"}  # fmt: skip
                 try:
                     result = measure(impl, side)
                 except RuntimeError as error:  # a child that died: the other runs stand

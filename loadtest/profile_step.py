@@ -253,9 +253,11 @@ def profile(
     from loadtest.workloads import chat_prompts
     from loadtest.workloads import workloads as all_workloads
 
+    # One-token steps: a step's parts, whatever speculative decoding would make of them (its
+    # draft and verifying steps are timed by loadtest/bench_speculative.py).
     eng = LLMEngine(model, dtype=dtype, quantization=quantization, compile=compile_mode,
                     max_num_seqs=64, fused_ops=fused_ops,
-                    fused_decode=fused_decode)  # fmt: skip
+                    fused_decode=fused_decode, speculative_decoding="off")  # fmt: skip
     totals: dict[str, float] = defaultdict(float)
     _instrument(eng, totals)
     _label_kernels(eng, totals)
