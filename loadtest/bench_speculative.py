@@ -1,0 +1,143 @@
+"""Where a speculative decoding step's time goes (engine/fused_decode.py `speculate`): the fused
+step's plans timed alone, in rounds that alternate them: a draft step (one row on the int4
+copies), a one-token step (one row) and verifying steps of 2 and 3 rows, each over the same
+context of a request that has decoded a while. With the drafts' acceptance from a greedy run,
+what a token costs each way:
+
+    one-token:    t(1 row)
+    speculative:  (DRAFT_TOKENS * t(draft) + t(3 rows)) / (tokens per verifying step)
+
+Then the same per kind of task inside the plans (summed over layers, the threads' mean work).
+Prints a table and the JSON (`--out` also writes it).
+
+    python -m loadtest.bench_speculative [--model smollm2-135m] [--rounds 5] [--out r.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from loadtest.report import emit
+
+NUM_RUNS = 40  # runs of a plan per round (the first few after another plan warm its buffers)
+
+
+def _timed(fn, runs: int = NUM_RUNS) -> float:
+    """Median ms of `fn` over `runs` calls."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _task_split(plan, names: list[str], run, runs: int = NUM_RUNS) -> dict[str, float]:
+    """ms per run and kind of task: the threads' mean work (the plan's own clocks)."""
+    plan.set_timing(True)
+    for _ in range(runs):
+        run()
+    work, _ = plan.task_times()
+    plan.set_timing(False)
+    split: dict[str, float] = {}
+    for name, w in zip(names, work, strict=True):
+        split[name] = split.get(name, 0.0) + sum(w) / len(w) / runs / 1e6
+    return {k: round(v, 3) for k, v in split.items()}
+
+
+def run(args) -> dict:
+    from engine import LLMEngine, SamplingParams
+    from engine.fused_decode import DRAFT_TOKENS
+    from engine.kernels.cpu import decode_step
+    from loadtest.workloads import chat_prompts
+
+    eng = LLMEngine(args.model, dtype="bfloat16", quantization=None, speculative_decoding="on",
+                    linear_kernel=args.linear_kernel)  # fmt: skip
+    fused = eng.runner._forward.fused
+    if fused.draft is None:
+        raise SystemExit(f"no speculative decoding here: {eng.runner.fused_decode or 'on'}")
+    prompt = chat_prompts(eng.tokenizer, 1)[0]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    eng.add_request("run", prompt, params)
+    start = time.perf_counter()
+    request = eng.scheduler.requests["run"]
+    while request.num_output_tokens < args.max_tokens - 2 * (DRAFT_TOKENS + 1):
+        eng.step()
+    run_s = time.perf_counter() - start
+    num_run = request.num_output_tokens
+    # Three rows at the request's last computed positions (rewriting their K/V with the same
+    # bits): every plan below runs them, 1 to 3 rows.
+    blocks, first = eng.scheduler.kv.block_ids("run"), request.num_computed_tokens - 3
+    for row in range(3):
+        fused._write_row(row, "run", first + row, blocks, request.all_token_ids[first + row],
+                         eng.runner.num_kv_blocks, eng.max_model_len)  # fmt: skip
+    scalars, spin = fused._step_scalars, decode_step.SPIN
+    partitions, blocks_per = fused._partitions(1, (first + 2) // fused.block_size + 1)
+    merge = int(partitions > 1)
+    sides = {
+        "draft": (fused.draft_plan, fused.draft_task_names, 1,
+                  (partitions, blocks_per, 0, merge, 1, 0, 0)),
+        "1 row": (fused.plan, fused.task_names, 1, (partitions, blocks_per, 0, merge, 0, 0, 1)),
+        "2 rows": (fused.plan, fused.task_names, 2, (partitions, blocks_per, 1, merge, 0, 0, 1)),
+        "3 rows": (fused.plan, fused.task_names, 3, (partitions, blocks_per, 1, merge, 0, 0, 1)),
+    }  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(args.rounds):
+        for name, (plan, _, rows, values) in sides.items():
+            scalars[:] = values
+            times[name].append(round(_timed(lambda p=plan, r=rows: p.run(r, 0, spin)), 3))
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    tasks = {}
+    for name, (plan, names, rows, values) in sides.items():
+        scalars[:] = values
+        tasks[name] = _task_split(plan, names, lambda p=plan, r=rows: p.run(r, 0, spin))
+    fused.forget_rows()  # the table rows were written here, not by the runner
+    while eng.has_unfinished_requests():
+        eng.step()
+    drafted, accepted = fused.drafted_tokens, fused.accepted_tokens
+    tokens_per_verify = (fused.speculative_steps + accepted) / max(fused.speculative_steps, 1)
+    speculative_ms = (DRAFT_TOKENS * medians["draft"] + medians["3 rows"]) / tokens_per_verify
+    doc = {
+        "model": args.model, "rounds": args.rounds, "plan_ms": times, "medians_ms": medians,
+        "run": {"tokens": args.max_tokens, "tok_s": round(num_run / run_s, 1),
+                "drafted": drafted, "accepted": accepted,
+                "acceptance": round(accepted / max(drafted, 1), 3),
+                "tokens_per_verifying_step": round(tokens_per_verify, 2)},
+        "per_token_ms": {"one_token": round(medians["1 row"], 3),
+                         "speculative": round(speculative_ms, 3),
+                         "ratio": round(medians["1 row"] / speculative_ms, 2)},
+        "tasks_ms": tasks,
+    }  # fmt: skip
+    print(f"plans, ms (medians of {args.rounds} alternating rounds of {NUM_RUNS} runs)")
+    for name, ts in times.items():
+        print(f"  {name:8} {medians[name]:7.2f}   rounds: {', '.join(f'{t:.2f}' for t in ts)}")
+    r = doc["run"]
+    print(f"greedy run: {r['accepted']}/{r['drafted']} drafts kept ({r['acceptance']:.1%}), "
+          f"{r['tokens_per_verifying_step']} tokens a verifying step")  # fmt: skip
+    p = doc["per_token_ms"]
+    print(f"per token, ms: one-token {p['one_token']:.2f}, speculative {p['speculative']:.2f} "
+          f"({p['ratio']:.2f}x)")  # fmt: skip
+    print(f"\n{'task (ms, threads mean work)':28} " + " ".join(f"{n:>8}" for n in sides))
+    for kind in tasks["1 row"]:
+        cells = " ".join(f"{tasks[n].get(kind, 0.0):8.3f}" for n in sides)
+        print(f"  {kind:26} {cells}")
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--linear-kernel", default="auto", help="bf16 linears: auto|gemv|...")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    emit(run(args), args.out, None, None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

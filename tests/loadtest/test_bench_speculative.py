@@ -1,0 +1,33 @@
+"""loadtest/bench_speculative.py on a tiny model: its figures hang together (a benchmark is not
+a test; this checks the arithmetic and that every plan it times runs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.kernels.cpu import decode_step, quant_gemm
+from loadtest import bench_speculative
+
+
+def test_the_breakdown_adds_up(tiny_model_dir, tmp_path, capsys):
+    if decode_step.load() is None or quant_gemm.load() is None:
+        pytest.skip("the C++ kernels did not build here (no compiler)")
+    out = tmp_path / "spec.json"
+    bench_speculative.main([
+        "--model", str(tiny_model_dir), "--max-tokens", "40", "--rounds", "2",
+        "--linear-kernel", "gemv", "--out", str(out),
+    ])  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert set(doc["plan_ms"]) == {"draft", "1 row", "2 rows", "3 rows"}
+    assert all(len(times) == 2 and min(times) > 0 for times in doc["plan_ms"].values())
+    run = doc["run"]
+    assert 0 < run["accepted"] <= run["drafted"]
+    assert run["acceptance"] == round(run["accepted"] / run["drafted"], 3)
+    assert 1 < run["tokens_per_verifying_step"] <= 3
+    medians, per_token = doc["medians_ms"], doc["per_token_ms"]
+    want = (2 * medians["draft"] + medians["3 rows"]) / run["tokens_per_verifying_step"]
+    assert per_token["speculative"] == pytest.approx(want, abs=2e-3)
+    assert "kv_store" in doc["tasks_ms"]["3 rows"] and "argmax" in doc["tasks_ms"]["draft"]
+    assert "per token, ms" in capsys.readouterr().out
