@@ -235,7 +235,9 @@ class LLMEngine:
             return []
         started_s = time.perf_counter()
         result = self.runner.execute(out)
-        if self.scheduler.cost_model is not None:  # the online correction of the step cost
+        # The online correction of the step cost; a speculative step (drafts and a verifying
+        # step for one token's chunk) is not what the model prices.
+        if self.scheduler.cost_model is not None and not result.extra:
             chunks = [(s.start_position, len(s.token_ids)) for s in out.scheduled]
             self.scheduler.cost_model.observe(chunks, (time.perf_counter() - started_s) * 1000)
         step_logprobs = result.logprobs

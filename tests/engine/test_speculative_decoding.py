@@ -166,3 +166,19 @@ def test_where_speculation_applies(built, tiny_model_dir, tmp_path):
     assert fused.draft is None and fused.screen is None
     with pytest.raises(ValueError, match="speculative_decoding"):
         EngineConfig(speculative_decoding="yes")
+
+
+def test_the_step_cost_model_prices_one_token_steps_only(built, tiny_model_dir):
+    """Steps sized by time correct their cost model after every step; a speculative step (two
+    drafts and a verifying step for a chunk of one token) is left out of that, the others not."""
+    engine = _engine(tiny_model_dir, "on", max_step_time_ms=500)
+    model = engine.scheduler.cost_model
+    fused = engine.runner._forward.fused
+    observed = model.num_observed
+    engine.add_request("timed", [5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert 0 < fused.speculative_steps < steps
+    assert model.num_observed - observed == steps - fused.speculative_steps
