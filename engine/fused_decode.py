@@ -533,11 +533,11 @@ class FusedDecode:
         `max_new_tokens`.
 
         Each row's bits are those of the one-row step at its position: the bf16 GEMV sums a row
-        as it does alone (up to SCREEN_MAX_ROWS rows, `DRAFT_TOKENS`), the rows are split in
+        as it does alone (at 1 to 3 rows: bf16_gemm.cpp's `unroll`), the rows are split in
         the one-row step's attention partitions (rows that would split otherwise are not
         drafted), and the rows of norms, RoPE and SiLU are row-wise. So the tokens are the ones
         one-token steps would give, faster where proposals hold (a verifying step streams the
-        weights once for up to 3 tokens; a draft step reads a third of them).
+        weights once for up to 3 tokens; a draft step reads 0.4 of their bytes).
 
         The K and V rows a draft step and a rejected row wrote lie past the request's
         computed tokens, in its own blocks: the next step writes over them. Drafts stay within
@@ -731,7 +731,7 @@ class HeadScreen:
 class DraftWeights:
     """The speculative draft's weights (`FusedDecode.speculate`): every bf16 projection of the
     layers as int4 codes for quant_gemm's GEMV (a scale and minimum per DRAFT_GROUP_SIZE
-    inputs; a bias left out: a draft only proposes). SmolLM2-135M: 60 MB beside the 212 MB of
+    inputs; a bias left out: a draft only proposes). SmolLM2-135M: 66 MB beside the 212 MB of
     bf16 layers; the draft's head is the lm_head's int8 screen, already there. Its greedy tokens
     equal the bf16 model's 94.8% of the time there (loadtest/bench_draft_acceptance.py)."""
 

@@ -47,7 +47,8 @@ def exported() -> dict[str, set[str]]:
     stats = SimpleNamespace(
         num_running=1, num_waiting=1, num_blocks_total=8, num_blocks_free=4, num_preemptions=0,
         num_prefix_queries=0, num_prefix_hits=0, num_tokens_computed=0, num_fused_steps=0,
-        num_fused_steps_one_thread=0, fused_step_gil_wait_s=0.0,
+        num_fused_steps_one_thread=0, fused_step_gil_wait_s=0.0, num_draft_tokens=0,
+        num_draft_accepted=0,
     )  # fmt: skip
     t.observe_engine(stats)
     t.kafka_state.lags = {("t", 0): 3}
