@@ -50,7 +50,7 @@ class EngineConfig:
     # Speculative decoding in the fused step (engine/fused_decode.py `speculate`): a greedy
     # request decoding alone drafts 2 tokens on int4 copies of the layers, verified in one
     # step; the tokens are the ones one-token steps give. "auto" | "on" where the fused step has
-    # bf16 projections on our GEMV and the lm_head's int8 screen (SmolLM2-135M in bf16: +60 MB
+    # bf16 projections on our GEMV and the lm_head's int8 screen (SmolLM2-135M in bf16: +66 MB
     # of draft weights), "off" never.
     speculative_decoding: str = "auto"
     # torch.compile of the model forward: "on" | "off" | "auto" (True/False mean on/off). "auto"
