@@ -186,3 +186,51 @@ def test_the_step_cost_model_prices_one_token_steps_only(built, tiny_model_dir):
         steps += 1
     assert 0 < fused.speculative_steps < steps
     assert model.num_observed - observed == steps - fused.speculative_steps
+
+
+_ISA_SCRIPT = """
+import json, sys
+from engine import LLMEngine, SamplingParams
+
+def run(mode):
+    engine = LLMEngine(sys.argv[1], dtype="bfloat16", quantization=None, num_kv_blocks=64,
+                       linear_kernel="gemv", speculative_decoding=mode)
+    outputs = []
+    for i, prompt in enumerate([[5, 6, 7, 8, 9], [11, 12], list(range(30, 100))]):
+        engine.add_request(str(i), prompt,
+                           SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        tokens = []
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens += delta.token_ids
+        outputs.append(tokens)
+    fused = getattr(engine.runner._forward, "fused", None)
+    return outputs, fused.drafted_tokens if fused is not None else None
+
+on, off = run("on"), run("off")
+print(json.dumps({"same": on[0] == off[0], "drafted": on[1]}))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_a_narrower_cpus_paths_speculate_with_the_same_tokens(built, tiny_model_dir, isa):
+    """The AVX2 and portable paths of every kernel the draft and the verifying step run (the
+    CPU's flags above them hidden, torch's own dispatch lowered to match), in a process of
+    their own: drafts are made and the tokens are the one-token steps'."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "MINI_INFER_MAX_ISA": isa,
+        "ATEN_CPU_CAPABILITY": "avx2" if isa == "avx2" else "default",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _ISA_SCRIPT, str(tiny_model_dir)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["same"] and result["drafted"] > 0, result
