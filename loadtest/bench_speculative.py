@@ -1,11 +1,11 @@
 """Where a speculative decoding step's time goes (engine/fused_decode.py `speculate`): the fused
 step's plans timed alone, in rounds that alternate them: a draft step (one row on the int4
-copies), a one-token step (one row) and verifying steps of 2 and 3 rows, each over the same
-context of a request that has decoded a while. With the drafts' acceptance from a greedy run,
-what a token costs each way:
+copies), a one-token step (one row) and verifying steps of 2 to DRAFT_TOKENS + 1 rows, each
+over the same context of a request that has decoded a while. With the drafts' acceptance from a greedy run,
+what a token costs each way (k = DRAFT_TOKENS):
 
     one-token:    t(1 row)
-    speculative:  (DRAFT_TOKENS * t(draft) + t(3 rows)) / (tokens per verifying step)
+    speculative:  (k * t(draft) + t(k + 1 rows)) / (tokens per verifying step)
 
 Then the same per kind of task inside the plans (summed over layers, the threads' mean work).
 Prints a table and the JSON (`--out` also writes it).
@@ -68,22 +68,24 @@ def run(args) -> dict:
         eng.step()
     run_s = time.perf_counter() - start
     num_run = request.num_output_tokens
-    # Three rows at the request's last computed positions (rewriting their K/V with the same
-    # bits): every plan below runs them, 1 to 3 rows.
-    blocks, first = eng.scheduler.kv.block_ids("run"), request.num_computed_tokens - 3
-    for row in range(3):
+    # Rows at the request's last computed positions (rewriting their K/V with the same bits):
+    # every plan below runs them, 1 to DRAFT_TOKENS + 1 rows.
+    num_rows = DRAFT_TOKENS + 1
+    blocks, first = eng.scheduler.kv.block_ids("run"), request.num_computed_tokens - num_rows
+    for row in range(num_rows):
         fused._write_row(row, "run", first + row, blocks, request.all_token_ids[first + row],
                          eng.runner.num_kv_blocks, eng.max_model_len)  # fmt: skip
     scalars, spin = fused._step_scalars, decode_step.SPIN
-    partitions, blocks_per = fused._partitions(1, (first + 2) // fused.block_size + 1)
+    partitions, blocks_per = fused._partitions(1, (first + num_rows - 1) // fused.block_size + 1)
     merge = int(partitions > 1)
     sides = {
         "draft": (fused.draft_plan, fused.draft_task_names, 1,
                   (partitions, blocks_per, 0, merge, 1, 0, 0)),
         "1 row": (fused.plan, fused.task_names, 1, (partitions, blocks_per, 0, merge, 0, 0, 1)),
-        "2 rows": (fused.plan, fused.task_names, 2, (partitions, blocks_per, 1, merge, 0, 0, 1)),
-        "3 rows": (fused.plan, fused.task_names, 3, (partitions, blocks_per, 1, merge, 0, 0, 1)),
     }  # fmt: skip
+    for rows in range(2, DRAFT_TOKENS + 2):  # the verifying step's sizes
+        values = (partitions, blocks_per, 1, merge, 0, 0, 1)
+        sides[f"{rows} rows"] = (fused.plan, fused.task_names, rows, values)
     times: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(args.rounds):
         for name, (plan, _, rows, values) in sides.items():
@@ -99,9 +101,11 @@ def run(args) -> dict:
         eng.step()
     drafted, accepted = fused.drafted_tokens, fused.accepted_tokens
     tokens_per_verify = (fused.speculative_steps + accepted) / max(fused.speculative_steps, 1)
-    speculative_ms = (DRAFT_TOKENS * medians["draft"] + medians["3 rows"]) / tokens_per_verify
+    verify_ms = medians[f"{num_rows} rows"]
+    speculative_ms = (DRAFT_TOKENS * medians["draft"] + verify_ms) / tokens_per_verify
     doc = {
-        "model": args.model, "rounds": args.rounds, "plan_ms": times, "medians_ms": medians,
+        "model": args.model, "rounds": args.rounds, "draft_tokens": DRAFT_TOKENS,
+        "plan_ms": times, "medians_ms": medians,
         "run": {"tokens": args.max_tokens, "tok_s": round(num_run / run_s, 1),
                 "drafted": drafted, "accepted": accepted,
                 "acceptance": round(accepted / max(drafted, 1), 3),
