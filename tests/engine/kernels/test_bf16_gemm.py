@@ -68,15 +68,18 @@ def _case(generator, rows, in_features, out_features, has_bias):
     return x, weight, bias
 
 
+# A GEMM problem: rows (given per test), widths, a bias or not, the values' seed.
+PROBLEM = {
+    "in_features": st.integers(1, 300),
+    "out_features": st.integers(1, 80),
+    "has_bias": st.booleans(),
+    "seed": st.integers(0, 2**31 - 1),
+}
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @settings(max_examples=30, deadline=None)
-@given(
-    rows=st.integers(1, 16),
-    in_features=st.integers(1, 300),
-    out_features=st.integers(1, 80),
-    has_bias=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
-)
+@given(rows=st.integers(1, 16), **PROBLEM)
 def test_matches_torch_for_every_shape_row_count_and_bias(
     ext, isa, rows, in_features, out_features, has_bias, seed
 ):
@@ -101,13 +104,7 @@ def test_real_widths_and_more_rows_than_one_tile(ext, isa, rows):
 
 @pytest.mark.parametrize("isa", ISAS)
 @settings(max_examples=15, deadline=None)
-@given(
-    rows=st.integers(2, 3),
-    in_features=st.integers(1, 300),
-    out_features=st.integers(1, 80),
-    has_bias=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
-)
+@given(rows=st.integers(2, 3), **PROBLEM)
 def test_up_to_three_rows_each_get_the_bits_of_the_row_alone(
     ext, isa, rows, in_features, out_features, has_bias, seed
 ):
