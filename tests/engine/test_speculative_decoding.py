@@ -234,3 +234,20 @@ def test_a_narrower_cpus_paths_speculate_with_the_same_tokens(built, tiny_model_
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["same"] and result["drafted"] > 0, result
+
+
+def test_the_context_limit_ends_a_request_where_one_token_steps_do(built, tiny_model_dir):
+    """Near max_model_len the draft shortens (no row past the last position the context
+    allows): the request ends with "length" after the same tokens. Over several limits, so
+    that verifying steps (which move 1 to 3 positions) land on each of the last positions."""
+    for max_model_len in range(22, 31):
+        got = {}
+        for mode in ("on", "off"):
+            engine = _engine(tiny_model_dir, mode, max_model_len=max_model_len)
+            params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+            got[mode] = _generate(engine, "limit", list(range(40, 50)), params)[:3]
+            assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+            if mode == "on":
+                assert engine.runner._forward.fused.speculative_steps > 0
+        assert got["on"] == got["off"], max_model_len
+        assert got["on"][2] == "length" and len(got["on"][0]) == max_model_len - 10
