@@ -534,8 +534,10 @@ class FusedDecode:
 
         Each row's bits are those of the one-row step at its position: the bf16 GEMV sums a row
         as it does alone (at 1 to 3 rows: bf16_gemm.cpp's `unroll`), the rows are split in
-        the one-row step's attention partitions (rows that would split otherwise are not
-        drafted), and the rows of norms, RoPE and SiLU are row-wise. So the tokens are the ones
+        the one-row step's attention partitions (the split changes only from one block to the
+        next, and drafts stay in the blocks the request holds, which for our scheduler's
+        decodes is the current one; rows that would split otherwise are not drafted), and the
+        rows of norms, RoPE and SiLU are row-wise. So the tokens are the ones
         one-token steps would give, faster where proposals hold (a verifying step streams the
         weights once for up to 3 tokens; a draft step reads 0.4 of their bytes).
 

@@ -109,8 +109,14 @@ def test_the_kv_written_is_the_one_token_steps(pair, prompt_len):
     want, _, _, plain_blocks = _generate(plain, f"kv-p{prompt_len}", prompt, params)
     assert tokens == want
     assert fused.accepted_tokens > accepted  # drafts were kept: their K/V came from the verify
+    _assert_same_kv(spec, spec_blocks, plain, plain_blocks, len(prompt) + len(tokens) - 1)
+
+
+def _assert_same_kv(spec, spec_blocks, plain, plain_blocks, num_positions: int) -> None:
+    """The K/V rows (and int8 scales) of positions [0, num_positions) are the same bits in
+    both engines' pools, each read through the blocks its request held."""
     size = spec.config.block_size
-    positions = torch.arange(len(prompt) + len(tokens) - 1)
+    positions = torch.arange(num_positions)
     for blocks in (spec_blocks, plain_blocks):
         assert len(blocks) * size >= positions.numel()
 
@@ -128,6 +134,67 @@ def test_the_kv_written_is_the_one_token_steps(pair, prompt_len):
     assert torch.equal(got, want_rows)
     if want_scales is not None:
         assert torch.equal(got_scales, want_scales)
+
+
+class _RightDraft:
+    """Stands in for the draft plan: proposes the token the one-token steps gave after the
+    row's position (read from the step's inputs), so every draft is kept and the verifying
+    steps move the full DRAFT_TOKENS + 1 positions."""
+
+    def __init__(self, fused, sequence: list[int]):
+        self.fused, self.sequence = fused, sequence
+
+    def run(self, rows, first, spin):
+        self.fused.greedy_ids[0] = self.sequence[int(self.fused.positions[0]) + 1]
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2])
+def test_drafts_that_are_always_kept(pair, offset):
+    """With drafts that are always right, verifying steps cover 3 positions each, and over 3
+    prompt lengths they start on every position of a block (up to its last slot, where the
+    draft stops: the next block is not the request's yet): same tokens, same K/V."""
+    spec, plain = pair
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompt = [9 + i % 250 for i in range(110 + offset)]
+    want, _, _, plain_blocks = _generate(plain, f"right-p{offset}", prompt, params)
+    fused = spec.runner._forward.fused
+    real_draft, drafted, accepted = fused.draft_plan, fused.drafted_tokens, fused.accepted_tokens
+    fused.draft_plan = _RightDraft(fused, prompt + want)
+    try:
+        got, _, _, spec_blocks = _generate(spec, f"right-s{offset}", prompt, params)
+    finally:
+        fused.draft_plan = real_draft
+    assert got == want
+    assert fused.accepted_tokens - accepted == fused.drafted_tokens - drafted > 0
+    _assert_same_kv(spec, spec_blocks, plain, plain_blocks, len(prompt) + len(got) - 1)
+
+
+def test_rows_that_would_take_another_attention_split_are_not_drafted(built, tiny_model_dir):
+    """A request holding blocks past its position (our scheduler gives a decode only the block
+    it needs, so this guard is for any other): where the one-row attention split changes from
+    one block to the next (on 2 threads, the tiny model's: 2 partitions of 4 blocks up to
+    position 127, of 5 from 128), a draft stops before the row that would take the other
+    split, and none is made from the last position before it."""
+    from engine.scheduler_output import ScheduledRequest
+
+    engine = _engine(tiny_model_dir, "on")
+    fused = engine.runner._forward.fused
+    size = fused.block_size
+    widths = [w for w in range(1, 12) if fused._partitions(1, w) != fused._partitions(1, w + 1)]
+    if not widths:
+        pytest.skip("one attention split for every context here (one thread)")
+    last = widths[0] * size - 1  # the last position of the old split
+    blocks = list(range(widths[0] + 2))  # a fresh pool: no other request's data in them
+
+    def drafted_from(position: int) -> int | None:
+        request = ScheduledRequest("guard", [5], position, blocks, True, SamplingParams(), seed=0)
+        before = fused.drafted_tokens
+        tokens = fused.speculate(request, engine.runner.num_kv_blocks, engine.max_model_len, 50)
+        return None if tokens is None else fused.drafted_tokens - before
+
+    assert drafted_from(last - 5) == 2
+    assert drafted_from(last - 1) == 1
+    assert drafted_from(last) is None
 
 
 def test_only_a_greedy_request_decoding_alone_speculates(built, tiny_model_dir):
