@@ -121,8 +121,8 @@ def test_up_to_three_rows_each_get_the_bits_of_the_row_alone(
 @pytest.mark.parametrize("rows", [2, 3])
 def test_rows_alone_where_the_grouping_of_the_sums_shows(ext, isa, rows):
     """Random products hide a different grouping of the fp32 sums under the bf16 rounding;
-    these do not: pairs of 2^25, 1, -2^25, 1 (x all ones) sum to 1, 2 or 4 depending on how
-    the pairs are shared among accumulators (the AVX-512 paths give 4 at 4 rows against 2 at
+    these do not: pairs of 2^25, 1, -2^25, 1 (x all ones) sum to 1, 8 or 16 depending on how
+    the pairs are shared among accumulators (the AVX-512 paths give 16 at 4 rows against 8 at
     one: checked, so 4 verification rows would not keep a row's bits)."""
     isa = _isa(isa)
     in_features = 64
