@@ -86,7 +86,7 @@ def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
             backend == "cpu-int8kv" and isinstance(attn.kv_cache, Int8KVCache)
         ):
             return f"attention backend {backend}"
-        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        for linear in _projections(layer):
             reason = _linear_reason(linear)
             if reason is not None:
                 return reason
@@ -96,6 +96,12 @@ def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
     if model.model.norm.kernels is None:
         return "fused ops off"
     return None
+
+
+def _projections(layer) -> tuple:
+    """A decoder layer's four projections, in the order the step runs them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 def _linear_reason(linear) -> str | None:
@@ -370,12 +376,7 @@ class FusedDecode:
         norm(model.model.norm, self.branch, self.residual)
         if draft is not None:  # the screen's logits and their argmax: the draft tokens
             self._screen_tasks(tasks, bg, None)
-            args = fo.make_argmax_task(
-                self.logits, self.argmax_keys, self.argmax_partial, self.greedy_ids
-            )
-            tasks.append((fo.argmax_parts_task_fn(), args, 0, self.argmax_slices, True))
-            tasks.append((fo.argmax_merge_task_fn(), args, 0, 1, False))
-            self.task_names += ["argmax", "argmax_merge"]
+            self._argmax_tasks(tasks, fo, None)
             return tasks
         if self.has_lm_head:
             head_args = gemv("lm_head", model.lm_head, self.normed, self.logits,
@@ -387,13 +388,7 @@ class FusedDecode:
                                            self.greedy_ids, self.screen_candidates)  # fmt: skip
                 tasks.append((bg.screen_argmax_task_fn(), args, 0, 1, True, self.screen_multiplier))
                 self.task_names.append("lm_head_screen_exact")
-            args = fo.make_argmax_task(
-                self.logits, self.argmax_keys, self.argmax_partial, self.greedy_ids
-            )
-            slices = self.argmax_slices
-            tasks.append((fo.argmax_parts_task_fn(), args, 0, slices, True, self.greedy_multiplier))
-            tasks.append((fo.argmax_merge_task_fn(), args, 0, 1, False, self.greedy_multiplier))
-            self.task_names += ["argmax", "argmax_merge"]
+            self._argmax_tasks(tasks, fo, self.greedy_multiplier)
         return tasks
 
     def _screen_tasks(self, tasks: list, bg: ModuleType, multiplier) -> None:
@@ -404,6 +399,16 @@ class FusedDecode:
         )
         tasks.append((bg.screen_gemv_task_fn(), args, blocks, 0, True, multiplier))
         self.task_names.append("lm_head_screen")
+
+    def _argmax_tasks(self, tasks: list, fo: ModuleType, multiplier) -> None:
+        """The logits buffer's row-wise argmax into greedy_ids: slices, then their merge."""
+        args = fo.make_argmax_task(
+            self.logits, self.argmax_keys, self.argmax_partial, self.greedy_ids
+        )
+        slices = self.argmax_slices
+        tasks.append((fo.argmax_parts_task_fn(), args, 0, slices, True, multiplier))
+        tasks.append((fo.argmax_merge_task_fn(), args, 0, 1, False, multiplier))
+        self.task_names += ["argmax", "argmax_merge"]
 
     def accepts(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Whether this step can run fused: decode rows only, few enough."""
@@ -561,20 +566,19 @@ class FusedDecode:
             k -= 1  # (the split only grows with the context: the last row's says)
         if k <= 0 or split[0] == 0:
             return None
-        num_partitions, blocks_per = split
         tokens = [request.token_ids[0]]
-        scalars, spin = self._step_scalars, decode_step.SPIN
+        spin = decode_step.SPIN
         self._greedy_rows = 0
-        for i in range(k):  # the draft, one row at a time
+        for i in range(k):  # the draft, one row at a time (its head's tasks run always)
             self._write_row(0, request_id, position + i, blocks, tokens[-1], num_kv_blocks,
                             max_model_len)  # fmt: skip
-            scalars[:] = (num_partitions, blocks_per, 0, int(num_partitions > 1), 1, 0, 0)
+            self._set_step(*split)
             self.draft_plan.run(1, 0, spin)
             tokens.append(int(self.greedy_ids[0]))
         for j in range(k + 1):  # the verification: all rows in one step
             self._write_row(j, request_id, position + j, blocks, tokens[j], num_kv_blocks,
                             max_model_len)  # fmt: skip
-        scalars[:] = (num_partitions, blocks_per, 1, int(num_partitions > 1), 0, 0, 1)
+        self._set_step(*split, stored=True, screen=True)
         self.plan.run(k + 1, 0, spin)
         verified = self.greedy_ids[: k + 1].tolist()
         accepted = 0
@@ -629,10 +633,8 @@ class FusedDecode:
         lm_head's screen, `HeadScreen`)."""
         greedy = greedy and self.has_lm_head
         screened = greedy and screen and self.screen is not None and rows <= SCREEN_MAX_ROWS
-        self._step_scalars[:] = (
-            num_partitions, blocks, 0, int(num_partitions > 1), int(greedy and not screened),
-            int(not screened), int(screened),
-        )  # fmt: skip
+        self._set_step(num_partitions, blocks, greedy=greedy and not screened,
+                       head=not screened, screen=screened)  # fmt: skip
         self._greedy_rows = 0
         self.plan.run(rows, 0, decode_step.SPIN)
         self._greedy_rows = rows if greedy else 0
@@ -641,6 +643,24 @@ class FusedDecode:
             self.screened_steps += 1
             self.screened_channels += int(self.screen_candidates[:rows].sum())
         return self.normed[:rows]
+
+    def _set_step(
+        self,
+        num_partitions: int,
+        blocks: int,
+        *,
+        stored: bool = False,
+        greedy: bool = False,
+        head: bool = False,
+        screen: bool = False,
+    ) -> None:
+        """The scalars the plans read for the next run: the attention's split (its merge runs
+        when there is more than one partition), whether the store task writes the rows' K/V
+        (`stored`), and which of the greedy argmax, the bf16 lm_head and its screen run."""
+        self._step_scalars[:] = (
+            num_partitions, blocks, int(stored), int(num_partitions > 1), int(greedy), int(head),
+            int(screen),
+        )  # fmt: skip
 
     def _is_step(self, hidden: torch.Tensor, rows: torch.Tensor) -> bool:
         """Whether `hidden` is this step's output, with the lm_head's results in the step, and
@@ -741,8 +761,7 @@ class DraftWeights:
         self.isa = quant_gemm.isa_code(quant_gemm.best_isa(True))
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            for linear in _projections(layer):
                 weight = bf16_gemm.unpack(linear.weight, linear.out_features, linear.in_features)
                 codes, scale, minimum = quantize_int4_groupwise(weight, DRAFT_GROUP_SIZE)
                 packed, scale_min = quant_gemm.pack_int4(codes, scale, minimum)
@@ -761,8 +780,7 @@ def speculation_reason(model, fused: FusedDecode) -> str | None:
     if fused.num_embeddings is None or fused.rope_tables is None:
         return "embedding or rotary tables the step cannot gather"
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        for linear in _projections(layer):
             if isinstance(linear, QuantLinear):
                 return "quantized projections"
             if linear.in_features % DRAFT_GROUP_SIZE:

@@ -75,26 +75,25 @@ def run(args) -> dict:
     for row in range(num_rows):
         fused._write_row(row, "run", first + row, blocks, request.all_token_ids[first + row],
                          eng.runner.num_kv_blocks, eng.max_model_len)  # fmt: skip
-    scalars, spin = fused._step_scalars, decode_step.SPIN
-    partitions, blocks_per = fused._partitions(1, (first + num_rows - 1) // fused.block_size + 1)
-    merge = int(partitions > 1)
+    spin = decode_step.SPIN
+    split = fused._partitions(1, (first + num_rows - 1) // fused.block_size + 1)
+    # (plan, its task names, rows, what `speculate` sets for it)
     sides = {
-        "draft": (fused.draft_plan, fused.draft_task_names, 1,
-                  (partitions, blocks_per, 0, merge, 1, 0, 0)),
-        "1 row": (fused.plan, fused.task_names, 1, (partitions, blocks_per, 0, merge, 0, 0, 1)),
-    }  # fmt: skip
+        "draft": (fused.draft_plan, fused.draft_task_names, 1, {}),
+        "1 row": (fused.plan, fused.task_names, 1, {"screen": True}),
+    }
+    verifying = {"stored": True, "screen": True}
     for rows in range(2, DRAFT_TOKENS + 2):  # the verifying step's sizes
-        values = (partitions, blocks_per, 1, merge, 0, 0, 1)
-        sides[f"{rows} rows"] = (fused.plan, fused.task_names, rows, values)
+        sides[f"{rows} rows"] = (fused.plan, fused.task_names, rows, verifying)
     times: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(args.rounds):
-        for name, (plan, _, rows, values) in sides.items():
-            scalars[:] = values
+        for name, (plan, _, rows, flags) in sides.items():
+            fused._set_step(*split, **flags)
             times[name].append(round(_timed(lambda p=plan, r=rows: p.run(r, 0, spin)), 3))
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     tasks = {}
-    for name, (plan, names, rows, values) in sides.items():
-        scalars[:] = values
+    for name, (plan, names, rows, flags) in sides.items():
+        fused._set_step(*split, **flags)
         tasks[name] = _task_split(plan, names, lambda p=plan, r=rows: p.run(r, 0, spin))
     fused.forget_rows()  # the table rows were written here, not by the runner
     while eng.has_unfinished_requests():

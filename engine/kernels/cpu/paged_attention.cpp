@@ -710,6 +710,16 @@ inline void write_kv(const DecodeTask& t, const bf16* k, const bf16* v, int64_t 
   quantize_row(v, D, buffer.data(), codes + v_row * D, t.scales + v_row);
 }
 
+// Row `row`'s new K and V of one KV head (in its qkv row) into its slot.
+template <typename cache_t>
+inline void write_row_kv(const DecodeTask& t, const Shapes& s, int64_t row, int64_t kv_head,
+                         cache_t* cache) {
+  const int64_t D = s.head_dim, KVH = s.num_kv_heads;
+  const bf16* q_row = t.qkv + row * s.q_seq_stride;
+  write_kv(t, q_row + (s.num_heads + kv_head) * D, q_row + (s.num_heads + KVH + kv_head) * D,
+           t.slot_mapping[row], kv_head, D, KVH, cache);
+}
+
 template <typename cache_t>
 void decode_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
   const DecodeTask& t = *static_cast<const DecodeTask*>(raw);
@@ -722,10 +732,8 @@ void decode_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
     const bf16* q_row = t.qkv + row * s.q_seq_stride;
     const int64_t context_len = t.context_lens[row];
     const int64_t last_block = (context_len - 1) / s.block_size;
-    if (t.num_partitions[2] == 0 && part == last_block / s.partition_blocks) {
-      write_kv(t, q_row + (s.num_heads + kv_head) * D, q_row + (s.num_heads + KVH + kv_head) * D,
-               t.slot_mapping[row], kv_head, D, KVH, cache);
-    }
+    if (t.num_partitions[2] == 0 && part == last_block / s.partition_blocks)
+      write_row_kv(t, s, row, kv_head, cache);
     decode_item<bf16, cache_t>(q_row, cache, t.scales, t.block_table + row * s.max_blocks,
                                context_len, row, kv_head, part, t.softmax_scale, s,
                                t.partials + item * partial, t.out);
@@ -736,15 +744,10 @@ void decode_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
 template <typename cache_t>
 void store_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
   const DecodeTask& t = *static_cast<const DecodeTask*>(raw);
-  const Shapes& s = t.shapes;
-  const int64_t D = s.head_dim, KVH = s.num_kv_heads;
+  const int64_t KVH = t.shapes.num_kv_heads;
   cache_t* cache = static_cast<cache_t*>(t.cache);
-  for (int64_t item = begin; item < end; ++item) {
-    const int64_t row = item / KVH, kv_head = item % KVH;
-    const bf16* q_row = t.qkv + row * s.q_seq_stride;
-    write_kv(t, q_row + (s.num_heads + kv_head) * D, q_row + (s.num_heads + KVH + kv_head) * D,
-             t.slot_mapping[row], kv_head, D, KVH, cache);
-  }
+  for (int64_t item = begin; item < end; ++item)
+    write_row_kv(t, t.shapes, item / KVH, item % KVH, cache);
 }
 
 void merge_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
