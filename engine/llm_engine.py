@@ -247,10 +247,12 @@ class LLMEngine:
                 accumulator.add(produced.prompt_chunk)
         updated = self.scheduler.update_from_output(out, result.sampled)
         extra = result.extra
-        return [
-            self._postprocess(req, step_logprobs.get(req.request_id), extra.get(req.request_id))
-            for req in updated
-        ]
+        deltas = []
+        for req in updated:
+            deltas += self._postprocess(
+                req, step_logprobs.get(req.request_id), extra.get(req.request_id)
+            )
+        return deltas
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
@@ -273,26 +275,37 @@ class LLMEngine:
         req: Request,
         logprobs: StepLogprobs | None = None,
         extra: list[int] | None = None,
-    ) -> RequestDelta:
-        """The delta of the token the step appended to `req`, and of the `extra` tokens it
-        verified after it (a speculative step), each taken only while the request is not
-        finished: a stop token, a stop string or max_tokens ends it where a one-token step
-        would have."""
-        token = req.all_token_ids[-1]
-        tokens = [token]
-        reason = self._advance(req, token)
+    ) -> list[RequestDelta]:
+        """The delta of the token the step appended to `req`, then one delta for each of the
+        `extra` tokens it verified after it (a speculative step), each taken only while the
+        request is not finished: a stop token, a stop string or max_tokens ends it where a
+        one-token step would have. A delta a token, as one-token steps make them, so the
+        messages a worker publishes do not depend on how many tokens a step verified."""
+        reason = self._advance(req, req.all_token_ids[-1])
+        deltas = [self._delta(req, reason)]
+        if logprobs is not None and logprobs.sample is not None:
+            deltas[0].logprobs = [self._decoded(logprobs.sample)]
+        accumulator = self._prompt_logprobs.pop(req.request_id, None)  # sample 0's id
+        if accumulator is not None:  # the first delta carries the whole prompt's
+            deltas[0].prompt_logprobs = [e and self._decoded(e) for e in accumulator.entries]
         for token in extra or ():
             if reason is not None:
                 break
             self.scheduler.accept_token(req, token)
-            tokens.append(token)
             reason = self._advance(req, token)
-        detok = self._detokenizers[req.request_id]
+            deltas.append(self._delta(req, reason))
+        if reason is not None:
+            self.scheduler.finish_request(req.request_id, reason)
+            self._detokenizers.pop(req.request_id, None)
+        return deltas
+
+    def _delta(self, req: Request, reason: str | None) -> RequestDelta:
+        """The delta of the token `req` last took (`reason`: why it finishes with it, or None)."""
         finished = reason is not None
-        delta = RequestDelta(
+        return RequestDelta(
             request_id=req.group_id,
-            text=detok.flush(finished),
-            token_ids=tokens,
+            text=self._detokenizers[req.request_id].flush(finished),
+            token_ids=[req.all_token_ids[-1]],
             finished=finished,
             finish_reason=reason,
             num_prompt_tokens=req.num_prompt_tokens,
@@ -301,15 +314,6 @@ class LLMEngine:
             index=req.sample_index,
             num_samples_running=self._num_other_samples(req, finished),
         )
-        if logprobs is not None and logprobs.sample is not None:
-            delta.logprobs = [self._decoded(logprobs.sample)]
-        accumulator = self._prompt_logprobs.pop(req.request_id, None)  # sample 0's id
-        if accumulator is not None:  # the first delta carries the whole prompt's
-            delta.prompt_logprobs = [e and self._decoded(e) for e in accumulator.entries]
-        if finished:
-            self.scheduler.finish_request(req.request_id, reason)
-            self._detokenizers.pop(req.request_id, None)
-        return delta
 
     def _advance(self, req: Request, token: int) -> str | None:
         """`token`, just appended to `req`, through its grammar and detokenizer: why the request

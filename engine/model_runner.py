@@ -308,6 +308,8 @@ class ModelRunner:
             trim_heap()
             self._is_trim_due_fused = False
         self._is_trim_due = sum(len(r.token_ids) for r in out.scheduled) >= TRIM_AFTER_TOKENS
+        if out.finished_request_ids and self._forward_takes_greedy:
+            self._forward.drop_requests(out.finished_request_ids)
         speculated = self._speculate(out)
         if speculated is not None:
             return speculated
@@ -342,7 +344,7 @@ class ModelRunner:
             self._is_trim_due_fused = False
         tokens = self._forward.speculate(
             request, self.num_kv_blocks, self.max_model_len,
-            params.max_tokens - request.num_output_tokens,
+            params.max_tokens - request.num_output_tokens, request.all_token_ids,
         )  # fmt: skip
         if tokens is None:
             return None

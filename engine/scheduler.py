@@ -354,7 +354,7 @@ class Scheduler:
             params=req.params,
             seed=req.seed,
             num_output_tokens=req.num_output_tokens,
-            all_token_ids=req.all_token_ids if needs_sample and req.params.has_penalties else None,
+            all_token_ids=req.all_token_ids if needs_sample else None,
             grammar=req.grammar if needs_sample else None,
         )
 

@@ -27,10 +27,11 @@ class ScheduledRequest:
     seed: int  # the request's seed (params.seed or one derived by the engine)
     # Tokens so far (prompt + output) for penalties or debugging; the runner must not need them.
     num_output_tokens: int = 0
-    # Only for a sampling chunk whose params need them (else None, so a plain batch pays
-    # nothing): the request's prompt + output tokens, for penalties (the list itself, not a
-    # copy: read it this step only), and its grammar matcher (engine/structured), which the
-    # sampler asks for this step's token mask and the engine advances with the sampled token.
+    # Only for a sampling chunk (else None): the request's prompt + output tokens, for
+    # penalties and for speculative decoding's proposals (engine/ngram_lookup.py; the list
+    # itself, not a copy: read it this step only), and its grammar matcher (engine/structured),
+    # which the sampler asks for this step's token mask and the engine advances with the
+    # sampled token.
     all_token_ids: list[int] | None = None
     grammar: object | None = None
 

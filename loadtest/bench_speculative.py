@@ -10,7 +10,15 @@ what a token costs each way (k = DRAFT_TOKENS):
 Then the same per kind of task inside the plans (summed over layers, the threads' mean work).
 Prints a table and the JSON (`--out` also writes it).
 
-    python -m loadtest.bench_speculative [--model smollm2-135m] [--rounds 5] [--out r.json]
+With `--quantization int4` (or int8) there is no draft: the proposals come from the request's
+own tokens (engine/ngram_lookup.py), and the verifying steps have 2 to LOOKUP_TOKENS + 1 rows.
+A token then costs, over the greedy run's steps (one-token steps n1, verifying steps of r rows
+n_r, tokens T):
+
+    speculative:  (n1 * t(1 row) + sum_r n_r * t(r rows)) / T
+
+    python -m loadtest.bench_speculative [--model smollm2-135m] [--quantization int4] \
+        [--rounds 5] [--out r.json]
 """
 
 from __future__ import annotations
@@ -50,15 +58,18 @@ def _task_split(plan, names: list[str], run, runs: int = NUM_RUNS) -> dict[str, 
 
 def run(args) -> dict:
     from engine import LLMEngine, SamplingParams
-    from engine.fused_decode import DRAFT_TOKENS
     from engine.kernels.cpu import decode_step
     from loadtest.workloads import chat_prompts
 
-    eng = LLMEngine(args.model, dtype="bfloat16", quantization=None, speculative_decoding="on",
-                    linear_kernel=args.linear_kernel)  # fmt: skip
+    eng = LLMEngine(args.model, dtype="bfloat16", quantization=args.quantization or None,
+                    speculative_decoding="on", linear_kernel=args.linear_kernel)  # fmt: skip
     fused = eng.runner._forward.fused
-    if fused.draft is None:
+    if fused.draft is None and fused.lookup is None:
         raise SystemExit(f"no speculative decoding here: {eng.runner.fused_decode or 'on'}")
+    if fused.draft is None:
+        return _run_lookup(args, eng, fused)
+    from engine.fused_decode import DRAFT_TOKENS
+
     prompt = chat_prompts(eng.tokenizer, 1)[0]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     eng.add_request("run", prompt, params)
@@ -130,12 +141,98 @@ def run(args) -> dict:
     return doc
 
 
+def _run_lookup(args, eng, fused) -> dict:
+    """The lookup's side: the plan at 1 to lookup_tokens + 1 rows, alternating; a greedy run
+    over W1's prompts (ignore_eos, as W1) counting its steps by rows; the cost a token each way."""
+    from engine import SamplingParams
+    from engine.kernels.cpu import decode_step
+    from loadtest.workloads import chat_prompts
+
+    prompts = chat_prompts(eng.tokenizer, args.num_prompts)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    steps_by_rows: dict[int, int] = {}
+    num_tokens = 0
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"run{i}", prompt, params)
+        num_tokens += len(eng.step())  # the prompt and its first token
+        while eng.has_unfinished_requests():  # decode steps
+            drafted, steps = fused.drafted_tokens, fused.speculative_steps
+            num_tokens += len(eng.step())
+            rows = fused.drafted_tokens - drafted + 1 if fused.speculative_steps > steps else 1
+            steps_by_rows[rows] = steps_by_rows.get(rows, 0) + 1
+    run_s = time.perf_counter() - start
+    proposed, kept = fused.drafted_tokens, fused.accepted_tokens
+    # The plans, over the context of a request that has decoded a while (rows rewrite K/V
+    # with the same bits).
+    num_rows = fused.lookup_tokens + 1
+    eng.add_request("timed", prompts[0], params)
+    request = eng.scheduler.requests["timed"]
+    while request.num_output_tokens < args.max_tokens - 2 * num_rows:
+        eng.step()
+    blocks, first = eng.scheduler.kv.block_ids("timed"), request.num_computed_tokens - num_rows
+    for row in range(num_rows):
+        fused._write_row(row, "timed", first + row, blocks, request.all_token_ids[first + row],
+                         eng.runner.num_kv_blocks, eng.max_model_len)  # fmt: skip
+    spin = decode_step.SPIN
+    split = fused._partitions(1, (first + num_rows - 1) // fused.block_size + 1)
+    sides = {f"{rows} row{'s' * (rows > 1)}": rows for rows in range(1, num_rows + 1)}
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(args.rounds):
+        for name, rows in sides.items():
+            fused._set_step(*split, stored=rows > 1, greedy=True, head=True)
+            times[name].append(round(_timed(lambda r=rows: fused.plan.run(r, 0, spin)), 3))
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    tasks = {}
+    for name, rows in sides.items():
+        fused._set_step(*split, stored=rows > 1, greedy=True, head=True)
+        tasks[name] = _task_split(fused.plan, fused.task_names,
+                                  lambda r=rows: fused.plan.run(r, 0, spin))  # fmt: skip
+    fused.forget_rows()
+    while eng.has_unfinished_requests():
+        eng.step()
+    by_rows = list(medians.values())
+    decode_tokens = num_tokens - len(prompts)
+    speculative_ms = sum(n * by_rows[r - 1] for r, n in steps_by_rows.items()) / decode_tokens
+    doc = {
+        "model": args.model, "quantization": args.quantization, "rounds": args.rounds,
+        "lookup_tokens": fused.lookup_tokens, "plan_ms": times, "medians_ms": medians,
+        "run": {"prompts": len(prompts), "tokens": num_tokens,
+                "tok_s": round(num_tokens / run_s, 1),
+                "decode_steps_by_rows": dict(sorted(steps_by_rows.items())),
+                "proposed": proposed, "kept": kept, "kept_share": round(kept / max(proposed, 1), 3),
+                "decode_tokens_per_step": round(decode_tokens / sum(steps_by_rows.values()), 3)},
+        "per_token_ms": {"one_token": round(medians["1 row"], 3),
+                         "speculative": round(speculative_ms, 3),
+                         "ratio": round(medians["1 row"] / speculative_ms, 3)},
+        "tasks_ms": tasks,
+    }  # fmt: skip
+    print(f"plans, ms (medians of {args.rounds} alternating rounds of {NUM_RUNS} runs)")
+    for name, ts in times.items():
+        print(f"  {name:8} {medians[name]:7.2f}   rounds: {', '.join(f'{t:.2f}' for t in ts)}")
+    r = doc["run"]
+    print(f"greedy run ({r['prompts']} prompts x {args.max_tokens} tokens): decode steps by "
+          f"rows {r['decode_steps_by_rows']}, {r['kept']}/{r['proposed']} proposals kept "
+          f"({r['kept_share']:.1%}), {r['decode_tokens_per_step']} tokens a decode step")  # fmt: skip
+    p = doc["per_token_ms"]
+    print(f"per token, ms: one-token {p['one_token']:.2f}, speculative {p['speculative']:.2f} "
+          f"({p['ratio']:.2f}x)")  # fmt: skip
+    print(f"\n{'task (ms, threads mean work)':28} " + " ".join(f"{n:>8}" for n in sides))
+    for kind in tasks["1 row"]:
+        cells = " ".join(f"{tasks[n].get(kind, 0.0):8.3f}" for n in sides)
+        print(f"  {kind:26} {cells}")
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--linear-kernel", default="auto", help="bf16 linears: auto|gemv|...")
+    parser.add_argument("--quantization", default="",
+                        help="'' (bf16: the draft) or int4/int8 (the lookup's proposals)")
+    parser.add_argument("--num-prompts", type=int, default=8, help="the lookup's greedy run")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     emit(run(args), args.out, None, None)

@@ -259,11 +259,12 @@ _ISA_SCRIPT = """
 import json, sys
 from engine import LLMEngine, SamplingParams
 
-def run(mode):
-    engine = LLMEngine(sys.argv[1], dtype="bfloat16", quantization=None, num_kv_blocks=64,
+def run(mode, scheme):
+    engine = LLMEngine(sys.argv[1], dtype="bfloat16", quantization=scheme, num_kv_blocks=64,
                        linear_kernel="gemv", speculative_decoding=mode)
     outputs = []
-    for i, prompt in enumerate([[5, 6, 7, 8, 9], [11, 12], list(range(30, 100))]):
+    prompts = [[5, 6, 7, 8, 9], [11, 12], list(range(30, 100)), [5, 6, 7] * 4]
+    for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt,
                            SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
         tokens = []
@@ -272,10 +273,13 @@ def run(mode):
                 tokens += delta.token_ids
         outputs.append(tokens)
     fused = getattr(engine.runner._forward, "fused", None)
-    return outputs, fused.drafted_tokens if fused is not None else None
+    return outputs, fused.drafted_tokens if fused is not None else None, fused.lookup_tokens
 
-on, off = run("on"), run("off")
-print(json.dumps({"same": on[0] == off[0], "drafted": on[1]}))
+result = {}
+for scheme in (None, "int4"):
+    on, off = run("on", scheme), run("off", scheme)
+    result[str(scheme)] = {"same": on[0] == off[0], "drafted": on[1], "lookup_tokens": on[2]}
+print(json.dumps(result))
 """
 
 
@@ -283,7 +287,9 @@ print(json.dumps({"same": on[0] == off[0], "drafted": on[1]}))
 def test_a_narrower_cpus_paths_speculate_with_the_same_tokens(built, tiny_model_dir, isa):
     """The AVX2 and portable paths of every kernel the draft and the verifying step run (the
     CPU's flags above them hidden, torch's own dispatch lowered to match), in a process of
-    their own: drafts are made and the tokens are the one-token steps'."""
+    their own: drafts are made and the tokens are the one-token steps'; with int4 weights the
+    lookup's proposals too, as many a step as the path keeps a row's bits for (AVX2: 1, its
+    GEMV regroups its sums at 3 rows; portable: LOOKUP_TOKENS)."""
     import json
     import os
     import subprocess
@@ -300,21 +306,145 @@ def test_a_narrower_cpus_paths_speculate_with_the_same_tokens(built, tiny_model_
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["same"] and result["drafted"] > 0, result
+    for scheme in ("None", "int4"):
+        assert result[scheme]["same"] and result[scheme]["drafted"] > 0, result
+    want = 1 if isa == "avx2" else fused_decode.LOOKUP_TOKENS
+    assert result["int4"]["lookup_tokens"] == want, result
 
 
-def test_the_context_limit_ends_a_request_where_one_token_steps_do(built, tiny_model_dir):
-    """Near max_model_len the draft shortens (no row past the last position the context
+@pytest.mark.parametrize("proposer", ["draft", "lookup"])
+def test_the_context_limit_ends_a_request_where_one_token_steps_do(
+    built, tiny_model_dir, proposer
+):
+    """Near max_model_len the proposals shorten (no row past the last position the context
     allows): the request ends with "length" after the same tokens. Over several limits, so
-    that verifying steps (which move 1 to 3 positions) land on each of the last positions."""
+    that verifying steps (which move 1 to k + 1 positions) land on each of the last
+    positions. The lookup's prompt repeats itself, so it proposes."""
+    prompt = list(range(40, 50)) if proposer == "draft" else [40, 41, 42] * 3 + [40]
     for max_model_len in range(22, 31):
         got = {}
         for mode in ("on", "off"):
-            engine = _engine(tiny_model_dir, mode, max_model_len=max_model_len)
+            if proposer == "draft":
+                engine = _engine(tiny_model_dir, mode, max_model_len=max_model_len)
+            else:
+                engine = _quantized(tiny_model_dir, mode, "int4", max_model_len=max_model_len)
             params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
-            got[mode] = _generate(engine, "limit", list(range(40, 50)), params)[:3]
+            got[mode] = _generate(engine, "limit", prompt, params)[:3]
             assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
             if mode == "on":
                 assert engine.runner._forward.fused.speculative_steps > 0
         assert got["on"] == got["off"], max_model_len
         assert got["on"][2] == "length" and len(got["on"][0]) == max_model_len - 10
+
+
+# -- proposals from the request's own tokens (engine/ngram_lookup.py), where no draft applies --
+
+def _quantized(model_dir, mode: str, scheme: str, **kwargs) -> LLMEngine:
+    return LLMEngine(
+        model_dir, dtype="bfloat16", quantization=scheme, num_kv_blocks=64,
+        speculative_decoding=mode, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def lookup_pair(request, built, tiny_model_dir):
+    """(engine verifying the lookup's proposals, one-token engine): int4 or int8 weights."""
+    spec = _quantized(tiny_model_dir, "on", request.param)
+    plain = _quantized(tiny_model_dir, "off", request.param)
+    fused = spec.runner._forward.fused
+    assert fused.draft is None and fused.lookup is not None
+    assert fused.lookup_tokens == min(
+        fused_decode.LOOKUP_TOKENS, fused.rows_alike - 1, fused.max_rows - 1
+    )
+    assert plain.runner._forward.fused.lookup is None
+    return spec, plain
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    prompt=st.lists(st.integers(3, 8), min_size=1, max_size=40),
+    max_tokens=st.integers(1, 40),
+    stop_at=st.one_of(st.none(), st.integers(0, 39)),
+)
+def test_lookup_the_tokens_and_finish_are_the_one_token_steps(
+    lookup_pair, prompt, max_tokens, stop_at
+):
+    """Prompts over a few token ids (their n-grams repeat, so proposals are made from the
+    first step), any max_tokens, a stop token from inside the output: the same tokens, text
+    and finish reason, one delta a token, and every block back in the pool after."""
+    spec, plain = lookup_pair
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    i = next(_counter)
+    want = _generate(plain, f"lp{i}", prompt, params)
+    if stop_at is not None and stop_at < len(want[0]):
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+            stop_token_ids=[want[0][stop_at]],
+        )  # fmt: skip
+        want = _generate(plain, f"lq{i}", prompt, params)
+    fused = spec.runner._forward.fused
+    before = fused.drafted_tokens
+    spec.add_request(f"ls{i}", prompt, params)
+    deltas = []
+    while spec.has_unfinished_requests():
+        deltas += spec.step()
+    assert all(len(d.token_ids) == 1 for d in deltas)  # one delta a token, as one-token steps
+    got = ([d.token_ids[0] for d in deltas], "".join(d.text for d in deltas),
+           deltas[-1].finish_reason)  # fmt: skip
+    assert got == want[:3]
+    for engine in (spec, plain):
+        assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+    history = [*prompt, want[0][0]]  # the first decode step's; it may propose if its tail
+    tail_occurred = any(  # occurred before, 2 tokens may follow and its block has room
+        history[-n:] == history[j : j + n] for n in (2, 3) for j in range(len(history) - n)
+    )
+    if tail_occurred and len(want[0]) >= 3 and len(prompt) % 16 != 15:
+        assert fused.drafted_tokens > before
+
+
+class _RightLookup:
+    """Stands in for the lookup: proposes the tokens the one-token steps gave, so every
+    proposal is kept and the verifying steps move the full lookup_tokens + 1 positions."""
+
+    def __init__(self, sequence: list[int]):
+        self.sequence = sequence
+
+    def propose(self, request_id, tokens, k):
+        return self.sequence[len(tokens) : len(tokens) + k]
+
+    def record(self, proposed, kept):
+        assert kept == proposed
+
+    def drop(self, request_ids):
+        pass
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+def test_lookup_proposals_that_are_always_kept(lookup_pair, offset):
+    """Verifying steps of lookup_tokens + 1 rows starting on every position of a block (over
+    4 prompt lengths): the same tokens and the same K/V bits as one-token steps."""
+    spec, plain = lookup_pair
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompt = [9 + i % 250 for i in range(110 + offset)]
+    want, _, _, plain_blocks = _generate(plain, f"lright-p{offset}", prompt, params)
+    fused = spec.runner._forward.fused
+    real, drafted, accepted = fused.lookup, fused.drafted_tokens, fused.accepted_tokens
+    fused.lookup = _RightLookup(prompt + want)
+    try:
+        got, _, _, spec_blocks = _generate(spec, f"lright-s{offset}", prompt, params)
+    finally:
+        fused.lookup = real
+    assert got == want
+    assert fused.accepted_tokens - accepted == fused.drafted_tokens - drafted > 0
+    _assert_same_kv(spec, spec_blocks, plain, plain_blocks, len(prompt) + len(got) - 1)
+
+
+def test_where_the_lookup_applies(built, tiny_model_dir):
+    """int4/int8 weights (no draft): the lookup, with as many proposals as the GEMVs keep a
+    row's bits for; bf16 with a draft: the draft; "off": neither."""
+    assert _quantized(tiny_model_dir, "auto", "int4").runner._forward.fused.lookup is not None
+    assert _quantized(tiny_model_dir, "off", "int4").runner._forward.fused.lookup is None
+    bf16 = _engine(tiny_model_dir, "auto").runner._forward.fused
+    assert bf16.draft is not None and bf16.lookup is None

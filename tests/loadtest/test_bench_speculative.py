@@ -32,3 +32,28 @@ def test_the_breakdown_adds_up(tiny_model_dir, tmp_path, capsys):
     assert per_token["speculative"] == pytest.approx(want, abs=2e-3)
     assert "kv_store" in doc["tasks_ms"][f"{k + 1} rows"] and "argmax" in doc["tasks_ms"]["draft"]
     assert "per token, ms" in capsys.readouterr().out
+
+
+def test_the_lookups_breakdown_adds_up(tiny_model_dir, tmp_path, capsys):
+    """With int4 weights: the plan at 1 to lookup_tokens + 1 rows, the greedy run's decode
+    steps by rows, and the cost a token from them."""
+    if decode_step.load() is None or quant_gemm.load() is None:
+        pytest.skip("the C++ kernels did not build here (no compiler)")
+    out = tmp_path / "lookup.json"
+    bench_speculative.main([
+        "--model", str(tiny_model_dir), "--quantization", "int4", "--max-tokens", "40",
+        "--rounds", "2", "--num-prompts", "3", "--out", str(out),
+    ])  # fmt: skip
+    doc = json.loads(out.read_text())
+    k = doc["lookup_tokens"]
+    assert list(doc["plan_ms"]) == ["1 row", *(f"{r} rows" for r in range(2, k + 2))]
+    run = doc["run"]
+    assert run["tokens"] == 3 * 40
+    by_rows = {int(r): n for r, n in run["decode_steps_by_rows"].items()}
+    assert set(by_rows) <= set(range(1, k + 2))
+    decode_tokens = run["tokens"] - 3
+    assert sum(by_rows.values()) + run["kept"] == decode_tokens  # each step: 1 + what it kept
+    medians = list(doc["medians_ms"].values())
+    want = sum(n * medians[r - 1] for r, n in by_rows.items()) / decode_tokens
+    assert doc["per_token_ms"]["speculative"] == pytest.approx(want, abs=2e-3)
+    assert "proposals kept" in capsys.readouterr().out

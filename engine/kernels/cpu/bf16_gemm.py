@@ -38,6 +38,10 @@ BLOCK = 16  # output channels per block of the packed layout
 # packed layout 0.92-1.07x; at 1 row those were 2.4-3.4x and 1.8-2.1x.
 GEMV_MAX_ROWS = 16
 FUSED_MAX_ROWS = 64
+# Up to this many rows a row's outputs have the bits it gets alone (bf16_gemm.cpp's `unroll`
+# is the same for 1 to 3 rows): the verifying steps of speculative decoding rely on it
+# (engine/fused_decode.py `speculate`).
+ROWS_ALIKE = 3
 # quant_gemm's paths but those that quantize activations (a bf16 weight has no integer codes)
 ISAS = tuple(isa for isa in quant_gemm.ISAS if isa not in quant_gemm.INT8_ACTIVATION_ISAS)
 can_run = quant_gemm.can_run

@@ -119,6 +119,25 @@ def isa_code(isa: str | None = None) -> int:
     return _ISA_CODE[isa]
 
 
+ANY_ROWS = 1 << 30  # `rows_alike` of a path that computes every row alike
+
+
+def rows_alike(isa: int, in_features: int) -> int:
+    """The most rows a call on path `isa` (a code) may have while each row's outputs keep the
+    bits that row gets alone: what a step that verifies drafts as extra rows needs
+    (engine/fused_decode.py `speculate`). The int8-activation path sums integers (exact in any
+    order) and scales each chunk's sum in one order at every row count, and the portable path
+    runs a row at a time: any count. The exact AVX-512 and AVX2 paths keep 4 accumulators a
+    row up to 2 rows and 2 from 3 rows on (quant_gemm.cpp's `U`): their sums group otherwise
+    past 2. (bf16 activations, as the fused step has them; quant_gemm.cpp `effective_isa`
+    takes the VNNI path only for whole chunks of inputs.)"""
+    if isa == _ISA_CODE["portable"]:
+        return ANY_ROWS
+    if isa == _ISA_CODE["avx512vnni"] and in_features % CHUNK == 0:
+        return ANY_ROWS
+    return 2
+
+
 def _pad_blocks(t: torch.Tensor) -> torch.Tensor:
     """Pad dim 0 (output channels) with zeros to a multiple of BLOCK."""
     pad = -t.shape[0] % BLOCK

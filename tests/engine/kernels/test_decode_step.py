@@ -65,6 +65,9 @@ class Checker:
         self.num_rows.add(input_ids.shape[0])
         return want
 
+    def drop_requests(self, request_ids):
+        self.forward.drop_requests(request_ids)
+
     def run_decodes(self, scheduled, greedy, num_kv_blocks, max_model_len, screen=False):
         """The runner's decode-only steps (inputs written from the requests, block table rows
         kept between steps) against the per-operator path on the flat batch of the same
@@ -980,8 +983,8 @@ def test_steps_on_one_thread_are_the_same_bits(step_ext, tiny_model_dir):
 def test_engine_stats_count_fused_steps_and_those_on_one_thread(step_ext, tiny_model_dir):
     """`get_stats` reports the fused decode steps and those the thread choice ran on one thread
     (the worker exports them as `mini_infer.engine.fused_steps` by threads); 0 without the
-    fused step."""
-    engine = _engine(tiny_model_dir, "int4")
+    fused step. (One-token steps: speculative decoding would make fewer of them.)"""
+    engine = _engine(tiny_model_dir, "int4", speculative_decoding="off")
     _run(engine, [[5, 6, 7]], max_tokens=FIRST_PERIOD + 2 * PROBE_STEPS + 4)
     stats, plan = engine.get_stats(), engine.runner._forward.fused.plan.stats()
     assert stats.num_fused_steps == plan["steps"] >= FIRST_PERIOD + PROBE_STEPS

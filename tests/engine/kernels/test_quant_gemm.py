@@ -375,3 +375,65 @@ def test_the_prefetch_distance_changes_no_bits(ext):
         )  # fmt: skip
         digests.add(run.stdout.strip().splitlines()[-1])
     assert len(digests) == 1
+
+
+def _rows_alike_case(ext, isa: str, bits: int, x: torch.Tensor, codes, scale, minimum=None):
+    """(rows computed together, each row computed alone) on path `isa`."""
+    out_features = codes.shape[0]
+    if bits == 4:
+        packed = quant_gemm.pack_int4(codes, scale, minimum)
+        run = lambda rows: quant_gemm.int4_gemm(ext, rows, *packed, 32, out_features, isa)  # noqa: E731
+    else:
+        packed = quant_gemm.pack_int8(codes, scale)
+        run = lambda rows: quant_gemm.int8_gemm(ext, rows, *packed, out_features, isa)  # noqa: E731
+    together = run(x)
+    alone = torch.cat([run(x[r : r + 1].clone()) for r in range(x.shape[0])])
+    return together, alone
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.integers(2, 8),
+    bits=st.sampled_from([4, 8]),
+    num_groups=st.integers(1, 6),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_rows_alike_rows_get_the_bits_of_the_row_alone(ext, isa, rows, bits, num_groups, seed):
+    """Speculative decoding verifies proposals as extra rows of one step and needs each row's
+    bits to be its one-row step's (engine/fused_decode.py `speculate`): up to
+    `quant_gemm.rows_alike` rows, every row of a call equals that row computed alone. bf16
+    activations, as the fused step has them; widths of whole chunks of 32 or not."""
+    isa = _isa(isa)
+    generator = torch.Generator().manual_seed(seed)
+    in_features = 32 * num_groups
+    limit = quant_gemm.rows_alike(quant_gemm.isa_code(isa), in_features)
+    rows = min(rows, limit)
+    weight = torch.randn(40, in_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    if bits == 4:
+        quantized = quantize_int4_groupwise(weight, 32)
+    else:
+        quantized = quantize_int8_per_channel(weight)
+    together, alone = _rows_alike_case(ext, isa, bits, x, *quantized)
+    assert torch.equal(together, alone), (isa, rows)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_past_rows_alike_the_grouping_of_the_sums_shows(ext, isa):
+    """The limit is where the paths' sums regroup: with products 2^24, 1, -2^24, 1 (repeated),
+    the exact AVX-512 and AVX2 paths sum a row otherwise at 3 rows than at 1 (their
+    accumulators per row go from 4 to 2), so `rows_alike` says 2 for them; the portable and
+    int8-activation paths keep a row's bits at every count tried."""
+    isa = _isa(isa)
+    in_features = 64
+    x = torch.tensor([2.0**24, 1.0, -(2.0**24), 1.0] * 16, dtype=torch.bfloat16).repeat(8, 1)
+    codes = torch.ones(16, in_features, dtype=torch.int8)
+    limit = quant_gemm.rows_alike(quant_gemm.isa_code(isa), in_features)
+    for rows in range(1, 9):
+        together, alone = _rows_alike_case(ext, isa, 8, x[:rows], codes, torch.ones(16))
+        if rows <= limit:
+            assert torch.equal(together, alone), (isa, rows)
+    if limit < 8:
+        together, alone = _rows_alike_case(ext, isa, 8, x[: limit + 1], codes, torch.ones(16))
+        assert not torch.equal(together, alone), f"{isa}: rows_alike could be higher"
