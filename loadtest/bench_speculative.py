@@ -143,13 +143,15 @@ def run(args) -> dict:
 
 def _run_lookup(args, eng, fused) -> dict:
     """The lookup's side: the plan at 1 to lookup_tokens + 1 rows, alternating; a greedy run
-    over W1's prompts (ignore_eos, as W1) counting its steps by rows; the cost a token each way."""
+    over chat prompts (ignore_eos as W1, or answers that end at EOS: `--stop-at-eos`) counting
+    its steps by rows; the cost a token each way."""
     from engine import SamplingParams
     from engine.kernels.cpu import decode_step
     from loadtest.workloads import chat_prompts
 
     prompts = chat_prompts(eng.tokenizer, args.num_prompts)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
+                            ignore_eos=not args.stop_at_eos)  # fmt: skip
     steps_by_rows: dict[int, int] = {}
     num_tokens = 0
     start = time.perf_counter()
@@ -166,6 +168,7 @@ def _run_lookup(args, eng, fused) -> dict:
     # The plans, over the context of a request that has decoded a while (rows rewrite K/V
     # with the same bits).
     num_rows = fused.lookup_tokens + 1
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     eng.add_request("timed", prompts[0], params)
     request = eng.scheduler.requests["timed"]
     while request.num_output_tokens < args.max_tokens - 2 * num_rows:
@@ -196,6 +199,7 @@ def _run_lookup(args, eng, fused) -> dict:
     speculative_ms = sum(n * by_rows[r - 1] for r, n in steps_by_rows.items()) / decode_tokens
     doc = {
         "model": args.model, "quantization": args.quantization, "rounds": args.rounds,
+        "stop_at_eos": args.stop_at_eos,
         "lookup_tokens": fused.lookup_tokens, "plan_ms": times, "medians_ms": medians,
         "run": {"prompts": len(prompts), "tokens": num_tokens,
                 "tok_s": round(num_tokens / run_s, 1),
@@ -211,7 +215,7 @@ def _run_lookup(args, eng, fused) -> dict:
     for name, ts in times.items():
         print(f"  {name:8} {medians[name]:7.2f}   rounds: {', '.join(f'{t:.2f}' for t in ts)}")
     r = doc["run"]
-    print(f"greedy run ({r['prompts']} prompts x {args.max_tokens} tokens): decode steps by "
+    print(f"greedy run ({r['prompts']} prompts, {r['tokens']} tokens): decode steps by "
           f"rows {r['decode_steps_by_rows']}, {r['kept']}/{r['proposed']} proposals kept "
           f"({r['kept_share']:.1%}), {r['decode_tokens_per_step']} tokens a decode step")  # fmt: skip
     p = doc["per_token_ms"]
@@ -233,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", default="",
                         help="'' (bf16: the draft) or int4/int8 (the lookup's proposals)")
     parser.add_argument("--num-prompts", type=int, default=8, help="the lookup's greedy run")
+    parser.add_argument("--stop-at-eos", action="store_true",
+                        help="the lookup's run ends each answer at EOS (W1 ignores it)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     emit(run(args), args.out, None, None)
