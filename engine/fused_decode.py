@@ -64,9 +64,10 @@ DRAFT_TOKENS = 2
 DRAFT_GROUP_SIZE = 32  # the draft's int4 weights: a scale and minimum per 32 inputs (as Q4_1)
 # Where no draft model applies (int4/int8 projections: the draft would be no cheaper), the
 # proposals come from the request's own tokens (engine/ngram_lookup.py): up to this many, fewer
-# where the step's GEMVs keep a row's bits at fewer rows (`rows_alike`). Measured with int4
-# SmolLM2 on 2 cores (one-row step = 1): verifying 2 rows 1.17, 3 rows 1.39, 4 rows 1.50; over
-# W1's 32 chat prompts, 1.19x fewer step-times a token with 3 than one-token steps (1.17x with 2).
+# where the step's GEMVs keep a row's bits at fewer rows (`rows_alike`). Int4 SmolLM2 on the
+# 2-core Xeon (one-row step = 1): verifying 2 rows 1.21, 3 rows 1.36, 4 rows 1.55; a token
+# 1.19x cheaper in W1's shape, 1.41x in answers that end at EOS (`bench_speculative
+# --quantization int4`); 2 proposals or an adaptive count did no better in a simulation.
 LOOKUP_TOKENS = 3
 
 
