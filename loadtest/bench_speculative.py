@@ -56,9 +56,47 @@ def _task_split(plan, names: list[str], run, runs: int = NUM_RUNS) -> dict[str, 
     return {k: round(v, 3) for k, v in split.items()}
 
 
+def _time_plans(fused, sides: dict, split: tuple[int, int], rounds: int) -> tuple[dict, dict]:
+    """`sides`: name -> (plan, its task names, rows, what `speculate` sets for it). Each side's
+    ms per run in `rounds` alternating rounds, and its tasks' split (`_task_split`)."""
+    from engine.kernels.cpu import decode_step
+
+    spin = decode_step.SPIN
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(rounds):
+        for name, (plan, _, rows, flags) in sides.items():
+            fused._set_step(*split, **flags)
+            times[name].append(round(_timed(lambda p=plan, r=rows: p.run(r, 0, spin)), 3))
+    tasks = {}
+    for name, (plan, names, rows, flags) in sides.items():
+        fused._set_step(*split, **flags)
+        tasks[name] = _task_split(plan, names, lambda p=plan, r=rows: p.run(r, 0, spin))
+    return times, tasks
+
+
+def _per_token(one_token_ms: float, speculative_ms: float) -> dict[str, float]:
+    return {"one_token": round(one_token_ms, 3), "speculative": round(speculative_ms, 3),
+            "ratio": round(one_token_ms / speculative_ms, 3)}  # fmt: skip
+
+
+def _report(doc: dict, run_line: str) -> None:
+    """The table: the plans' times, the greedy run (`run_line`), a token's cost, the tasks."""
+    times, medians, tasks = doc["plan_ms"], doc["medians_ms"], doc["tasks_ms"]
+    print(f"plans, ms (medians of {doc['rounds']} alternating rounds of {NUM_RUNS} runs)")
+    for name, ts in times.items():
+        print(f"  {name:8} {medians[name]:7.2f}   rounds: {', '.join(f'{t:.2f}' for t in ts)}")
+    print(run_line)
+    p = doc["per_token_ms"]
+    print(f"per token, ms: one-token {p['one_token']:.2f}, speculative {p['speculative']:.2f} "
+          f"({p['ratio']:.2f}x)")  # fmt: skip
+    print(f"\n{'task (ms, threads mean work)':28} " + " ".join(f"{n:>8}" for n in tasks))
+    for kind in tasks["1 row"]:
+        cells = " ".join(f"{tasks[n].get(kind, 0.0):8.3f}" for n in tasks)
+        print(f"  {kind:26} {cells}")
+
+
 def run(args) -> dict:
     from engine import LLMEngine, SamplingParams
-    from engine.kernels.cpu import decode_step
     from loadtest.workloads import chat_prompts
 
     eng = LLMEngine(args.model, dtype="bfloat16", quantization=args.quantization or None,
@@ -86,7 +124,6 @@ def run(args) -> dict:
     for row in range(num_rows):
         fused._write_row(row, "run", first + row, blocks, request.all_token_ids[first + row],
                          eng.runner.num_kv_blocks, eng.max_model_len)  # fmt: skip
-    spin = decode_step.SPIN
     split = fused._partitions(1, (first + num_rows - 1) // fused.block_size + 1)
     # (plan, its task names, rows, what `speculate` sets for it)
     sides = {
@@ -96,16 +133,8 @@ def run(args) -> dict:
     verifying = {"stored": True, "screen": True}
     for rows in range(2, DRAFT_TOKENS + 2):  # the verifying step's sizes
         sides[f"{rows} rows"] = (fused.plan, fused.task_names, rows, verifying)
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(args.rounds):
-        for name, (plan, _, rows, flags) in sides.items():
-            fused._set_step(*split, **flags)
-            times[name].append(round(_timed(lambda p=plan, r=rows: p.run(r, 0, spin)), 3))
+    times, tasks = _time_plans(fused, sides, split, args.rounds)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
-    tasks = {}
-    for name, (plan, names, rows, flags) in sides.items():
-        fused._set_step(*split, **flags)
-        tasks[name] = _task_split(plan, names, lambda p=plan, r=rows: p.run(r, 0, spin))
     fused.forget_rows()  # the table rows were written here, not by the runner
     while eng.has_unfinished_requests():
         eng.step()
@@ -120,24 +149,13 @@ def run(args) -> dict:
                 "drafted": drafted, "accepted": accepted,
                 "acceptance": round(accepted / max(drafted, 1), 3),
                 "tokens_per_verifying_step": round(tokens_per_verify, 2)},
-        "per_token_ms": {"one_token": round(medians["1 row"], 3),
-                         "speculative": round(speculative_ms, 3),
-                         "ratio": round(medians["1 row"] / speculative_ms, 2)},
+        "per_token_ms": _per_token(medians["1 row"], speculative_ms),
         "tasks_ms": tasks,
     }  # fmt: skip
-    print(f"plans, ms (medians of {args.rounds} alternating rounds of {NUM_RUNS} runs)")
-    for name, ts in times.items():
-        print(f"  {name:8} {medians[name]:7.2f}   rounds: {', '.join(f'{t:.2f}' for t in ts)}")
     r = doc["run"]
-    print(f"greedy run: {r['accepted']}/{r['drafted']} drafts kept ({r['acceptance']:.1%}), "
-          f"{r['tokens_per_verifying_step']} tokens a verifying step")  # fmt: skip
-    p = doc["per_token_ms"]
-    print(f"per token, ms: one-token {p['one_token']:.2f}, speculative {p['speculative']:.2f} "
-          f"({p['ratio']:.2f}x)")  # fmt: skip
-    print(f"\n{'task (ms, threads mean work)':28} " + " ".join(f"{n:>8}" for n in sides))
-    for kind in tasks["1 row"]:
-        cells = " ".join(f"{tasks[n].get(kind, 0.0):8.3f}" for n in sides)
-        print(f"  {kind:26} {cells}")
+    _report(doc, f"greedy run: {r['accepted']}/{r['drafted']} drafts kept "
+                 f"({r['acceptance']:.1%}), {r['tokens_per_verifying_step']} tokens a "
+                 "verifying step")  # fmt: skip
     return doc
 
 
@@ -146,7 +164,6 @@ def _run_lookup(args, eng, fused) -> dict:
     over chat prompts (ignore_eos as W1, or answers that end at EOS: `--stop-at-eos`) counting
     its steps by rows; the cost a token each way."""
     from engine import SamplingParams
-    from engine.kernels.cpu import decode_step
     from loadtest.workloads import chat_prompts
 
     prompts = chat_prompts(eng.tokenizer, args.num_prompts)
@@ -177,20 +194,15 @@ def _run_lookup(args, eng, fused) -> dict:
     for row in range(num_rows):
         fused._write_row(row, "timed", first + row, blocks, request.all_token_ids[first + row],
                          eng.runner.num_kv_blocks, eng.max_model_len)  # fmt: skip
-    spin = decode_step.SPIN
     split = fused._partitions(1, (first + num_rows - 1) // fused.block_size + 1)
-    sides = {f"{rows} row{'s' * (rows > 1)}": rows for rows in range(1, num_rows + 1)}
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(args.rounds):
-        for name, rows in sides.items():
-            fused._set_step(*split, stored=rows > 1, greedy=True, head=True)
-            times[name].append(round(_timed(lambda r=rows: fused.plan.run(r, 0, spin)), 3))
+    sides = {
+        f"{rows} row{'s' * (rows > 1)}": (
+            fused.plan, fused.task_names, rows, {"stored": rows > 1, "greedy": True, "head": True}
+        )
+        for rows in range(1, num_rows + 1)
+    }
+    times, tasks = _time_plans(fused, sides, split, args.rounds)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
-    tasks = {}
-    for name, rows in sides.items():
-        fused._set_step(*split, stored=rows > 1, greedy=True, head=True)
-        tasks[name] = _task_split(fused.plan, fused.task_names,
-                                  lambda r=rows: fused.plan.run(r, 0, spin))  # fmt: skip
     fused.forget_rows()
     while eng.has_unfinished_requests():
         eng.step()
@@ -206,25 +218,14 @@ def _run_lookup(args, eng, fused) -> dict:
                 "decode_steps_by_rows": dict(sorted(steps_by_rows.items())),
                 "proposed": proposed, "kept": kept, "kept_share": round(kept / max(proposed, 1), 3),
                 "decode_tokens_per_step": round(decode_tokens / sum(steps_by_rows.values()), 3)},
-        "per_token_ms": {"one_token": round(medians["1 row"], 3),
-                         "speculative": round(speculative_ms, 3),
-                         "ratio": round(medians["1 row"] / speculative_ms, 3)},
+        "per_token_ms": _per_token(medians["1 row"], speculative_ms),
         "tasks_ms": tasks,
     }  # fmt: skip
-    print(f"plans, ms (medians of {args.rounds} alternating rounds of {NUM_RUNS} runs)")
-    for name, ts in times.items():
-        print(f"  {name:8} {medians[name]:7.2f}   rounds: {', '.join(f'{t:.2f}' for t in ts)}")
     r = doc["run"]
-    print(f"greedy run ({r['prompts']} prompts, {r['tokens']} tokens): decode steps by "
-          f"rows {r['decode_steps_by_rows']}, {r['kept']}/{r['proposed']} proposals kept "
-          f"({r['kept_share']:.1%}), {r['decode_tokens_per_step']} tokens a decode step")  # fmt: skip
-    p = doc["per_token_ms"]
-    print(f"per token, ms: one-token {p['one_token']:.2f}, speculative {p['speculative']:.2f} "
-          f"({p['ratio']:.2f}x)")  # fmt: skip
-    print(f"\n{'task (ms, threads mean work)':28} " + " ".join(f"{n:>8}" for n in sides))
-    for kind in tasks["1 row"]:
-        cells = " ".join(f"{tasks[n].get(kind, 0.0):8.3f}" for n in sides)
-        print(f"  {kind:26} {cells}")
+    _report(doc, f"greedy run ({r['prompts']} prompts, {r['tokens']} tokens): decode steps by "
+                 f"rows {r['decode_steps_by_rows']}, {r['kept']}/{r['proposed']} proposals "
+                 f"kept ({r['kept_share']:.1%}), {r['decode_tokens_per_step']} tokens a decode "
+                 "step")  # fmt: skip
     return doc
 
 

@@ -40,7 +40,9 @@ def pair(request, built, tiny_model_dir):
 
 
 def _generate(engine: LLMEngine, request_id: str, prompt, params: SamplingParams):
-    """One request alone: (token ids, text, finish reason, the block ids its last step had)."""
+    """One request alone: (token ids, text, finish reason, the block ids its last step had).
+    Every delta holds one token, from one-token and speculative steps alike (what a worker
+    publishes must not depend on how many tokens a step verified)."""
     engine.add_request(request_id, prompt, params)
     tokens, text, reason, blocks = [], "", None, []
     schedule, outs = engine.scheduler.schedule, []
@@ -50,6 +52,7 @@ def _generate(engine: LLMEngine, request_id: str, prompt, params: SamplingParams
             deltas = engine.step()
             blocks = outs[-1].scheduled[0].block_ids if outs[-1].scheduled else blocks
             for delta in deltas:
+                assert len(delta.token_ids) == 1
                 tokens += delta.token_ids
                 text += delta.text
                 reason = delta.finish_reason
@@ -61,31 +64,39 @@ def _generate(engine: LLMEngine, request_id: str, prompt, params: SamplingParams
 _counter = iter(range(10**9))
 
 
-@settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(
-    prompt=st.lists(st.integers(3, 300), min_size=1, max_size=40),
-    max_tokens=st.integers(1, 40),
-    stop_at=st.one_of(st.none(), st.integers(0, 39)),
-)
-def test_the_tokens_and_finish_are_the_one_token_steps(pair, prompt, max_tokens, stop_at):
-    """Any prompt, max_tokens and a stop token taken from inside the output (so the stop falls
-    among drafted tokens as often as not): the same tokens, text and finish reason, and every
-    block back in the pool after."""
-    spec, plain = pair
+def _reference(plain: LLMEngine, tag: str, prompt, max_tokens: int, stop_at: int | None):
+    """(params, the one-token engine's run): greedy up to max_tokens, and where `stop_at` falls
+    inside that output, with the token there as a stop token (run again)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    i = next(_counter)
-    want = _generate(plain, f"p{i}", prompt, params)
+    want = _generate(plain, f"{tag}-p", prompt, params)
     if stop_at is not None and stop_at < len(want[0]):
         params = SamplingParams(
             max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
             stop_token_ids=[want[0][stop_at]],
         )  # fmt: skip
-        want = _generate(plain, f"q{i}", prompt, params)
+        want = _generate(plain, f"{tag}-q", prompt, params)
+    return params, want
+
+
+# The hypothesis cases of the two proposers: a prompt, max_tokens and where a stop falls.
+_CASES = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+_STOPS = {"max_tokens": st.integers(1, 40), "stop_at": st.one_of(st.none(), st.integers(0, 39))}
+
+
+@_CASES
+@given(prompt=st.lists(st.integers(3, 300), min_size=1, max_size=40), **_STOPS)
+def test_the_tokens_and_finish_are_the_one_token_steps(pair, prompt, max_tokens, stop_at):
+    """Any prompt, max_tokens and a stop token taken from inside the output (so the stop falls
+    among drafted tokens as often as not): the same tokens, text and finish reason, and every
+    block back in the pool after."""
+    spec, plain = pair
+    i = next(_counter)
+    params, want = _reference(plain, f"d{i}", prompt, max_tokens, stop_at)
     fused = spec.runner._forward.fused
     before = fused.drafted_tokens
-    got = _generate(spec, f"s{i}", prompt, params)
+    got = _generate(spec, f"d{i}-s", prompt, params)
     assert got[:3] == want[:3]
     for engine in (spec, plain):
         assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
@@ -154,16 +165,25 @@ def test_drafts_that_are_always_kept(pair, offset):
     prompt lengths they start on every position of a block (up to its last slot, where the
     draft stops: the next block is not the request's yet): same tokens, same K/V."""
     spec, plain = pair
+    fused = spec.runner._forward.fused
+    _check_always_kept(spec, plain, f"right{offset}", offset, "draft_plan",
+                       lambda sequence: _RightDraft(fused, sequence))  # fmt: skip
+
+
+def _check_always_kept(spec, plain, tag: str, offset: int, attribute: str, stand_in) -> None:
+    """`spec` with its fused step's `attribute` (the draft plan or the lookup) replaced by
+    `stand_in(prompt + the one-token steps' tokens)`, whose proposals are always right: the
+    same tokens, every proposal kept, the same K/V bits."""
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompt = [9 + i % 250 for i in range(110 + offset)]
-    want, _, _, plain_blocks = _generate(plain, f"right-p{offset}", prompt, params)
+    want, _, _, plain_blocks = _generate(plain, f"{tag}-p", prompt, params)
     fused = spec.runner._forward.fused
-    real_draft, drafted, accepted = fused.draft_plan, fused.drafted_tokens, fused.accepted_tokens
-    fused.draft_plan = _RightDraft(fused, prompt + want)
+    real, drafted, accepted = getattr(fused, attribute), fused.drafted_tokens, fused.accepted_tokens
+    setattr(fused, attribute, stand_in(prompt + want))
     try:
-        got, _, _, spec_blocks = _generate(spec, f"right-s{offset}", prompt, params)
+        got, _, _, spec_blocks = _generate(spec, f"{tag}-s", prompt, params)
     finally:
-        fused.draft_plan = real_draft
+        setattr(fused, attribute, real)
     assert got == want
     assert fused.accepted_tokens - accepted == fused.drafted_tokens - drafted > 0
     _assert_same_kv(spec, spec_blocks, plain, plain_blocks, len(prompt) + len(got) - 1)
@@ -360,40 +380,21 @@ def lookup_pair(request, built, tiny_model_dir):
     return spec, plain
 
 
-@settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(
-    prompt=st.lists(st.integers(3, 8), min_size=1, max_size=40),
-    max_tokens=st.integers(1, 40),
-    stop_at=st.one_of(st.none(), st.integers(0, 39)),
-)
+@_CASES
+@given(prompt=st.lists(st.integers(3, 8), min_size=1, max_size=40), **_STOPS)
 def test_lookup_the_tokens_and_finish_are_the_one_token_steps(
     lookup_pair, prompt, max_tokens, stop_at
 ):
     """Prompts over a few token ids (their n-grams repeat, so proposals are made from the
     first step), any max_tokens, a stop token from inside the output: the same tokens, text
-    and finish reason, one delta a token, and every block back in the pool after."""
+    and finish reason, and every block back in the pool after."""
     spec, plain = lookup_pair
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     i = next(_counter)
-    want = _generate(plain, f"lp{i}", prompt, params)
-    if stop_at is not None and stop_at < len(want[0]):
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-            stop_token_ids=[want[0][stop_at]],
-        )  # fmt: skip
-        want = _generate(plain, f"lq{i}", prompt, params)
+    params, want = _reference(plain, f"l{i}", prompt, max_tokens, stop_at)
     fused = spec.runner._forward.fused
     before = fused.drafted_tokens
-    spec.add_request(f"ls{i}", prompt, params)
-    deltas = []
-    while spec.has_unfinished_requests():
-        deltas += spec.step()
-    assert all(len(d.token_ids) == 1 for d in deltas)  # one delta a token, as one-token steps
-    got = ([d.token_ids[0] for d in deltas], "".join(d.text for d in deltas),
-           deltas[-1].finish_reason)  # fmt: skip
-    assert got == want[:3]
+    got = _generate(spec, f"l{i}-s", prompt, params)
+    assert got[:3] == want[:3]
     for engine in (spec, plain):
         assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
     history = [*prompt, want[0][0]]  # the first decode step's; it may propose if its tail
@@ -426,19 +427,7 @@ def test_lookup_proposals_that_are_always_kept(lookup_pair, offset):
     """Verifying steps of lookup_tokens + 1 rows starting on every position of a block (over
     4 prompt lengths): the same tokens and the same K/V bits as one-token steps."""
     spec, plain = lookup_pair
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    prompt = [9 + i % 250 for i in range(110 + offset)]
-    want, _, _, plain_blocks = _generate(plain, f"lright-p{offset}", prompt, params)
-    fused = spec.runner._forward.fused
-    real, drafted, accepted = fused.lookup, fused.drafted_tokens, fused.accepted_tokens
-    fused.lookup = _RightLookup(prompt + want)
-    try:
-        got, _, _, spec_blocks = _generate(spec, f"lright-s{offset}", prompt, params)
-    finally:
-        fused.lookup = real
-    assert got == want
-    assert fused.accepted_tokens - accepted == fused.drafted_tokens - drafted > 0
-    _assert_same_kv(spec, spec_blocks, plain, plain_blocks, len(prompt) + len(got) - 1)
+    _check_always_kept(spec, plain, f"lright{offset}", offset, "lookup", _RightLookup)
 
 
 def test_where_the_lookup_applies(built, tiny_model_dir):
