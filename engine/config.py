@@ -49,11 +49,11 @@ class EngineConfig:
     fused_decode: str = "auto"
     # Speculative decoding in the fused step (engine/fused_decode.py `speculate`): a greedy
     # request decoding alone gets tokens proposed, verified in one step of consecutive rows;
-    # the tokens are the ones one-token steps give. With bf16 projections on our GEMV and the
-    # lm_head's int8 screen, a draft on int4 copies of the layers proposes 2 (SmolLM2-135M in
-    # bf16: +66 MB of draft weights); otherwise (int4/int8 weights) the request's own tokens
-    # do (prompt lookup, engine/ngram_lookup.py: up to 3, no memory). "auto" | "on" where the
-    # step allows, "off" never.
+    # the tokens are the ones one-token steps give. The request's own tokens propose first
+    # (prompt lookup, engine/ngram_lookup.py: up to 3 with int4/int8 weights, 2 with bf16; no
+    # memory); where they have nothing, with bf16 projections on our GEMV and the lm_head's int8
+    # screen, a draft on int4 copies of the layers proposes 2 (SmolLM2-135M in bf16: +66 MB of
+    # draft weights). "auto" | "on" where the step allows, "off" never.
     speculative_decoding: str = "auto"
     # torch.compile of the model forward: "on" | "off" | "auto" (True/False mean on/off). "auto"
     # is off: on the 2-core Zen 4 the compiled step did not beat eager (engine/compile.py).

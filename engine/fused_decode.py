@@ -62,8 +62,9 @@ SCREEN_MIN_SHARE = 0.125  # below this share of a step's weight bytes, a head ge
 # to 3 rows) and the rows take the screen (at most SCREEN_MAX_ROWS).
 DRAFT_TOKENS = 2
 DRAFT_GROUP_SIZE = 32  # the draft's int4 weights: a scale and minimum per 32 inputs (as Q4_1)
-# Where no draft model applies (int4/int8 projections: the draft would be no cheaper), the
-# proposals come from the request's own tokens (engine/ngram_lookup.py): up to this many, fewer
+# Proposals from the request's own tokens (engine/ngram_lookup.py), where no draft model applies
+# (int4/int8 projections: a draft would be no cheaper) and before the draft where one does (a
+# lookup's proposal costs no draft steps: bf16 W1 1.085x, tree against tree): up to this many, fewer
 # where the step's GEMVs keep a row's bits at fewer rows (`rows_alike`). Int4 SmolLM2 on the
 # 2-core Xeon (one-row step = 1): verifying 2 rows 1.21, 3 rows 1.36, 4 rows 1.55; a token
 # 1.19x cheaper in W1's shape, 1.41x in answers that end at EOS (`bench_speculative
@@ -258,13 +259,13 @@ class FusedDecode:
                 self._tasks(model, heads, kv_heads, head_dim, self.draft)
             )
             self.draft_task_names, self.task_names = self.task_names, names
-        # Without a draft, proposals from the request's own tokens, verified as the draft's
-        # are: where the step's kernels keep a row's bits at 2 rows or more.
+        # Proposals from the request's own tokens, verified as the draft's are: where the
+        # step's kernels keep a row's bits at 2 rows or more.
         self.rows_alike = min(_rows_alike(linear) for linear in _step_linears(model))
         self.lookup_tokens = min(LOOKUP_TOKENS, self.rows_alike - 1, max_rows - 1)
         self.lookup = (
             NgramLookup()
-            if speculative and self.draft is None and lookup_reason(self) is None
+            if speculative and lookup_reason(self) is None
             else None
         )
         self.speculative_steps = self.drafted_tokens = self.accepted_tokens = 0
@@ -552,9 +553,10 @@ class FusedDecode:
     ) -> list[int] | None:
         """A greedy decode of one request, speculatively: the draft (the same step on int4
         copies of the projections, the lm_head's screen as its head) proposes up to
-        DRAFT_TOKENS tokens, one draft step each; without a draft, the lookup proposes up to
-        `lookup_tokens` from `history`, the request's prompt and output tokens so far
-        (engine/ngram_lookup.py). Then one step of the request's token and the proposals as
+        DRAFT_TOKENS tokens, one draft step each; before it (and where there is no draft), the
+        lookup proposes up to `lookup_tokens` from `history`, the request's prompt and output
+        tokens so far (engine/ngram_lookup.py), and the draft runs only where it proposes
+        nothing. Then one step of the request's token and the proposals as
         consecutive rows computes each row's greedy token exactly (its K and V written first,
         by the store task; the lm_head through its screen where it has one). The first token,
         the proposals that equal the token before them verified, and the verified token after
@@ -576,12 +578,14 @@ class FusedDecode:
         the blocks the request holds. None, with nothing run, where no token can be drafted
         (the request's last block is full, or its rows would split differently): the caller
         runs a one-token step; also where the lookup has no proposal."""
-        if self.draft_plan is None and (self.lookup is None or history is None):
+        lookup = self.lookup if history is not None else None
+        if self.draft_plan is None and lookup is None:
             return None
         position, blocks, request_id = request.start_position, request.block_ids, request.request_id
         block_size = self.block_size
         k = min(
-            DRAFT_TOKENS if self.draft_plan is not None else self.lookup_tokens,
+            max(DRAFT_TOKENS if self.draft_plan is not None else 0,
+                self.lookup_tokens if lookup is not None else 0),  # fmt: skip
             len(blocks) * block_size - position - 1,
             max_model_len - position - 1,
             max_new_tokens - 1,
@@ -594,14 +598,18 @@ class FusedDecode:
         tokens = [request.token_ids[0]]
         spin = decode_step.SPIN
         self._greedy_rows = 0
-        if self.draft_plan is None:
+        if lookup is not None:
             if history[-1] != tokens[0]:
                 raise ValueError(f"request {request_id}: the history does not end in its token")
-            tokens += self.lookup.propose(request_id, history, k)
+            tokens += lookup.propose(request_id, history, min(k, self.lookup_tokens))
+        looked_up = len(tokens) > 1
+        if looked_up:
             k = len(tokens) - 1
-            if k == 0:
-                return None
-        for i in range(k if self.draft_plan is not None else 0):  # the draft, a row at a time
+        elif self.draft_plan is None:
+            return None
+        else:
+            k = min(k, DRAFT_TOKENS)
+        for i in range(0 if looked_up else k):  # the draft, a row at a time
             self._write_row(0, request_id, position + i, blocks, tokens[-1], num_kv_blocks,
                             max_model_len)  # fmt: skip
             self._set_step(*split)
@@ -618,8 +626,8 @@ class FusedDecode:
         accepted = 0
         while accepted < k and tokens[accepted + 1] == verified[accepted]:
             accepted += 1
-        if self.lookup is not None:
-            self.lookup.record(k, accepted)
+        if looked_up:
+            lookup.record(k, accepted)
         self._screened = screened
         if screened:
             self.screened_steps += 1

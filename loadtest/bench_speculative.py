@@ -106,6 +106,7 @@ def run(args) -> dict:
         raise SystemExit(f"no speculative decoding here: {eng.runner.fused_decode or 'on'}")
     if fused.draft is None:
         return _run_lookup(args, eng, fused)
+    fused.lookup = None  # the draft alone: its steps are what the breakdown prices
     from engine.fused_decode import DRAFT_TOKENS
 
     prompt = chat_prompts(eng.tokenizer, 1)[0]

@@ -166,24 +166,29 @@ def test_drafts_that_are_always_kept(pair, offset):
     draft stops: the next block is not the request's yet): same tokens, same K/V."""
     spec, plain = pair
     fused = spec.runner._forward.fused
-    _check_always_kept(spec, plain, f"right{offset}", offset, "draft_plan",
-                       lambda sequence: _RightDraft(fused, sequence))  # fmt: skip
+    _check_always_kept(spec, plain, f"right{offset}", offset, {  # the draft alone
+        "draft_plan": lambda sequence: _RightDraft(fused, sequence),
+        "lookup": lambda sequence: None,
+    })  # fmt: skip
 
 
-def _check_always_kept(spec, plain, tag: str, offset: int, attribute: str, stand_in) -> None:
-    """`spec` with its fused step's `attribute` (the draft plan or the lookup) replaced by
-    `stand_in(prompt + the one-token steps' tokens)`, whose proposals are always right: the
-    same tokens, every proposal kept, the same K/V bits."""
+def _check_always_kept(spec, plain, tag: str, offset: int, stand_ins: dict) -> None:
+    """`spec` with its fused step's proposers (the draft plan, the lookup) replaced by
+    `stand_ins[name](prompt + the one-token steps' tokens)`, whose proposals are always right:
+    the same tokens, every proposal kept, the same K/V bits."""
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompt = [9 + i % 250 for i in range(110 + offset)]
     want, _, _, plain_blocks = _generate(plain, f"{tag}-p", prompt, params)
     fused = spec.runner._forward.fused
-    real, drafted, accepted = getattr(fused, attribute), fused.drafted_tokens, fused.accepted_tokens
-    setattr(fused, attribute, stand_in(prompt + want))
+    real = {name: getattr(fused, name) for name in stand_ins}
+    drafted, accepted = fused.drafted_tokens, fused.accepted_tokens
+    for name, stand_in in stand_ins.items():
+        setattr(fused, name, stand_in(prompt + want))
     try:
         got, _, _, spec_blocks = _generate(spec, f"{tag}-s", prompt, params)
     finally:
-        setattr(fused, attribute, real)
+        for name, value in real.items():
+            setattr(fused, name, value)
     assert got == want
     assert fused.accepted_tokens - accepted == fused.drafted_tokens - drafted > 0
     _assert_same_kv(spec, spec_blocks, plain, plain_blocks, len(prompt) + len(got) - 1)
@@ -427,13 +432,45 @@ def test_lookup_proposals_that_are_always_kept(lookup_pair, offset):
     """Verifying steps of lookup_tokens + 1 rows starting on every position of a block (over
     4 prompt lengths): the same tokens and the same K/V bits as one-token steps."""
     spec, plain = lookup_pair
-    _check_always_kept(spec, plain, f"lright{offset}", offset, "lookup", _RightLookup)
+    _check_always_kept(spec, plain, f"lright{offset}", offset, {"lookup": _RightLookup})
 
 
 def test_where_the_lookup_applies(built, tiny_model_dir):
-    """int4/int8 weights (no draft): the lookup, with as many proposals as the GEMVs keep a
-    row's bits for; bf16 with a draft: the draft; "off": neither."""
+    """int4/int8 weights: the lookup alone, with as many proposals as the GEMVs keep a row's
+    bits for; bf16 on our GEMV: the lookup (2 proposals: the GEMV's 3 rows) and the draft;
+    "off": neither."""
     assert _quantized(tiny_model_dir, "auto", "int4").runner._forward.fused.lookup is not None
     assert _quantized(tiny_model_dir, "off", "int4").runner._forward.fused.lookup is None
     bf16 = _engine(tiny_model_dir, "auto").runner._forward.fused
-    assert bf16.draft is not None and bf16.lookup is None
+    assert bf16.draft is not None and bf16.lookup is not None and bf16.lookup_tokens == 2
+
+
+def test_the_lookup_proposes_before_the_draft(built, tiny_model_dir):
+    """bf16 with both: a step whose lookup proposes runs no draft step; one whose lookup has
+    nothing runs the draft; the same tokens as one-token steps either way."""
+    spec, plain = _engine(tiny_model_dir, "on"), _engine(tiny_model_dir, "off")
+    fused = spec.runner._forward.fused
+    draft_steps, proposing_steps = set(), set()
+    real_plan, real_lookup = fused.draft_plan, fused.lookup
+
+    class Plan:  # the draft plan, noting the speculative step it runs for
+        def run(self, *args):
+            draft_steps.add(fused.speculative_steps)
+            return real_plan.run(*args)
+
+    class Lookup(type(real_lookup)):  # the lookup, noting the steps it proposes for
+        def propose(self, *args):
+            proposal = super().propose(*args)
+            if proposal:
+                proposing_steps.add(fused.speculative_steps)
+            return proposal
+
+    fused.draft_plan, fused.lookup = Plan(), Lookup()
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    try:
+        got = _generate(spec, "both", [5, 6, 7] * 4, params)[:3]
+    finally:
+        fused.draft_plan, fused.lookup = real_plan, real_lookup
+    assert got == _generate(plain, "both-p", [5, 6, 7] * 4, params)[:3]
+    assert draft_steps and proposing_steps  # both kinds of step ran
+    assert not draft_steps & proposing_steps
