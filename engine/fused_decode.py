@@ -550,8 +550,9 @@ class FusedDecode:
         max_model_len: int,
         max_new_tokens: int,
         history: list[int] | None = None,
+        sample=None,
     ) -> list[int] | None:
-        """A greedy decode of one request, speculatively: the draft (the same step on int4
+        """A decode of one request, speculatively. Greedy (`sample` None): the draft (the same step on int4
         copies of the projections, the lm_head's screen as its head) proposes up to
         DRAFT_TOKENS tokens, one draft step each; before it (and where there is no draft), the
         lookup proposes up to `lookup_tokens` from `history`, the request's prompt and output
@@ -577,14 +578,21 @@ class FusedDecode:
         computed tokens, in its own blocks: the next step writes over them. Drafts stay within
         the blocks the request holds. None, with nothing run, where no token can be drafted
         (the request's last block is full, or its rows would split differently): the caller
-        runs a one-token step; also where the lookup has no proposal."""
+        runs a one-token step; also where the lookup has no proposal.
+
+        Sampled (`sample(logits [k + 1, vocab], proposals) -> tokens`, the sampler's `verify`):
+        the lookup's proposals only (a draft proposes its argmax), and the step computes the
+        rows' logits, each with its one-row step's bits; `sample` draws each row's token as a
+        one-token step would, from the request's own random stream, until one differs from the
+        proposal after it: the tokens, and the stream, are the one-token steps'."""
         lookup = self.lookup if history is not None else None
-        if self.draft_plan is None and lookup is None:
+        draft = self.draft_plan if sample is None else None
+        if draft is None and lookup is None:
             return None
         position, blocks, request_id = request.start_position, request.block_ids, request.request_id
         block_size = self.block_size
         k = min(
-            max(DRAFT_TOKENS if self.draft_plan is not None else 0,
+            max(DRAFT_TOKENS if draft is not None else 0,
                 self.lookup_tokens if lookup is not None else 0),  # fmt: skip
             len(blocks) * block_size - position - 1,
             max_model_len - position - 1,
@@ -605,7 +613,7 @@ class FusedDecode:
         looked_up = len(tokens) > 1
         if looked_up:
             k = len(tokens) - 1
-        elif self.draft_plan is None:
+        elif draft is None:
             return None
         else:
             k = min(k, DRAFT_TOKENS)
@@ -613,19 +621,23 @@ class FusedDecode:
             self._write_row(0, request_id, position + i, blocks, tokens[-1], num_kv_blocks,
                             max_model_len)  # fmt: skip
             self._set_step(*split)
-            self.draft_plan.run(1, 0, spin)
+            draft.run(1, 0, spin)
             tokens.append(int(self.greedy_ids[0]))
         for j in range(k + 1):  # the verification: all rows in one step
             self._write_row(j, request_id, position + j, blocks, tokens[j], num_kv_blocks,
                             max_model_len)  # fmt: skip
-        screened = self.screen is not None and k + 1 <= SCREEN_MAX_ROWS
-        self._set_step(*split, stored=True, screen=screened, greedy=not screened,
-                       head=not screened)  # fmt: skip
+        screened = sample is None and self.screen is not None and k + 1 <= SCREEN_MAX_ROWS
+        self._set_step(*split, stored=True, screen=screened,
+                       greedy=sample is None and not screened, head=not screened)  # fmt: skip
         self.plan.run(k + 1, 0, spin)
-        verified = self.greedy_ids[: k + 1].tolist()
-        accepted = 0
-        while accepted < k and tokens[accepted + 1] == verified[accepted]:
-            accepted += 1
+        if sample is None:
+            verified = self.greedy_ids[: k + 1].tolist()
+            accepted = 0
+            while accepted < k and tokens[accepted + 1] == verified[accepted]:
+                accepted += 1
+        else:
+            verified = sample(self.logits[: k + 1], tokens[1:])
+            accepted = len(verified) - 1
         if looked_up:
             lookup.record(k, accepted)
         self._screened = screened
@@ -944,11 +956,12 @@ class StepForward:
         max_model_len: int,
         max_new_tokens: int,
         history: list[int] | None = None,
+        sample=None,
     ) -> list[int] | None:
-        """`FusedDecode.speculate`: 1 to k + 1 greedy tokens of one request, or None where
-        nothing can be drafted or proposed (then a one-token step)."""
+        """`FusedDecode.speculate`: 1 to k + 1 tokens of one request (greedy, or drawn by
+        `sample`), or None where nothing can be drafted or proposed (then a one-token step)."""
         return self.fused.speculate(request, num_kv_blocks, max_model_len, max_new_tokens,
-                                    history)  # fmt: skip
+                                    history, sample)  # fmt: skip
 
     def drop_requests(self, request_ids) -> None:
         """Requests that left: what the lookup kept of them goes."""

@@ -322,8 +322,9 @@ class ModelRunner:
         return ModelRunnerOutput(sampled, step_logprobs)
 
     def _speculate(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
-        """A step of one greedy decode that wants its tokens only, speculatively where the fused
-        step can (`FusedDecode.speculate`); None where not (then `_run` runs the step)."""
+        """A step of one decode that wants its tokens only (greedy, or sampled with no logits
+        processing), speculatively where the fused step can (`FusedDecode.speculate`); None
+        where not (then `_run` runs the step)."""
         if len(out.scheduled) != 1 or not getattr(self._forward, "speculates", False):
             return None
         request = out.scheduled[0]
@@ -331,7 +332,8 @@ class ModelRunner:
         if (
             len(request.token_ids) != 1
             or not request.needs_sample
-            or not takes_argmax(request)
+            or params.has_logits_processing
+            or request.grammar is not None
             or params.logprobs is not None
             or (params.prompt_logprobs is not None and request.num_output_tokens == 0)
         ):
@@ -342,9 +344,15 @@ class ModelRunner:
         if self._is_trim_due_fused:
             trim_heap()
             self._is_trim_due_fused = False
+        sample = None
+        if not takes_argmax(request):  # sampled: each row drawn as a one-token step draws it
+
+            def sample(logits, proposals):
+                return self.sampler.verify(logits, request, proposals)
+
         tokens = self._forward.speculate(
             request, self.num_kv_blocks, self.max_model_len,
-            params.max_tokens - request.num_output_tokens, request.all_token_ids,
+            params.max_tokens - request.num_output_tokens, request.all_token_ids, sample,
         )  # fmt: skip
         if tokens is None:
             return None

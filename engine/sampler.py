@@ -71,6 +71,22 @@ class Sampler:
             token_ids[i] = self._sample_row(probs[row], requests[i])
         return token_ids
 
+    def verify(
+        self, logits: torch.Tensor, request: ScheduledRequest, proposals: list[int]
+    ) -> list[int]:
+        """A speculative step's rows for one request (engine/fused_decode.py `speculate`):
+        logits [k + 1, vocab], row j computed with proposals[j - 1] as its input -> the tokens
+        sampled row by row, each as a one-token step samples it (this same call on a one-row
+        batch: the request's own random stream, one draw a token), up to the first that differs
+        from the proposal the next row was computed with, that one included. So the tokens, and
+        the draws left in the stream, are the one-token steps'."""
+        tokens: list[int] = []
+        for j in range(logits.shape[0]):
+            tokens.append(self(logits[j : j + 1], [request])[0])
+            if j == len(proposals) or tokens[-1] != proposals[j]:
+                break
+        return tokens
+
     def _sample_row(self, probs: torch.Tensor, request: ScheduledRequest) -> int:
         """probs [vocab] -> one token id, honouring the request's top-k and top-p."""
         params = request.params

@@ -93,6 +93,11 @@ def _report(doc: dict, run_line: str) -> None:
     for kind in tasks["1 row"]:
         cells = " ".join(f"{tasks[n].get(kind, 0.0):8.3f}" for n in tasks)
         print(f"  {kind:26} {cells}")
+    wall = doc.get("wall_clock")
+    if wall:
+        print(f"\nwall-clock, tok/s: on {wall['tok_s']['on']}, off {wall['tok_s']['off']}; "
+              f"on / off {wall['on_over_off']} (median {wall['median_on_over_off']}); "
+              f"the same tokens: {wall['same_tokens']}")  # fmt: skip
 
 
 def run(args) -> dict:
@@ -160,21 +165,52 @@ def run(args) -> dict:
     return doc
 
 
+def _sampling(args, i: int):
+    """The lookup run's params for prompt i: greedy, or sampled with a seed of its own."""
+    from engine import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, seed=i, ignore_eos=not args.stop_at_eos)  # fmt: skip
+
+
+def _wall_clock(args, eng, fused, prompts) -> dict:
+    """The same prompts one at a time with the lookup on and off (`fused.lookup` set aside),
+    alternating for `--wall-rounds`: tok/s each way, and that both gave the same tokens."""
+    lookup, tok_s, same = fused.lookup, {"on": [], "off": []}, True
+    outputs: dict[str, list] = {}
+    for r in range(args.wall_rounds):
+        for side in ("on", "off"):
+            fused.lookup = lookup if side == "on" else None
+            tokens, start = [], time.perf_counter()
+            for i, prompt in enumerate(prompts):
+                eng.add_request(f"wall{r}{side}{i}", prompt, _sampling(args, i))
+                out: list[int] = []
+                while eng.has_unfinished_requests():
+                    out += [t for delta in eng.step() for t in delta.token_ids]
+                tokens.append(out)
+            tok_s[side].append(round(sum(map(len, tokens)) / (time.perf_counter() - start), 1))
+            same = same and outputs.setdefault(side, tokens) == tokens
+            same = same and outputs.get("on", tokens) == tokens
+    fused.lookup = lookup
+    ratios = [round(a / b, 3) for a, b in zip(tok_s["on"], tok_s["off"], strict=True)]
+    return {"tok_s": tok_s, "on_over_off": ratios,
+            "median_on_over_off": statistics.median(ratios), "same_tokens": same}  # fmt: skip
+
+
 def _run_lookup(args, eng, fused) -> dict:
-    """The lookup's side: the plan at 1 to lookup_tokens + 1 rows, alternating; a greedy run
-    over chat prompts (ignore_eos as W1, or answers that end at EOS: `--stop-at-eos`) counting
-    its steps by rows; the cost a token each way."""
+    """The lookup's side: the plan at 1 to lookup_tokens + 1 rows, alternating; a run over
+    chat prompts (greedy or sampled: `--temperature`; ignore_eos as W1, or answers that end at
+    EOS: `--stop-at-eos`) counting its steps by rows; the cost a token each way; then the same
+    run's wall-clock with the lookup on and off (`--wall-rounds`)."""
     from engine import SamplingParams
     from loadtest.workloads import chat_prompts
 
     prompts = chat_prompts(eng.tokenizer, args.num_prompts)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
-                            ignore_eos=not args.stop_at_eos)  # fmt: skip
     steps_by_rows: dict[int, int] = {}
     num_tokens = 0
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        eng.add_request(f"run{i}", prompt, params)
+        eng.add_request(f"run{i}", prompt, _sampling(args, i))
         num_tokens += len(eng.step())  # the prompt and its first token
         while eng.has_unfinished_requests():  # decode steps
             drafted, steps = fused.drafted_tokens, fused.speculative_steps
@@ -221,9 +257,12 @@ def _run_lookup(args, eng, fused) -> dict:
                 "decode_tokens_per_step": round(decode_tokens / sum(steps_by_rows.values()), 3)},
         "per_token_ms": _per_token(medians["1 row"], speculative_ms),
         "tasks_ms": tasks,
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p},
     }  # fmt: skip
+    if args.wall_rounds:
+        doc["wall_clock"] = _wall_clock(args, eng, fused, prompts)
     r = doc["run"]
-    _report(doc, f"greedy run ({r['prompts']} prompts, {r['tokens']} tokens): decode steps by "
+    _report(doc, f"run ({r['prompts']} prompts, {r['tokens']} tokens): decode steps by "
                  f"rows {r['decode_steps_by_rows']}, {r['kept']}/{r['proposed']} proposals "
                  f"kept ({r['kept_share']:.1%}), {r['decode_tokens_per_step']} tokens a decode "
                  "step")  # fmt: skip
@@ -239,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", default="",
                         help="'' (bf16: the draft) or int4/int8 (the lookup's proposals)")
     parser.add_argument("--num-prompts", type=int, default=8, help="the lookup's greedy run")
+    parser.add_argument("--temperature", type=float, default=0.0, help="the lookup's run")
+    parser.add_argument("--top-p", type=float, default=1.0, help="the lookup's run")
+    parser.add_argument("--wall-rounds", type=int, default=3,
+                        help="the lookup's run on and off, alternating (0: none)")
     parser.add_argument("--stop-at-eos", action="store_true",
                         help="the lookup's run ends each answer at EOS (W1 ignores it)")
     parser.add_argument("--out", type=Path, default=None)

@@ -64,15 +64,19 @@ def _generate(engine: LLMEngine, request_id: str, prompt, params: SamplingParams
 _counter = iter(range(10**9))
 
 
-def _reference(plain: LLMEngine, tag: str, prompt, max_tokens: int, stop_at: int | None):
-    """(params, the one-token engine's run): greedy up to max_tokens, and where `stop_at` falls
-    inside that output, with the token there as a stop token (run again)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def _reference(
+    plain: LLMEngine, tag: str, prompt, max_tokens: int, stop_at: int | None, **sampling
+):
+    """(params, the one-token engine's run): greedy (or `sampling`'s params) up to max_tokens,
+    and where `stop_at` falls inside that output, with the token there as a stop token (run
+    again)."""
+    sampling = {"temperature": 0.0, **sampling}
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
     want = _generate(plain, f"{tag}-p", prompt, params)
     if stop_at is not None and stop_at < len(want[0]):
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-            stop_token_ids=[want[0][stop_at]],
+            max_tokens=max_tokens, ignore_eos=True, stop_token_ids=[want[0][stop_at]],
+            **sampling,
         )  # fmt: skip
         want = _generate(plain, f"{tag}-q", prompt, params)
     return params, want
@@ -172,11 +176,13 @@ def test_drafts_that_are_always_kept(pair, offset):
     })  # fmt: skip
 
 
-def _check_always_kept(spec, plain, tag: str, offset: int, stand_ins: dict) -> None:
+def _check_always_kept(
+    spec, plain, tag: str, offset: int, stand_ins: dict, params: SamplingParams | None = None
+) -> None:
     """`spec` with its fused step's proposers (the draft plan, the lookup) replaced by
     `stand_ins[name](prompt + the one-token steps' tokens)`, whose proposals are always right:
-    the same tokens, every proposal kept, the same K/V bits."""
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    the same tokens, every proposal kept, the same K/V bits. Greedy unless `params` say."""
+    params = params or SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompt = [9 + i % 250 for i in range(110 + offset)]
     want, _, _, plain_blocks = _generate(plain, f"{tag}-p", prompt, params)
     fused = spec.runner._forward.fused
@@ -474,3 +480,100 @@ def test_the_lookup_proposes_before_the_draft(built, tiny_model_dir):
     assert got == _generate(plain, "both-p", [5, 6, 7] * 4, params)[:3]
     assert draft_steps and proposing_steps  # both kinds of step ran
     assert not draft_steps & proposing_steps
+
+
+# -- sampled requests: the lookup's proposals, each row drawn as a one-token step draws it ----
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def uncached_pair(request, built, tiny_model_dir):
+    """As `lookup_pair`, without prefix caching: a prompt met again is computed again, so
+    the sampled runs compare the same bits (a prefix-cache hit computes the prompt's last
+    tokens from cached K/V, which can round otherwise, and a sampled draw near a boundary of
+    the CDF then picks another token, speculation or not)."""
+    spec = _quantized(tiny_model_dir, "on", request.param, enable_prefix_caching=False)
+    plain = _quantized(tiny_model_dir, "off", request.param, enable_prefix_caching=False)
+    return spec, plain
+
+_SAMPLING = st.fixed_dictionaries({
+    "temperature": st.sampled_from([0.3, 0.8, 1.2]),
+    "top_p": st.sampled_from([1.0, 0.9]),
+    "top_k": st.sampled_from([0, 20]),
+    "min_p": st.sampled_from([0.0, 0.1]),
+    "seed": st.integers(0, 2**31 - 1),
+})  # fmt: skip
+
+
+@_CASES
+@given(prompt=st.lists(st.integers(3, 8), min_size=1, max_size=40), sampling=_SAMPLING, **_STOPS)
+def test_sampled_the_tokens_and_finish_are_the_one_token_steps(
+    uncached_pair, prompt, sampling, max_tokens, stop_at
+):
+    """A seeded sampled request (temperature, top-p, top-k, min-p) decoding alone: the same
+    tokens, text and finish as one-token steps draw, and every block back in the pool. The
+    sampler draws one number a token from the request's stream, in order, whatever the step
+    verified."""
+    spec, plain = uncached_pair
+    i = next(_counter)
+    params, want = _reference(plain, f"sm{i}", prompt, max_tokens, stop_at, **sampling)
+    got = _generate(spec, f"sm{i}-s", prompt, params)
+    assert got[:3] == want[:3]
+    for engine in (spec, plain):
+        assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+
+
+@pytest.mark.parametrize("offset", [0, 2])
+def test_sampled_proposals_that_are_always_kept(uncached_pair, offset):
+    """Proposals that are the tokens one-token steps drew: every one kept, so each verifying
+    step draws up to lookup_tokens + 1 tokens in a row from the stream; the same tokens and
+    the same K/V bits."""
+    spec, plain = uncached_pair
+    params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    _check_always_kept(spec, plain, f"sright{offset}", offset, {"lookup": _RightLookup}, params)
+
+
+def test_which_sampled_requests_speculate(built, tiny_model_dir):
+    """Sampled requests take the lookup's proposals only (the bf16 draft, which proposes its
+    argmax, never runs for them), and not with penalties or logprobs. (The lookup stands in
+    with the one-token steps' tokens, so that it proposes at every step.)"""
+    spec, plain = _engine(tiny_model_dir, "on"), _engine(tiny_model_dir, "off")
+    fused = spec.runner._forward.fused
+    real_plan, real_lookup = fused.draft_plan, fused.lookup
+    draft_runs = []
+
+    class Plan:
+        def run(self, *args):
+            draft_runs.append(args)
+            return real_plan.run(*args)
+
+    prompt = [5, 6, 7] * 4
+    sampled = SamplingParams(max_tokens=30, temperature=0.5, seed=3, ignore_eos=True)
+    want = _generate(plain, "sampled-p", prompt, sampled)[:3]
+    fused.draft_plan, fused.lookup = Plan(), _RightLookup(prompt + want[0])
+    try:
+        steps = fused.speculative_steps
+        assert _generate(spec, "sampled", prompt, sampled)[:3] == want
+        assert fused.speculative_steps > steps and not draft_runs
+        for i, params in enumerate((
+            SamplingParams(max_tokens=30, temperature=0.5, seed=3, ignore_eos=True,
+                           repetition_penalty=1.3),
+            SamplingParams(max_tokens=30, temperature=0.5, seed=3, ignore_eos=True, logprobs=1),
+        )):  # fmt: skip
+            steps = fused.speculative_steps
+            _generate(spec, f"unspeculated{i}", prompt, params)
+            assert fused.speculative_steps == steps
+    finally:
+        fused.draft_plan, fused.lookup = real_plan, real_lookup
+
+
+def test_sampled_requests_keep_real_proposals(uncached_pair):
+    """The lookup itself (no stand-in), sampled at a low temperature over a prompt that repeats
+    itself: proposals are made and some kept, and the tokens are the one-token steps'."""
+    spec, plain = uncached_pair
+    fused = spec.runner._forward.fused
+    steps, accepted = fused.speculative_steps, fused.accepted_tokens
+    for seed in range(4):
+        params = SamplingParams(max_tokens=40, temperature=0.3, seed=seed, ignore_eos=True)
+        want = _generate(plain, f"real-p{seed}", [5, 6, 7] * 4, params)[:3]
+        assert _generate(spec, f"real-s{seed}", [5, 6, 7] * 4, params)[:3] == want
+    assert fused.speculative_steps > steps and fused.accepted_tokens > accepted

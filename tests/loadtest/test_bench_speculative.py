@@ -42,7 +42,8 @@ def test_the_lookups_breakdown_adds_up(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "lookup.json"
     bench_speculative.main([
         "--model", str(tiny_model_dir), "--quantization", "int4", "--max-tokens", "40",
-        "--rounds", "2", "--num-prompts", "3", "--out", str(out),
+        "--rounds", "2", "--num-prompts", "3", "--temperature", "0.8", "--wall-rounds", "1",
+        "--out", str(out),
     ])  # fmt: skip
     doc = json.loads(out.read_text())
     k = doc["lookup_tokens"]
@@ -56,4 +57,6 @@ def test_the_lookups_breakdown_adds_up(tiny_model_dir, tmp_path, capsys):
     medians = list(doc["medians_ms"].values())
     want = sum(n * medians[r - 1] for r, n in by_rows.items()) / decode_tokens
     assert doc["per_token_ms"]["speculative"] == pytest.approx(want, abs=2e-3)
+    wall = doc["wall_clock"]  # sampled, on and off: the same tokens
+    assert wall["same_tokens"] and len(wall["tok_s"]["on"]) == len(wall["tok_s"]["off"]) == 1
     assert "proposals kept" in capsys.readouterr().out
