@@ -47,13 +47,15 @@ class EngineConfig:
     # or bf16 ones on our GEMV, the bf16 or int8 KV cache, fused ops on), "off" the
     # per-operator path. Same bits either way.
     fused_decode: str = "auto"
-    # Speculative decoding in the fused step (engine/fused_decode.py `speculate`): a greedy
+    # Speculative decoding in the fused step (engine/fused_decode.py `speculate`): a
     # request decoding alone gets tokens proposed, verified in one step of consecutive rows;
     # the tokens are the ones one-token steps give. The request's own tokens propose first
     # (prompt lookup, engine/ngram_lookup.py: up to 3 with int4/int8 weights, 2 with bf16; no
     # memory); where they have nothing, with bf16 projections on our GEMV and the lm_head's int8
     # screen, a draft on int4 copies of the layers proposes 2 (SmolLM2-135M in bf16: +66 MB of
-    # draft weights). "auto" | "on" where the step allows, "off" never.
+    # draft weights). Sampled requests take the lookup's proposals, each verified row drawn as
+    # a one-token step draws it (the same tokens for a seed). "auto" | "on" where the step
+    # allows, "off" never.
     speculative_decoding: str = "auto"
     # torch.compile of the model forward: "on" | "off" | "auto" (True/False mean on/off). "auto"
     # is off: on the 2-core Zen 4 the compiled step did not beat eager (engine/compile.py).
