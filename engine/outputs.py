@@ -93,8 +93,9 @@ class EngineStats:
     # Seconds the engine's thread waited for the GIL after its fused steps (another Python
     # thread held it: a worker's event loop); cumulative, like the counters above.
     fused_step_gil_wait_s: float = 0.0
-    # Speculative decoding (engine/fused_decode.py `speculate`): tokens drafted, and of those
-    # the ones the verifying step kept (acceptance = accepted / drafted); cumulative.
+    # Speculative decoding (engine/fused_decode.py `speculate`): tokens drafted or looked up
+    # (engine/ngram_lookup.py), and of those the ones the verifying step kept (acceptance =
+    # accepted / drafted); cumulative.
     num_draft_tokens: int = 0
     num_draft_accepted: int = 0
 

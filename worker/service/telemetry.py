@@ -273,7 +273,8 @@ class Telemetry:
         # The engine thread's waits for the GIL after its fused steps: the event loop held it.
         counter("mini_infer.engine.gil_wait", "s", [(lambda s: s.fused_step_gil_wait_s, {})],
                 "time the engine thread waited for the GIL after its fused steps")  # fmt: skip
-        # Speculative decoding: tokens drafted, by whether the verifying step kept them.
+        # Speculative decoding: tokens drafted or looked up (the request's own tokens), by
+        # whether the verifying step kept them.
         counter("mini_infer.engine.draft_tokens", "{token}", [
             (lambda s: s.num_draft_accepted, {"accepted": "true"}),
             (lambda s: s.num_draft_tokens - s.num_draft_accepted, {"accepted": "false"}),
