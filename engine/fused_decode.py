@@ -552,9 +552,9 @@ class FusedDecode:
         history: list[int] | None = None,
         sample=None,
     ) -> list[int] | None:
-        """A decode of one request, speculatively. Greedy (`sample` None): the draft (the same step on int4
-        copies of the projections, the lm_head's screen as its head) proposes up to
-        DRAFT_TOKENS tokens, one draft step each; before it (and where there is no draft), the
+        """A decode of one request, speculatively. Greedy (`sample` None): the draft (the same
+        step on int4 copies of the projections, the lm_head's screen as its head) proposes up
+        to DRAFT_TOKENS tokens, one draft step each; before it (and where there is no draft), the
         lookup proposes up to `lookup_tokens` from `history`, the request's prompt and output
         tokens so far (engine/ngram_lookup.py), and the draft runs only where it proposes
         nothing. Then one step of the request's token and the proposals as

@@ -1,8 +1,8 @@
 """Where a speculative decoding step's time goes (engine/fused_decode.py `speculate`): the fused
 step's plans timed alone, in rounds that alternate them: a draft step (one row on the int4
 copies), a one-token step (one row) and verifying steps of 2 to DRAFT_TOKENS + 1 rows, each
-over the same context of a request that has decoded a while. With the drafts' acceptance from a greedy run,
-what a token costs each way (k = DRAFT_TOKENS):
+over the same context of a request that has decoded a while. With the drafts' acceptance from
+a greedy run, what a token costs each way (k = DRAFT_TOKENS):
 
     one-token:    t(1 row)
     speculative:  (k * t(draft) + t(k + 1 rows)) / (tokens per verifying step)

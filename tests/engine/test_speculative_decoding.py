@@ -82,6 +82,14 @@ def _reference(
     return params, want
 
 
+def _check_matches(spec, plain, tag: str, prompt, params: SamplingParams, want) -> None:
+    """`spec`'s run of `prompt` gives the one-token steps' tokens, text and finish (`want`),
+    and both engines have every block back in the pool after."""
+    assert _generate(spec, tag, prompt, params)[:3] == want[:3]
+    for engine in (spec, plain):
+        assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+
+
 # The hypothesis cases of the two proposers: a prompt, max_tokens and where a stop falls.
 _CASES = settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -100,10 +108,7 @@ def test_the_tokens_and_finish_are_the_one_token_steps(pair, prompt, max_tokens,
     params, want = _reference(plain, f"d{i}", prompt, max_tokens, stop_at)
     fused = spec.runner._forward.fused
     before = fused.drafted_tokens
-    got = _generate(spec, f"d{i}-s", prompt, params)
-    assert got[:3] == want[:3]
-    for engine in (spec, plain):
-        assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+    _check_matches(spec, plain, f"d{i}-s", prompt, params, want)
     if len(want[0]) >= 8:  # 7 decode steps: not all at a block's last slot, so some drafted
         assert fused.drafted_tokens > before
 
@@ -404,10 +409,7 @@ def test_lookup_the_tokens_and_finish_are_the_one_token_steps(
     params, want = _reference(plain, f"l{i}", prompt, max_tokens, stop_at)
     fused = spec.runner._forward.fused
     before = fused.drafted_tokens
-    got = _generate(spec, f"l{i}-s", prompt, params)
-    assert got[:3] == want[:3]
-    for engine in (spec, plain):
-        assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+    _check_matches(spec, plain, f"l{i}-s", prompt, params, want)
     history = [*prompt, want[0][0]]  # the first decode step's; it may propose if its tail
     tail_occurred = any(  # occurred before, 2 tokens may follow and its block has room
         history[-n:] == history[j : j + n] for n in (2, 3) for j in range(len(history) - n)
@@ -516,10 +518,7 @@ def test_sampled_the_tokens_and_finish_are_the_one_token_steps(
     spec, plain = uncached_pair
     i = next(_counter)
     params, want = _reference(plain, f"sm{i}", prompt, max_tokens, stop_at, **sampling)
-    got = _generate(spec, f"sm{i}-s", prompt, params)
-    assert got[:3] == want[:3]
-    for engine in (spec, plain):
-        assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+    _check_matches(spec, plain, f"sm{i}-s", prompt, params, want)
 
 
 @pytest.mark.parametrize("offset", [0, 2])
@@ -574,6 +573,6 @@ def test_sampled_requests_keep_real_proposals(uncached_pair):
     steps, accepted = fused.speculative_steps, fused.accepted_tokens
     for seed in range(4):
         params = SamplingParams(max_tokens=40, temperature=0.3, seed=seed, ignore_eos=True)
-        want = _generate(plain, f"real-p{seed}", [5, 6, 7] * 4, params)[:3]
-        assert _generate(spec, f"real-s{seed}", [5, 6, 7] * 4, params)[:3] == want
+        want = _generate(plain, f"real-p{seed}", [5, 6, 7] * 4, params)
+        _check_matches(spec, plain, f"real-s{seed}", [5, 6, 7] * 4, params, want)
     assert fused.speculative_steps > steps and fused.accepted_tokens > accepted
