@@ -104,13 +104,13 @@ def test_real_widths_and_more_rows_than_one_tile(ext, isa, rows):
 
 @pytest.mark.parametrize("isa", ISAS)
 @settings(max_examples=15, deadline=None)
-@given(rows=st.integers(2, 3), **PROBLEM)
+@given(rows=st.integers(2, bf16_gemm.ROWS_ALIKE), **PROBLEM)
 def test_up_to_three_rows_each_get_the_bits_of_the_row_alone(
     ext, isa, rows, in_features, out_features, has_bias, seed
 ):
-    """Speculative decoding verifies up to 3 rows in one step and needs each row's bits to be
-    its one-row step's (engine/fused_decode.py DRAFT_TOKENS): on every path a row's sums are
-    the same at 1, 2 and 3 rows."""
+    """Speculative decoding verifies up to ROWS_ALIKE (3) rows in one step and needs each row's
+    bits to be its one-row step's (engine/fused_decode.py `rows_alike`): on every path a row's
+    sums are the same at 1 to ROWS_ALIKE rows."""
     isa = _isa(isa)
     x, weight, bias = _case(torch.Generator().manual_seed(seed), rows, in_features,
                             out_features, has_bias)  # fmt: skip
@@ -118,7 +118,7 @@ def test_up_to_three_rows_each_get_the_bits_of_the_row_alone(
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("rows", [2, 3])
+@pytest.mark.parametrize("rows", range(2, bf16_gemm.ROWS_ALIKE + 1))
 def test_rows_alone_where_the_grouping_of_the_sums_shows(ext, isa, rows):
     """Random products hide a different grouping of the fp32 sums under the bf16 rounding;
     these do not: pairs of 2^25, 1, -2^25, 1 (x all ones) sum to 1, 8 or 16 depending on how
