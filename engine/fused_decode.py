@@ -57,9 +57,10 @@ SCREEN_MAX_ROWS = 4
 SCREEN_MIN_SHARE = 0.125  # below this share of a step's weight bytes, a head gets no screen
 
 # Speculative decoding (`FusedDecode.speculate`): tokens a draft proposes per step. Verified in
-# one step of DRAFT_TOKENS + 1 rows, whose bits are each row's one-row step's only while our
-# bf16 GEMV sums a row the same way at that row count (bf16_gemm.cpp's `unroll`: the same for 1
-# to 3 rows) and the rows take the screen (at most SCREEN_MAX_ROWS).
+# one step of DRAFT_TOKENS + 1 rows, whose bits are each row's one-row step's only while the
+# step's GEMVs sum a row the same way at that row count (`FusedDecode.rows_alike`: our bf16
+# GEMV's is 3, bf16_gemm.ROWS_ALIKE; no draft where it is lower) and the rows take the screen
+# (at most SCREEN_MAX_ROWS).
 DRAFT_TOKENS = 2
 DRAFT_GROUP_SIZE = 32  # the draft's int4 weights: a scale and minimum per 32 inputs (as Q4_1)
 # Proposals from the request's own tokens (engine/ngram_lookup.py), where no draft model applies
@@ -245,11 +246,15 @@ class FusedDecode:
             else None
         )
         self.plan = step_ext.Plan(self._tasks(model, heads, kv_heads, head_dim))
-        # Speculative decoding's draft: the same step on int4 copies of the layers' bf16
-        # projections, the lm_head's screen for its head (`speculate`).
+        # Speculative decoding verifies proposals as extra rows of one step: as many as the
+        # step's GEMVs keep a row's bits for (`rows_alike`).
+        self.rows_alike = min(_rows_alike(linear) for linear in _step_linears(model))
+        # The draft: the same step on int4 copies of the layers' bf16 projections, the
+        # lm_head's screen for its head (`speculate`).
+        rows = min(self.rows_alike, max_rows)
         self.draft = (
             DraftWeights(model)
-            if speculative and speculation_reason(model, self) is None and max_rows > DRAFT_TOKENS
+            if speculative and speculation_reason(model, self) is None and rows > DRAFT_TOKENS
             else None
         )
         self.draft_plan = self.draft_task_names = None
@@ -259,10 +264,8 @@ class FusedDecode:
                 self._tasks(model, heads, kv_heads, head_dim, self.draft)
             )
             self.draft_task_names, self.task_names = self.task_names, names
-        # Proposals from the request's own tokens, verified as the draft's are: where the
-        # step's kernels keep a row's bits at 2 rows or more.
-        self.rows_alike = min(_rows_alike(linear) for linear in _step_linears(model))
-        self.lookup_tokens = min(LOOKUP_TOKENS, self.rows_alike - 1, max_rows - 1)
+        # Proposals from the request's own tokens, verified as the draft's are.
+        self.lookup_tokens = min(LOOKUP_TOKENS, rows - 1)
         self.lookup = (
             NgramLookup()
             if speculative and lookup_reason(self) is None
