@@ -1,10 +1,11 @@
 """The replies of one attempt: where token messages start and end, their `seq`, and the final.
 
-Message boundaries depend only on the generated tokens, never on timing: a message closes once
-it holds `tokens_per_message` tokens and some text (1: every engine text delta), and whatever is
-left goes out just before the final. So two attempts that generate the same tokens publish the
-same messages with the same `seq`, and a client can tell a duplicate from a divergence by
-comparing texts at equal `seq`. Pure: no Kafka, no clock.
+Message boundaries depend only on the generated tokens, never on timing: a choice's first
+message closes with its first text (more tokens a message never delays the first token), every
+later one once it holds `tokens_per_message` tokens and some text (1: every engine text delta),
+and whatever is left goes out just before the final. So two attempts that generate the same
+tokens publish the same messages with the same `seq`, and a client can tell a duplicate from a
+divergence by comparing texts at equal `seq`. Pure: no Kafka, no clock.
 
 A request with n > 1 (contract v1.2) has n choices: each buffers and closes its messages as
 above, the messages carry their choice's `index` and share the attempt's one `seq` count (how
@@ -33,6 +34,7 @@ class _ChoiceBuffer:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = None
         self.num_tokens = 0
+        self.num_sent = 0  # token messages taken
         self.finish_reason: str | None = None  # set when the engine finished this choice
 
 
@@ -100,7 +102,11 @@ class ReplyStream:
         choice.token_ids.extend(token_ids)
         if logprobs is not None:
             choice.logprobs = (choice.logprobs or []) + logprobs
-        if choice.text and len(choice.token_ids) >= self.tokens_per_message:
+        # A choice's first message goes out with its first text, whatever the size: the first
+        # token's latency is not traded for fewer messages.
+        if choice.text and (
+            len(choice.token_ids) >= self.tokens_per_message or choice.num_sent == 0
+        ):
             return [self._take(index)]
         return []
 
@@ -158,6 +164,7 @@ class ReplyStream:
             index=index if len(self._choices) > 1 else None,
         )
         self._next_seq += 1
+        choice.num_sent += 1
         choice.text = []
         choice.token_ids = []
         choice.logprobs = None

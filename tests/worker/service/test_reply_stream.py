@@ -33,8 +33,24 @@ def test_seq_is_contiguous_and_texts_concatenate_to_the_final(pieces, tokens_per
     assert isinstance(final, FinalReply) and all(isinstance(m, TokenReply) for m in tokens)
     assert "".join(m.text for m in tokens) == final.text == "".join(t for t, _ in pieces)
     assert [i for m in tokens for i in m.token_ids] == [i for _, ids in pieces for i in ids]
-    if tokens_per_message > 1:
-        assert all(len(m.token_ids) >= tokens_per_message for m in tokens[:-1])
+    # Every message but the first (out with the first text) and the last (before the final)
+    # holds at least tokens_per_message tokens.
+    assert all(len(m.token_ids) >= tokens_per_message for m in tokens[1:-1])
+
+
+@given(deltas, st.integers(2, 6))
+def test_the_first_message_goes_out_with_the_first_text(pieces, tokens_per_message) -> None:
+    """More tokens a message never delays the first token: the delta that brings the first
+    text closes the first message, whatever its size."""
+    stream = ReplyStream("r", "w:1", tokens_per_message, True)
+    for k, (text, token_ids) in enumerate(pieces):
+        out = stream.add(text, token_ids)
+        if text:
+            assert len(out) == 1 and out[0].seq == 0
+            assert out[0].text == text
+            assert out[0].token_ids == [i for _, ids in pieces[: k + 1] for i in ids]
+            break
+        assert out == []
 
 
 @given(deltas, st.integers(1, 4))
