@@ -322,21 +322,15 @@ class ModelRunner:
         return ModelRunnerOutput(sampled, step_logprobs)
 
     def _speculate(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
-        """A step of one decode that wants its tokens only (greedy, or sampled with no logits
-        processing), speculatively where the fused step can (`FusedDecode.speculate`); None
-        where not (then `_run` runs the step)."""
-        if len(out.scheduled) != 1 or not getattr(self._forward, "speculates", False):
+        """A step of decodes that want their tokens only (greedy, or sampled with no logits
+        processing; several requests: greedy), speculatively where the fused step can
+        (`FusedDecode.speculate`, `speculate_batch`); None where not (then `_run` runs it)."""
+        scheduled = out.scheduled
+        if not scheduled or not getattr(self._forward, "speculates", False):
             return None
-        request = out.scheduled[0]
-        params = request.params
-        if (
-            len(request.token_ids) != 1
-            or not request.needs_sample
-            or params.has_logits_processing
-            or request.grammar is not None
-            or params.logprobs is not None
-            or (params.prompt_logprobs is not None and request.num_output_tokens == 0)
-        ):
+        if not all(map(_wants_tokens_only, scheduled)):
+            return None
+        if len(scheduled) > 1 and not all(map(takes_argmax, scheduled)):
             return None
         self.sampler.drop(out.finished_request_ids)
         if out.finished_request_ids or out.preempted_request_ids:
@@ -344,6 +338,21 @@ class ModelRunner:
         if self._is_trim_due_fused:
             trim_heap()
             self._is_trim_due_fused = False
+        if len(scheduled) > 1:
+            batch = self._forward.speculate_batch(
+                scheduled, self.num_kv_blocks, self.max_model_len,
+                [r.params.max_tokens - r.num_output_tokens for r in scheduled],
+                [r.all_token_ids for r in scheduled],
+            )  # fmt: skip
+            if batch is None:
+                return None
+            ids = [r.request_id for r in scheduled]
+            return ModelRunnerOutput(
+                {i: t[0] for i, t in zip(ids, batch, strict=True)}, {},
+                {i: t[1:] for i, t in zip(ids, batch, strict=True)},
+            )  # fmt: skip
+        request = scheduled[0]
+        params = request.params
         sample = None
         if not takes_argmax(request):  # sampled: each row drawn as a one-token step draws it
 
@@ -454,3 +463,17 @@ class ModelRunner:
             raise ValueError(f"request {request.request_id}: block_ids do not cover {end} tokens")
         if min(request.block_ids) < 0 or max(request.block_ids) >= self.num_kv_blocks:
             raise ValueError(f"request {request.request_id}: block id outside the pool")
+
+
+def _wants_tokens_only(request: ScheduledRequest) -> bool:
+    """A one-token decode that samples with no logits processing, grammar or logprobs: its
+    tokens are all a speculative step has to give it."""
+    params = request.params
+    return (
+        len(request.token_ids) == 1
+        and request.needs_sample
+        and not params.has_logits_processing
+        and request.grammar is None
+        and params.logprobs is None
+        and (params.prompt_logprobs is None or request.num_output_tokens > 0)
+    )

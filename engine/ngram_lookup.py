@@ -16,8 +16,10 @@ time at 4 rows' cost (1.5 one-row steps).
 
 The index is incremental: per n, a dict from each n-gram to where it last began, extended with
 the tokens the request gained since the last call (a few dict operations a step, not a scan of
-the context). One request's index is kept, the one that last asked: a request decodes alone
-for many steps in a row, and an index is rebuilt in one pass when another asks.
+the context). Each running request has its own (requests that decode together propose in the
+same step: `FusedDecode.speculate_batch`), dropped when the request leaves; at most
+MAX_NUM_INDEXES are kept (the least recently used goes, and is built again in one pass should
+its request ask again).
 """
 
 from __future__ import annotations
@@ -31,6 +33,19 @@ MIN_NGRAM, MAX_NGRAM = 2, 3
 MIN_KEPT_SHARE = 0.25
 KEPT_SHARE_WEIGHT = 0.125  # of the latest proposal in the running share
 PAUSE_CALLS = 16  # calls without a proposal after the share fell below MIN_KEPT_SHARE
+# Requests whose indexes are kept (a bound, should a request leave without `drop`).
+MAX_NUM_INDEXES = 256
+
+
+class _Index:
+    """One request's n-gram index, and its proposals' running share kept."""
+
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        self.indexed = 0  # tokens of the request indexed so far
+        self.starts: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
+        self.match: dict[int, int | None] = dict.fromkeys(sizes)  # per n: the tail's
+        self.kept_share = 1.0
+        self.paused = 0
 
 
 class NgramLookup:
@@ -38,58 +53,58 @@ class NgramLookup:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {min_n}, {max_n}")
         self.sizes = tuple(range(max_n, min_n - 1, -1))  # the longest match first
-        self._reset(None)
-
-    def _reset(self, request_id: str | None) -> None:
-        self._request_id = request_id
-        self._indexed = 0  # tokens of the request indexed so far
-        self._starts: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
-        self._match: dict[int, int | None] = dict.fromkeys(self.sizes)  # per n: the tail's
-        self.kept_share = 1.0
-        self._paused = 0
+        self._indexes: dict[str, _Index] = {}  # by request id, the latest used last
 
     def drop(self, request_ids) -> None:
-        """Forget the index of a request that left."""
-        if self._request_id in request_ids:
-            self._reset(None)
+        """Forget the indexes of requests that left."""
+        for request_id in request_ids:
+            self._indexes.pop(request_id, None)
 
     def propose(self, request_id: str, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the last n of `tokens`
         (the request's prompt and output so far: only ever extended between calls for one
         request id); [] where none occurred or proposing is paused."""
-        if request_id != self._request_id or len(tokens) < self._indexed:
-            self._reset(request_id)
-        self._index(tokens)
+        index = self._indexes.pop(request_id, None)
+        if index is None or len(tokens) < index.indexed:
+            index = _Index(self.sizes)
+        self._indexes[request_id] = index  # the latest used last
+        if len(self._indexes) > MAX_NUM_INDEXES:
+            del self._indexes[next(iter(self._indexes))]
+        self._extend(index, tokens)
         if k <= 0:
             return []
-        if self._paused:
-            self._paused -= 1
+        if index.paused:
+            index.paused -= 1
             return []
         for n in self.sizes:
-            start = self._match[n]
+            start = index.match[n]
             if start is not None:
                 return _copy(tokens, start + n, k)
         return []
 
-    def _index(self, tokens: Sequence[int]) -> None:
+    def _extend(self, index: _Index, tokens: Sequence[int]) -> None:
         length = len(tokens)
-        for end in range(self._indexed + 1, length + 1):  # the n-grams ending before `end`
+        for end in range(index.indexed + 1, length + 1):  # the n-grams ending before `end`
             for n in self.sizes:
                 if end >= n:
                     gram = tuple(tokens[end - n : end])
-                    starts = self._starts[n]
+                    starts = index.starts[n]
                     if end == length:  # the tail: where it occurred before, for `propose`
-                        self._match[n] = starts.get(gram)
+                        index.match[n] = starts.get(gram)
                     starts[gram] = end - n
-        self._indexed = length
+        index.indexed = length
 
-    def record(self, proposed: int, kept: int) -> None:
-        """The verifying step kept `kept` of the `proposed` tokens of the last proposal."""
+    def record(self, request_id: str, proposed: int, kept: int) -> None:
+        """The verifying step kept `kept` of the `proposed` tokens of the request's last
+        proposal."""
+        index = self._indexes.get(request_id)
+        if index is None:
+            return
         share = kept / proposed if proposed else 0.0
-        self.kept_share += KEPT_SHARE_WEIGHT * (share - self.kept_share)
-        if self.kept_share < MIN_KEPT_SHARE:
-            self._paused = PAUSE_CALLS
-            self.kept_share = MIN_KEPT_SHARE  # one proposal after the pause may resume it
+        index.kept_share += KEPT_SHARE_WEIGHT * (share - index.kept_share)
+        if index.kept_share < MIN_KEPT_SHARE:
+            index.paused = PAUSE_CALLS
+            index.kept_share = MIN_KEPT_SHARE  # one proposal after the pause may resume it
 
 
 def _copy(tokens: Sequence[int], source: int, k: int) -> list[int]:

@@ -48,14 +48,41 @@ def test_proposals_are_a_scan_of_the_whole_context(tokens, cuts, k, sizes):
             break
 
 
-def test_another_request_or_a_shorter_history_starts_a_new_index():
+def test_each_request_has_its_own_index_and_a_shorter_history_starts_a_new_one():
     lookup = NgramLookup()
     assert lookup.propose("a", [1, 2, 3, 9, 1, 2], 2) == [3, 9]
     assert lookup.propose("b", [1, 2, 7, 1, 2], 2) == [7, 1]  # not a's index
+    assert lookup.propose("a", [1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]  # a's, extended
     assert lookup.propose("b", [1, 2, 7, 1, 2, 7, 1, 2], 4) == [7, 1, 2, 7]  # the loop goes on
     assert lookup.propose("b", [1, 2], 2) == []  # not an extension of b's: built again
     lookup.drop({"b"})
     assert lookup.propose("b", [4, 5, 6, 4, 5], 3) == [6, 4, 5]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    streams=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=40), min_size=2, max_size=4),
+    order=st.lists(st.integers(0, 3), min_size=1, max_size=80),
+)
+def test_requests_taking_turns_propose_what_each_alone_would(streams, order):
+    """Requests that decode together call in turns: each one's proposals are the scan of its
+    own context, however the calls interleave and however many indexes are kept."""
+    lookup = NgramLookup()
+    lengths = [0] * len(streams)
+    for turn in order:
+        i = turn % len(streams)
+        lengths[i] = min(len(streams[i]), lengths[i] + 1)
+        context = streams[i][: lengths[i]]
+        assert lookup.propose(f"r{i}", context, 3) == scan(context, lookup.sizes, 3)
+
+
+def test_the_indexes_kept_are_bounded(monkeypatch):
+    monkeypatch.setattr(ngram_lookup, "MAX_NUM_INDEXES", 2)
+    lookup = NgramLookup()
+    for name in "abc":
+        assert lookup.propose(name, [1, 2, 3, 1, 2], 1) == [3]
+    assert len(lookup._indexes) == 2 and "a" not in lookup._indexes  # the least recent went
+    assert lookup.propose("a", [1, 2, 3, 1, 2, 3], 1) == [1]  # built again from its tokens
 
 
 def test_proposals_that_keep_failing_pause_proposing():
@@ -66,14 +93,15 @@ def test_proposals_that_keep_failing_pause_proposing():
     calls = 0
     while (proposal := lookup.propose("r", tokens, 3)) != []:
         assert proposal == [1, 2, 3]
-        lookup.record(3, 0)
+        lookup.record("r", 3, 0)
         calls += 1
     assert calls > 1  # one failure does not pause: the share is a running one
     for _ in range(ngram_lookup.PAUSE_CALLS - 1):
         assert lookup.propose("r", tokens, 3) == []
     assert lookup.propose("r", tokens, 3) == [1, 2, 3]
-    lookup.record(3, 3)
+    lookup.record("r", 3, 3)
     assert lookup.propose("r", tokens, 3) == [1, 2, 3]  # kept: proposing goes on
+    assert lookup.propose("other", tokens, 3) == [1, 2, 3]  # another request's own share
 
 
 def test_bad_sizes_are_refused():

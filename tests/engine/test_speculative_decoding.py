@@ -428,7 +428,7 @@ class _RightLookup:
     def propose(self, request_id, tokens, k):
         return self.sequence[len(tokens) : len(tokens) + k]
 
-    def record(self, proposed, kept):
+    def record(self, request_id, proposed, kept):
         assert kept == proposed
 
     def drop(self, request_ids):
@@ -576,3 +576,129 @@ def test_sampled_requests_keep_real_proposals(uncached_pair):
         want = _generate(plain, f"real-p{seed}", [5, 6, 7] * 4, params)
         _check_matches(spec, plain, f"real-s{seed}", [5, 6, 7] * 4, params, want)
     assert fused.speculative_steps > steps and fused.accepted_tokens > accepted
+
+
+def _generate_together(engine: LLMEngine, tag: str, prompts, params: SamplingParams):
+    """The prompts' requests added at once and run to the end: per request (tokens, the block
+    ids its last step had, how many tokens it had when the first of the others finished)."""
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    tokens = {i: [] for i in ids}
+    blocks = dict.fromkeys(ids)
+    alone_after: dict[str, int | None] = dict.fromkeys(ids)
+    schedule, outs = engine.scheduler.schedule, []
+    engine.scheduler.schedule = lambda: outs.append(schedule()) or outs[-1]
+    try:
+        while engine.has_unfinished_requests():
+            deltas = engine.step()
+            for s in outs[-1].scheduled:
+                blocks[s.request_id] = s.block_ids
+            for delta in deltas:
+                assert len(delta.token_ids) == 1
+                tokens[delta.request_id] += delta.token_ids
+            finished = {d.request_id for d in deltas if d.finished}
+            if finished:  # the others' tokens from here on come from a different batch
+                for i in ids:
+                    if alone_after[i] is None and i not in finished:
+                        alone_after[i] = len(tokens[i])
+    finally:
+        del engine.scheduler.schedule
+    return [(tokens[i], blocks[i], alone_after[i]) for i in ids]
+
+
+@_CASES
+@given(
+    prompts=st.lists(
+        st.lists(st.integers(3, 8), min_size=1, max_size=30), min_size=2, max_size=3
+    ),
+    max_tokens=st.integers(1, 40),
+)
+def test_batch_the_tokens_are_the_one_token_steps_while_the_batch_holds(
+    lookup_pair, prompts, max_tokens
+):
+    """Two or three greedy requests decoding together verify their proposals in one step
+    (`speculate_batch`): each request's tokens are the one-token steps' as long as the same
+    requests share the steps (once one finishes, the others decode in steps of fewer rows,
+    whose attention split a one-token run of the same batch need not share), and every
+    block is back in the pool after."""
+    spec, plain = lookup_pair
+    i = next(_counter)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    want = _generate_together(plain, f"b{i}-p", prompts, params)
+    got = _generate_together(spec, f"b{i}-s", prompts, params)
+    for (got_tokens, _, alone_after), (want_tokens, _, _) in zip(got, want, strict=True):
+        assert len(got_tokens) == len(want_tokens) == max_tokens
+        shared = len(got_tokens) if alone_after is None else alone_after
+        assert got_tokens[:shared] == want_tokens[:shared]
+    for engine in (spec, plain):
+        assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+
+
+class _RightBatchLookup(_RightLookup):
+    """`_RightLookup` for several requests: each proposes its own one-token steps' tokens."""
+
+    def __init__(self, sequences: dict[str, list[int]]):
+        self.sequences = sequences
+
+    def propose(self, request_id, tokens, k):
+        sequence = self.sequences[request_id]
+        return sequence[len(tokens) : len(tokens) + k]
+
+
+@pytest.mark.parametrize("offset", [0, 2])
+def test_batch_proposals_that_are_always_kept(lookup_pair, offset):
+    """Two requests of the same length (so the same room in their blocks: they move in step)
+    whose proposals are always right: every proposal kept, the same tokens and the same K/V
+    bits as one-token steps of the two together, over verifying steps that start on every
+    position of a block."""
+    spec, plain = lookup_pair
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [[9 + (i * (7 + r)) % 250 for i in range(110 + offset)] for r in range(2)]
+    want = _generate_together(plain, f"bright{offset}-p", prompts, params)
+    fused = spec.runner._forward.fused
+    real, drafted, accepted = fused.lookup, fused.drafted_tokens, fused.accepted_tokens
+    steps = fused.speculative_steps
+    fused.lookup = _RightBatchLookup({
+        f"bright{offset}-s-{r}": prompts[r] + want[r][0] for r in range(2)
+    })  # fmt: skip
+    try:
+        got = _generate_together(spec, f"bright{offset}-s", prompts, params)
+    finally:
+        fused.lookup = real
+    assert fused.accepted_tokens - accepted == fused.drafted_tokens - drafted > 0
+    assert fused.speculative_steps - steps < 40  # several tokens a verifying step
+    for r in range(2):
+        assert got[r][0] == want[r][0] and got[r][2] is None  # they finished together
+        _assert_same_kv(spec, got[r][1], plain, want[r][1], len(prompts[r]) + 39)
+
+
+def test_where_batch_speculation_applies(built, tiny_model_dir):
+    """Greedy requests decoding together, up to BATCH_MAX_REQUESTS, with GEMVs that keep a
+    row's bits for a proposal each: int4 does; a sampled request among them, more requests
+    than that, or bf16 on our GEMV (3 rows alike: no room for 2 requests' proposals) do not."""
+    repeating = [5, 6, 7, 8] * 6
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=16, temperature=0.8, ignore_eos=True, seed=3)
+
+    def batch_steps(engine, params_list) -> int:
+        """Verifying steps taken while more than one request decoded."""
+        fused = engine.runner._forward.fused
+        for k, params in enumerate(params_list):
+            engine.add_request(f"w{k}", repeating[k:], params)
+        engine.step()  # the prompts
+        steps = 0
+        while engine.has_unfinished_requests():
+            running = len(engine.scheduler.running)
+            before = fused.speculative_steps
+            engine.step()
+            steps += running > 1 and fused.speculative_steps > before
+        return steps
+
+    int4 = _quantized(tiny_model_dir, "auto", "int4")
+    assert batch_steps(int4, [greedy, greedy]) > 0
+    assert batch_steps(int4, [greedy, greedy, greedy]) > 0
+    assert batch_steps(int4, [greedy, sampled]) == 0
+    many = [greedy] * (fused_decode.BATCH_MAX_REQUESTS + 1)
+    assert batch_steps(int4, many) == 0
+    assert batch_steps(_engine(tiny_model_dir, "auto"), [greedy, greedy]) == 0
