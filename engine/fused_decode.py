@@ -74,9 +74,10 @@ LOOKUP_TOKENS = 3
 # Requests that verify their proposals in one step (`speculate_batch`), at most: each row costs
 # a share of a one-row step (int4 SmolLM2, 2-core Xeon: 2 rows 1.08x one row, 4 rows 1.38x,
 # 8 rows 2.15x, 16 rows 3.9x), and the more requests share a step, the less a token it saves
-# costs: at 4 requests a proposal's row costs about what it saves.
-BATCH_MAX_REQUESTS = 4
-BATCH_LOOKUP_TOKENS = 3
+# costs. Answers to EOS, 8 chat prompts (`bench_speculative --quantization int4 --together N
+# --stop-at-eos`, 6 rounds ABBA): 2 requests 1.41x, 3 1.27x, 4 1.03x (0.60-1.35) the steps
+# without; W1's shape (EOS ignored), 2 requests: 1.00x.
+BATCH_MAX_REQUESTS = 3
 
 
 def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
@@ -680,7 +681,7 @@ class FusedDecode:
         a wider context would change it; norms, RoPE and SiLU are row-wise. So the tokens are
         the ones one-token steps of the same requests give. Proposals stay in the blocks each
         request holds. Up to BATCH_MAX_REQUESTS requests (past them a verifying row costs about
-        what a proposal saves). None, with nothing run, where no request has a proposal."""
+        what a proposal saves), each with room for a proposal at least. None, with nothing run, where no request has a proposal."""
         lookup = self.lookup
         n = len(requests)
         if lookup is None or not 2 <= n <= BATCH_MAX_REQUESTS:
@@ -700,8 +701,7 @@ class FusedDecode:
                     f"request {request.request_id}: the history does not end in its token"
                 )
             k = min(
-                BATCH_LOOKUP_TOKENS, self.lookup_tokens, budget,
-                len(request.block_ids) * block_size - position - 1,
+                self.lookup_tokens, budget, len(request.block_ids) * block_size - position - 1,
                 max_model_len - position - 1, new - 1,
             )  # fmt: skip
             proposal = lookup.propose(request.request_id, history, k)

@@ -17,8 +17,15 @@ n_r, tokens T):
 
     speculative:  (n1 * t(1 row) + sum_r n_r * t(r rows)) / T
 
+With `--together N` (int4/int8): the prompts in groups of N requests decoding together, with
+their proposals verified in one step (`FusedDecode.speculate_batch`) against the same groups
+with that off (a request then speculates only once it decodes alone), alternating in ABBA
+order for `--wall-rounds` rounds: tok/s each way, the proposals kept in the verifying steps of
+several requests, and how many answers came out the same (they may part once a request of the
+group has finished: the others then decode in steps of fewer rows).
+
     python -m loadtest.bench_speculative [--model smollm2-135m] [--quantization int4] \
-        [--rounds 5] [--out r.json]
+        [--rounds 5] [--together N] [--out r.json]
 """
 
 from __future__ import annotations
@@ -109,6 +116,8 @@ def run(args) -> dict:
     fused = eng.runner._forward.fused
     if fused.draft is None and fused.lookup is None:
         raise SystemExit(f"no speculative decoding here: {eng.runner.fused_decode or 'on'}")
+    if args.together:
+        return _together(args, eng, fused)
     if fused.draft is None:
         return _run_lookup(args, eng, fused)
     fused.lookup = None  # the draft alone: its steps are what the breakdown prices
@@ -195,6 +204,59 @@ def _wall_clock(args, eng, fused, prompts) -> dict:
     ratios = [round(a / b, 3) for a, b in zip(tok_s["on"], tok_s["off"], strict=True)]
     return {"tok_s": tok_s, "on_over_off": ratios,
             "median_on_over_off": statistics.median(ratios), "same_tokens": same}  # fmt: skip
+
+
+def _together(args, eng, fused) -> dict:
+    """`--together N`: groups of N requests with `speculate_batch` on and off, ABBA."""
+    from engine import fused_decode
+    from loadtest.workloads import chat_prompts
+
+    if fused.lookup is None:
+        raise SystemExit("--together: the lookup verifies proposals of several requests only")
+    prompts = chat_prompts(eng.tokenizer, args.num_prompts)
+    on_max = fused_decode.BATCH_MAX_REQUESTS
+    tok_s: dict[str, list[float]] = {"on": [], "off": []}
+    outputs: dict[str, list] = {}
+    kept = {"proposed": 0, "kept": 0, "steps": 0}
+    try:
+        for r in range(args.wall_rounds):
+            for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                fused_decode.BATCH_MAX_REQUESTS = on_max if side == "on" else 1
+                tokens: dict[str, list[int]] = {f"t{r}{side}{i}": [] for i in range(len(prompts))}
+                ids = list(tokens)
+                start = time.perf_counter()
+                for first in range(0, len(prompts), args.together):
+                    for i in range(first, min(first + args.together, len(prompts))):
+                        eng.add_request(ids[i], prompts[i], _sampling(args, i))
+                    while eng.has_unfinished_requests():
+                        running = len(eng.scheduler.running)
+                        before = (fused.drafted_tokens, fused.accepted_tokens)
+                        steps = fused.speculative_steps
+                        for delta in eng.step():
+                            tokens[delta.request_id] += delta.token_ids
+                        if side == "on" and running > 1 and fused.speculative_steps > steps:
+                            kept["steps"] += 1
+                            kept["proposed"] += fused.drafted_tokens - before[0]
+                            kept["kept"] += fused.accepted_tokens - before[1]
+                elapsed = time.perf_counter() - start
+                tok_s[side].append(round(sum(map(len, tokens.values())) / elapsed, 1))
+                outputs[side] = [tokens[i] for i in ids]
+    finally:
+        fused_decode.BATCH_MAX_REQUESTS = on_max
+    ratios = [round(a / b, 3) for a, b in zip(tok_s["on"], tok_s["off"], strict=True)]
+    same = sum(a == b for a, b in zip(outputs["on"], outputs["off"], strict=True))
+    doc = {
+        "model": args.model, "quantization": args.quantization, "together": args.together,
+        "prompts": len(prompts), "max_tokens": args.max_tokens, "stop_at_eos": args.stop_at_eos,
+        "tok_s": tok_s, "on_over_off": ratios, "median_on_over_off": statistics.median(ratios),
+        "batch_steps": kept["steps"], "batch_proposed": kept["proposed"],
+        "batch_kept": kept["kept"], "answers_the_same": same,
+    }  # fmt: skip
+    print(f"{args.together} requests at a time, {len(prompts)} prompts: tok/s with batch "
+          f"verification {tok_s['on']}, without {tok_s['off']}; on/off {ratios}, median "
+          f"{doc['median_on_over_off']:.3f}; {kept['kept']}/{kept['proposed']} proposals kept "
+          f"in {kept['steps']} batch steps; {same}/{len(prompts)} answers the same")  # fmt: skip
+    return doc
 
 
 def _run_lookup(args, eng, fused) -> dict:
@@ -284,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the lookup's run on and off, alternating (0: none)")
     parser.add_argument("--stop-at-eos", action="store_true",
                         help="the lookup's run ends each answer at EOS (W1 ignores it)")
+    parser.add_argument("--together", type=int, default=0,
+                        help="N requests decoding together: batch verification on and off")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     emit(run(args), args.out, None, None)

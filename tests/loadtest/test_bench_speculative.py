@@ -60,3 +60,28 @@ def test_the_lookups_breakdown_adds_up(tiny_model_dir, tmp_path, capsys):
     wall = doc["wall_clock"]  # sampled, on and off: the same tokens
     assert wall["same_tokens"] and len(wall["tok_s"]["on"]) == len(wall["tok_s"]["off"]) == 1
     assert "proposals kept" in capsys.readouterr().out
+
+
+def test_together_compares_batch_verification_on_and_off(tiny_model_dir, tmp_path, capsys):
+    """`--together 2`: groups of two requests, batch verification on and off in ABBA rounds;
+    the constant it switches is put back; the counts hang together."""
+    if decode_step.load() is None or quant_gemm.load() is None:
+        pytest.skip("the C++ kernels did not build here (no compiler)")
+    from engine import fused_decode
+
+    before = fused_decode.BATCH_MAX_REQUESTS
+    out = tmp_path / "together.json"
+    bench_speculative.main([
+        "--model", str(tiny_model_dir), "--quantization", "int4", "--max-tokens", "24",
+        "--num-prompts", "4", "--together", "2", "--wall-rounds", "2", "--out", str(out),
+    ])  # fmt: skip
+    assert before == fused_decode.BATCH_MAX_REQUESTS
+    doc = json.loads(out.read_text())
+    assert len(doc["tok_s"]["on"]) == len(doc["tok_s"]["off"]) == 2
+    assert doc["on_over_off"] == [
+        round(a / b, 3) for a, b in zip(doc["tok_s"]["on"], doc["tok_s"]["off"], strict=True)
+    ]
+    assert 0 <= doc["batch_kept"] <= doc["batch_proposed"]
+    assert doc["batch_steps"] > 0  # the tiny model's greedy answers repeat themselves
+    assert 0 <= doc["answers_the_same"] <= 4
+    assert "requests at a time" in capsys.readouterr().out
