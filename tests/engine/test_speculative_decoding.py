@@ -234,7 +234,8 @@ def test_rows_that_would_take_another_attention_split_are_not_drafted(built, tin
 
 
 def test_only_a_greedy_request_decoding_alone_speculates(built, tiny_model_dir):
-    """Two requests at once, a sampled request, or one that wants logprobs: one-token steps."""
+    """bf16 on our GEMV (3 rows alike: no room for two requests' proposals): two requests at
+    once, a sampled request, or one that wants logprobs take one-token steps."""
     engine = _engine(tiny_model_dir, "auto")
     fused = engine.runner._forward.fused
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
