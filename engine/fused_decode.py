@@ -681,7 +681,8 @@ class FusedDecode:
         a wider context would change it; norms, RoPE and SiLU are row-wise. So the tokens are
         the ones one-token steps of the same requests give. Proposals stay in the blocks each
         request holds. Up to BATCH_MAX_REQUESTS requests (past them a verifying row costs about
-        what a proposal saves), each with room for a proposal at least. None, with nothing run, where no request has a proposal."""
+        what a proposal saves), each with room for a proposal at least. None, with nothing
+        run, where no request has a proposal."""
         lookup = self.lookup
         n = len(requests)
         if lookup is None or not 2 <= n <= BATCH_MAX_REQUESTS:
