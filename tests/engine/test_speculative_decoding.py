@@ -1,7 +1,9 @@
 """Speculative decoding in the fused decode step (engine/fused_decode.py `speculate`): a greedy
 request decoding alone drafts tokens on int4 copies of the layers and verifies them in one step
-of consecutive rows. Its promise is exactness: the tokens, the finish and the K/V written are
-the ones one-token steps give, whatever the draft proposed."""
+of consecutive rows; the prompt lookup proposes from the request's own tokens (int4/int8, and
+sampled requests); greedy requests decoding together verify theirs in one step
+(`speculate_batch`). Its promise is exactness: the tokens, the finish and the K/V written are
+the ones one-token steps (of the same requests) give, whatever was proposed."""
 
 from __future__ import annotations
 
