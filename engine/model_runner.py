@@ -326,7 +326,9 @@ class ModelRunner:
         processing; several requests: greedy), speculatively where the fused step can
         (`FusedDecode.speculate`, `speculate_batch`); None where not (then `_run` runs it)."""
         scheduled = out.scheduled
-        if not scheduled or not getattr(self._forward, "speculates", False):
+        if not 0 < len(scheduled) <= fused_decode.BATCH_MAX_REQUESTS:
+            return None  # (a large batch's step is not held up by the checks below)
+        if not getattr(self._forward, "speculates", False):
             return None
         if not all(map(_wants_tokens_only, scheduled)):
             return None
