@@ -642,18 +642,13 @@ class FusedDecode:
         self.plan.run(k + 1, 0, spin)
         if sample is None:
             verified = self.greedy_ids[: k + 1].tolist()
-            accepted = 0
-            while accepted < k and tokens[accepted + 1] == verified[accepted]:
-                accepted += 1
+            accepted = _num_kept(tokens[1:], verified)
         else:
             verified = sample(self.logits[: k + 1], tokens[1:])
             accepted = len(verified) - 1
         if looked_up:
             lookup.record(request_id, k, accepted)
-        self._screened = screened
-        if screened:
-            self.screened_steps += 1
-            self.screened_channels += int(self.screen_candidates[: k + 1].sum())
+        self._count_screen(screened, k + 1)
         self.speculative_steps += 1
         self.drafted_tokens += k
         self.accepted_tokens += accepted
@@ -732,18 +727,13 @@ class FusedDecode:
         tokens = []
         for request, first, proposal in zip(requests, firsts, proposals, strict=True):
             k = len(proposal)
-            accepted = 0
-            while accepted < k and proposal[accepted] == verified[first + accepted]:
-                accepted += 1
+            accepted = _num_kept(proposal, verified[first : first + k])
             if k:
                 lookup.record(request.request_id, k, accepted)
             self.drafted_tokens += k
             self.accepted_tokens += accepted
             tokens.append(verified[first : first + accepted + 1])
-        self._screened = screened
-        if screened:
-            self.screened_steps += 1
-            self.screened_channels += int(self.screen_candidates[:rows].sum())
+        self._count_screen(screened, rows)
         self.speculative_steps += 1
         return tokens
 
@@ -793,11 +783,15 @@ class FusedDecode:
         self._greedy_rows = 0
         self.plan.run(rows, 0, decode_step.SPIN)
         self._greedy_rows = rows if greedy else 0
+        self._count_screen(screened, rows)
+        return self.normed[:rows]
+
+    def _count_screen(self, screened: bool, rows: int) -> None:
+        """Whether the run of `rows` rows just done took the lm_head's screen, and its counts."""
         self._screened = screened
         if screened:
             self.screened_steps += 1
             self.screened_channels += int(self.screen_candidates[:rows].sum())
-        return self.normed[:rows]
 
     def _set_step(
         self,
@@ -922,6 +916,15 @@ class DraftWeights:
                 packed, scale_min = quant_gemm.pack_int4(codes, scale, minimum)
                 self.weights[id(linear)] = (huge_pages.adopt(packed), huge_pages.adopt(scale_min))
         self.num_bytes = sum(c.nbytes + s.nbytes for c, s in self.weights.values())
+
+
+def _num_kept(proposals: list[int], verified: list[int]) -> int:
+    """How many of `proposals`, from the first, equal the greedy token verified in the row
+    before each (`verified[i]` for proposal i): those a verifying step keeps."""
+    kept = 0
+    while kept < len(proposals) and proposals[kept] == verified[kept]:
+        kept += 1
+    return kept
 
 
 def speculation_reason(model, fused: FusedDecode) -> str | None:
