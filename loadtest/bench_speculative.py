@@ -63,6 +63,19 @@ def _task_split(plan, names: list[str], run, runs: int = NUM_RUNS) -> dict[str, 
     return {k: round(v, 3) for k, v in split.items()}
 
 
+def _last_rows(eng, fused, request_id: str, num_rows: int) -> tuple[int, int]:
+    """The step's rows 0..num_rows-1 written with the request's last `num_rows` computed
+    positions (a plan over them rewrites their K/V with the same bits); the one-row attention
+    split that covers them all, for `_set_step`."""
+    request = eng.scheduler.requests[request_id]
+    blocks = eng.scheduler.kv.block_ids(request_id)
+    first = request.num_computed_tokens - num_rows
+    for row in range(num_rows):
+        fused._write_row(row, request_id, first + row, blocks, request.all_token_ids[first + row],
+                         eng.runner.num_kv_blocks, eng.max_model_len)  # fmt: skip
+    return fused._partitions(1, (first + num_rows - 1) // fused.block_size + 1)
+
+
 def _time_plans(fused, sides: dict, split: tuple[int, int], rounds: int) -> tuple[dict, dict]:
     """`sides`: name -> (plan, its task names, rows, what `speculate` sets for it). Each side's
     ms per run in `rounds` alternating rounds, and its tasks' split (`_task_split`)."""
@@ -135,11 +148,7 @@ def run(args) -> dict:
     # Rows at the request's last computed positions (rewriting their K/V with the same bits):
     # every plan below runs them, 1 to DRAFT_TOKENS + 1 rows.
     num_rows = DRAFT_TOKENS + 1
-    blocks, first = eng.scheduler.kv.block_ids("run"), request.num_computed_tokens - num_rows
-    for row in range(num_rows):
-        fused._write_row(row, "run", first + row, blocks, request.all_token_ids[first + row],
-                         eng.runner.num_kv_blocks, eng.max_model_len)  # fmt: skip
-    split = fused._partitions(1, (first + num_rows - 1) // fused.block_size + 1)
+    split = _last_rows(eng, fused, "run", num_rows)
     # (plan, its task names, rows, what `speculate` sets for it)
     sides = {
         "draft": (fused.draft_plan, fused.draft_task_names, 1, {}),
@@ -289,11 +298,7 @@ def _run_lookup(args, eng, fused) -> dict:
     request = eng.scheduler.requests["timed"]
     while request.num_output_tokens < args.max_tokens - 2 * num_rows:
         eng.step()
-    blocks, first = eng.scheduler.kv.block_ids("timed"), request.num_computed_tokens - num_rows
-    for row in range(num_rows):
-        fused._write_row(row, "timed", first + row, blocks, request.all_token_ids[first + row],
-                         eng.runner.num_kv_blocks, eng.max_model_len)  # fmt: skip
-    split = fused._partitions(1, (first + num_rows - 1) // fused.block_size + 1)
+    split = _last_rows(eng, fused, "timed", num_rows)
     sides = {
         f"{rows} row{'s' * (rows > 1)}": (
             fused.plan, fused.task_names, rows, {"stored": rows > 1, "greedy": True, "head": True}
