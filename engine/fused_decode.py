@@ -604,9 +604,7 @@ class FusedDecode:
         k = min(
             max(DRAFT_TOKENS if draft is not None else 0,
                 self.lookup_tokens if lookup is not None else 0),  # fmt: skip
-            len(blocks) * block_size - position - 1,
-            max_model_len - position - 1,
-            max_new_tokens - 1,
+            self._room(request, max_model_len, max_new_tokens),
         )
         split = self._partitions(1, position // block_size + 1)
         while k > 0 and self._partitions(1, (position + k) // block_size + 1) != split:
@@ -617,9 +615,7 @@ class FusedDecode:
         spin = decode_step.SPIN
         self._greedy_rows = 0
         if lookup is not None:
-            if history[-1] != tokens[0]:
-                raise ValueError(f"request {request_id}: the history does not end in its token")
-            tokens += lookup.propose(request_id, history, min(k, self.lookup_tokens))
+            tokens += self._propose(request, history, min(k, self.lookup_tokens))
         looked_up = len(tokens) > 1
         if looked_up:
             k = len(tokens) - 1
@@ -689,18 +685,9 @@ class FusedDecode:
         if budget < n or split[0] == 0:  # room for a proposal a request, at least
             return None
         proposals: list[list[int]] = []
-        for request, position, new, history in zip(
-            requests, positions, max_new_tokens, histories, strict=True
-        ):
-            if history[-1] != request.token_ids[0]:
-                raise ValueError(
-                    f"request {request.request_id}: the history does not end in its token"
-                )
-            k = min(
-                self.lookup_tokens, budget, len(request.block_ids) * block_size - position - 1,
-                max_model_len - position - 1, new - 1,
-            )  # fmt: skip
-            proposal = lookup.propose(request.request_id, history, k)
+        for request, new, history in zip(requests, max_new_tokens, histories, strict=True):
+            k = min(self.lookup_tokens, budget, self._room(request, max_model_len, new))
+            proposal = self._propose(request, history, k)
             budget -= len(proposal)
             proposals.append(proposal)
         ends = [p + len(q) for p, q in zip(positions, proposals, strict=True)]
@@ -736,6 +723,24 @@ class FusedDecode:
         self._count_screen(screened, rows)
         self.speculative_steps += 1
         return tokens
+
+    def _room(self, request, max_model_len: int, max_new_tokens: int) -> int:
+        """Rows a verifying step may add after the request's token: within the blocks it holds,
+        the model's context and its `max_new_tokens`."""
+        position = request.start_position
+        return min(
+            len(request.block_ids) * self.block_size - position - 1,
+            max_model_len - position - 1,
+            max_new_tokens - 1,
+        )
+
+    def _propose(self, request, history: list[int], k: int) -> list[int]:
+        """The lookup's proposals (up to k) after `history`, the request's tokens so far."""
+        if history[-1] != request.token_ids[0]:
+            raise ValueError(
+                f"request {request.request_id}: the history does not end in its token"
+            )
+        return self.lookup.propose(request.request_id, history, k)
 
     def run(
         self,
