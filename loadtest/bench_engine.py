@@ -1,13 +1,14 @@
 """Engine benchmark against its peers, same machine, same run, rounds alternating.
 
 Workloads (loadtest/workloads.py): W1 1 x 128, W2 32 x 128, W3 64 x 128, W4 64 requests with
-outputs spread over 16..256; greedy, EOS ignored. Peers: HF `generate` (static left-padded
+outputs spread over 16..256; greedy, EOS ignored. P1 (one 1024-token prompt, 16 new tokens) is
+reported in prompt tokens a second: the prompt over the time to its first token. Peers: HF `generate` (static left-padded
 batch, same dtype; a static batch runs to its longest request, only requested tokens count)
 and llama.cpp's `llama-server` on the model's GGUF (loadtest/llamacpp_peer.py). Each
 (implementation, dtype) runs in its own process so peak RSS is its own; with `--rounds N`
 the implementations alternate N times and the medians are reported (this machine is noisy).
 
-    mini-infer bench engine [--dtypes float32,bfloat16] [--workloads W1,W2,W3,W4]
+    mini-infer bench engine [--dtypes float32,bfloat16] [--workloads W1,W2,W3,W4,P1]
         [--compare hf,llamacpp,llamacpp-stream] [--rounds 3] [--compile off] [--out r.json] [--plot r.png]
     mini-infer bench engine --profile [--dtypes bfloat16] [--quantization int4]
 
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from loadtest.llamacpp_peer import ENV_VAR, find_server, missing_message, run_llamacpp
 from loadtest.report import emit, summarize, token_gaps
-from loadtest.workloads import CONCURRENCY, ENGINE_OPTIONS, chat_prompts, workloads
+from loadtest.workloads import CONCURRENCY, ENGINE_OPTIONS, workload_prompts, workloads
 
 # peer name -> result key; "llamacpp" (non-streaming) is the main line the ratios use.
 LLAMACPP_PEERS = {"llamacpp": "llamacpp-gguf", "llamacpp-stream": "llamacpp-gguf-stream"}
@@ -71,7 +72,9 @@ def run_engine(
         return getattr(compiled, "compile_s", 0.0)
 
     startup_compile_s = compile_s()
-    eng.add_request("warmup", prompts[0], SamplingParams(max_tokens=4, temperature=0.0))
+    # The warm-up's prompt is the first one backwards: as long, sharing no block with it, so the
+    # measured prompts find nothing of theirs in the prefix cache (the peers cache nothing).
+    eng.add_request("warmup", prompts[0][::-1], SamplingParams(max_tokens=4, temperature=0.0))
     while eng.has_unfinished_requests():
         eng.step()
     warm_compile_s = compile_s()
@@ -185,7 +188,7 @@ def _child(impl: str, spec: dict, q) -> None:
     for name, workload in workloads(spec["max_tokens"]).items():
         if name not in spec["workloads"]:
             continue
-        prompts = chat_prompts(load_tokenizer(Path(spec["model_path"])), workload.num_requests)
+        prompts = workload_prompts(load_tokenizer(Path(spec["model_path"])), workload)
         lengths = list(workload.max_tokens)
         try:  # one workload that fails (a peer's server refusing 64 slots) keeps the others
             if impl == "engine":
@@ -204,9 +207,20 @@ def _child(impl: str, spec: dict, q) -> None:
         except Exception as error:
             print(f"[bench] {impl} {name} failed: {error!r}", file=sys.stderr, flush=True)
             results[name] = {"error": repr(error)[-500:]}
+        else:
+            results[name].update(prefill_speed(prompts, results[name]))
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     q.put({"results": results, "peak_rss_mib": round(peak_rss_mib, 1),
            "threads": torch.get_num_threads()})  # fmt: skip
+
+
+def prefill_speed(prompts: list[list[int]], result: dict) -> dict:
+    """The prompts' tokens over the time to the last request's first token: prefill's speed as
+    a client sees it (every prompt is in the KV cache by then)."""
+    num_tokens = sum(len(p) for p in prompts)
+    last_ttft_s = max(result["ttfts_ms"]) / 1000
+    return {"prompt_tokens": num_tokens,
+            "prompt_tokens_per_s": round(num_tokens / last_ttft_s, 1) if last_ttft_s else None}  # fmt: skip
 
 
 def _busy_loop() -> None:
@@ -247,7 +261,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--workloads", default="W1,W2", help="comma list of W1,W2,W3,W4,C8")
+    parser.add_argument("--workloads", default="W1,W2", help="comma list of W1,W2,W3,W4,C8,P1")
     parser.add_argument(
         "--compare", default="hf", help="peers: comma list of hf,llamacpp,llamacpp-stream"
     )
@@ -355,14 +369,20 @@ def run(args) -> int:
         doc["medians"][key] = _medians(runs, names)
     doc["ratios"] = _ratios(doc["medians"])
     doc["startup_s"] = _startup(doc["runs"])
-    print(f"{'impl':22} " + " ".join(f"{w:>9}" for w in names) + "   (output tok/s, medians)")
+    prefill = [w for w in names if speed_of(w) != "tokens_per_s"]
+    print(f"{'impl':22} " + " ".join(f"{w:>9}" for w in names) + "   (output tok/s, medians"
+          + (f"; {','.join(prefill)}: prompt tok/s to the first token)" if prefill else ")"))  # fmt: skip
     for key, med in doc["medians"].items():
         print(f"{key:22} " + " ".join(f"{med.get(w, float('nan')):9.1f}" for w in names))
     for key, runs in doc["runs"].items():  # llama.cpp's own decode speed beside wall-clock
         if key in LLAMACPP_PEERS.values():
-            cells = (f"{w}={_server_speed(runs, w)}" for w in names)
+            cells = (f"{w}={_server_speed(runs, w)}" for w in names if w not in prefill)
             print(f"{key:22} server timings.predicted_per_second (median request; sum): "
                   + " ".join(cells))  # fmt: skip
+            if prefill:
+                cells = (f"{w}={_server_speed(runs, w, 'server_prompt_tok_s')}" for w in prefill)
+                print(f"{key:22} server timings.prompt_per_second (median request; sum): "
+                      + " ".join(cells))  # fmt: skip
     for pair, ratios in doc["ratios"].items():
         print(f"{pair:34} " + " ".join(f"{w}={r:.2f}" for w, r in ratios.items()))
     if doc["startup_s"]:
@@ -377,21 +397,30 @@ def run(args) -> int:
     return 0
 
 
+def speed_of(workload: str) -> str:
+    """The result field a workload is compared by: output tok/s, or for a prefill workload
+    (P1) prompt tok/s."""
+    return "prompt_tokens_per_s" if workloads()[workload].prompt_tokens else "tokens_per_s"
+
+
 def _medians(runs: list[dict], names: list[str]) -> dict:
-    """tok/s medians per workload over the rounds where that workload ran (not failed)."""
+    """tok/s medians per workload over the rounds where that workload ran (not failed): output
+    tokens, or the prompt's for a prefill workload (`speed_of`)."""
     out = {}
     for w in names:
-        values = [r["results"][w]["tokens_per_s"] for r in runs
-                  if "tokens_per_s" in r["results"].get(w, {})]  # fmt: skip
+        field = speed_of(w)
+        values = [r["results"][w][field] for r in runs
+                  if r["results"].get(w, {}).get(field)]  # fmt: skip
         if values:
             out[w] = round(statistics.median(values), 1)
     return out
 
 
-def _server_speed(runs: list[dict], w: str) -> str:
-    """llama-server's own tok/s for workload `w`, medians over rounds: "median request; sum"."""
-    speeds = [r["results"][w]["server_tok_s"] for r in runs
-              if (r["results"].get(w) or {}).get("server_tok_s")]  # fmt: skip
+def _server_speed(runs: list[dict], w: str, field: str = "server_tok_s") -> str:
+    """llama-server's own tok/s for workload `w` (its decode's, or `field`), medians over
+    rounds: "median request; sum"."""
+    speeds = [r["results"][w][field] for r in runs
+              if (r["results"].get(w) or {}).get(field)]  # fmt: skip
     if not speeds:
         return "n/a"
     median = statistics.median(s["median"] for s in speeds)

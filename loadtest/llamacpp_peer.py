@@ -114,11 +114,12 @@ class LlamaServer:
         decode_s = timings.get("predicted_ms", 0.0) / 1000
         per_token_s = decode_s / num_tokens if num_tokens else 0.0
         return {"num_tokens": num_tokens, "ttft_s": max(0.0, done_s - decode_s + per_token_s),
-                "predicted_per_second": timings.get("predicted_per_second")}  # fmt: skip
+                "predicted_per_second": timings.get("predicted_per_second"),
+                "prompt_per_second": timings.get("prompt_per_second")}  # fmt: skip
 
 
 def _read_stream(response, start: float) -> dict:
-    num_tokens, first, speed = 0, None, None
+    num_tokens, first, timings = 0, None, {}
     for raw in response:
         line = raw.strip()
         if not line.startswith(b"data:"):
@@ -129,10 +130,12 @@ def _read_stream(response, start: float) -> dict:
             if first is None:
                 first = time.perf_counter() - start
         if event.get("stop"):
-            speed = (event.get("timings") or {}).get("predicted_per_second")
+            timings = event.get("timings") or {}
             break
     ttft_s = first if first is not None else time.perf_counter() - start
-    return {"num_tokens": num_tokens, "ttft_s": ttft_s, "predicted_per_second": speed}
+    return {"num_tokens": num_tokens, "ttft_s": ttft_s,
+            "predicted_per_second": timings.get("predicted_per_second"),
+            "prompt_per_second": timings.get("prompt_per_second")}  # fmt: skip
 
 
 def run_llamacpp(
@@ -170,8 +173,11 @@ def run_llamacpp(
     speeds = [r["predicted_per_second"] for r in results if r["predicted_per_second"]]
     server_tok_s = {"median": round(statistics.median(speeds), 1),
                     "sum": round(sum(speeds), 1)} if speeds else None  # fmt: skip
-    return {**stats, "server_tok_s": server_tok_s, "stream": stream,
-            "server_peak_rss_mib": peak_rss_mib}  # fmt: skip
+    prompt_speeds = [r["prompt_per_second"] for r in results if r.get("prompt_per_second")]
+    server_prompt_tok_s = {"median": round(statistics.median(prompt_speeds), 1),
+                           "sum": round(sum(prompt_speeds), 1)} if prompt_speeds else None  # fmt: skip
+    return {**stats, "server_tok_s": server_tok_s, "server_prompt_tok_s": server_prompt_tok_s,
+            "stream": stream, "server_peak_rss_mib": peak_rss_mib}  # fmt: skip
 
 
 def peak_rss_of(pid: int) -> float | None:

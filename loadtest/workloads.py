@@ -5,6 +5,8 @@
 - W3: 64 distinct chat prompts together, 128 new tokens each (a saturated worker).
 - W4: 64 distinct prompts together, output lengths spread evenly over 16..256 (requests leave
   the batch at different steps: continuous batching against a static batch's padding).
+- P1: one chat request whose prompt is a 1024-token document to summarize, 16 new tokens (the
+  wait before the first token of a long prompt: prefill's speed, in prompt tokens a second).
 All greedy, EOS ignored, so every run generates exactly the same number of tokens.
 """
 
@@ -15,12 +17,17 @@ from dataclasses import dataclass
 W1_NUM_REQUESTS = 1
 W2_NUM_REQUESTS = 32
 DEFAULT_MAX_TOKENS = 128
+PREFILL_PROMPT_TOKENS = 1024
+PREFILL_NEW_TOKENS = 16
 
 
 @dataclass(frozen=True)
 class Workload:
     name: str
     max_tokens: tuple[int, ...]  # one per request; len() is the number of requests
+    # 0: the chat prompts (chat_prompts); else each request's prompt is a document of exactly
+    # this many tokens (document_prompts), and the workload measures the prefill.
+    prompt_tokens: int = 0
 
     @property
     def num_requests(self) -> int:
@@ -46,6 +53,7 @@ def workloads(max_tokens: int = DEFAULT_MAX_TOKENS) -> dict[str, Workload]:
         "W3": Workload("W3", (max_tokens,) * 64),
         "W4": Workload("W4", spread(64, 16, 256)),
         "C8": Workload("C8", (max_tokens,) * 8),  # fills the concurrency plot between W1 and W2
+        "P1": Workload("P1", (PREFILL_NEW_TOKENS,), prompt_tokens=PREFILL_PROMPT_TOKENS),
     }
 
 
@@ -108,6 +116,42 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
         )
         for i in range(n)
     ]
+
+
+def document_prompts(tokenizer, n: int, num_tokens: int) -> list[list[int]]:
+    """n chat prompts of exactly `num_tokens` tokens: a request to summarize notes (sentences
+    over the topics, each prompt's starting at a topic of its own, so two prompts part within
+    the first note: no full KV block in common past the chat template's), the notes cut to fit. The template's head and tail are encoded
+    apart from the notes, so the cut never splits the template."""
+    marker = "\x00NOTES\x00"
+    prompts = []
+    for i in range(n):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Summarize these notes in one sentence.\n\n{marker}"}],
+            add_generation_prompt=True, tokenize=False,
+        )  # fmt: skip
+        head, tail = (tokenizer.encode(part) for part in text.split(marker))
+        room = num_tokens - len(head) - len(tail)
+        if room <= 0:
+            raise ValueError(f"{num_tokens} tokens leave no room for notes after the template")
+        notes: list[int] = []
+        k = 0
+        while len(notes) < room:
+            topic = TOPICS[(i + k) % len(TOPICS)]
+            audience = AUDIENCES[(i + k // len(TOPICS)) % len(AUDIENCES)]
+            notes += tokenizer.encode(
+                f"Note {k + 1}: explain {topic} to a curious {audience}, in plain words.\n"
+            )
+            k += 1
+        prompts.append(head + notes[:room] + tail)
+    return prompts
+
+
+def workload_prompts(tokenizer, workload: Workload) -> list[list[int]]:
+    """The prompts of `workload`: the chat prompts, or its documents (`prompt_tokens`)."""
+    if workload.prompt_tokens:
+        return document_prompts(tokenizer, workload.num_requests, workload.prompt_tokens)
+    return chat_prompts(tokenizer, workload.num_requests)
 
 
 # Engine options of every benchmark run (the e2e benchmark gives its worker the same ones).

@@ -20,7 +20,8 @@ args = sys.argv[1:]
 port = int(args[args.index("--port") + 1])
 with open(os.environ["FAKE_ENV_OUT"], "w") as f:
     json.dump({"env": dict(os.environ), "args": args}, f)
-TIMINGS = {"predicted_ms": 100.0, "predicted_n": 8, "predicted_per_second": 80.0}
+TIMINGS = {"predicted_ms": 100.0, "predicted_n": 8, "predicted_per_second": 80.0,
+           "prompt_per_second": 500.0}
 
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *a):
@@ -84,6 +85,7 @@ def test_peer_runs_without_the_engines_openmp_policy(fake_server, tmp_path, stre
     assert seen["args"][seen["args"].index("-tb") + 1] == "2"
     assert result["output_tokens"] == 12 and result["stream"] is stream
     assert result["server_tok_s"] == {"median": 80.0, "sum": 160.0}
+    assert result["server_prompt_tok_s"] == {"median": 500.0, "sum": 1000.0}  # both modes
 
 
 def test_peer_keeps_a_policy_the_user_set(fake_server, tmp_path):
