@@ -657,13 +657,18 @@ class FusedDecode:
         max_model_len: int,
         max_new_tokens: list[int],
         histories: list[list[int]],
+        samples: list | None = None,
     ) -> list[list[int]] | None:
-        """Greedy decodes of several requests at once, speculatively: each request's token and
-        the lookup's proposals from its own `history` as consecutive rows of one step, which
+        """Decodes of several requests at once, speculatively: each request's token and the
+        lookup's proposals from its own `history` as consecutive rows of one step, which
         computes every row's greedy token exactly (K and V written first, by the store task).
         Per request, as `speculate` keeps them: its token, the proposals that equal the token
         before them verified, and the verified token after the last of those (1 to k + 1, at
-        most its `max_new_tokens`).
+        most its `max_new_tokens`). A sampled request (its `samples` entry: the sampler's
+        `verify`, as `speculate` takes it; None for a greedy one) gets the rows' logits instead,
+        and its tokens are drawn row by row as its one-token steps draw them; where any request
+        samples, the step computes every row's logits (no screen), as the same requests'
+        one-token step does.
 
         Each row's bits are those the same requests' one-token step (a row each) gives at that
         row's position: the GEMVs sum a row alike at any count up to `rows_alike`, which bounds
@@ -706,20 +711,29 @@ class FusedDecode:
                                 token, num_kv_blocks, max_model_len)  # fmt: skip
                 row += 1
         self._greedy_rows = 0
-        screened = self.screen is not None and rows <= SCREEN_MAX_ROWS
+        samples = samples or [None] * n
+        sampled = any(sample is not None for sample in samples)
+        screened = not sampled and self.screen is not None and rows <= SCREEN_MAX_ROWS
         self._set_step(*split, stored=True, screen=screened, greedy=not screened,
                        head=not screened)  # fmt: skip
         self.plan.run(rows, 0, decode_step.SPIN)
         verified = self.greedy_ids[:rows].tolist()
         tokens = []
-        for request, first, proposal in zip(requests, firsts, proposals, strict=True):
+        for request, first, proposal, sample in zip(
+            requests, firsts, proposals, samples, strict=True
+        ):
             k = len(proposal)
-            accepted = _num_kept(proposal, verified[first : first + k])
+            if sample is None:
+                accepted = _num_kept(proposal, verified[first : first + k])
+                kept = verified[first : first + accepted + 1]
+            else:
+                kept = sample(self.logits[first : first + k + 1], proposal)
+            accepted = len(kept) - 1
             if k:
                 lookup.record(request.request_id, k, accepted)
             self.drafted_tokens += k
             self.accepted_tokens += accepted
-            tokens.append(verified[first : first + accepted + 1])
+            tokens.append(kept)
         self._count_screen(screened, rows)
         self.speculative_steps += 1
         return tokens
@@ -1076,11 +1090,12 @@ class StepForward:
         max_model_len: int,
         max_new_tokens: list[int],
         histories: list[list[int]],
+        samples: list | None = None,
     ) -> list[list[int]] | None:
-        """`FusedDecode.speculate_batch`: 1 to k + 1 greedy tokens of each request, or None
-        where none has a proposal (then a one-token step)."""
+        """`FusedDecode.speculate_batch`: 1 to k + 1 tokens of each request (greedy, or drawn
+        by its `samples` entry), or None where none has a proposal (then a one-token step)."""
         return self.fused.speculate_batch(requests, num_kv_blocks, max_model_len,
-                                          max_new_tokens, histories)  # fmt: skip
+                                          max_new_tokens, histories, samples)  # fmt: skip
 
     def drop_requests(self, request_ids) -> None:
         """Requests that left: what the lookup kept of them goes."""

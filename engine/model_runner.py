@@ -323,16 +323,14 @@ class ModelRunner:
 
     def _speculate(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         """A step of decodes that want their tokens only (greedy, or sampled with no logits
-        processing; several requests: greedy), speculatively where the fused step can
-        (`FusedDecode.speculate`, `speculate_batch`); None where not (then `_run` runs it)."""
+        processing), speculatively where the fused step can (`FusedDecode.speculate`,
+        `speculate_batch`); None where not (then `_run` runs it)."""
         scheduled = out.scheduled
         if not 0 < len(scheduled) <= fused_decode.BATCH_MAX_REQUESTS:
             return None  # (a large batch's step is not held up by the checks below)
         if not getattr(self._forward, "speculates", False):
             return None
         if not all(map(_wants_tokens_only, scheduled)):
-            return None
-        if len(scheduled) > 1 and not all(map(takes_argmax, scheduled)):
             return None
         self.sampler.drop(out.finished_request_ids)
         if out.finished_request_ids or out.preempted_request_ids:
@@ -344,7 +342,7 @@ class ModelRunner:
             batch = self._forward.speculate_batch(
                 scheduled, self.num_kv_blocks, self.max_model_len,
                 [r.params.max_tokens - r.num_output_tokens for r in scheduled],
-                [r.all_token_ids for r in scheduled],
+                [r.all_token_ids for r in scheduled], list(map(self._verifier, scheduled)),
             )  # fmt: skip
             if batch is None:
                 return None
@@ -354,21 +352,22 @@ class ModelRunner:
                 {i: t[1:] for i, t in zip(ids, batch, strict=True)},
             )  # fmt: skip
         request = scheduled[0]
-        params = request.params
-        sample = None
-        if not takes_argmax(request):  # sampled: each row drawn as a one-token step draws it
-
-            def sample(logits, proposals):
-                return self.sampler.verify(logits, request, proposals)
-
         tokens = self._forward.speculate(
             request, self.num_kv_blocks, self.max_model_len,
-            params.max_tokens - request.num_output_tokens, request.all_token_ids, sample,
+            request.params.max_tokens - request.num_output_tokens, request.all_token_ids,
+            self._verifier(request),
         )  # fmt: skip
         if tokens is None:
             return None
         request_id = request.request_id
         return ModelRunnerOutput({request_id: tokens[0]}, {}, {request_id: tokens[1:]})
+
+    def _verifier(self, request: ScheduledRequest):
+        """How a verifying step's rows give `request` its tokens: None for the greedy argmax,
+        else the sampler's `verify` (each row drawn as its one-token step draws it)."""
+        if takes_argmax(request):
+            return None
+        return lambda logits, proposals: self.sampler.verify(logits, request, proposals)
 
     @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:

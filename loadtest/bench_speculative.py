@@ -17,8 +17,8 @@ n_r, tokens T):
 
     speculative:  (n1 * t(1 row) + sum_r n_r * t(r rows)) / T
 
-With `--together N` (int4/int8): the prompts in groups of N requests decoding together, with
-their proposals verified in one step (`FusedDecode.speculate_batch`) against the same groups
+With `--together N` (int4/int8): the prompts in groups of N requests decoding together (greedy,
+or sampled with `--temperature`, each request seeded), with their proposals verified in one step (`FusedDecode.speculate_batch`) against the same groups
 with that off (a request then speculates only once it decodes alone), alternating in ABBA
 order for `--wall-rounds` rounds: tok/s each way, the proposals kept in the verifying steps of
 several requests, and how many answers came out the same (they may part once a request of the
@@ -257,7 +257,7 @@ def _together(args, eng, fused) -> dict:
     doc = {
         "model": args.model, "quantization": args.quantization, "together": args.together,
         "prompts": len(prompts), "max_tokens": args.max_tokens, "stop_at_eos": args.stop_at_eos,
-        "tok_s": tok_s, "on_over_off": ratios, "median_on_over_off": statistics.median(ratios),
+        "temperature": args.temperature, "top_p": args.top_p, "tok_s": tok_s, "on_over_off": ratios, "median_on_over_off": statistics.median(ratios),
         "batch_steps": kept["steps"], "batch_proposed": kept["proposed"],
         "batch_kept": kept["kept"], "answers_the_same": same,
     }  # fmt: skip

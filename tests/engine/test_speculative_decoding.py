@@ -581,12 +581,14 @@ def test_sampled_requests_keep_real_proposals(uncached_pair):
     assert fused.speculative_steps > steps and fused.accepted_tokens > accepted
 
 
-def _generate_together(engine: LLMEngine, tag: str, prompts, params: SamplingParams):
-    """The prompts' requests added at once and run to the end: per request (tokens, the block
-    ids its last step had, how many tokens it had when the first of the others finished)."""
+def _generate_together(engine: LLMEngine, tag: str, prompts, params):
+    """The prompts' requests added at once and run to the end (`params`: one SamplingParams
+    for all, or one each): per request (tokens, the block ids its last step had, how many
+    tokens it had when the first of the others finished)."""
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for request_id, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(request_id, prompt, params)
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    for request_id, prompt, each in zip(ids, prompts, params_list, strict=True):
+        engine.add_request(request_id, prompt, each)
     tokens = {i: [] for i in ids}
     blocks = dict.fromkeys(ids)
     alone_after: dict[str, int | None] = dict.fromkeys(ids)
@@ -630,10 +632,42 @@ def test_batch_the_tokens_are_the_one_token_steps_while_the_batch_holds(
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     want = _generate_together(plain, f"b{i}-p", prompts, params)
     got = _generate_together(spec, f"b{i}-s", prompts, params)
+    _same_while_the_batch_holds(got, want, max_tokens)
+    for engine in (spec, plain):
+        assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+
+
+def _same_while_the_batch_holds(got, want, max_tokens: int) -> None:
     for (got_tokens, _, alone_after), (want_tokens, _, _) in zip(got, want, strict=True):
         assert len(got_tokens) == len(want_tokens) == max_tokens
         shared = len(got_tokens) if alone_after is None else alone_after
         assert got_tokens[:shared] == want_tokens[:shared]
+
+
+@_CASES
+@given(
+    prompts=st.lists(
+        st.lists(st.integers(3, 8), min_size=1, max_size=30), min_size=2, max_size=3
+    ),
+    max_tokens=st.integers(1, 40),
+    samplings=st.lists(st.one_of(st.none(), _SAMPLING), min_size=3, max_size=3),
+)
+def test_batch_sampled_the_tokens_are_the_one_token_steps_while_the_batch_holds(
+    uncached_pair, prompts, max_tokens, samplings
+):
+    """Sampled requests (seeded: temperature, top-p, top-k, min-p), greedy ones among them or
+    not, decoding together verify their proposals in one step: each draws row by row from its
+    own stream, so its tokens are the one-token steps' while the same requests share the
+    steps; every block back in the pool."""
+    spec, plain = uncached_pair
+    i = next(_counter)
+    params = [
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(sampling or {"temperature": 0.0}))
+        for sampling in samplings[: len(prompts)]
+    ]
+    want = _generate_together(plain, f"bs{i}-p", prompts, params)
+    got = _generate_together(spec, f"bs{i}-s", prompts, params)
+    _same_while_the_batch_holds(got, want, max_tokens)
     for engine in (spec, plain):
         assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
@@ -655,18 +689,31 @@ def test_batch_proposals_that_are_always_kept(lookup_pair, offset):
     whose proposals are always right: every proposal kept, the same tokens and the same K/V
     bits as one-token steps of the two together, over verifying steps that start on every
     position of a block."""
-    spec, plain = lookup_pair
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    _check_batch_always_kept(*lookup_pair, f"bright{offset}", offset, [params, params])
+
+
+@pytest.mark.parametrize(("offset", "both"), [(0, False), (1, True)])
+def test_batch_sampled_proposals_that_are_always_kept(uncached_pair, offset, both):
+    """As above with one request drawing (seeded) beside a greedy one, or both drawing, each
+    proposing the tokens its one-token steps drew: every proposal kept, each verifying step
+    drawing up to lookup_tokens + 1 tokens in a row from a request's stream."""
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    drawn = [SamplingParams(max_tokens=40, temperature=t, top_p=0.9, seed=seed, ignore_eos=True)
+             for t, seed in ((0.8, 11), (1.1, 12))]  # fmt: skip
+    params = drawn if both else [greedy, drawn[0]]
+    _check_batch_always_kept(*uncached_pair, f"bsright{offset}", offset, params)
+
+
+def _check_batch_always_kept(spec, plain, tag: str, offset: int, params: list) -> None:
     prompts = [[9 + (i * (7 + r)) % 250 for i in range(110 + offset)] for r in range(2)]
-    want = _generate_together(plain, f"bright{offset}-p", prompts, params)
+    want = _generate_together(plain, f"{tag}-p", prompts, params)
     fused = spec.runner._forward.fused
     real, drafted, accepted = fused.lookup, fused.drafted_tokens, fused.accepted_tokens
     steps = fused.speculative_steps
-    fused.lookup = _RightBatchLookup({
-        f"bright{offset}-s-{r}": prompts[r] + want[r][0] for r in range(2)
-    })  # fmt: skip
+    fused.lookup = _RightBatchLookup({f"{tag}-s-{r}": prompts[r] + want[r][0] for r in range(2)})
     try:
-        got = _generate_together(spec, f"bright{offset}-s", prompts, params)
+        got = _generate_together(spec, f"{tag}-s", prompts, params)
     finally:
         fused.lookup = real
     assert fused.accepted_tokens - accepted == fused.drafted_tokens - drafted > 0
@@ -677,9 +724,10 @@ def test_batch_proposals_that_are_always_kept(lookup_pair, offset):
 
 
 def test_where_batch_speculation_applies(built, tiny_model_dir):
-    """Greedy requests decoding together, up to BATCH_MAX_REQUESTS, with GEMVs that keep a
-    row's bits for a proposal each: int4 does; a sampled request among them, more requests
-    than that, or bf16 on our GEMV (3 rows alike: no room for 2 requests' proposals) do not."""
+    """Requests decoding together, greedy or sampled, up to BATCH_MAX_REQUESTS, with GEMVs
+    that keep a row's bits for a proposal each: int4 does; a request with a penalty among them,
+    more requests than that, or bf16 on our GEMV (3 rows alike: no room for 2 requests'
+    proposals) do not."""
     repeating = [5, 6, 7, 8] * 6
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=16, temperature=0.8, ignore_eos=True, seed=3)
@@ -698,10 +746,14 @@ def test_where_batch_speculation_applies(built, tiny_model_dir):
             steps += running > 1 and fused.speculative_steps > before
         return steps
 
+    penalized = SamplingParams(max_tokens=16, temperature=0.8, ignore_eos=True, seed=3,
+                               presence_penalty=0.5)  # fmt: skip
     int4 = _quantized(tiny_model_dir, "auto", "int4")
     assert batch_steps(int4, [greedy, greedy]) > 0
     assert batch_steps(int4, [greedy, greedy, greedy]) > 0
-    assert batch_steps(int4, [greedy, sampled]) == 0
+    assert batch_steps(int4, [greedy, sampled]) > 0
+    assert batch_steps(int4, [sampled, greedy, greedy]) > 0
+    assert batch_steps(int4, [greedy, penalized]) == 0
     many = [greedy] * (fused_decode.BATCH_MAX_REQUESTS + 1)
     assert batch_steps(int4, many) == 0
     assert batch_steps(_engine(tiny_model_dir, "auto"), [greedy, greedy]) == 0
