@@ -46,11 +46,13 @@ def run_engine(
     prompts: list[list[int]],
     max_tokens: int | list[int],
     with_token_gaps: bool = False,
+    sampling: dict | None = None,
     **options,
 ) -> dict:
     """One workload on `LLMEngine` (ENGINE_OPTIONS, overridden by `options`); `max_tokens`
     per request or one for all. `with_token_gaps`: also the gaps between each request's
-    tokens as the steps returned them (report.token_gaps).
+    tokens as the steps returned them (report.token_gaps). `sampling`: SamplingParams fields
+    (e.g. temperature, top_p) instead of greedy, request i seeded i.
 
     Start-up is reported apart from throughput: `load_s` (weights, packing, KV pool: the
     engine's construction less its compilation), `compile_s` (torch.compile's graphs, at
@@ -84,7 +86,12 @@ def run_engine(
     arrivals: dict[str, list[float]] = {}  # per request, when each token came out of a step
     num_tokens = 0
     for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True)):
-        eng.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        params = (
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            if sampling is None
+            else SamplingParams(max_tokens=n, ignore_eos=True, seed=i, **sampling)
+        )
+        eng.add_request(str(i), p, params)
     while eng.has_unfinished_requests():
         for d in eng.step():
             now = time.perf_counter()

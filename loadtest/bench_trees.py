@@ -4,7 +4,10 @@ on PYTHONPATH, trees alternating round by round; medians and this tree's ratio.
 
     python -m loadtest.bench_trees --baseline /path/to/other/checkout [--rounds 4]
         [--options '{"quantization": "int4", "kv_cache_dtype": "int8"}'] [--workloads W1,W2]
-        [--out r.json]
+        [--sampling '{"temperature": 0.7, "top_p": 0.9}'] [--out r.json]
+
+Greedy unless `--sampling` (SamplingParams fields; request i seeded i). Each side runs this
+checkout's `loadtest` against its tree's engine (loadtest/trees.py).
 
 What a change to one setting's speed is worth, measured against the tree before it: the
 machine's memory bandwidth moves by up to 1.7x between minutes here, so only sides alternated
@@ -15,35 +18,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 from loadtest.report import emit
+from loadtest.trees import ROOT, print_result, run_in_tree
 
-HERE = Path(__file__).resolve().parents[1]
 WORKLOADS = {"W1": 1, "W2": 32}
-CHILD = """
-import json, sys
-from engine.loader import load_tokenizer, resolve_model
-from loadtest.bench_engine import run_engine
-from loadtest.workloads import chat_prompts
-prompts = chat_prompts(load_tokenizer(resolve_model("smollm2-135m")), 32)
-options, workloads = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-print(json.dumps({name: run_engine("smollm2-135m", "bfloat16", prompts[:n], 128, **options)
-                  ["tokens_per_s"] for name, n in workloads.items()}))
-"""
 
 
-def run_side(tree: Path, options: dict, workloads: dict[str, int]) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(options), json.dumps(workloads)],
-        cwd=tree, env=env, check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def _child(args) -> None:
+    from engine.loader import load_tokenizer, resolve_model
+    from loadtest.bench_engine import run_engine
+    from loadtest.workloads import chat_prompts
+
+    prompts = chat_prompts(load_tokenizer(resolve_model("smollm2-135m")), 32)
+    options, sampling = json.loads(args.options), json.loads(args.sampling)
+    print_result({
+        name: run_engine("smollm2-135m", "bfloat16", prompts[:WORKLOADS[name]], 128,
+                         sampling=sampling, **options)["tokens_per_s"]
+        for name in args.workloads.split(",")
+    })  # fmt: skip
+
+
+def run_side(tree: Path, args) -> dict:
+    flags = ["--child", "--options", args.options, "--workloads", args.workloads,
+             "--sampling", args.sampling, "--baseline", str(tree)]  # fmt: skip
+    return run_in_tree(__file__, tree, flags, timeout_s=1800)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,15 +54,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--options", default='{"quantization": "int4"}', help="engine options")
     parser.add_argument("--workloads", default="W1,W2")
+    parser.add_argument("--sampling", default="null", help="SamplingParams fields (JSON)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child:
+        _child(args)
+        return 0
     options = json.loads(args.options)
     workloads = {name: WORKLOADS[name] for name in args.workloads.split(",")}
-    trees = {"baseline": args.baseline.resolve(), "this": HERE}
+    trees = {"baseline": args.baseline.resolve(), "this": ROOT}
     runs: dict[str, list[dict]] = {side: [] for side in trees}
     for round_index in range(args.rounds):
         for side, tree in trees.items():
-            runs[side].append(run_side(tree, options, workloads))
+            runs[side].append(run_side(tree, args))
             print(f"[bench] round {round_index + 1}/{args.rounds} {side}: {runs[side][-1]}",
                   file=sys.stderr, flush=True)  # fmt: skip
     medians = {side: {w: statistics.median(r[w] for r in rs) for w in workloads}
@@ -71,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     for side, med in medians.items():
         print(f"{side:10}" + "".join(f"{med[w]:10.1f}" for w in workloads), file=sys.stderr)
     print(f"{'ratio':10}" + "".join(f"{ratio[w]:10.3f}" for w in workloads), file=sys.stderr)
-    doc = {"options": options, "trees": {k: str(v) for k, v in trees.items()},
+    doc = {"options": options, "sampling": json.loads(args.sampling), "trees": {k: str(v) for k, v in trees.items()},
            "rounds": args.rounds, "runs": runs, "medians": medians,
            "this_over_baseline": ratio}  # fmt: skip
     emit(doc, args.out, None, None)

@@ -167,3 +167,41 @@ def test_drop_restarts_the_stream():
     assert len(set(first)) > 1  # the stream advances between steps
     sampler.drop(["a"])
     assert [sampler(logits, [req("a", params, 9)])[0] for _ in range(5)] == first
+
+
+_ROW_PARAMS = st.fixed_dictionaries({
+    "temperature": st.sampled_from([0.0, 0.5, 1.0, 1.7]),
+    "top_k": st.sampled_from([0, 1, 3, 70, 200]),
+    "top_p": st.sampled_from([1.0, 0.95, 0.5, 0.05]),
+    "min_p": st.sampled_from([0.0, 0.0, 0.2]),
+})  # fmt: skip
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    vocab=st.integers(2, 300),
+    row_params=st.lists(_ROW_PARAMS, min_size=1, max_size=8),
+    levels=st.integers(2, 40),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_a_batch_draws_each_row_as_the_row_alone_draws_it(vocab, row_params, levels, seed):
+    """Rows sampled together (the first candidates of rows alike taken in one call over them)
+    draw each row's token as that row's own path draws it alone (`_sample_row` with nothing
+    precomputed): the same tokens from the same streams, over top-k, top-p (a nucleus within
+    the first 64 candidates or past them, in vocabularies smaller and larger than that), min-p,
+    greedy rows among them, and logits with ties (drawn from `levels` values)."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (len(row_params), vocab), generator=generator).float()
+    logits = logits * (8.0 / levels)
+    requests = [req(f"r{i}", SamplingParams(**p), seed=seed + i) for i, p in enumerate(row_params)]
+    batched = Sampler()(logits, requests)
+    alone = Sampler()
+    want = []
+    for i, request in enumerate(requests):
+        if request.params.temperature < 0.01:
+            want.append(int(logits[i].argmax()))
+            continue
+        alone._generators[request.request_id] = torch.Generator().manual_seed(request.seed)
+        probs = torch.softmax(logits[i : i + 1] / request.params.temperature, dim=-1)[0]
+        want.append(alone._sample_row(probs, request))
+    assert batched == want
