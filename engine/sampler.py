@@ -57,11 +57,7 @@ class Sampler:
         if not random_rows:  # all greedy: one argmax over the batch, one host sync
             return _argmax(logits).tolist()
         for i in random_rows:  # greedy rows never draw, so they need no generator
-            request = requests[i]
-            if request.request_id not in self._generators:
-                generator = torch.Generator()
-                generator.manual_seed(request.seed)
-                self._generators[request.request_id] = generator
+            self._generator_for(requests[i])
         token_ids = [0] * len(requests)
         greedy_rows = [i for i, r in enumerate(requests) if r.params.temperature < MIN_TEMPERATURE]
         if greedy_rows:
@@ -83,13 +79,49 @@ class Sampler:
         sampled row by row, each as a one-token step samples it (this same call on a one-row
         batch: the request's own random stream, one draw a token), up to the first that differs
         from the proposal the next row was computed with, that one included. So the tokens, and
-        the draws left in the stream, are the one-token steps'."""
+        the draws left in the stream, are the one-token steps'. The rows' probabilities and
+        first candidates are computed in one call over them (row-wise ops: each row's values
+        are the ones it gets alone); the draws go row by row and stop there."""
+        if takes_argmax(request) or request.params.has_logits_processing or request.grammar:
+            return self._verify_rows(logits, request, proposals)
+        self._generator_for(request)
+        params = request.params
+        scaled = logits.float() / torch.tensor([params.temperature])[:, None]
+        probs = torch.softmax(scaled, dim=-1)
+        count = _first_candidates(params, probs.shape[1])
+        firsts = None
+        if count == 0:
+            firsts = probs.cumsum(-1)
+        elif count > 0:
+            values, indices = probs.topk(count, dim=-1)
+            firsts = list(zip(values, indices, values.cumsum(-1), strict=True))
+        tokens: list[int] = []
+        for j in range(probs.shape[0]):
+            first = None if firsts is None else firsts[j]
+            tokens.append(self._sample_row(probs[j], request, first))
+            if j == len(proposals) or tokens[-1] != proposals[j]:
+                break
+        return tokens
+
+    def _verify_rows(
+        self, logits: torch.Tensor, request: ScheduledRequest, proposals: list[int]
+    ) -> list[int]:
+        """`verify` as one-row calls of the sampler, row by row."""
         tokens: list[int] = []
         for j in range(logits.shape[0]):
             tokens.append(self(logits[j : j + 1], [request])[0])
             if j == len(proposals) or tokens[-1] != proposals[j]:
                 break
         return tokens
+
+    def _generator_for(self, request: ScheduledRequest) -> torch.Generator:
+        """The request's random stream, seeded with its seed the first time it is sampled."""
+        generator = self._generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator()
+            generator.manual_seed(request.seed)
+            self._generators[request.request_id] = generator
+        return generator
 
     def _sample_rows(self, probs: torch.Tensor, requests: list[ScheduledRequest]) -> list[int]:
         """probs [rows, vocab] (row i: requests[i]'s) -> a token id per row, each drawn as

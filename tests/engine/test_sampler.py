@@ -205,3 +205,36 @@ def test_a_batch_draws_each_row_as_the_row_alone_draws_it(vocab, row_params, lev
         probs = torch.softmax(logits[i : i + 1] / request.params.temperature, dim=-1)[0]
         want.append(alone._sample_row(probs, request))
     assert batched == want
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    vocab=st.integers(2, 300),
+    num_proposals=st.integers(0, 3),
+    wrong_at=st.integers(0, 3),
+    params=_ROW_PARAMS.filter(lambda p: p["temperature"] > 0),
+    levels=st.integers(2, 40),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_verify_draws_what_one_row_calls_draw(
+    vocab, num_proposals, wrong_at, params, levels, seed
+):
+    """A speculative step's rows verified at once (`verify`: the rows' probabilities and first
+    candidates in one call) draw the tokens one-row calls draw row by row, stop after the same
+    row (the first whose token differs from the proposal after it), and leave the request's
+    stream where those calls leave it."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (num_proposals + 1, vocab), generator=generator).float()
+    logits = logits * (8.0 / levels)
+    request = req("r", SamplingParams(**params), seed=seed)
+    steps = Sampler()
+    drawn = [steps(logits[j : j + 1], [request])[0] for j in range(num_proposals + 1)]
+    proposals = drawn[:num_proposals]
+    if wrong_at < num_proposals:
+        proposals[wrong_at] = (proposals[wrong_at] + 1) % vocab
+    verifier, rows = Sampler(), Sampler()
+    got = verifier.verify(logits, request, proposals)
+    assert got == rows._verify_rows(logits, request, proposals)
+    assert got == drawn[: len(got)]
+    assert len(got) == min(wrong_at, num_proposals) + 1
+    assert torch.equal(verifier._generators["r"].get_state(), rows._generators["r"].get_state())
