@@ -76,8 +76,8 @@ class Sampler:
     ) -> list[int]:
         """A speculative step's rows for one request (engine/fused_decode.py `speculate`):
         logits [k + 1, vocab], row j computed with proposals[j - 1] as its input -> the tokens
-        sampled row by row, each as a one-token step samples it (this same call on a one-row
-        batch: the request's own random stream, one draw a token), up to the first that differs
+        sampled row by row, each as a one-token step samples it (as this sampler's call on a
+        one-row batch draws it: the request's own random stream, one draw a token), up to the first that differs
         from the proposal the next row was computed with, that one included. So the tokens, and
         the draws left in the stream, are the one-token steps'. The rows' probabilities and
         first candidates are computed in one call over them (row-wise ops: each row's values
@@ -129,7 +129,7 @@ class Sampler:
         vocabulary's cumsum, or `topk` of the same count, then its cumsum) take it in one call
         over their group: these ops compute each row on its own, so a row's values are the ones
         it gets alone (tests/engine/test_sampler.py holds them to it), and one call over 32 rows
-        costs a third of 32 calls. The rest (a nucleus past the first candidates, min-p, the
+        costs under half of 32 calls. The rest (a nucleus past the first candidates, min-p, the
         draw) goes row by row."""
         vocab_size = probs.shape[1]
         groups: dict[int, list[int]] = {}  # the first op's candidate count (0: the cumsum) -> rows

@@ -127,6 +127,7 @@ class EmbeddedBroker:
                 return self._start()
             except PortTakenError:
                 log.warning("broker.port_taken", port=self.port, attempt=attempt + 1)
+        self.port = None  # (picked here: a later start picks again)
         raise BrokerError(f"{NUM_PORT_TRIES} free ports were taken before the broker bound them")
 
     def _start(self) -> EmbeddedBroker:

@@ -14,7 +14,7 @@ import pytest
 import structlog.testing
 
 from worker import broker as broker_module
-from worker.broker import EmbeddedBroker, PortTakenError, _listener_owned_by
+from worker.broker import BrokerError, EmbeddedBroker, PortTakenError, _listener_owned_by
 
 pytestmark = pytest.mark.kafka
 
@@ -62,3 +62,13 @@ def test_a_listener_belongs_to_the_process_holding_its_socket(foreign_listener) 
             assert _listener_owned_by(other.pid, foreign_listener) is False
         finally:
             other.kill()
+
+
+def test_when_every_picked_port_is_taken_the_error_says_so_and_the_next_start_picks_again(
+    foreign_listener, monkeypatch
+) -> None:
+    monkeypatch.setattr(broker_module, "find_free_port", lambda: foreign_listener)
+    broker = EmbeddedBroker()
+    with pytest.raises(BrokerError, match="free ports were taken"):
+        broker.start()
+    assert broker.port is None and not broker.is_running
