@@ -6,11 +6,13 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from engine import sampler as sampler_module
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest
@@ -186,10 +188,11 @@ _ROW_PARAMS = st.fixed_dictionaries({
 )
 def test_a_batch_draws_each_row_as_the_row_alone_draws_it(vocab, row_params, levels, seed):
     """Rows sampled together (the first candidates of rows alike taken in one call over them)
-    draw each row's token as that row's own path draws it alone (`_sample_row` with nothing
-    precomputed): the same tokens from the same streams, over top-k, top-p (a nucleus within
-    the first 64 candidates or past them, in vocabularies smaller and larger than that), min-p,
-    greedy rows among them, and logits with ties (drawn from `levels` values)."""
+    draw each row's token as that row draws it alone: the same tokens from the same streams,
+    over top-k, top-p (a nucleus within the first 64 candidates or past them, in vocabularies
+    smaller and larger than that), min-p, greedy rows among them, and logits with ties (drawn
+    from `levels` values). Alone: the row's probabilities by their own softmax, through the
+    same `_sample_rows`."""
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randint(0, levels, (len(row_params), vocab), generator=generator).float()
     logits = logits * (8.0 / levels)
@@ -202,9 +205,20 @@ def test_a_batch_draws_each_row_as_the_row_alone_draws_it(vocab, row_params, lev
             want.append(int(logits[i].argmax()))
             continue
         alone._generators[request.request_id] = torch.Generator().manual_seed(request.seed)
-        probs = torch.softmax(logits[i : i + 1] / request.params.temperature, dim=-1)[0]
-        want.append(alone._sample_row(probs, request))
+        probs = torch.softmax(logits[i : i + 1] / request.params.temperature, dim=-1)
+        want.append(alone._sample_rows(probs, [request])[0])
     assert batched == want
+
+
+def test_topk_takes_each_row_on_its_own_and_torchs_for_a_row_with_a_nan() -> None:
+    """`_topk`: value descending, of equal values the lower index first; a row holding a NaN
+    gets torch's topk (which ranks NaN first) and leaves the other rows as they were."""
+    probs = torch.tensor([[0.1, 0.3, 0.3, 0.2, 0.1], [0.5, float("nan"), 0.2, 0.2, 0.1]])
+    values, indices = sampler_module._topk(probs, 3)
+    assert indices[0].tolist() == [1, 2, 3] and values[0].tolist() == pytest.approx([0.3, 0.3, 0.2])
+    want_values, want_indices = probs[1].topk(3)
+    assert torch.equal(indices[1], want_indices)
+    assert torch.equal(values[1].isnan(), want_values.isnan())
 
 
 @settings(max_examples=80, deadline=None)

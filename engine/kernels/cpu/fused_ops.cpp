@@ -27,6 +27,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -662,12 +664,100 @@ py::capsule task_fn(void (*fn)(const void*, int64_t, int64_t, int64_t)) {
 
 }  // namespace
 
+// The k largest values of a row, sorted: value descending, then index ascending (of equal
+// values the one met first ranks first). The row is read in chunks of 16: once k values are
+// kept, a chunk with no value above the smallest kept one is skipped on one vector compare, so
+// a row of probabilities costs about one read past its first few hundred values. False where
+// the row holds a NaN (the caller then takes torch's topk, which ranks NaN first).
+bool topk_row(const float* x, int64_t n, int64_t k, float* values, int64_t* indices) {
+  using Entry = std::pair<float, int64_t>;
+  auto before = [](const Entry& a, const Entry& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  std::vector<Entry> kept;
+  kept.reserve(2 * k + 16);
+  bool full = false;  // kept holds the k first in order so far: only a larger value enters
+  float smallest = 0.0f;  // the k-th kept value once full
+  auto compact = [&] {
+    if (static_cast<int64_t>(kept.size()) < 2 * k) return;
+    std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end(), before);
+    kept.resize(k);
+    smallest = kept[k - 1].first;  // nth_element: the k-th in order, the smallest value kept
+    full = true;
+  };
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    uint32_t pass = 0xffff;  // the chunk's values that may enter
+#if defined(__AVX512F__)
+    const __m512 v = _mm512_loadu_ps(x + i);
+    if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) return false;
+    if (full) pass = _mm512_cmp_ps_mask(v, _mm512_set1_ps(smallest), _CMP_GT_OQ);
+#elif defined(__AVX2__)
+    const __m256 lo = _mm256_loadu_ps(x + i), hi = _mm256_loadu_ps(x + i + 8);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(lo, lo, _CMP_UNORD_Q)) |
+        _mm256_movemask_ps(_mm256_cmp_ps(hi, hi, _CMP_UNORD_Q)))
+      return false;
+    if (full) {
+      const __m256 t = _mm256_set1_ps(smallest);
+      pass = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(lo, t, _CMP_GT_OQ))) |
+             (static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(hi, t, _CMP_GT_OQ))) << 8);
+    }
+#else
+    for (int64_t j = 0; j < 16; ++j)
+      if (x[i + j] != x[i + j]) return false;
+    if (full) {
+      pass = 0;
+      for (int64_t j = 0; j < 16; ++j) pass |= static_cast<uint32_t>(x[i + j] > smallest) << j;
+    }
+#endif
+    if (!pass) continue;
+    for (int64_t j = 0; j < 16; ++j) {
+      if ((pass >> j) & 1u) kept.emplace_back(x[i + j], i + j);
+    }
+    compact();
+  }
+  for (; i < n; ++i) {  // the last values, fewer than 16
+    if (x[i] != x[i]) return false;
+    if (!full || x[i] > smallest) kept.emplace_back(x[i], i);
+    compact();
+  }
+  const int64_t m = std::min<int64_t>(k, static_cast<int64_t>(kept.size()));
+  std::partial_sort(kept.begin(), kept.begin() + m, kept.end(), before);
+  for (int64_t j = 0; j < m; ++j) {
+    values[j] = kept[j].first;
+    indices[j] = kept[j].second;
+  }
+  return true;
+}
+
+// topk_row over the rows of x [rows, n] (float32, unit last stride): values [rows, k], indices
+// [rows, k] and, per row, whether it was taken (false: the row holds a NaN; its outputs unset).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> topk_rows(const torch::Tensor& x,
+                                                                  int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              "topk_rows: x must be float32 [rows, n] with a unit last stride");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  TORCH_CHECK(k >= 1 && k <= n, "topk_rows: k must be in [1, n], got ", k);
+  auto values = torch::empty({rows, k}, torch::kFloat);
+  auto indices = torch::empty({rows, k}, torch::kLong);
+  auto taken = torch::empty({rows}, torch::kBool);
+  const float* base = x.data_ptr<float>();
+  float* v = values.data_ptr<float>();
+  int64_t* ix = indices.data_ptr<int64_t>();
+  bool* ok = taken.data_ptr<bool>();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) ok[r] = topk_row(base + r * stride, n, k, v + r * k, ix + r * k);
+  });
+  return {values, indices, taken};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "out = RMSNorm(x), HF's rounding, torch's summation order");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place");
   m.def("rotary_", &rotary_, "RoPE on [tokens, heads, head_dim] in place (rolled signed sin)");
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up from [rows, 2n], torch's exp");
   m.def("argmax_rows", &argmax_rows, "torch.max(x, -1).indices for float32/bfloat16 rows");
+  m.def("topk_rows", &topk_rows, "each row's k largest, value descending then index ascending");
   m.def("exp_lanes_built", &exp_lanes_built, "widest SLEEF exp this build can call (0, 8, 16)");
   m.def("norm_task_fn", [] { return task_fn(&norm_task); });
   m.def("rotary_task_fn", [] { return task_fn(&rotary_task); });

@@ -159,3 +159,53 @@ def test_argmax_rows_rejects_what_it_cannot_read():
         kernels.argmax_rows(torch.zeros(3, 2).t())
     with pytest.raises(RuntimeError, match="n >= 1"):
         kernels.argmax_rows(torch.zeros(2, 0))
+
+
+def _runnable_isas() -> list[str]:
+    """fused_ops builds this CPU can run: topk_rows has an AVX-512, an AVX2 and a portable path,
+    each compiled into its own build."""
+    from engine.platform import cpu_info
+
+    order = ["avx512", "avx2", "portable"]
+    return order[order.index(cpu_info().vector_isa) :]
+
+
+@pytest.fixture(scope="module", params=_runnable_isas())
+def topk_build(request):
+    ext = fused_ops.build(isa=request.param)
+    if ext is None:
+        pytest.skip(f"no {request.param} build of the fused ops here")
+    return ext
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 5), n=st.integers(1, 300), k_share=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16), levels=st.integers(1, 8),
+    specials=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(SPECIAL)), max_size=4),
+)  # fmt: skip
+def test_topk_rows_ranks_by_value_then_index(topk_build, rows, n, k_share, seed, levels, specials):
+    """Each row's k largest, value descending and of equal values the lower index first (few
+    distinct levels make ties common, across chunks of 16 and past the first 2k kept); signed
+    zeros and infinities in place; a row holding a NaN is left to the caller."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-levels, levels, (rows, n), generator=g).float() / levels
+    for position, value in specials:
+        x.view(-1)[position % x.numel()] = value
+    k = max(1, round(k_share * n))
+    values, indices, taken = topk_build.topk_rows(x, k)
+    for r in range(rows):
+        row = x[r].tolist()
+        if any(v != v for v in row):
+            assert not taken[r]
+            continue
+        want = sorted(range(n), key=lambda j: (-row[j], j))[:k]
+        assert taken[r] and indices[r].tolist() == want
+        assert torch.equal(values[r], x[r, want])
+
+
+def test_topk_rows_rejects_what_it_cannot_read():
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.topk_rows(torch.zeros(2, 3, dtype=torch.bfloat16), 1)
+    with pytest.raises(RuntimeError, match="k must be"):
+        kernels.topk_rows(torch.zeros(2, 3), 4)
