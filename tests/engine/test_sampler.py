@@ -252,3 +252,26 @@ def test_verify_draws_what_one_row_calls_draw(
     assert got == drawn[: len(got)]
     assert len(got) == min(wrong_at, num_proposals) + 1
     assert torch.equal(verifier._generators["r"].get_state(), rows._generators["r"].get_state())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    vocab=st.integers(2, 300),
+    params=_ROW_PARAMS.filter(lambda p: p["temperature"] > 0),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_without_ties_the_kernels_draw_is_torchs(vocab, params, seed):
+    """Where a row's probabilities are all distinct (no order among equals to choose), a row
+    drawn through `_topk` (the fused ops' kernel) draws what torch's topk path draws
+    (`_sample_row` with nothing precomputed), from the same stream."""
+    generator = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(1, vocab, generator=generator) * 3, dim=-1)
+    if len(set(probs[0].tolist())) < vocab:
+        return  # (rounding made two equal)
+    request = req("r", SamplingParams(**params), seed=seed)
+    through_kernel, through_torch = Sampler(), Sampler()
+    for sampler in (through_kernel, through_torch):
+        sampler._generator_for(request)
+    assert through_kernel._sample_rows(probs, [request]) == [
+        through_torch._sample_row(probs[0], request)
+    ]
