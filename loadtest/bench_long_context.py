@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from loadtest.report import emit
-from loadtest.trees import ROOT, print_result, run_in_tree
+from loadtest.trees import ROOT, alternate, print_result, sides_of
 
 WINDOW = 64  # steps per context length's median
 PROMPT_TOKENS = 32
@@ -72,14 +72,9 @@ def kernel_rounds(contexts: list[int], rounds: int, isa: str | None = None) -> d
 
 
 def _alternate(part: str, sides: dict[str, Path], rounds: int, flags: list[str]) -> dict:
-    """This script with `flags` in each side's tree in turn (`run_in_tree`), `rounds` times:
-    each side's results."""
-    runs: dict[str, list] = {name: [] for name in sides}
-    for i in range(rounds):
-        for name, tree in sides.items():
-            print(f"[bench] {part} round {i + 1}/{rounds}: {name}", file=sys.stderr, flush=True)
-            runs[name].append(run_in_tree(__file__, tree, flags, timeout_s=1800))
-    return runs
+    """This script with `flags` in each side's tree in turn, `rounds` times: each side's
+    results."""
+    return alternate(__file__, sides, flags, rounds, timeout_s=1800, label=f"{part} ")
 
 
 def kernel_against_baseline(args, contexts: list[int]) -> dict:
@@ -126,7 +121,7 @@ def _engine_child(args) -> None:
 
 
 def engine_rounds(args, contexts: list[int]) -> dict:
-    sides = {"this": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
+    sides = sides_of(args.baseline)
     flags = ["--child", "--contexts", args.contexts, "--model", args.model]
     flags += ["--quantization", args.quantization] if args.quantization else []
     runs = {

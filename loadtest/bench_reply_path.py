@@ -31,7 +31,7 @@ from types import SimpleNamespace
 from loadtest.bench_e2e import cpu_seconds
 from loadtest.loadgen_service import create_bench_topics
 from loadtest.report import emit
-from loadtest.trees import ROOT, print_result, run_in_tree
+from loadtest.trees import alternate, print_result, sides_of
 
 
 class _Bridge:
@@ -150,13 +150,6 @@ def _child(args) -> None:
     print_result(result)
 
 
-def _side(tree: Path, args) -> dict:
-    flags = ["--child", "--num-requests", str(args.num_requests),
-             "--num-tokens", str(args.num_tokens), "--step-ms", str(args.step_ms)]  # fmt: skip
-    env = {"MINI_INFER_OBSERVABILITY__LOG_LEVEL": "warning"}
-    return run_in_tree(__file__, tree, flags, timeout_s=600, env=env)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -170,14 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         _child(args)
         return 0
-    sides = {"this": ROOT}
-    if args.baseline is not None:
-        sides["baseline"] = args.baseline.resolve()
-    runs: dict[str, list[dict]] = {name: [] for name in sides}
-    for round_ in range(args.rounds):
-        for name, tree in sides.items():
-            runs[name].append(_side(tree, args))
-            print(f"round {round_ + 1}/{args.rounds} {name}: {runs[name][-1]}", file=sys.stderr)
+    flags = ["--child", "--num-requests", str(args.num_requests),
+             "--num-tokens", str(args.num_tokens), "--step-ms", str(args.step_ms)]  # fmt: skip
+    env = {"MINI_INFER_OBSERVABILITY__LOG_LEVEL": "warning"}
+    runs = alternate(__file__, sides_of(args.baseline), flags, args.rounds, 600, env)
     medians = {
         name: {k: statistics.median(r[k] for r in rs) for k in ("loop_us_per_token",
                                                                 "broker_us_per_token")}

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from loadtest.report import emit
-from loadtest.trees import ROOT, print_result, run_in_tree
+from loadtest.trees import alternate, print_result, sides_of
 
 
 def _step_logits(num_requests: int):
@@ -80,13 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = ["--child", "--calls", str(args.calls), "--num-requests", str(args.num_requests),
              "--temperature", str(args.temperature), "--top-p", str(args.top_p),
              "--top-k", str(args.top_k)]  # fmt: skip
-    sides = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
-    runs: dict[str, list[dict]] = {name: [] for name in sides}
-    for round_ in range(args.rounds):
-        for name, tree in sides.items():
-            runs[name].append(run_in_tree(__file__, tree, flags, timeout_s=600))
-            print(f"round {round_ + 1}/{args.rounds} {name}: {runs[name][-1]['ms_per_call']} ms",
-                  file=sys.stderr)  # fmt: skip
+    runs = alternate(__file__, sides_of(args.baseline), flags, args.rounds, timeout_s=600)
     medians = {name: statistics.median(r["ms_per_call"] for r in rs) for name, rs in runs.items()}
     print(f"\n{'side':10} {'ms per call':>12}   ({args.num_requests} rows, temperature "
           f"{args.temperature}, top-p {args.top_p}, top-k {args.top_k}; medians of {args.rounds})")

@@ -52,3 +52,28 @@ def run_in_tree(
         if line.startswith(_RESULT):
             return json.loads(line[len(_RESULT) :])
     raise RuntimeError(f"{tree}: no result\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+
+
+def sides_of(baseline: Path | None) -> dict[str, Path]:
+    """This checkout as "this", and `baseline` (another checkout) as "baseline" where given."""
+    return {"this": ROOT, **({"baseline": baseline.resolve()} if baseline is not None else {})}
+
+
+def alternate(
+    script: str,
+    sides: dict[str, Path],
+    flags: list[str],
+    rounds: int,
+    timeout_s: float,
+    env: dict | None = None,
+    label: str = "",
+) -> dict[str, list]:
+    """`script` with `flags` in each side's tree in turn (`run_in_tree`), `rounds` times, each
+    round's result printed as it comes: each side's results, in round order."""
+    runs: dict[str, list] = {name: [] for name in sides}
+    for i in range(rounds):
+        for name, tree in sides.items():
+            runs[name].append(run_in_tree(script, tree, flags, timeout_s, env))
+            print(f"[bench] {label}round {i + 1}/{rounds} {name}: {runs[name][-1]}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    return runs
