@@ -54,8 +54,10 @@ class EngineConfig:
     # memory); where they have nothing, with bf16 projections on our GEMV and the lm_head's int8
     # screen, a draft on int4 copies of the layers proposes 2 (SmolLM2-135M in bf16: +66 MB of
     # draft weights). Sampled requests take the lookup's proposals, each verified row drawn as
-    # a one-token step draws it (the same tokens for a seed). "auto" | "on" where the step
-    # allows, "off" never.
+    # a one-token step draws it (the same tokens for a seed). With int4/int8 weights, 2 or 3
+    # requests decoding together (greedy or sampled) verify their lookup proposals in one step
+    # (`speculate_batch`: the tokens of the same requests' one-token steps while the batch
+    # holds). "auto" | "on" where the step allows, "off" never.
     speculative_decoding: str = "auto"
     # torch.compile of the model forward: "on" | "off" | "auto" (True/False mean on/off). "auto"
     # is off: on the 2-core Zen 4 the compiled step did not beat eager (engine/compile.py).
