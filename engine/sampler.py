@@ -90,17 +90,10 @@ class Sampler:
         params = request.params
         scaled = _scaled(logits, torch.tensor([params.temperature]))
         probs = torch.softmax(scaled, dim=-1)
-        count = _first_candidates(params, probs.shape[1])
-        firsts = None
-        if count == 0:
-            firsts = probs.cumsum(-1)
-        elif count > 0:
-            values, indices = _topk(probs, count)
-            firsts = list(zip(values, indices, values.cumsum(-1), strict=True))
+        firsts = _firsts(probs, _first_candidates(params, probs.shape[1]))
         tokens: list[int] = []
         for j in range(probs.shape[0]):
-            first = None if firsts is None else firsts[j]
-            tokens.append(self._sample_row(probs[j], request, first))
+            tokens.append(self._sample_row(probs[j], request, firsts[j]))
             if j == len(proposals) or tokens[-1] != proposals[j]:
                 break
         return tokens
@@ -139,21 +132,11 @@ class Sampler:
             groups.setdefault(_first_candidates(request.params, vocab_size), []).append(row)
         tokens = [0] * len(requests)
         for count, rows in groups.items():
-            if count < 0:  # min-p over the whole vocabulary: its own row's masking first
-                for row in rows:
-                    tokens[row] = self._sample_row(probs[row], requests[row])
-                continue
-            group = probs if len(rows) == probs.shape[0] else probs[rows]
-            if count == 0:
-                cdfs = group.cumsum(-1)
-                for j, row in enumerate(rows):
-                    tokens[row] = self._sample_row(probs[row], requests[row], cdfs[j])
-                continue
-            values, indices = _topk(group, count)
-            cdfs = values.cumsum(-1)
+            # (the rows' own copy only where the group's first op reads them: count >= 0)
+            group = probs if len(rows) == probs.shape[0] or count < 0 else probs[rows]
+            firsts = _firsts(group, count)
             for j, row in enumerate(rows):
-                first = (values[j], indices[j], cdfs[j])
-                tokens[row] = self._sample_row(probs[row], requests[row], first)
+                tokens[row] = self._sample_row(probs[row], requests[row], firsts[j])
         return tokens
 
     def _sample_row(
@@ -165,7 +148,7 @@ class Sampler:
         params = request.params
         generator = self._generators[request.request_id]
         vocab_size = probs.shape[0]
-        top_k = params.top_k if 0 < params.top_k < vocab_size else None
+        top_k = _top_k(params, vocab_size)
         if top_k is None and params.top_p >= 1.0:
             if first is not None:
                 return _draw(first, generator)
@@ -223,10 +206,28 @@ def _first_candidates(params, vocab_size: int) -> int:
     """How `Sampler._sample_row` starts on a row: `topk` of this many candidates (top-k, or
     top-p's first nucleus), 0 for the whole vocabulary's cumsum, -1 for that after min-p's
     mask (a row's own op first)."""
-    top_k = params.top_k if 0 < params.top_k < vocab_size else None
+    top_k = _top_k(params, vocab_size)
     if top_k is None and params.top_p >= 1.0:
         return -1 if params.min_p > 0.0 else 0
     return top_k or min(_INITIAL_NUCLEUS_CANDIDATES, vocab_size)
+
+
+def _top_k(params, vocab_size: int) -> int | None:
+    """The request's top-k where it keeps fewer than the whole vocabulary, else None."""
+    return params.top_k if 0 < params.top_k < vocab_size else None
+
+
+def _firsts(group: torch.Tensor, count: int) -> list:
+    """`Sampler._sample_row`'s first op for every row of `group` [rows, vocab] (rows that start
+    alike: `_first_candidates` gave them `count`), in one call over them: the whole vocabulary's
+    cumsum (count 0), the first candidates' (values, indices, cumsum), or None each (count -1:
+    min-p masks each row on its own first)."""
+    if count < 0:
+        return [None] * group.shape[0]
+    if count == 0:
+        return list(group.cumsum(-1))
+    values, indices = _topk(group, count)
+    return list(zip(values, indices, values.cumsum(-1), strict=True))
 
 
 def takes_argmax(request: ScheduledRequest) -> bool:
