@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from loadtest.report import emit
-from loadtest.trees import ROOT, print_result, run_in_tree
+from loadtest.trees import ROOT, alternate, print_result
 
 WORKLOADS = {"W1": 1, "W2": 32}
 
@@ -42,12 +42,6 @@ def _child(args) -> None:
     })  # fmt: skip
 
 
-def run_side(tree: Path, args) -> dict:
-    flags = ["--child", "--options", args.options, "--workloads", args.workloads,
-             "--sampling", args.sampling, "--baseline", str(tree)]  # fmt: skip
-    return run_in_tree(__file__, tree, flags, timeout_s=1800)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", type=Path, required=True, help="the other checkout")
@@ -64,12 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     options = json.loads(args.options)
     workloads = {name: WORKLOADS[name] for name in args.workloads.split(",")}
     trees = {"baseline": args.baseline.resolve(), "this": ROOT}
-    runs: dict[str, list[dict]] = {side: [] for side in trees}
-    for round_index in range(args.rounds):
-        for side, tree in trees.items():
-            runs[side].append(run_side(tree, args))
-            print(f"[bench] round {round_index + 1}/{args.rounds} {side}: {runs[side][-1]}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+    flags = ["--child", "--options", args.options, "--workloads", args.workloads,
+             "--sampling", args.sampling, "--baseline", str(args.baseline)]  # fmt: skip
+    runs = alternate(__file__, trees, flags, args.rounds, timeout_s=1800)
     medians = {side: {w: statistics.median(r[w] for r in rs) for w in workloads}
                for side, rs in runs.items()}  # fmt: skip
     ratio = {w: round(medians["this"][w] / medians["baseline"][w], 3) for w in workloads}
