@@ -170,14 +170,18 @@ def run_llamacpp(
         )
     num_tokens = sum(r["num_tokens"] for r in results)
     stats = summarize(num_tokens, elapsed, [r["ttft_s"] for r in results])
-    speeds = [r["predicted_per_second"] for r in results if r["predicted_per_second"]]
-    server_tok_s = {"median": round(statistics.median(speeds), 1),
-                    "sum": round(sum(speeds), 1)} if speeds else None  # fmt: skip
-    prompt_speeds = [r["prompt_per_second"] for r in results if r.get("prompt_per_second")]
-    server_prompt_tok_s = {"median": round(statistics.median(prompt_speeds), 1),
-                           "sum": round(sum(prompt_speeds), 1)} if prompt_speeds else None  # fmt: skip
-    return {**stats, "server_tok_s": server_tok_s, "server_prompt_tok_s": server_prompt_tok_s,
+    return {**stats, "server_tok_s": _server_speeds(results, "predicted_per_second"),
+            "server_prompt_tok_s": _server_speeds(results, "prompt_per_second"),
             "stream": stream, "server_peak_rss_mib": peak_rss_mib}  # fmt: skip
+
+
+def _server_speeds(results: list[dict], field: str) -> dict | None:
+    """The server's own speed `field` over the requests: the median request's, and the sum
+    (the aggregate when they ran together); None where it reported none."""
+    speeds = [r[field] for r in results if r.get(field)]
+    if not speeds:
+        return None
+    return {"median": round(statistics.median(speeds), 1), "sum": round(sum(speeds), 1)}
 
 
 def peak_rss_of(pid: int) -> float | None:
