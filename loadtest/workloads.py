@@ -121,19 +121,20 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
 def document_prompts(tokenizer, n: int, num_tokens: int) -> list[list[int]]:
     """n chat prompts of exactly `num_tokens` tokens: a request to summarize notes (sentences
     over the topics, each prompt's starting at a topic of its own, so two prompts part within
-    the first note: no full KV block in common past the chat template's), the notes cut to fit. The template's head and tail are encoded
-    apart from the notes, so the cut never splits the template."""
+    the first note: no full KV block in common past the chat template's), the notes cut to
+    fit. The template's head and tail (the same for every prompt) are encoded apart from the
+    notes, so the cut never splits the template."""
     marker = "\x00NOTES\x00"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Summarize these notes in one sentence.\n\n{marker}"}],
+        add_generation_prompt=True, tokenize=False,
+    )  # fmt: skip
+    head, tail = (tokenizer.encode(part) for part in text.split(marker))
+    room = num_tokens - len(head) - len(tail)
+    if room <= 0:
+        raise ValueError(f"{num_tokens} tokens leave no room for notes after the template")
     prompts = []
     for i in range(n):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"Summarize these notes in one sentence.\n\n{marker}"}],
-            add_generation_prompt=True, tokenize=False,
-        )  # fmt: skip
-        head, tail = (tokenizer.encode(part) for part in text.split(marker))
-        room = num_tokens - len(head) - len(tail)
-        if room <= 0:
-            raise ValueError(f"{num_tokens} tokens leave no room for notes after the template")
         notes: list[int] = []
         k = 0
         while len(notes) < room:
