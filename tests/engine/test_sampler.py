@@ -275,3 +275,40 @@ def test_without_ties_the_kernels_draw_is_torchs(vocab, params, seed):
     assert through_kernel._sample_rows(probs, [request]) == [
         through_torch._sample_row(probs[0], request)
     ]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    vocab=st.integers(2, 3000),
+    row_params=st.lists(_ROW_PARAMS, min_size=1, max_size=6),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    masked=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_probabilities_in_one_call_draw_what_the_torch_chain_draws(
+    vocab, row_params, dtype, masked, seed
+):
+    """`_probabilities` (the fused ops' softmax_rows where built) gives the sampler the torch
+    chain's probabilities: the same tokens and streams for bf16 and float32 logits, with a
+    masked (-inf) logit among them."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(len(row_params), vocab, generator=generator) * 4).to(dtype)
+    if masked:
+        logits[0, vocab // 2] = float("-inf")
+    requests = [req(f"r{i}", SamplingParams(**p), seed=seed + i) for i, p in enumerate(row_params)]
+    fused = Sampler()(logits, requests)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            sampler_module, "_probabilities",
+            lambda rows, t: torch.softmax(rows.float() / t[:, None], dim=-1),
+        )  # fmt: skip
+        assert fused == Sampler()(logits, requests)
+
+
+def test_probabilities_of_a_batch_with_a_nan_row_are_the_torch_chains():
+    logits = torch.randn(3, 40)
+    logits[1, 7] = float("nan")
+    temperatures = torch.tensor([0.5, 1.0, 2.0])
+    got = sampler_module._probabilities(logits, temperatures)
+    want = torch.softmax(logits / temperatures[:, None], dim=-1)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())

@@ -27,7 +27,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -751,6 +753,181 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> topk_rows(const torch::T
   return {values, indices, taken};
 }
 
+// ---------------------------------------------------------------------------------------------
+// The sampler's probabilities (engine/sampler.py): probs[r] = softmax(float(logits[r]) / t[r]),
+// the bits of `torch.softmax(logits.float() / t[:, None], -1)` in one call. The division is one
+// IEEE division an element, as torch's div; the softmax follows ATen's over the last dim
+// (_vec_softmax_lastdim) on this machine's dispatch width, which `exp_lanes` names as for SiLU:
+// 16 (AVX-512: 16 float lanes, SLEEF's 16-lane expf), 8 (AVX2: 8 lanes, the 8-lane expf) or 0
+// (DEFAULT: the generic vector of 8 lanes, std::exp). Its steps: m = max (exact in any order),
+// e = exp(x - m), s = sum e (reduce_all: one accumulator of a vector's lanes over the row's whole
+// vectors, a partial last vector added to its first lanes only, then the lanes by halves with
+// AVX (lane i + lane i + W/2, ..., then + 1), in order on DEFAULT; a row shorter than a vector
+// adds its values in order), then e * (1 / s). Element-wise steps are vectorised here in any
+// width (each element's result is one IEEE operation, or SLEEF's, whatever the vector); only
+// the sum keeps torch's lanes. A row whose scaled values hold a NaN or whose maximum is not
+// finite is reported (false): its softmax is NaN or undefined, and the caller takes torch's
+// chain for the call.
+//
+// A row is computed on one thread, the same way whatever else is in the call. Rows split across
+// at::parallel_for only where a call has many: one row runs inline, where torch's chain (a cast,
+// a division, a softmax, each over more than ATen's grain) woke the second thread for each.
+constexpr int64_t kRowsInline = 4;  // fewer rows run inline (a 49k row: ~30 us)
+
+#if defined(__AVX512F__)
+template <typename scalar_t>
+inline __m512 load_float16(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+}
+#endif
+
+// out = float(x) / t; the largest value into *max; false where a value is NaN.
+template <typename scalar_t>
+bool scale_row(const scalar_t* x, float t, int64_t n, float* out, float* max) {
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 tv = _mm512_set1_ps(t);
+  __m512 mv = _mm512_set1_ps(m);
+  __mmask16 bad = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_div_ps(load_float16(x + i), tv);
+    _mm512_storeu_ps(out + i, v);
+    bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    mv = _mm512_max_ps(mv, v);
+  }
+  nan = bad != 0;
+  m = _mm512_reduce_max_ps(mv);
+#endif
+  for (; i < n; ++i) {
+    const float v = to_float(x[i]) / t;
+    out[i] = v;
+    nan |= v != v;
+    m = std::max(m, v);
+  }
+  *max = m;
+  return !nan;
+}
+
+// v = exp(v - m) in place over n floats, as torch's map computes it (SLEEF's expf of
+// `exp_lanes` lanes on whole vectors and on the zero-padded last one, or std::exp), and their
+// sum in reduce_all's order.
+float exp_and_sum(float* v, int64_t n, float m, int64_t exp_lanes) {
+  const int64_t width = exp_lanes == 0 ? 8 : exp_lanes;
+  alignas(64) float acc[16] = {};  // e >= 0: a zero start adds nothing (no -0 to lose)
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (exp_lanes == 16) {
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 a = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_loadu_ps(v + i), mv));
+      _mm512_storeu_ps(v + i, e);
+      a = _mm512_add_ps(a, e);
+    }
+    if (i < n) {
+      const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1u);
+      const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, v + i), mv));
+      _mm512_mask_storeu_ps(v + i, k, e);
+      a = _mm512_mask_add_ps(a, k, a, e);
+      i = n;
+    }
+    _mm512_store_ps(acc, a);
+  }
+#endif
+#if defined(__AVX2__)
+  if (exp_lanes == 8) {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 a = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_loadu_ps(v + i), mv));
+      _mm256_storeu_ps(v + i, e);
+      a = _mm256_add_ps(a, e);
+    }
+    _mm256_store_ps(acc, a);
+    if (i < n) {
+      alignas(32) float tail[8] = {};
+      for (int64_t l = 0; l < n - i; ++l) tail[l] = v[i + l] - m;
+      _mm256_store_ps(tail, Sleef_expf8_u10(_mm256_load_ps(tail)));
+      for (int64_t l = 0; l < n - i; ++l) {
+        v[i + l] = tail[l];
+        acc[l] += tail[l];
+      }
+      i = n;
+    }
+  }
+#endif
+  for (int64_t l = 0; i < n; ++i, l = (l + 1) % width) {  // std::exp, the lanes in turn
+    v[i] = std::exp(v[i] - m);
+    acc[l] += v[i];
+  }
+  if (n < width) {  // no whole vector: the values in order
+    float total = v[0];
+    for (int64_t j = 1; j < n; ++j) total += v[j];
+    return total;
+  }
+  if (exp_lanes == 0) {
+    float total = acc[0];
+    for (int64_t l = 1; l < width; ++l) total += acc[l];
+    return total;
+  }
+  for (int64_t h = width / 2; h >= 1; h /= 2)
+    for (int64_t l = 0; l < h; ++l) acc[l] = acc[l] + acc[l + h];
+  return acc[0];
+}
+
+void scale_by(float* v, int64_t n, float s) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 sv = _mm512_set1_ps(s);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(v + i, _mm512_mul_ps(_mm512_loadu_ps(v + i), sv));
+#endif
+  for (; i < n; ++i) v[i] = v[i] * s;
+}
+
+template <typename scalar_t>
+bool softmax_row(const scalar_t* x, float t, int64_t n, int64_t exp_lanes, float* out) {
+  float m;
+  if (!scale_row(x, t, n, out, &m) || !std::isfinite(m)) return false;
+  scale_by(out, n, 1.0f / exp_and_sum(out, n, m, exp_lanes));
+  return true;
+}
+
+// logits [rows, n] float32 or bfloat16 (unit last stride), temperatures float32 [rows] ->
+// (probs float32 [rows, n], per row whether it was computed).
+std::tuple<torch::Tensor, torch::Tensor> softmax_rows(const torch::Tensor& logits,
+                                                      const torch::Tensor& temperatures,
+                                                      int64_t exp_lanes) {
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1 && logits.stride(1) == 1 &&
+                  (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "softmax_rows: logits must be float32 or bfloat16 [rows, n >= 1], unit last stride");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(temperatures.scalar_type() == at::kFloat && temperatures.dim() == 1 &&
+                  temperatures.size(0) == rows && temperatures.is_contiguous(),
+              "softmax_rows: temperatures must be float32 [rows], contiguous");
+  check_exp_lanes(exp_lanes);
+  auto probs = torch::empty({rows, n}, torch::kFloat);
+  auto done = torch::empty({rows}, torch::kBool);
+  const float* t = temperatures.data_ptr<float>();
+  float* out = probs.data_ptr<float>();
+  bool* ok = done.data_ptr<bool>();
+  const int64_t stride = logits.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "softmax_rows", [&] {
+    const scalar_t* x = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowsInline, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r)
+        ok[r] = softmax_row<scalar_t>(x + r * stride, t[r], n, exp_lanes, out + r * n);
+    });
+  });
+  return {probs, done};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "out = RMSNorm(x), HF's rounding, torch's summation order");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place");
@@ -758,6 +935,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up from [rows, 2n], torch's exp");
   m.def("argmax_rows", &argmax_rows, "torch.max(x, -1).indices for float32/bfloat16 rows");
   m.def("topk_rows", &topk_rows, "each row's k largest, value descending then index ascending");
+  m.def("softmax_rows", &softmax_rows, "softmax(float(logits) / t) per row, torch's bits");
   m.def("exp_lanes_built", &exp_lanes_built, "widest SLEEF exp this build can call (0, 8, 16)");
   m.def("norm_task_fn", [] { return task_fn(&norm_task); });
   m.def("rotary_task_fn", [] { return task_fn(&rotary_task); });

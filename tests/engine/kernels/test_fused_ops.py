@@ -209,3 +209,89 @@ def test_topk_rows_rejects_what_it_cannot_read():
         kernels.topk_rows(torch.zeros(2, 3, dtype=torch.bfloat16), 1)
     with pytest.raises(RuntimeError, match="k must be"):
         kernels.topk_rows(torch.zeros(2, 3), 4)
+
+
+def _softmax_reference(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """The sampler's torch chain (engine/sampler.py `_scaled`, then softmax)."""
+    return torch.softmax(logits.float().div_(temperatures[:, None]), dim=-1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.integers(1, 6), n=st.sampled_from([1, 3, 7, 8, 9, 15, 16, 17, 33, 100, 1000, 4099]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16),
+    scale=st.sampled_from([0.01, 3.0, 30.0]), temperature=st.floats(0.05, 5.0),
+    masked=st.lists(st.integers(0, 10**6), max_size=12),
+)  # fmt: skip
+def test_softmax_rows_is_bit_identical_to_the_samplers_torch_chain(
+    rows, n, dtype, seed, scale, temperature, masked
+):
+    """softmax(float(logits) / t) row by row, the same bits as the torch chain it replaces in
+    the sampler, over row lengths around this dispatch's vector width (partial vectors, rows
+    shorter than one), both dtypes, temperatures per row and -inf logits (a grammar's mask)."""
+    logits = _randn((rows, n), dtype, scale, seed)
+    for position in masked:
+        if position % logits.numel() % n:  # keep each row's first logit finite
+            logits.view(-1)[position % logits.numel()] = float("-inf")
+    temperatures = torch.linspace(temperature, temperature * 1.7, rows)
+    probs, done = kernels.softmax_rows(logits, temperatures, LANES[1])
+    assert bool(done.all())
+    assert torch.equal(probs, _softmax_reference(logits, temperatures))
+
+
+def test_softmax_rows_reports_rows_it_leaves_to_torch_and_rejects_bad_input():
+    logits = torch.zeros(4, 20)
+    logits[1, 3] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 5] = float("inf")
+    probs, done = kernels.softmax_rows(logits, torch.ones(4), LANES[1])
+    assert done.tolist() == [True, False, False, False]
+    assert torch.equal(probs[0], torch.full((20,), 0.05))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.softmax_rows(logits.half(), torch.ones(4), LANES[1])
+    with pytest.raises(RuntimeError, match="temperatures"):
+        kernels.softmax_rows(logits, torch.ones(3), LANES[1])
+    with pytest.raises(RuntimeError, match="lanes"):
+        kernels.softmax_rows(logits, torch.ones(4), 4)
+
+
+_SOFTMAX_SCRIPT = """
+import sys, torch
+from engine.kernels.cpu import fused_ops
+ext = fused_ops.build(isa=sys.argv[1])
+lanes = fused_ops.lanes()[1]
+same = total = 0
+for seed in range(40):
+    g = torch.Generator().manual_seed(seed)
+    rows, n = 1 + seed % 4, [1, 5, 8, 13, 16, 31, 100, 4099][seed % 8]
+    logits = (torch.randn(rows, n, generator=g) * 8).to([torch.float32, torch.bfloat16][seed % 2])
+    t = torch.rand(rows, generator=g) + 0.1
+    probs, done = ext.softmax_rows(logits, t, lanes)
+    ref = torch.softmax(logits.float().div_(t[:, None]), dim=-1)
+    same += bool(done.all()) and torch.equal(probs, ref)
+    total += 1
+print(lanes, same, total)
+"""
+
+
+@pytest.mark.parametrize("isa,capability,want_lanes", [("avx2", "avx2", 8), ("portable", "default", 0)])
+def test_softmax_rows_follows_a_narrower_dispatch(isa, capability, want_lanes):
+    """Under torch's AVX2 and DEFAULT dispatch (8 lanes with SLEEF's 8-lane exp; 8 lanes in
+    order with std::exp), in a process of its own with that build of the fused ops: the same
+    bits as torch's chain there."""
+    import os
+    import subprocess
+    import sys
+
+    from engine.platform import cpu_info
+
+    if isa == "avx2" and cpu_info().vector_isa == "portable":
+        pytest.skip("this CPU has no AVX2")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    done = subprocess.run(
+        [sys.executable, "-c", _SOFTMAX_SCRIPT, isa], env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lanes, same, total = map(int, done.stdout.split()[-3:])
+    assert (lanes, same) == (want_lanes, total)
