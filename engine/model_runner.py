@@ -85,6 +85,7 @@ class ModelRunner:
         self._place_model()
         self._allocate_kv_cache()
         self._choose_step()
+        self._calibrate_attention()
         if self.is_compiled:
             self._forward = CompiledModel(self.model, self.attention, self._layer_caches)
             self._warm_up()
@@ -93,6 +94,7 @@ class ModelRunner:
             "model_runner.ready", model=str(model_path), dtype=str(self.dtype).split(".")[-1],
             max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
             kv_cache_bytes=self.kv_cache_bytes, attention_backend=self.attention.name,
+            extend_limit=getattr(self.attention, "extend_limit", None),
             linear_kernels=self.linear_kernels, compiled=self.is_compiled,
             pointwise_ops=self.pointwise_ops,
             fused_decode=self._fused_decode_state(), embedding=self.embedding,
@@ -283,6 +285,15 @@ class ModelRunner:
             log.warning("model_runner.max_model_len_capped", sliding_window=window)
             max_model_len = window
         return max_model_len
+
+    def _calibrate_attention(self) -> None:
+        """The CPU kernels' backend: how long a chunk after cached tokens may be and take the
+        extend kernel on this machine (engine/kernels/cpu/extend_choice.py; once per machine)."""
+        calibrate = getattr(self.attention, "calibrate", None)
+        if calibrate is not None:
+            hf = self.hf_config
+            calibrate(hf.num_attention_heads, hf.num_key_value_heads, head_dim_of(hf),
+                      self.block_size, self.kv_cache.dtype)  # fmt: skip
 
     def _place_model(self) -> None:
         """Where the model runs: it stays where it was loaded (a device runner moves it)."""

@@ -15,14 +15,17 @@ from engine.kernels.attention_types import (
     PrefillChunk,
     decode_mask,
 )
-from engine.kernels.cpu import paged_attention  # its functions looked up per call (tests patch)
+from engine.kernels.cpu import (
+    extend_choice,
+    paged_attention,  # its functions looked up per call (tests patch)
+)
 from engine.layers.attention import TorchPagedAttention
 from engine.quant.kv_int8 import Int8PagedAttention
 
 
 class CpuPagedAttention(TorchPagedAttention):
     """The C++ kernels on the decode rows and on prefill chunks that follow cached tokens
-    (`use_extend_kernel`); fresh prompts (and dtypes the kernels lack, fp16) go through the
+    (`use_extend_kernel`, up to the length `calibrate` measured the kernel faster for); fresh prompts (and dtypes the kernels lack, fp16) go through the
     torch reference it subclasses. Needs no decode mask: the kernels stop at each request's
     context length."""
 
@@ -32,6 +35,20 @@ class CpuPagedAttention(TorchPagedAttention):
     def __init__(self, extension: ModuleType):
         super().__init__()
         self.extension = extension
+        # The most new tokens a chunk after cached tokens takes the kernel with, measured on
+        # this machine (`calibrate`); None: paged_attention's static rule alone.
+        self.extend_limit: int | None = None
+
+    def calibrate(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                  dtype: torch.dtype) -> None:  # fmt: skip
+        """Set `extend_limit` for the model's attention shape (engine/kernels/cpu/
+        extend_choice.py: measured once per machine, then read from the cache)."""
+        if dtype not in paged_attention.SUPPORTED_DTYPES:
+            return
+        self.extend_limit = extend_choice.extend_limit(
+            self.extension, lambda q, kv_cache, chunk: self._prefill(q, None, kv_cache, chunk),
+            num_heads, num_kv_heads, head_dim, block_size, dtype,
+        )  # fmt: skip
 
     def _decode(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         if q.dtype not in paged_attention.SUPPORTED_DTYPES:
@@ -43,7 +60,7 @@ class CpuPagedAttention(TorchPagedAttention):
     def _prefills(self, q, kv, kv_cache, chunks: list[PrefillChunk], out: torch.Tensor) -> None:
         in_place, gathered = [], []
         for chunk in chunks:
-            kernel = paged_attention.use_extend_kernel(chunk, q.dtype)
+            kernel = paged_attention.use_extend_kernel(chunk, q.dtype, self.extend_limit)
             (in_place if kernel else gathered).append(chunk)
         if gathered:
             super()._prefills(q, kv, kv_cache, gathered, out)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from engine.attention_backends import attention_backend
 from engine.kernels.attention_types import AttentionMetadata, PrefillChunk, decode_mask
-from engine.kernels.cpu import paged_attention
+from engine.kernels.cpu import extend_choice, paged_attention
 from engine.layers.attention import TorchPagedAttention
 from engine.layers.cpu_attention import CpuPagedAttention
 from engine.sampling_params import SamplingParams
@@ -355,6 +355,8 @@ def test_engine_greedy_tokens_with_prefix_caching_and_chunked_prefill(
         [shared + [21, 22], shared + [23] * 30, shared[:16] + [24]],  # prefix-cache hits
     ]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    # Every chunk after cached tokens to the kernel, whatever this machine's calibration says.
+    monkeypatch.setattr(extend_choice, "extend_limit", lambda *args: extend_choice.NO_LIMIT)
     extend_calls = []
     real_extend = paged_attention.extend
     monkeypatch.setattr(
@@ -387,6 +389,13 @@ def test_extend_dispatch_rule():
     assert rule(PrefillChunk(0, limit, 20, ids), torch.float32)
     assert not rule(PrefillChunk(0, limit + 1, 20, ids), torch.float32)
     assert not rule(PrefillChunk(0, 2, 20, ids), torch.float16)
+    # With this machine's calibrated limit: up to it, in either dtype; fresh prompts still not.
+    assert rule(PrefillChunk(0, 4, 20, ids), torch.bfloat16, 4)
+    assert not rule(PrefillChunk(0, 5, 20, ids), torch.bfloat16, 4)
+    assert rule(PrefillChunk(0, 64, 20, ids), torch.float32, 64)
+    assert not rule(PrefillChunk(0, 1, 20, ids), torch.bfloat16, 0)
+    assert not rule(PrefillChunk(0, 1, 0), torch.bfloat16, 4)
+    assert not rule(PrefillChunk(0, 1, 20, ids), torch.float16, 4)
 
 
 @pytest.fixture(scope="module")

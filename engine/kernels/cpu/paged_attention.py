@@ -45,15 +45,16 @@ version (a dot product per query row and key, scalar expf) ran at 0.3-0.7x the r
 32+ new tokens; this one runs 0.77-1.75x the reference (the table by prefix and new tokens:
 loadtest/README.md, "Kernel measurements moved out of the code").
 
-Hence the rule (`use_extend_kernel`): bf16 chunks after a cached prefix always take the kernel
-(it never lost by more than this machine's noise); fp32 chunks only
-up to 16 new tokens (EXTEND_MAX_TOKENS_FP32): beyond that MKL's fp32 GEMMs inside SDPA win once
-the prefix is long (0.77-0.87 at 2048). Fresh prompts (no cached prefix) stay on SDPA's causal
-kernel: there is nothing in the cache to avoid copying. In the engine (SmolLM2 bf16, 2 threads,
-16 requests hitting a cached prefix, one new token each; `bench_extend_attention --engine`, the
-rule switched in one engine, 5 alternating rounds, wall time while other jobs loaded the
-machine, load average 4-5): reference / kernel 1.23 with a 2048-token prefix and 8 new tokens
-each, 0.97 with 512 and 24 (within the noise: the GEMMs of the 384 new tokens dominate there).
+Hence the rule (`use_extend_kernel`), measured on the AMD EPYC: bf16 chunks after a cached
+prefix always take the kernel (it never lost by more than that machine's noise); fp32 chunks
+only up to 16 new tokens (EXTEND_MAX_TOKENS_FP32): beyond that MKL's fp32 GEMMs inside SDPA win
+once the prefix is long (0.77-0.87 at 2048). Fresh prompts (no cached prefix) stay on SDPA's
+causal kernel: there is nothing in the cache to avoid copying. In the engine (SmolLM2 bf16, 2
+threads, 16 requests hitting a cached prefix, one new token each; `bench_extend_attention
+--engine`, load average 4-5): reference / kernel 1.23 with a 2048-token prefix and 8 new
+tokens each, 0.97 with 512 and 24. On the 2-core Xeon the kernel loses from 16 new tokens on
+(0.25-0.9x), so the CPU backend now measures the limit on the running machine
+(engine/kernels/cpu/extend_choice.py) and the static rule is what applies without one.
 Next lever: bf16 dot products
 (avx512_bf16) for the scores instead of widening K.
 
@@ -224,11 +225,14 @@ def choose_query_tile(num_queries: int, num_kv_heads: int) -> int:
     return max(1, min(MAX_QUERY_TILE, per_thread))
 
 
-def use_extend_kernel(chunk: PrefillChunk, dtype: torch.dtype) -> bool:
+def use_extend_kernel(chunk: PrefillChunk, dtype: torch.dtype, limit: int | None = None) -> bool:
     """Whether a prefill chunk goes to the extend kernel rather than gather + SDPA: only chunks
     that follow cached tokens (a fresh prompt has no cache to read: SDPA's causal kernel on
-    its own K/V), in bf16 always, in fp32 up to EXTEND_MAX_TOKENS_FP32 new tokens (measured:
-    see the module docstring)."""
+    its own K/V), of at most `limit` new tokens where this machine's calibration gave one
+    (engine/kernels/cpu/extend_choice.py); without it, in bf16 always and in fp32 up to
+    EXTEND_MAX_TOKENS_FP32 new tokens (measured on the EPYC: see the module docstring)."""
     if chunk.block_ids is None or dtype not in SUPPORTED_DTYPES:
         return False
+    if limit is not None:
+        return chunk.num_tokens <= limit
     return dtype == torch.bfloat16 or chunk.num_tokens <= EXTEND_MAX_TOKENS_FP32

@@ -1,0 +1,137 @@
+"""How long a prefill chunk after cached tokens may be and still take the extend kernel, decided
+on the running machine.
+
+Such a chunk (the next chunk of a long prompt, a prefix-cache hit, a resumed request) goes
+either to the extend kernel, which reads the cache in place (engine/kernels/cpu/
+paged_attention.py), or to the torch reference, which gathers the context out of the block
+pool and runs SDPA. Which is faster depends on the CPU and on the chunk's new tokens, and a rule
+measured on one CPU was wrong on the other: on the AMD EPYC (2026-12-03) the kernel ran 0.77-1.75x the
+reference's speed at every size measured; on the 2-core Xeon (no avx512_bf16), bf16, 2 threads,
+1024 cached tokens, it wins with 1-4 new tokens (3.9x at 1) and loses from 16 on (0.25-0.9x;
+`bench_extend_attention --threads 2`): a 4096-token prompt's prefill took 1.46x as long with
+its later 1024-token chunks on the kernel as on the reference.
+
+So `extend_limit` times both on the model's attention shape (heads, KV heads, head dim, block
+size, dtype) after 1024 cached tokens, for chunks of 1, 4, 16, 64 and 256 new tokens (rounds
+alternating, the fastest call of each side compared, as engine/kernels/cpu/linear_choice.py does
+and for its reasons), and returns the largest of those sizes up to which the kernel never lost:
+chunks up to it take the kernel, longer ones the reference (no limit where it won at every
+size, 0 where it lost at one token). Cached per machine (CPU fingerprint, threads, shape) in the
+calibration directory; a decision taken on a busy machine is used but not cached.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+import structlog
+import torch
+
+from engine.kernels.attention_types import PrefillChunk
+from engine.kernels.cpu import paged_attention
+from engine.kernels.cpu.linear_choice import _cache_dir, _read, _write, busy_reason
+from engine.platform import cpu_info
+
+log = structlog.get_logger(__name__)
+
+CALIBRATION_PREFIX = 1024  # cached tokens before the timed chunks
+CALIBRATION_NEW_TOKENS = (1, 4, 16, 64, 256)
+NO_LIMIT = 1 << 30  # the kernel won at every size: any chunk takes it
+_ROUNDS = 7
+CALIBRATION_VERSION = 1
+
+
+def calibration_file():
+    return _cache_dir() / f"extend-{cpu_info().fingerprint}.json"
+
+
+def _key(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    threads = torch.get_num_threads()
+    shape = f"{num_heads}x{num_kv_heads}x{head_dim}:block{block_size}"
+    return f"{name}:{shape}:threads{threads}:v{CALIBRATION_VERSION}"
+
+
+# The torch reference's attention for one chunk: (q, kv_cache, chunk) -> out (the layers'
+# TorchPagedAttention._prefill; passed in, as kernels sit below the layers).
+Reference = Callable[[torch.Tensor, torch.Tensor, PrefillChunk], torch.Tensor]
+
+
+def extend_limit(
+    kernels: ModuleType, reference: Reference, num_heads: int, num_kv_heads: int,
+    head_dim: int, block_size: int, dtype: torch.dtype,
+) -> int:  # fmt: skip
+    """The most new tokens a chunk after cached tokens may have and take the extend kernel."""
+    path = calibration_file()
+    key = _key(num_heads, num_kv_heads, head_dim, block_size, dtype)
+    cached = _read(path).get(key)
+    if isinstance(cached, dict) and isinstance(cached.get("limit"), int):
+        return cached["limit"]
+    busy = busy_reason()
+    result = calibrate(kernels, reference, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    reason = busy or busy_reason()
+    if reason is None:
+        _write(path, {key: result})
+        log.info("attention.extend_calibrated", file=str(path), key=key, **result)
+    else:
+        log.warning("attention.extend_calibration_not_cached", reason=reason, key=key, **result)
+    return result["limit"]
+
+
+def calibrate(
+    kernels: ModuleType, reference: Reference, num_heads: int, num_kv_heads: int,
+    head_dim: int, block_size: int, dtype: torch.dtype,
+) -> dict:  # fmt: skip
+    """{"limit": ..., "us": {new tokens: [reference, kernel]}}: sizes in increasing order until
+    the kernel first loses."""
+    gen = torch.Generator().manual_seed(0)
+    times = {}
+    for new in CALIBRATION_NEW_TOKENS:
+        context = CALIBRATION_PREFIX + new
+        num_blocks = -(-context // block_size)
+        kv_cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=gen)
+        kv_cache = kv_cache.to(dtype)
+        q = torch.randn(new, num_heads, head_dim, generator=gen).to(dtype)
+        allowed = torch.arange(context)[None, :] <= torch.arange(CALIBRATION_PREFIX, context)[:, None]
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+        chunk = PrefillChunk(0, new, CALIBRATION_PREFIX, torch.arange(num_blocks), mask)
+        out = torch.empty(q.shape, dtype=dtype)
+        times[new] = _fastest(
+            lambda q=q, kv_cache=kv_cache, chunk=chunk: reference(q, kv_cache, chunk),
+            lambda q=q, kv_cache=kv_cache, chunk=chunk, out=out: paged_attention.extend(
+                kernels, q, kv_cache, [chunk], out
+            ),
+        )  # fmt: skip
+        if times[new][1] > times[new][0]:
+            break
+    return {"limit": decide(times), "us": times}
+
+
+def _fastest(*calls: Callable[[], object]) -> list[float]:
+    """The fastest of _ROUNDS calls of each, in microseconds, the calls alternating (after one
+    warm-up call each: buffers, page faults)."""
+    best = [float("inf")] * len(calls)
+    with torch.inference_mode():
+        for call in calls:
+            call()
+        for _ in range(_ROUNDS):
+            for i, call in enumerate(calls):
+                start = time.perf_counter()
+                call()
+                best[i] = min(best[i], (time.perf_counter() - start) * 1e6)
+    return [round(t, 1) for t in best]
+
+
+def decide(times: dict[int, list[float]]) -> int:
+    """The limit from {new tokens: [reference us, kernel us]}: the largest size up to which
+    the kernel never lost (ties go to the kernel); NO_LIMIT if it never lost, 0 if it lost at
+    the smallest."""
+    limit = 0
+    for new in sorted(times):
+        reference, kernel = times[new]
+        if kernel > reference:
+            return limit
+        limit = new
+    return NO_LIMIT
