@@ -66,8 +66,11 @@ class Sampler:
         if greedy_rows:
             for i, token in zip(greedy_rows, _argmax(logits[greedy_rows]).tolist(), strict=True):
                 token_ids[i] = token
-        temperatures = torch.tensor([requests[i].params.temperature for i in random_rows])
-        rows = logits if len(random_rows) == len(requests) else logits[random_rows]
+        temperatures = torch.tensor(
+            [requests[i].params.temperature for i in random_rows], dtype=torch.float32
+        )
+        # (the logits may hold rows past the requests': only the requests' are read)
+        rows = logits if len(random_rows) == logits.shape[0] else logits[random_rows]
         probs = _probabilities(rows, temperatures)  # [rows, vocab]
         sampled = self._sample_rows(probs, [requests[i] for i in random_rows])
         for i, token in zip(random_rows, sampled, strict=True):
@@ -89,7 +92,8 @@ class Sampler:
             return self._verify_rows(logits, request, proposals)
         self._generator_for(request)
         params = request.params
-        probs = _probabilities(logits, torch.full((logits.shape[0],), params.temperature))
+        temperatures = torch.full((logits.shape[0],), params.temperature, dtype=torch.float32)
+        probs = _probabilities(logits, temperatures)
         firsts = _firsts(probs, _first_candidates(params, probs.shape[1]))
         tokens: list[int] = []
         for j in range(probs.shape[0]):

@@ -1,14 +1,14 @@
 """Engine benchmark against its peers, same machine, same run, rounds alternating.
 
 Workloads (loadtest/workloads.py): W1 1 x 128, W2 32 x 128, W3 64 x 128, W4 64 requests with
-outputs spread over 16..256; greedy, EOS ignored. P1 (one 1024-token prompt, 16 new tokens) is
+outputs spread over 16..256; greedy, EOS ignored. P1 and P4 (one 1024- or 4096-token prompt, 16 new tokens) are
 reported in prompt tokens a second: the prompt over the time to its first token. Peers: HF `generate` (static left-padded
 batch, same dtype; a static batch runs to its longest request, only requested tokens count)
 and llama.cpp's `llama-server` on the model's GGUF (loadtest/llamacpp_peer.py). Each
 (implementation, dtype) runs in its own process so peak RSS is its own; with `--rounds N`
 the implementations alternate N times and the medians are reported (this machine is noisy).
 
-    mini-infer bench engine [--dtypes float32,bfloat16] [--workloads W1,W2,W3,W4,P1]
+    mini-infer bench engine [--dtypes float32,bfloat16] [--workloads W1,W2,W3,W4,P1,P4]
         [--compare hf,llamacpp,llamacpp-stream] [--rounds 3] [--compile off] [--out r.json] [--plot r.png]
     mini-infer bench engine --profile [--dtypes bfloat16] [--quantization int4]
 
@@ -268,7 +268,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--workloads", default="W1,W2", help="comma list of W1,W2,W3,W4,C8,P1")
+    parser.add_argument("--workloads", default="W1,W2", help="comma list of W1,W2,W3,W4,C8,P1,P4")
     parser.add_argument(
         "--compare", default="hf", help="peers: comma list of hf,llamacpp,llamacpp-stream"
     )

@@ -7,6 +7,8 @@
   the batch at different steps: continuous batching against a static batch's padding).
 - P1: one chat request whose prompt is a 1024-token document to summarize, 16 new tokens (the
   wait before the first token of a long prompt: prefill's speed, in prompt tokens a second).
+- P4: the same with a 4096-token document (prefilled in chunks: the later ones attend to the
+  cached ones, and attention's share of the work grows with the length).
 All greedy, EOS ignored, so every run generates exactly the same number of tokens.
 """
 
@@ -19,6 +21,7 @@ W2_NUM_REQUESTS = 32
 DEFAULT_MAX_TOKENS = 128
 PREFILL_PROMPT_TOKENS = 1024
 PREFILL_NEW_TOKENS = 16
+LONG_PREFILL_PROMPT_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ def workloads(max_tokens: int = DEFAULT_MAX_TOKENS) -> dict[str, Workload]:
         "W4": Workload("W4", spread(64, 16, 256)),
         "C8": Workload("C8", (max_tokens,) * 8),  # fills the concurrency plot between W1 and W2
         "P1": Workload("P1", (PREFILL_NEW_TOKENS,), prompt_tokens=PREFILL_PROMPT_TOKENS),
+        "P4": Workload("P4", (PREFILL_NEW_TOKENS,), prompt_tokens=LONG_PREFILL_PROMPT_TOKENS),
     }
 
 

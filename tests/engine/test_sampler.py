@@ -312,3 +312,14 @@ def test_probabilities_of_a_batch_with_a_nan_row_are_the_torch_chains():
     got = sampler_module._probabilities(logits, temperatures)
     want = torch.softmax(logits / temperatures[:, None], dim=-1)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_integer_temperatures_and_spare_logit_rows_draw_as_before():
+    """A temperature given as an int, and logits with rows past the requests' (the caller's
+    buffer): the draws are those of float temperatures on the requests' rows alone."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    ints = [req(f"r{i}", SamplingParams(temperature=t), seed=i) for i, t in enumerate([1, 2])]
+    floats = [req(f"r{i}", SamplingParams(temperature=float(t)), seed=i)
+              for i, t in enumerate([1, 2])]  # fmt: skip
+    assert Sampler()(logits, ints) == Sampler()(logits[:2].clone(), floats)
+    assert Sampler().verify(logits[:2], ints[0], [7]) == Sampler().verify(logits[:2], floats[0], [7])

@@ -51,8 +51,9 @@ def test_a_length_the_template_fills_is_an_error() -> None:
 
 def test_p1_takes_documents_and_the_others_the_chat_prompts() -> None:
     tokenizer = _Tokenizer()
-    p1, w1 = workloads()["P1"], workloads()["W1"]
+    p1, p4, w1 = workloads()["P1"], workloads()["P4"], workloads()["W1"]
     assert [len(p) for p in workload_prompts(tokenizer, p1)] == [p1.prompt_tokens]
+    assert [len(p) for p in workload_prompts(tokenizer, p4)] == [4096]
     assert len(workload_prompts(_ChatOnly(), w1)) == 1
 
 
