@@ -1,5 +1,5 @@
 """One engine setting, this code tree against another checkout: W1 (1 x 128) and W2 (32 x 128)
-output tokens/s on the default model, each (tree, round) in a fresh process with that tree first
+output tokens/s on the default model (or the prefill workloads P1, P4: prompt tokens/s), each (tree, round) in a fresh process with that tree first
 on PYTHONPATH, trees alternating round by round; medians and this tree's ratio.
 
     python -m loadtest.bench_trees --baseline /path/to/other/checkout [--rounds 4]
@@ -25,21 +25,30 @@ from pathlib import Path
 from loadtest.report import emit
 from loadtest.trees import ROOT, alternate, print_result
 
-WORKLOADS = {"W1": 1, "W2": 32}
+WORKLOADS = {"W1": 1, "W2": 32}  # chat requests; P1, P4: loadtest/workloads.py's documents
+PREFILL_WORKLOADS = ("P1", "P4")
 
 
 def _child(args) -> None:
     from engine.loader import load_tokenizer, resolve_model
-    from loadtest.bench_engine import run_engine
-    from loadtest.workloads import chat_prompts
+    from loadtest.bench_engine import prefill_speed, run_engine
+    from loadtest.workloads import chat_prompts, workload_prompts, workloads
 
-    prompts = chat_prompts(load_tokenizer(resolve_model("smollm2-135m")), 32)
+    tokenizer = load_tokenizer(resolve_model("smollm2-135m"))
+    prompts = chat_prompts(tokenizer, 32)
     options, sampling = json.loads(args.options), json.loads(args.sampling)
-    print_result({
-        name: run_engine("smollm2-135m", "bfloat16", prompts[:WORKLOADS[name]], 128,
-                         sampling=sampling, **options)["tokens_per_s"]
-        for name in args.workloads.split(",")
-    })  # fmt: skip
+
+    def speed(name: str) -> float:
+        if name in PREFILL_WORKLOADS:
+            workload = workloads()[name]
+            documents = workload_prompts(tokenizer, workload)
+            run = run_engine("smollm2-135m", "bfloat16", documents, list(workload.max_tokens),
+                             sampling=sampling, **options)  # fmt: skip
+            return prefill_speed(documents, run)["prompt_tokens_per_s"]
+        return run_engine("smollm2-135m", "bfloat16", prompts[:WORKLOADS[name]], 128,
+                          sampling=sampling, **options)["tokens_per_s"]  # fmt: skip
+
+    print_result({name: speed(name) for name in args.workloads.split(",")})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         _child(args)
         return 0
     options = json.loads(args.options)
-    workloads = {name: WORKLOADS[name] for name in args.workloads.split(",")}
+    workloads = args.workloads.split(",")
+    unknown = set(workloads) - set(WORKLOADS) - set(PREFILL_WORKLOADS)
+    if unknown:
+        parser.error(f"unknown workloads {sorted(unknown)}: W1, W2, P1, P4")
     trees = {"baseline": args.baseline.resolve(), "this": ROOT}
     flags = ["--child", "--options", args.options, "--workloads", args.workloads,
              "--sampling", args.sampling, "--baseline", str(args.baseline)]  # fmt: skip
