@@ -203,15 +203,8 @@ def _probabilities(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Te
     thread: 43 against ~70 us for a 49k row, where the chain below also woke the second thread
     at each of its three ops), else that chain; the chain too for a call with a row that is NaN
     or all -inf (its probabilities are torch's NaN either way)."""
-    kernels = _argmax_kernels()
-    if (
-        kernels is not None
-        and logits.device.type == "cpu"
-        and logits.dtype in (torch.float32, torch.bfloat16)
-        and logits.dim() == 2
-        and logits.shape[1] > 0
-        and logits.stride(1) == 1
-    ):
+    kernels = _row_kernels(logits)
+    if kernels is not None:
         probs, done = kernels.softmax_rows(logits, temperatures, _exp_lanes())
         if bool(done.all()):
             return probs
@@ -278,6 +271,15 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Greedy ids [rows]: the fused ops' row-wise argmax on CPU (the same indices as
     `max(dim).indices`, 3.5x faster for [32, 49152] bf16: 0.19 against 0.66 ms), else torch's
     `max(dim).indices` (itself 3x faster than `argmax` on CPU)."""
+    kernels = _row_kernels(logits)
+    if kernels is not None:
+        return kernels.argmax_rows(logits)
+    return logits.max(dim=-1).indices
+
+
+def _row_kernels(logits: torch.Tensor):
+    """The fused ops where they are built and can read `logits` (CPU rows of float32 or bf16,
+    unit last stride, at least one column); else None."""
     kernels = _argmax_kernels()
     if (
         kernels is not None
@@ -287,8 +289,8 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
         and logits.shape[1] > 0
         and logits.stride(1) == 1
     ):
-        return kernels.argmax_rows(logits)
-    return logits.max(dim=-1).indices
+        return kernels
+    return None
 
 
 def _argmax_kernels():
