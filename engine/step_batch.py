@@ -178,5 +178,6 @@ def _add_prefills(
             chunk.mask = _additive_mask(
                 torch.arange(num_ctx)[None, :] <= query_positions[:, None], dtype
             )
+            chunk.causal = True
         meta.prefills.append(chunk)
         token_start += num_tokens

@@ -27,6 +27,9 @@ class PrefillChunk:
     # [num_tokens, start_position + num_tokens], 0 = may attend, -inf = may not; None when
     # a plain causal mask suffices.
     mask: torch.Tensor | None = None
+    # The mask is the plain causal one after the cached tokens (every cached position, then the
+    # chunk's own causally), as engine/step_batch.py builds it; False for any other (a window).
+    causal: bool = False
 
 
 @dataclass

