@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.attention_backends import attention_backend
+from engine.layers import attention as attention_module
 from engine.layers.attention import TorchPagedAttention
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest
@@ -130,7 +131,9 @@ def test_a_chunk_after_cached_tokens_split_in_two_attentions_is_the_masked_one(
     allowed = torch.arange(num_ctx)[None, :] <= torch.arange(cached, num_ctx)[:, None]
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     want = prefill_sdpa(q, kv, mask).float()
-    got = prefill_sdpa(q, kv, mask, cached=cached).float()
+    with pytest.MonkeyPatch.context() as patch:  # every length split, not only long chunks
+        patch.setattr(attention_module, "SPLIT_MIN_TOKENS", 1)
+        got = prefill_sdpa(q, kv, mask, cached=cached).float()
     tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7 * want.abs().max().item() + 1e-3
     assert got.shape == want.shape
     assert (got - want).abs().max().item() <= tolerance
@@ -151,3 +154,18 @@ def test_only_the_plain_causal_mask_is_split():
     assert after.causal and after.start_position == 8 and not fresh.causal
     windowed = sliding_window_metadata(meta, 3, block, torch.float32)
     assert not any(chunk.causal for chunk in windowed.prefills)
+
+
+def test_short_chunks_stay_one_masked_call(monkeypatch):
+    """Below SPLIT_MIN_TOKENS new tokens the masked call runs as before (the split's two calls
+    cost more there); from it on, the split."""
+    from engine.layers.attention import SPLIT_MIN_TOKENS, prefill_sdpa
+
+    calls = []
+    monkeypatch.setattr(attention_module, "_prefill_split", lambda *args: calls.append(args))
+    for num_tokens in (SPLIT_MIN_TOKENS - 1, SPLIT_MIN_TOKENS):
+        q, kv = torch.randn(num_tokens, 2, 8), torch.randn(num_tokens + 5, 2, 1, 8)
+        allowed = torch.arange(num_tokens + 5)[None, :] <= torch.arange(5, num_tokens + 5)[:, None]
+        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        prefill_sdpa(q, kv, mask, cached=5)
+    assert len(calls) == 1 and calls[0][0].shape[0] == SPLIT_MIN_TOKENS

@@ -40,7 +40,9 @@ CALIBRATION_PREFIX = 1024  # cached tokens before the timed chunks
 CALIBRATION_NEW_TOKENS = (1, 4, 16, 64, 256)
 NO_LIMIT = 1 << 30  # the kernel won at every size: any chunk takes it
 _ROUNDS = 7
-CALIBRATION_VERSION = 1
+# Bumped when what a cached entry means changes (v2: the reference splits the causal mask in
+# two attentions, engine/layers/attention.py `_prefill_split`).
+CALIBRATION_VERSION = 2
 
 
 def calibration_file():
@@ -96,7 +98,7 @@ def calibrate(
         q = torch.randn(new, num_heads, head_dim, generator=gen).to(dtype)
         allowed = torch.arange(context)[None, :] <= torch.arange(CALIBRATION_PREFIX, context)[:, None]
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-        chunk = PrefillChunk(0, new, CALIBRATION_PREFIX, torch.arange(num_blocks), mask)
+        chunk = PrefillChunk(0, new, CALIBRATION_PREFIX, torch.arange(num_blocks), mask, causal=True)
         out = torch.empty(q.shape, dtype=dtype)
         times[new] = _fastest(
             lambda q=q, kv_cache=kv_cache, chunk=chunk: reference(q, kv_cache, chunk),
