@@ -69,10 +69,14 @@ def alternate(
     label: str = "",
 ) -> dict[str, list]:
     """`script` with `flags` in each side's tree in turn (`run_in_tree`), `rounds` times, each
-    round's result printed as it comes: each side's results, in round order."""
+    round's result printed as it comes: each side's results, in round order. The order within
+    a round flips every round (ABBA...): with the same side always first, P1 measured the
+    second side 0.86-0.90x in two runs of bench_trees where fresh processes in ABBA order gave
+    1.0 (loadtest/README.md, twenty-ninth session)."""
     runs: dict[str, list] = {name: [] for name in sides}
     for i in range(rounds):
-        for name, tree in sides.items():
+        order = list(sides.items())
+        for name, tree in order if i % 2 == 0 else reversed(order):
             runs[name].append(run_in_tree(script, tree, flags, timeout_s, env))
             print(f"[bench] {label}round {i + 1}/{rounds} {name}: {runs[name][-1]}",
                   file=sys.stderr, flush=True)  # fmt: skip
