@@ -31,6 +31,12 @@ class PrefillChunk:
     # chunk's own causally), as engine/step_batch.py builds it; False for any other (a window).
     causal: bool = False
 
+    @property
+    def causal_prefix(self) -> int:
+        """The cached tokens before the chunk where its mask is the plain causal one (the part
+        attention may take with no mask at all); 0 where it is not, or nothing is cached."""
+        return self.start_position if self.causal else 0
+
 
 @dataclass
 class AttentionMetadata:

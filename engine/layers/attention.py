@@ -209,5 +209,4 @@ class TorchPagedAttention:
     def _prefill(self, q, kv, kv_cache, chunk: PrefillChunk) -> torch.Tensor:
         if chunk.block_ids is not None:
             kv = self._gather(kv_cache, chunk.block_ids)[: chunk.start_position + chunk.num_tokens]
-        cached = chunk.start_position if chunk.causal else 0
-        return prefill_sdpa(q, kv, chunk.mask, self.scale, self.softcap, cached)
+        return prefill_sdpa(q, kv, chunk.mask, self.scale, self.softcap, chunk.causal_prefix)

@@ -121,4 +121,4 @@ class Int8PagedAttention:
             flat_codes = kv_cache.codes.view(-1, *kv_cache.codes.shape[2:])
             flat_scales = kv_cache.scales.view(-1, *kv_cache.scales.shape[2:])
             kv = dequantize_kv(flat_codes[slots], flat_scales[slots], q.dtype)
-        return prefill_sdpa(q, kv, chunk.mask, cached=chunk.start_position if chunk.causal else 0)
+        return prefill_sdpa(q, kv, chunk.mask, cached=chunk.causal_prefix)
