@@ -186,7 +186,7 @@ def _topk(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     vector compare skips most of a row once k values are kept: 32 x 49k rows in 0.6 ms against
     torch's 2.1); torch's topk otherwise, and for a row holding a NaN (ranked first there).
     Either way a row's result depends on that row alone."""
-    kernels = _argmax_kernels()
+    kernels = _fused_ops()
     if kernels is None or probs.device.type != "cpu" or probs.dtype != torch.float32:
         return probs.topk(k, dim=-1)
     probs = probs.contiguous()
@@ -280,7 +280,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 def _row_kernels(logits: torch.Tensor):
     """The fused ops where they are built and can read `logits` (CPU rows of float32 or bf16,
     unit last stride, at least one column); else None."""
-    kernels = _argmax_kernels()
+    kernels = _fused_ops()
     if (
         kernels is not None
         and logits.device.type == "cpu"
@@ -293,7 +293,8 @@ def _row_kernels(logits: torch.Tensor):
     return None
 
 
-def _argmax_kernels():
+def _fused_ops():
+    """The fused C++ ops (argmax_rows, topk_rows, softmax_rows) where they load, else None."""
     from engine.kernels.cpu import fused_ops
 
     return fused_ops.load()
