@@ -15,7 +15,12 @@ from itertools import chain
 import numpy as np
 import torch
 
-from engine.kernels.attention_types import AttentionMetadata, PrefillChunk, decode_mask
+from engine.kernels.attention_types import (
+    AttentionMetadata,
+    PrefillChunk,
+    causal_chunk_mask,
+    decode_mask,
+)
 from engine.kv_cache_manager import cdiv
 from engine.scheduler_output import ScheduledRequest
 
@@ -131,11 +136,6 @@ def _prepare_decodes(
     )
 
 
-def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool (True = may attend) -> 0 / -inf in the model dtype, what SDPA adds to the scores."""
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-
-
 def _add_decodes(
     context_lens: np.ndarray,  # [num_decodes]
     block_counts: np.ndarray,  # [num_decodes] blocks each request holds
@@ -174,10 +174,7 @@ def _add_prefills(
             chunk.block_ids = torch.tensor(
                 request.block_ids[: cdiv(num_ctx, block_size)], dtype=torch.int64
             )
-            query_positions = torch.arange(start, num_ctx)
-            chunk.mask = _additive_mask(
-                torch.arange(num_ctx)[None, :] <= query_positions[:, None], dtype
-            )
+            chunk.mask = causal_chunk_mask(start, num_tokens, dtype)
             chunk.causal = True
         meta.prefills.append(chunk)
         token_start += num_tokens

@@ -60,10 +60,21 @@ class Int8KVCache:
     scales: torch.Tensor  # [num_kv_blocks, block_size, 2, num_kv_heads] float32
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool (True = may attend) -> 0 / -inf in `dtype`, what SDPA adds to the scores."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+
+
+def causal_chunk_mask(start_position: int, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """The plain causal mask of a chunk after `start_position` cached tokens: [num_tokens,
+    start_position + num_tokens], every cached position allowed, the chunk's own causally."""
+    num_ctx = start_position + num_tokens
+    allowed = torch.arange(num_ctx)[None, :] <= torch.arange(start_position, num_ctx)[:, None]
+    return additive_mask(allowed, dtype)
+
+
 def decode_mask(context_lens: torch.Tensor, max_context: int, dtype: torch.dtype) -> torch.Tensor:
     """[num_decodes] lengths -> additive mask [num_decodes, 1, 1, max_context] (0 where a key
     position is inside the context, -inf past it), broadcast over KV heads and query rows."""
     allowed = torch.arange(max_context)[None, :] < context_lens[:, None]
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))[
-        :, None, None
-    ]
+    return additive_mask(allowed, dtype)[:, None, None]

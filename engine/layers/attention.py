@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.attention_types import AttentionMetadata, PrefillChunk
+from engine.kernels.attention_types import AttentionMetadata, PrefillChunk, additive_mask
 
 
 def softcapped_attention(
@@ -45,7 +45,7 @@ def softcapped_attention(
     scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         causal = torch.ones(scores.shape[-2:], dtype=torch.bool).tril_()
-        mask = torch.zeros(causal.shape, dtype=scores.dtype).masked_fill_(~causal, float("-inf"))
+        mask = additive_mask(causal, scores.dtype)
     probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 

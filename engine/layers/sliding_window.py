@@ -14,11 +14,12 @@ import dataclasses
 
 import torch
 
-from engine.kernels.attention_types import AttentionMetadata, PrefillChunk, decode_mask
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+from engine.kernels.attention_types import (
+    AttentionMetadata,
+    PrefillChunk,
+    additive_mask,
+    decode_mask,
+)
 
 
 def full_attention_metadata(
@@ -42,7 +43,7 @@ def sliding_window_metadata(
         lens = meta.decode_context_lens  # [num_decodes]; the query sits at position len - 1
         keys = torch.arange(meta.decode_block_table.shape[1] * block_size)[None, :]
         allowed = (keys < lens[:, None]) & (keys > lens[:, None] - 1 - window)
-        windowed.decode_mask = _additive(allowed, dtype)[:, None, None]  # [rows, 1, 1, ctx]
+        windowed.decode_mask = additive_mask(allowed, dtype)[:, None, None]  # [rows, 1, 1, ctx]
     return windowed
 
 
@@ -51,4 +52,4 @@ def _chunk(chunk: PrefillChunk, window: int, dtype: torch.dtype) -> PrefillChunk
     queries = torch.arange(chunk.num_tokens)[:, None] + chunk.start_position
     keys = torch.arange(chunk.start_position + chunk.num_tokens)[None, :]
     allowed = (keys <= queries) & (keys > queries - window)
-    return dataclasses.replace(chunk, mask=_additive(allowed, dtype), causal=False)
+    return dataclasses.replace(chunk, mask=additive_mask(allowed, dtype), causal=False)

@@ -29,7 +29,7 @@ from types import ModuleType
 import structlog
 import torch
 
-from engine.kernels.attention_types import PrefillChunk
+from engine.kernels.attention_types import PrefillChunk, causal_chunk_mask
 from engine.kernels.cpu import paged_attention
 from engine.kernels.cpu.linear_choice import _cache_dir, _read, _write, busy_reason
 from engine.platform import cpu_info
@@ -96,8 +96,7 @@ def calibrate(
         kv_cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=gen)
         kv_cache = kv_cache.to(dtype)
         q = torch.randn(new, num_heads, head_dim, generator=gen).to(dtype)
-        allowed = torch.arange(context)[None, :] <= torch.arange(CALIBRATION_PREFIX, context)[:, None]
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+        mask = causal_chunk_mask(CALIBRATION_PREFIX, new, dtype)
         chunk = PrefillChunk(0, new, CALIBRATION_PREFIX, torch.arange(num_blocks), mask, causal=True)
         out = torch.empty(q.shape, dtype=dtype)
         times[new] = _fastest(
