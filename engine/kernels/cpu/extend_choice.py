@@ -22,7 +22,6 @@ calibration directory; a decision taken on a busy machine is used but not cached
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from types import ModuleType
 
@@ -31,7 +30,7 @@ import torch
 
 from engine.kernels.attention_types import PrefillChunk, causal_chunk_mask
 from engine.kernels.cpu import paged_attention
-from engine.kernels.cpu.linear_choice import _cache_dir, _read, _write, busy_reason
+from engine.kernels.cpu.linear_choice import _cache_dir, _read, _write, busy_reason, timed_rounds
 from engine.platform import cpu_info
 
 log = structlog.get_logger(__name__)
@@ -99,30 +98,16 @@ def calibrate(
         mask = causal_chunk_mask(CALIBRATION_PREFIX, new, dtype)
         chunk = PrefillChunk(0, new, CALIBRATION_PREFIX, torch.arange(num_blocks), mask, causal=True)
         out = torch.empty(q.shape, dtype=dtype)
-        times[new] = _fastest(
-            lambda q=q, kv_cache=kv_cache, chunk=chunk: reference(q, kv_cache, chunk),
-            lambda q=q, kv_cache=kv_cache, chunk=chunk, out=out: paged_attention.extend(
+        samples = timed_rounds({
+            "reference": lambda q=q, kv_cache=kv_cache, chunk=chunk: reference(q, kv_cache, chunk),
+            "kernel": lambda q=q, kv_cache=kv_cache, chunk=chunk, out=out: paged_attention.extend(
                 kernels, q, kv_cache, [chunk], out
             ),
-        )  # fmt: skip
+        }, _ROUNDS)  # fmt: skip
+        times[new] = [round(min(samples[side]), 1) for side in ("reference", "kernel")]
         if times[new][1] > times[new][0]:
             break
     return {"limit": decide(times), "us": times}
-
-
-def _fastest(*calls: Callable[[], object]) -> list[float]:
-    """The fastest of _ROUNDS calls of each, in microseconds, the calls alternating (after one
-    warm-up call each: buffers, page faults)."""
-    best = [float("inf")] * len(calls)
-    with torch.inference_mode():
-        for call in calls:
-            call()
-        for _ in range(_ROUNDS):
-            for i, call in enumerate(calls):
-                start = time.perf_counter()
-                call()
-                best[i] = min(best[i], (time.perf_counter() - start) * 1e6)
-    return [round(t, 1) for t in best]
 
 
 def decide(times: dict[int, list[float]]) -> int:

@@ -48,7 +48,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import structlog
@@ -186,13 +186,7 @@ def calibrate_shape(in_features: int, out_features: int, dtype: torch.dtype) -> 
             # against 77.)
             "gemv": lambda x=x: gemv(x, weights["gemv"], None, out_features, isa, None),
         }
-        calls = {name: calls[name] for name in paths}
-        times = samples[rows] = {name: [] for name in calls}
-        for call in calls.values():
-            call()  # warm-up: first-call allocation and oneDNN primitive creation
-        for _ in range(_ROUNDS):  # alternate, so drift on a shared machine hits both alike
-            for name, call in calls.items():
-                times[name].append(_time_us(call))
+        samples[rows] = timed_rounds({name: calls[name] for name in paths}, _ROUNDS)
     weight_bytes = in_features * out_features * dtype.itemsize
     return decide(samples, floor_us(weight_bytes, torch.get_num_threads()))
 
@@ -225,6 +219,19 @@ def decide(samples: dict[int, dict[str, list[float]]], floor: float) -> dict:
     candidates = [name for name in paths if math.isfinite(log_product[name])] or paths[:1]
     result["choice"] = min(candidates, key=lambda name: log_product[name])
     return result
+
+
+def timed_rounds(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Microseconds of each call `rounds` times, the calls alternating (so drift on a shared
+    machine hits all alike), after one warm-up call each (first-call allocation, page faults,
+    oneDNN primitive creation)."""
+    for call in calls.values():
+        call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            times[name].append(_time_us(call))
+    return times
 
 
 def _time_us(call) -> float:
