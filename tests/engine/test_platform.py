@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
+import engine.kernels.cpu.calibration as calibration
 import engine.kernels.cpu.linear_choice as linear_choice
 import engine.platform as platform
 import engine.precision as precision
@@ -99,7 +100,7 @@ def test_pack_never_raises_and_keeps_the_result(dtype):
 def calibration_dir(tmp_path, monkeypatch):
     """An empty cache dir, on an idle machine (the load average forced: never the real one)."""
     monkeypatch.setenv("MINI_INFER_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(linear_choice.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(calibration.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     return tmp_path / "calibration"
 
 
@@ -165,7 +166,7 @@ def _loads(monkeypatch, *values: float) -> None:
     """os.getloadavg returns `values` in turn (the last one from then on): no real load."""
     queue = list(values)
     monkeypatch.setattr(
-        linear_choice.os, "getloadavg", lambda: (queue.pop(0) if len(queue) > 1 else queue[0],) * 3
+        calibration.os, "getloadavg", lambda: (queue.pop(0) if len(queue) > 1 else queue[0],) * 3
     )
 
 
@@ -180,7 +181,7 @@ def test_a_calibration_under_load_is_used_but_not_cached(calibration_dir, monkey
         return {"choice": "packed", "packed_us_m1": 1.0}
 
     monkeypatch.setattr(linear_choice, "calibrate_shape", fake)
-    monkeypatch.setattr(linear_choice.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(calibration.os, "cpu_count", lambda: 2)
     _loads(monkeypatch, *loads)
     assert linear_choice.choose_linear_kernels([(64, 96)], torch.float32) == {(64, 96): "packed"}
     assert not linear_choice.calibration_file().exists()
@@ -196,19 +197,19 @@ def test_no_load_average_on_this_os_does_not_stop_caching(monkeypatch):
     def unavailable():
         raise OSError("getloadavg")
 
-    monkeypatch.setattr(linear_choice.os, "getloadavg", unavailable)
-    assert linear_choice.busy_reason() is None
+    monkeypatch.setattr(calibration.os, "getloadavg", unavailable)
+    assert calibration.busy_reason() is None
 
 
 def test_implausible_samples_are_rejected_and_not_cached(calibration_dir, monkeypatch):
     """A timer reading 0 (or NaN) for one path must not make it win, nor be cached."""
     _loads(monkeypatch, 0.0)
-    real_time_us = linear_choice._time_us
+    real_time_us = calibration.time_us
 
     def time_us(call):  # the packed path's call reads torch.ops.mkldnn._linear_pointwise
         return 0.0 if "_linear_pointwise" in call.__code__.co_names else real_time_us(call)
 
-    monkeypatch.setattr(linear_choice, "_time_us", time_us)
+    monkeypatch.setattr(calibration, "time_us", time_us)
     result = linear_choice.calibrate_shape(64, 128, torch.float32)
     assert result["choice"] == "plain"
     assert "packed" in result["unsure"] and "packed_us_m1" not in result

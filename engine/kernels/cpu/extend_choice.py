@@ -13,8 +13,8 @@ its later 1024-token chunks on the kernel as on the reference.
 
 So `extend_limit` times both on the model's attention shape (heads, KV heads, head dim, block
 size, dtype) after 1024 cached tokens, for chunks of 1, 4, 16, 64 and 256 new tokens (rounds
-alternating, the fastest call of each side compared, as engine/kernels/cpu/linear_choice.py does
-and for its reasons), and returns the largest of those sizes up to which the kernel never lost:
+alternating, the fastest call of each side compared: engine/kernels/cpu/calibration.py, as the
+linear layers are timed), and returns the largest of those sizes up to which the kernel never lost:
 chunks up to it take the kernel, longer ones the reference (no limit where it won at every
 size, 0 where it lost at one token). Cached per machine (CPU fingerprint, threads, shape) in the
 calibration directory; a decision taken on a busy machine is used but not cached.
@@ -29,8 +29,7 @@ import structlog
 import torch
 
 from engine.kernels.attention_types import PrefillChunk, causal_chunk_mask
-from engine.kernels.cpu import paged_attention
-from engine.kernels.cpu.linear_choice import _cache_dir, _read, _write, busy_reason, timed_rounds
+from engine.kernels.cpu import calibration, paged_attention
 from engine.platform import cpu_info
 
 log = structlog.get_logger(__name__)
@@ -45,7 +44,7 @@ CALIBRATION_VERSION = 2
 
 
 def calibration_file():
-    return _cache_dir() / f"extend-{cpu_info().fingerprint}.json"
+    return calibration.cache_dir() / f"extend-{cpu_info().fingerprint}.json"
 
 
 def _key(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> str:
@@ -67,14 +66,14 @@ def extend_limit(
     """The most new tokens a chunk after cached tokens may have and take the extend kernel."""
     path = calibration_file()
     key = _key(num_heads, num_kv_heads, head_dim, block_size, dtype)
-    cached = _read(path).get(key)
+    cached = calibration.read(path).get(key)
     if isinstance(cached, dict) and isinstance(cached.get("limit"), int):
         return cached["limit"]
-    busy = busy_reason()
+    busy = calibration.busy_reason()
     result = calibrate(kernels, reference, num_heads, num_kv_heads, head_dim, block_size, dtype)
-    reason = busy or busy_reason()
+    reason = busy or calibration.busy_reason()
     if reason is None:
-        _write(path, {key: result})
+        calibration.write(path, {key: result})
         log.info("attention.extend_calibrated", file=str(path), key=key, **result)
     else:
         log.warning("attention.extend_calibration_not_cached", reason=reason, key=key, **result)
@@ -98,7 +97,7 @@ def calibrate(
         mask = causal_chunk_mask(CALIBRATION_PREFIX, new, dtype)
         chunk = PrefillChunk(0, new, CALIBRATION_PREFIX, torch.arange(num_blocks), mask, causal=True)
         out = torch.empty(q.shape, dtype=dtype)
-        samples = timed_rounds({
+        samples = calibration.timed_rounds({
             "reference": lambda q=q, kv_cache=kv_cache, chunk=chunk: reference(q, kv_cache, chunk),
             "kernel": lambda q=q, kv_cache=kv_cache, chunk=chunk, out=out: paged_attention.extend(
                 kernels, q, kv_cache, [chunk], out

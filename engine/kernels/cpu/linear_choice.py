@@ -43,19 +43,15 @@ instruction.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import structlog
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu import bf16_gemm
+from engine.kernels.cpu import bf16_gemm, calibration
 from engine.platform import can_pack_onednn, cpu_info
 
 log = structlog.get_logger(__name__)
@@ -73,14 +69,8 @@ MIN_CALL_US = 0.5  # one torch call never returns faster (dispatch alone is ~1-2
 MAX_BYTES_PER_US_PER_THREAD = 320e3
 
 
-def _cache_dir() -> Path:
-    from engine.loader import cache_dir  # the loader pulls in safetensors etc.: import late
-
-    return cache_dir() / "calibration"
-
-
 def calibration_file() -> Path:
-    return _cache_dir() / f"linear-{cpu_info().fingerprint}.json"
+    return calibration.cache_dir() / f"linear-{cpu_info().fingerprint}.json"
 
 
 def _key(dtype: torch.dtype, in_features: int, out_features: int) -> str:
@@ -126,9 +116,9 @@ def choose_linear_kernels(
             )  # fmt: skip
         return dict.fromkeys(distinct, "plain")
     path = calibration_file()
-    cached = _read(path)
+    cached = calibration.read(path)
     choices, measured = {}, {}
-    busy = busy_reason()
+    busy = calibration.busy_reason()
     for shape in distinct:
         key = _key(dtype, *shape)
         if key not in cached:
@@ -136,26 +126,13 @@ def choose_linear_kernels(
         choices[shape] = (measured.get(key) or cached[key])["choice"]
     if measured:
         unsure = [r["unsure"] for r in measured.values() if "unsure" in r]
-        reason = busy or busy_reason() or (unsure[0] if unsure else None)
+        reason = busy or calibration.busy_reason() or (unsure[0] if unsure else None)
         if reason is None:
-            _write(path, measured)
+            calibration.write(path, measured)
             log.info("linear.calibrated", file=str(path), results=measured)
         else:  # used for this process only: a busy machine's ranking must not outlive it
             log.warning("linear.calibration_not_cached", reason=reason, results=measured)
     return choices
-
-
-def busy_reason() -> str | None:
-    """Why a calibration taken now should not be cached (the 1-minute load average above the
-    number of cores: the paths were timed against other processes), or None."""
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):  # no load average on this OS: nothing to judge by
-        return None
-    num_cores = os.cpu_count() or 1
-    if load > num_cores:
-        return f"load average {load:.1f} above {num_cores} cores"
-    return None
 
 
 def calibrate_shape(in_features: int, out_features: int, dtype: torch.dtype) -> dict:
@@ -186,7 +163,7 @@ def calibrate_shape(in_features: int, out_features: int, dtype: torch.dtype) -> 
             # against 77.)
             "gemv": lambda x=x: gemv(x, weights["gemv"], None, out_features, isa, None),
         }
-        samples[rows] = timed_rounds({name: calls[name] for name in paths}, _ROUNDS)
+        samples[rows] = calibration.timed_rounds({name: calls[name] for name in paths}, _ROUNDS)
     weight_bytes = in_features * out_features * dtype.itemsize
     return decide(samples, floor_us(weight_bytes, torch.get_num_threads()))
 
@@ -219,48 +196,3 @@ def decide(samples: dict[int, dict[str, list[float]]], floor: float) -> dict:
     candidates = [name for name in paths if math.isfinite(log_product[name])] or paths[:1]
     result["choice"] = min(candidates, key=lambda name: log_product[name])
     return result
-
-
-def timed_rounds(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
-    """Microseconds of each call `rounds` times, the calls alternating (so drift on a shared
-    machine hits all alike), after one warm-up call each (first-call allocation, page faults,
-    oneDNN primitive creation)."""
-    for call in calls.values():
-        call()
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            times[name].append(_time_us(call))
-    return times
-
-
-def _time_us(call) -> float:
-    """Microseconds of one call. One call per sample, not a mean over many: under contention
-    a mean absorbs every preemption (each costs a whole time slice, ~5-10 ms, when the partner
-    OpenMP thread is descheduled), while the fastest single call still shows the kernel."""
-    with torch.inference_mode():
-        start = time.perf_counter()
-        call()
-        return (time.perf_counter() - start) * 1e6
-
-
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write(path: Path, new: dict) -> None:
-    """Merge `new` into the file atomically (rename): a concurrent reader never sees half a
-    file; two writers at once may lose one's entries, which only costs a re-calibration."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        merged = {**_read(path), **new}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".linear-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(merged, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError as error:  # a read-only cache dir: decide again next start, do not fail
-        log.warning("linear.calibration_not_saved", file=str(path), error=str(error))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.kernels.attention_types import PrefillChunk
-from engine.kernels.cpu import extend_choice, paged_attention
+from engine.kernels.cpu import calibration, extend_choice, paged_attention
 from engine.layers.cpu_attention import CpuPagedAttention
 
 kernels = paged_attention.load()
@@ -46,11 +46,11 @@ def test_the_limit_is_cached_per_shape_and_not_from_a_busy_machine(tmp_path, mon
         return {"limit": 16, "us": {1: [2.0, 1.0]}}
 
     monkeypatch.setattr(extend_choice, "calibrate", fake_calibrate)
-    monkeypatch.setattr(extend_choice, "busy_reason", lambda: "load average 9.0 above 2 cores")
+    monkeypatch.setattr(calibration, "busy_reason", lambda: "load average 9.0 above 2 cores")
     limit = extend_choice.extend_limit(None, None, 9, 3, 64, 16, torch.bfloat16)
     assert limit == 16 and len(calls) == 1
     assert not extend_choice.calibration_file().exists()  # busy: used, not kept
-    monkeypatch.setattr(extend_choice, "busy_reason", lambda: None)
+    monkeypatch.setattr(calibration, "busy_reason", lambda: None)
     assert extend_choice.extend_limit(None, None, 9, 3, 64, 16, torch.bfloat16) == 16
     assert extend_choice.extend_limit(None, None, 9, 3, 64, 16, torch.bfloat16) == 16
     assert len(calls) == 2  # measured again once, then read from the file
