@@ -19,7 +19,8 @@
 // widened once per call); accumulation is fp32; bf16 outputs are rounded to nearest even.
 //
 // Instruction sets: AVX-512 (16 lanes = one block; with AVX-512 BF16, int4 x bf16 uses
-// vdpbf16ps), AVX2 (two 8-lane halves) and a scalar fallback, all compiled into one library (function-level target attributes) and chosen per
+// vdpbf16ps; with VNNI, int8 activations), AVX2 (two 8-lane halves; or int8 activations with
+// vpmaddubsw) and a scalar fallback, all compiled into one library (function-level target attributes) and chosen per
 // call by the `isa` argument, so every path can be forced and tested on any CPU that runs it.
 
 #include <torch/extension.h>
@@ -39,8 +40,16 @@
 namespace {
 
 constexpr int64_t kBlock = 16;  // output channels per block (one AVX-512 vector of fp32)
-enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAvx512Vnni = 4 };
-constexpr int64_t kChunk = 32;  // activations quantized to int8 per chunk of 32 inputs (VNNI path)
+// The numbers are quant_gemm.py's `_ISA_CODE` (kAvx2Int8 came last, so the others kept theirs).
+enum Isa : int64_t {
+  kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAvx512Vnni = 4, kAvx2Int8 = 5
+};
+inline bool is_avx512(int64_t isa) {
+  return isa == kAvx512 || isa == kAvx512Bf16 || isa == kAvx512Vnni;
+}
+// The paths that quantize bf16 activations to int8 per chunk of 32 inputs.
+inline bool is_int8_activation(int64_t isa) { return isa == kAvx512Vnni || isa == kAvx2Int8; }
+constexpr int64_t kChunk = 32;  // activations quantized to int8 per chunk of 32 inputs (int8 paths)
 
 struct Problem {
   int64_t rows, in_features, out_features, num_blocks, group_size, num_groups;
@@ -556,6 +565,193 @@ AVX2_TARGET void int8_half_avx2(const Problem& p, const int8_t* cb, const float*
 }
 
 // ---------------------------------------------------------------------------------------------
+// AVX2 with int8 activations: the VNNI path's math where there is no AVX-512 (most desktop and
+// laptop x86 CPUs, AMD Zen 2 and 3). The activations are quantized as for VNNI
+// (quantize_rows_avx2: the same codes and scales, inputs in their own order). `vpmaddubsw`
+// multiplies unsigned bytes by signed bytes and adds adjacent pairs into int16 lanes (32
+// multiply-adds an instruction, against 8 for an FMA, and the codes need no widening to fp32).
+// Integer sums are exact and each chunk's sum is scaled in the VNNI path's order, so the
+// outputs are the VNNI path's bits.
+//   int4: a 32-byte load holds entries 2e and 2e+1 (16 channels each); the nibbles unpacked
+//   side by side give each channel its pair of inputs in an int16 lane, channels 0-7 in one
+//   vector and 8-15 in the other, the even entry in the low 128 bits and the odd one in the
+//   high. A pair's products sum to at most 2 * 15 * 127, so a chunk's 8 loads sum in int16
+//   (at most 30480) before they are widened.
+//   int8: 4 entries (two loads) are transposed so that each 32-bit lane holds one channel's
+//   codes for inputs k, k+2, k+1, k+3 (the activations are shuffled to match); |q| times the
+//   activation with q's sign (`vpsignb`) keeps a pair's products within int16 (2 * 128 * 127),
+//   and `vpmaddwd` by ones adds the lane's two pairs into int32.
+
+// 8 activations as fp32, from fp32 or from bf16 (bits << 16: exact).
+AVX2_TARGET inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+AVX2_TARGET inline __m256 load8(const uint16_t* x) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
+}
+
+// quantize_rows' codes and scales (the same values: a max, one division, products rounded to
+// nearest even), in input order; no code sums (the AVX2 int8 path needs none).
+template <typename T>
+AVX2_TARGET void quantize_rows_avx2(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xd) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lanes
+  const int64_t num_chunks = k / kChunk;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const T* xc = x + r * k + c * kChunk;
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = load8(xc + 8 * i);
+      __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                               _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+      m = _mm256_max_ps(m, _mm256_permute_ps(m, 0x4E));
+      m = _mm256_max_ps(m, _mm256_permute_ps(m, 0xB1));
+      const float amax = _mm256_cvtss_f32(m);
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                               _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * k + c * kChunk),
+                          _mm256_permutevar8x32_epi32(bytes, order));
+      xd[r * num_chunks + c] = amax / 127.f;
+    }
+  }
+}
+
+// 4 activation codes (inputs 4e .. 4e+3 of row r's chunk) in every 32-bit lane.
+AVX2_TARGET inline __m256i broadcast4(const int8_t* x) {
+  int32_t four;
+  std::memcpy(&four, x, sizeof(four));
+  return _mm256_set1_epi32(four);
+}
+
+// Lanes [first, first + 8) of an [R][2] pair of 8-channel vectors into y.
+template <int R>
+void store_avx2_block(const Problem& p, const float (&tmp)[R][16], int64_t row0, int64_t col0,
+                      int64_t lanes) {
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < lanes; ++j) put(p, (row0 + r) * p.out_features + col0 + j, tmp[r][j]);
+}
+
+template <int R>
+AVX2_TARGET void int4_block_avx2_int8(const Problem& p, const uint8_t* cb, const uint16_t* smb,
+                                      int64_t row0, int64_t col0, int64_t lanes) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  // Lane 0 takes the broadcast's bytes 0-1 (the even entry's inputs), lane 1 bytes 2-3.
+  const __m256i pairs = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                         2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  const int64_t gs2 = p.group_size / 2, chunks_per_group = p.group_size / kChunk;
+  const int64_t num_chunks = p.in_features / kChunk;
+  const int8_t* xq = p.xq + row0 * p.in_features;
+  const float* xd = p.xd + row0 * num_chunks;
+  const float* xsum = p.xsum + row0 * p.num_groups;
+  __m256 out[R][2];
+  for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.num_groups; ++g) {
+    __m256 gacc[R][2];
+    for (int r = 0; r < R; ++r) gacc[r][0] = gacc[r][1] = _mm256_setzero_ps();
+    for (int64_t cg = 0; cg < chunks_per_group; ++cg) {
+      const int64_t chunk = g * chunks_per_group + cg;
+      const uint8_t* c = cb + (g * gs2 + cg * (kChunk / 2)) * kBlock;
+      gemv_prefetch::ahead(c, kChunk / 2 * kBlock);
+      __m256i acc[R][2];
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int e = 0; e < 8; ++e) {  // 8 loads of 4 inputs x 16 channels
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + e * 32));
+        const __m256i lo = _mm256_and_si256(v, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256i xa =
+              _mm256_shuffle_epi8(broadcast4(xq + r * p.in_features + chunk * kChunk + e * 4), pairs);
+          acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(a, xa));
+          acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(b, xa));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 d = _mm256_set1_ps(xd[r * num_chunks + chunk]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i sum = _mm256_add_epi32(
+              _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[r][h])),
+              _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[r][h], 1)));
+          gacc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, gacc[r][h]);
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = load_halves8(smb + g * 2 * kBlock + h * 8);
+      const __m256 m = load_halves8(smb + g * 2 * kBlock + kBlock + h * 8);
+      for (int r = 0; r < R; ++r) {
+        out[r][h] = _mm256_fmadd_ps(gacc[r][h], s, out[r][h]);
+        out[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[r * p.num_groups + g]), out[r][h]);
+      }
+    }
+  }
+  float tmp[R][16];
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(tmp[r], out[r][0]);
+    _mm256_storeu_ps(tmp[r] + 8, out[r][1]);
+  }
+  store_avx2_block<R>(p, tmp, row0, col0, lanes);
+}
+
+template <int R>
+AVX2_TARGET void int8_block_avx2_int8(const Problem& p, const int8_t* cb, const float* scale,
+                                      int64_t row0, int64_t col0, int64_t lanes) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i quads = _mm256_setr_epi8(0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3,
+                                         0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3);
+  const int64_t num_chunks = p.in_features / kChunk;
+  const int8_t* xq = p.xq + row0 * p.in_features;
+  const float* xd = p.xd + row0 * num_chunks;
+  __m256 out[R][2];
+  for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
+  for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
+    const int8_t* c = cb + chunk * kChunk * kBlock;
+    gemv_prefetch::ahead(c, kChunk * kBlock);
+    // Channels {0-3, 8-11} and {4-7, 12-15}, as the transposition leaves them.
+    __m256i acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int e = 0; e < 8; ++e) {  // 8 times 4 inputs x 16 channels (two loads)
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + e * 64));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + e * 64 + 32));
+      const __m256i lo = _mm256_unpacklo_epi8(a, b), hi = _mm256_unpackhi_epi8(a, b);
+      const __m256i even = _mm256_permute2x128_si256(lo, hi, 0x20);  // inputs k, k+2
+      const __m256i odd = _mm256_permute2x128_si256(lo, hi, 0x31);   // inputs k+1, k+3
+      const __m256i w[2] = {_mm256_unpacklo_epi16(even, odd), _mm256_unpackhi_epi16(even, odd)};
+      const __m256i u[2] = {_mm256_abs_epi8(w[0]), _mm256_abs_epi8(w[1])};
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256i xa =
+            _mm256_shuffle_epi8(broadcast4(xq + r * p.in_features + chunk * kChunk + e * 4), quads);
+        for (int h = 0; h < 2; ++h)
+          acc[r][h] = _mm256_add_epi32(
+              acc[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(u[h], _mm256_sign_epi8(xa, w[h])),
+                                           ones));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 d = _mm256_set1_ps(xd[r * num_chunks + chunk]);
+      const __m256i first = _mm256_permute2x128_si256(acc[r][0], acc[r][1], 0x20);   // 0-7
+      const __m256i second = _mm256_permute2x128_si256(acc[r][0], acc[r][1], 0x31);  // 8-15
+      out[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), d, out[r][0]);
+      out[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), d, out[r][1]);
+    }
+  }
+  const __m256 s[2] = {_mm256_loadu_ps(scale + col0), _mm256_loadu_ps(scale + col0 + 8)};
+  float tmp[R][16];
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(tmp[r], _mm256_mul_ps(out[r][0], s[0]));
+    _mm256_storeu_ps(tmp[r] + 8, _mm256_mul_ps(out[r][1], s[1]));
+  }
+  store_avx2_block<R>(p, tmp, row0, col0, lanes);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Row tiling: the block's codes stay in L1 while each tile of rows runs over them.
 
 template <typename Fn>
@@ -678,11 +874,45 @@ void int8_avx2(const Problem& p, const int8_t* codes, const float* scale, int64_
   }
 }
 
+// The AVX2 int8 paths' driver: over_blocks' with tiles of up to 4 rows (16 ymm registers).
+template <typename Block>
+void over_blocks_avx2(const Problem& p, int64_t b0, int64_t b1, Block&& block) {
+  using std::integral_constant;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
+    for_row_tiles(p.rows, 4, [&](int64_t r0, int64_t n) {
+      switch (n) {
+        case 1: block(integral_constant<int, 1>{}, b, r0, lanes); break;
+        case 2: block(integral_constant<int, 2>{}, b, r0, lanes); break;
+        case 3: block(integral_constant<int, 3>{}, b, r0, lanes); break;
+        default: block(integral_constant<int, 4>{}, b, r0, lanes); break;
+      }
+    });
+  }
+}
+
+void int4_avx2_int8(const Problem& p, const uint8_t* codes, const uint16_t* scale_min,
+                    int64_t b0, int64_t b1) {
+  over_blocks_avx2(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+    int4_block_avx2_int8<rows()>(p, codes + b * (p.in_features / 2 * kBlock),
+                                 scale_min + b * (p.num_groups * 2 * kBlock), r0, b * kBlock,
+                                 lanes);
+  });
+}
+
+void int8_avx2_int8(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
+                    int64_t b1) {
+  over_blocks_avx2(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+    int8_block_avx2_int8<rows()>(p, codes + b * p.in_features * kBlock, scale, r0, b * kBlock,
+                                 lanes);
+  });
+}
+
 // ---------------------------------------------------------------------------------------------
 // Entry points.
 
 void check_isa(int64_t isa) {
-  TORCH_CHECK(isa >= kPortable && isa <= kAvx512Vnni, "quant_gemm: unknown isa ", isa);
+  TORCH_CHECK(isa >= kPortable && isa <= kAvx2Int8, "quant_gemm: unknown isa ", isa);
   if (isa == kAvx512Vnni) {
     TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi"),
                 "quant_gemm: this CPU cannot run the avx512vnni path");
@@ -691,14 +921,14 @@ void check_isa(int64_t isa) {
     TORCH_CHECK(__builtin_cpu_supports("avx512bf16"),
                 "quant_gemm: this CPU cannot run the avx512bf16 path");
   }
-  if (isa >= kAvx512) {
+  if (is_avx512(isa)) {
     TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"),
                 "quant_gemm: this CPU cannot run the avx512 paths");
-  } else if (isa == kAvx2) {
+  } else if (isa == kAvx2 || isa == kAvx2Int8) {
     TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c"),
-                "quant_gemm: this CPU cannot run the avx2 path");
+                "quant_gemm: this CPU cannot run the avx2 paths");
   }
 }
 
@@ -748,15 +978,21 @@ struct QuantizedActivations {
   std::vector<float> xd;
   std::vector<int32_t> xqsum;
 
+  // For path `isa` (an int8-activation one); `int4`: the VNNI path's int4 pair order.
   template <typename T>
-  void quantize(const T* x, int64_t rows, int64_t k, bool pair_order, Problem& p) {
+  void quantize(const T* x, int64_t rows, int64_t k, int64_t isa, bool int4, Problem& p) {
     xq.resize(rows * k);
     xd.resize(rows * (k / kChunk));
-    xqsum.resize(rows * (k / kChunk));
-    quantize_rows(x, rows, k, pair_order, xq.data(), xd.data(), xqsum.data());
+    if (isa == kAvx2Int8) {
+      quantize_rows_avx2(x, rows, k, xq.data(), xd.data());
+      p.xqsum = nullptr;
+    } else {
+      xqsum.resize(rows * (k / kChunk));
+      quantize_rows(x, rows, k, int4, xq.data(), xd.data(), xqsum.data());
+      p.xqsum = xqsum.data();
+    }
     p.xq = xq.data();
     p.xd = xd.data();
-    p.xqsum = xqsum.data();
   }
 };
 
@@ -771,8 +1007,9 @@ struct QuantizedActivations {
 constexpr int64_t kVnniMinRows = 1;
 
 int64_t effective_isa(int64_t isa, bool x_is_bf16, int64_t in_features, int64_t rows) {
-  if (isa != kAvx512Vnni) return isa;
+  if (!is_int8_activation(isa)) return isa;
   if (x_is_bf16 && in_features % kChunk == 0 && rows >= kVnniMinRows) return isa;
+  if (isa == kAvx2Int8) return kAvx2;
   static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
   return x_is_bf16 && has_bf16 ? kAvx512Bf16 : kAvx512;
 }
@@ -811,7 +1048,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   Problem p{rows, in_features, out_features, num_blocks, group_size, num_groups,
             a.f32, xsum.data(), a.bf16, y.data_ptr(), y.scalar_type() == at::kBFloat16};
   QuantizedActivations qa;
-  if (isa == kAvx512Vnni) qa.quantize(a.f32, rows, in_features, true, p);
+  if (is_int8_activation(isa)) qa.quantize(a.f32, rows, in_features, isa, true, p);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const auto* sm = reinterpret_cast<const uint16_t*>(scale_min.data_ptr());
   const int64_t block_bytes = in_features / 2 * kBlock + num_groups * 2 * kBlock * 2;
@@ -819,6 +1056,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     if (isa == kAvx512Vnni) int4_vnni(p, c, sm, b0, b1);
     else if (isa == kAvx512Bf16) int4_avx512bf16(p, c, sm, b0, b1);
     else if (isa == kAvx512) int4_avx512(p, c, sm, b0, b1);
+    else if (isa == kAvx2Int8) int4_avx2_int8(p, c, sm, b0, b1);
     else if (isa == kAvx2) int4_avx2(p, c, sm, b0, b1);
     else int4_portable(p, c, sm, b0, b1);
   });
@@ -844,12 +1082,13 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
             a.f32, nullptr,      nullptr,      y.data_ptr(), y.scalar_type() == at::kBFloat16};
   isa = effective_isa(isa, a.bf16 != nullptr, in_features, rows);
   QuantizedActivations qa;
-  if (isa == kAvx512Vnni) qa.quantize(a.f32, rows, in_features, false, p);
+  if (is_int8_activation(isa)) qa.quantize(a.f32, rows, in_features, isa, false, p);
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
   at::parallel_for(0, num_blocks, grain(in_features * kBlock), [&](int64_t b0, int64_t b1) {
     if (isa == kAvx512Vnni) int8_vnni(p, c, s, b0, b1);
-    else if (isa >= kAvx512) int8_avx512(p, c, s, b0, b1);  // no bf16 variant for int8
+    else if (is_avx512(isa)) int8_avx512(p, c, s, b0, b1);  // no bf16 variant for int8
+    else if (isa == kAvx2Int8) int8_avx2_int8(p, c, s, b0, b1);
     else if (isa == kAvx2) int8_avx2(p, c, s, b0, b1);
     else int8_portable(p, c, s, b0, b1);
   });
@@ -891,14 +1130,14 @@ void prepare(const GemvTask& t, int64_t rows) {
   // Only the FMA paths read fp32 activations; the others read the bf16 ones (or their int8
   // codes) directly. Measured: widening all rows and summing the groups with a division per
   // input cost 14.8 of a 46.7 ms W2 step, every thread doing it for every GEMV.
-  const bool needs_f32 = !(a.isa == kAvx512Vnni || (a.isa == kAvx512Bf16 && t.bits == 4));
+  const bool needs_f32 = !(is_int8_activation(a.isa) || (a.isa == kAvx512Bf16 && t.bits == 4));
   a.widened.resize(needs_f32 ? rows * k : 0);
   for (int64_t i = 0; i < static_cast<int64_t>(a.widened.size()); ++i) a.widened[i] = to_f32(xb[i]);
   a.xsum.resize(rows * num_groups);
   if (num_groups > 0) group_sums(xb, rows, k, t.group_size, a.xsum.data());
   a.problem = Problem{rows, k, t.out_features, t.num_blocks, t.group_size, num_groups,
                       needs_f32 ? a.widened.data() : nullptr, a.xsum.data(), xb, t.y, true};
-  if (a.isa == kAvx512Vnni) a.quantized.quantize(xb, rows, k, t.bits == 4, a.problem);
+  if (is_int8_activation(a.isa)) a.quantized.quantize(xb, rows, k, a.isa, t.bits == 4, a.problem);
   a.task = &t;
   a.rows = rows;
 }
@@ -912,13 +1151,15 @@ void run_blocks(const GemvTask& t, int64_t b0, int64_t b1) {
     if (isa == kAvx512Vnni) int4_vnni(p, c, sm, b0, b1);
     else if (isa == kAvx512Bf16) int4_avx512bf16(p, c, sm, b0, b1);
     else if (isa == kAvx512) int4_avx512(p, c, sm, b0, b1);
+    else if (isa == kAvx2Int8) int4_avx2_int8(p, c, sm, b0, b1);
     else if (isa == kAvx2) int4_avx2(p, c, sm, b0, b1);
     else int4_portable(p, c, sm, b0, b1);
   } else {
     const auto* c = static_cast<const int8_t*>(t.codes);
     const auto* s = static_cast<const float*>(t.scales);
     if (isa == kAvx512Vnni) int8_vnni(p, c, s, b0, b1);
-    else if (isa >= kAvx512) int8_avx512(p, c, s, b0, b1);
+    else if (is_avx512(isa)) int8_avx512(p, c, s, b0, b1);
+    else if (isa == kAvx2Int8) int8_avx2_int8(p, c, s, b0, b1);
     else if (isa == kAvx2) int8_avx2(p, c, s, b0, b1);
     else int8_portable(p, c, s, b0, b1);
   }
@@ -1010,17 +1251,21 @@ py::capsule make_gather_rows_task(const at::Tensor& codes, const at::Tensor& sca
                      [](void* p) { delete static_cast<GatherRowsTask*>(p); });
 }
 
-// The VNNI path's activation codes and scales, for the tests: (codes int8 [rows, K] in input
-// order, scales float32 [rows, K / 32]).
-py::tuple quantize_activations(const at::Tensor& x) {
-  check_isa(kAvx512Vnni);
+// An int8-activation path's activation codes and scales, for the tests: (codes int8 [rows, K]
+// in input order, scales float32 [rows, K / 32]).
+py::tuple quantize_activations(const at::Tensor& x, int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(is_int8_activation(isa), "quant_gemm: isa ", isa, " keeps its activations");
   const Activations a = activations(x);
   TORCH_CHECK(a.cols % kChunk == 0, "quant_gemm: K must be a multiple of ", kChunk);
   at::Tensor codes = at::empty({a.rows, a.cols}, at::kChar);
   at::Tensor scales = at::empty({a.rows, a.cols / kChunk}, at::kFloat);
   std::vector<int32_t> sums(a.rows * (a.cols / kChunk));
-  quantize_rows(a.f32, a.rows, a.cols, false, codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                sums.data());
+  if (isa == kAvx2Int8)
+    quantize_rows_avx2(a.f32, a.rows, a.cols, codes.data_ptr<int8_t>(), scales.data_ptr<float>());
+  else
+    quantize_rows(a.f32, a.rows, a.cols, false, codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                  sums.data());
   return py::make_tuple(codes, scales);
 }
 
@@ -1033,7 +1278,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm", &int8_gemm, "y = x @ W^T, W int8 per output channel (blocked layout)",
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("out_features"),
         py::arg("isa"), py::arg("out") = py::none());
-  m.def("quantize_activations", &quantize_activations, "the VNNI path's int8 activations");
+  m.def("quantize_activations", &quantize_activations, "an int8-activation path's activations",
+        py::arg("x"), py::arg("isa"));
   m.def("gemv_prepare_task_fn", [] {
     return py::capsule(reinterpret_cast<void*>(&gemv_prepare_task), "mini_infer.task_fn");
   }, "a GEMV's activations prepared by each thread (run on every thread)");

@@ -12,19 +12,22 @@ block's codes from L1). int4 keeps two inputs per byte (low nibble: even input) 
 (scale, minimum) float16 pair per channel and group (as GGUF's Q4_1: 0.625 bytes per weight;
 fp32 pairs made it 0.75); int8 keeps the per-channel scale. The math
 is the reference's (engine/quant/primitives.py), summed in another order: codes are widened to
-fp32 in registers and multiplied with fp32 activations. The exception is "avx512vnni": like
-llama.cpp, it quantizes bf16 activations to int8 per chunk of 32 inputs and multiplies with
-integer dot products (`vpdpbusd`, 64 multiply-adds an instruction), adding an activation
-rounding error the reference does not have (`quantize_activations` is its reference). It runs
-from INT8_ACTIVATION_MIN_ROWS rows (one: at one row the exact int4 path is bound by its
-instructions, 2x slower than VNNI's). QuantConfig kernel "exact" keeps the other paths.
+fp32 in registers and multiplied with fp32 activations. The exceptions are "avx512vnni" and
+"avx2_int8": like llama.cpp, they quantize bf16 activations to int8 per chunk of 32 inputs and
+multiply with integer dot products (`vpdpbusd`, 64 multiply-adds an instruction; on AVX2
+`vpmaddubsw`, 32), adding an activation rounding error the reference does not have
+(`quantize_activations` is its reference). The two compute the same integer sums and scale
+them in the same order: the same bits. They run from INT8_ACTIVATION_MIN_ROWS rows (one: at
+one row the exact paths are bound by their instructions, widening codes to fp32, not by the
+memory). QuantConfig kernel "exact" keeps the other paths.
 
 Paths: "avx512vnni" (AVX-512 VNNI + VBMI: Ice Lake, Sapphire Rapids, Zen 4), "avx512bf16"
 (int4 with bf16 activations: `vdpbf16ps` on codes turned into bf16 by bit operations, see the
-.cpp; 1.5x the FMA path at 8 rows, even at 1), "avx512", "avx2" and "portable" are all
-compiled into one library (function-level target attributes) and chosen per call, so each is
-forced and tested on any CPU that can run it (tests/engine/kernels/test_quant_gemm.py);
-`best_isa()` picks the widest this CPU has.
+.cpp; 1.5x the FMA path at 8 rows, even at 1), "avx512", "avx2_int8" (any AVX2 CPU: most
+desktop and laptop x86 CPUs have no AVX-512), "avx2" and "portable" are all compiled into one
+library (function-level target attributes) and chosen per call, so each is forced and tested on
+any CPU that can run it (tests/engine/kernels/test_quant_gemm.py); `best_isa()` picks the
+fastest this CPU has, in ISAS's order.
 Multithreaded over blocks of output channels with at::parallel_for (a layer under ~32 KiB of
 weights per task runs on one thread).
 
@@ -46,17 +49,20 @@ from engine.platform import cpu_info
 
 SOURCE = Path(__file__).with_name("quant_gemm.cpp")
 BLOCK = 16  # output channels per block of the packed layout
-ISAS = ("portable", "avx2", "avx512", "avx512bf16", "avx512vnni")
+# In order of preference (`best_isa` takes the last this CPU runs).
+ISAS = ("portable", "avx2", "avx2_int8", "avx512", "avx512bf16", "avx512vnni")
 # Paths that quantize the activations to int8 (the others compute the reference's math).
-INT8_ACTIVATION_ISAS = ("avx512vnni",)
+INT8_ACTIVATION_ISAS = ("avx2_int8", "avx512vnni")
 CHUNK = 32  # inputs per activation scale on those paths
 # ... from this many rows; fewer take the exact path (quant_gemm.cpp, kVnniMinRows: every row
 # count since the exact int4 path was measured bound by its instructions at one row).
 INT8_ACTIVATION_MIN_ROWS = 1
-_ISA_CODE = {name: code for code, name in enumerate(ISAS)}
+# The extension's numbers (quant_gemm.cpp's `Isa`; bf16_gemm.cpp numbers its paths alike).
+_ISA_CODE = {"portable": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "avx512vnni": 4, "avx2_int8": 5}
 _ISA_FLAGS = {  # what the CPU must report for each path (Linux /proc/cpuinfo names)
     "portable": (),
     "avx2": ("avx2", "fma", "f16c"),
+    "avx2_int8": ("avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
     "avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
     "avx512vnni": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi"),
@@ -133,7 +139,8 @@ def rows_alike(isa: int, in_features: int) -> int:
     takes the VNNI path only for whole chunks of inputs.)"""
     if isa == _ISA_CODE["portable"]:
         return ANY_ROWS
-    if isa == _ISA_CODE["avx512vnni"] and in_features % CHUNK == 0:
+    int8_activations = (_ISA_CODE[name] for name in INT8_ACTIVATION_ISAS)
+    if isa in int8_activations and in_features % CHUNK == 0:
         return ANY_ROWS
     return 2
 

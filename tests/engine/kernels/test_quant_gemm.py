@@ -176,15 +176,51 @@ def test_more_rows_than_one_tile_and_extreme_codes(ext, isa, rows, dtype):
 def test_the_kernel_quantizes_activations_as_the_reference(ext, rows, num_chunks, scale, seed):
     """The int8-activation paths' codes and scales, exactly: the GEMV tests above build their
     reference on `quantize_activations`, so it must be what the kernel computes (ties at .5
-    included: round half to even, and a correctly rounded 127 / max)."""
-    _isa("avx512vnni")
+    included: round half to even, and a correctly rounded 127 / max), on each such path."""
     generator = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, num_chunks * quant_gemm.CHUNK, generator=generator) * scale).bfloat16()
     x[0, : quant_gemm.CHUNK] = 0.0
-    codes, scales = ext.quantize_activations(x)
-    assert codes.abs().max() <= 127
-    ours = codes.float().reshape(rows, num_chunks, -1) * scales.unsqueeze(-1)
-    assert torch.equal(ours.reshape(rows, -1), quant_gemm.quantize_activations(x))
+    tried = 0
+    for isa in quant_gemm.INT8_ACTIVATION_ISAS:
+        if not quant_gemm.can_run(isa):
+            continue
+        codes, scales = ext.quantize_activations(x, quant_gemm.isa_code(isa))
+        assert codes.abs().max() <= 127
+        ours = codes.float().reshape(rows, num_chunks, -1) * scales.unsqueeze(-1)
+        assert torch.equal(ours.reshape(rows, -1), quant_gemm.quantize_activations(x)), isa
+        tried += 1
+    if not tried:
+        pytest.skip("this CPU runs no int8-activation path")
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 9),
+    out_features=st.integers(1, 70),
+    group_size=st.sampled_from([32, 64, 128]),
+    num_groups=st.integers(1, 4),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_the_avx2_int8_path_has_the_vnni_paths_bits(
+    ext, rows, out_features, group_size, num_groups, seed
+):
+    """avx2_int8 emulates vpdpbusd with vpmaddubsw: the same activation codes, the same exact
+    integer sums, each chunk's sum scaled in the same order, so every output has the VNNI
+    path's bits (int4 and int8, row counts past the AVX2 tile of 4, extreme codes included)."""
+    _isa("avx512vnni")
+    _isa("avx2_int8")
+    generator = torch.Generator().manual_seed(seed)
+    in_features = group_size * num_groups
+    weight = torch.randn(out_features, in_features, generator=generator)
+    weight[:, :8] = torch.tensor([-9.0, 9.0] * 4)  # codes at both ends of their ranges
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    packed4 = quant_gemm.pack_int4(*quantize_int4_groupwise(weight, group_size))
+    packed8 = quant_gemm.pack_int8(*quantize_int8_per_channel(weight))
+    for bits, call in (
+        (4, lambda isa: quant_gemm.int4_gemm(ext, x, *packed4, group_size, out_features, isa)),
+        (8, lambda isa: quant_gemm.int8_gemm(ext, x, *packed8, out_features, isa)),
+    ):
+        assert torch.equal(call("avx2_int8"), call("avx512vnni")), bits
 
 
 def test_rows_below_the_minimum_take_the_exact_path_on_the_int8_activation_isa(ext):
