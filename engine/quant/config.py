@@ -22,9 +22,9 @@ class QuantConfig:
     was the head's. w8a8 with a w8a8 head: +3.8%. With the int8 weight-only head (same run
     setup, bf16 compute, 6 x 512-token windows): int8 +0.55%, int4 +0.33%, w8a8 +3.47%.
     Speed at one row: int8 head 1.3x bf16 (engine/quant/linear.py).
-    With the C++ kernel's int8 activations ("auto" on AVX-512 VNNI CPUs, at every row count; 2.1x the
-    multiply-adds of the exact path at 32 rows), same setup, 2026-12-04: int4 +1.79% (exact
-    +0.34%), int8 +0.60% (exact +0.41%), w8a8 +1.95%: within the targets of
+    With the C++ kernel's int8 activations ("auto" on AVX-512 VNNI and AVX2 CPUs, at every row
+    count; 2.1x the multiply-adds of the exact path at 32 rows), same setup, 2026-12-04: int4
+    +1.79% (exact +0.34%), int8 +0.60% (exact +0.41%), w8a8 +1.95%: within the targets of
     loadtest/bench_accuracy.py (int4 2%, int8 1%, w8a8 3%), hence the default.
     An untied embedding table is never quantized: a lookup reads a few rows, so there is no
     speed to gain. A tied one is looked up in the int8 head's codes (`embedding_from_head`):

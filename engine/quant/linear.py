@@ -271,7 +271,8 @@ class QuantLinear(nn.Module):
 
     def _kernel_quantizes_activations(self, x: torch.Tensor) -> bool:
         """Whether packing will give this layer the C++ kernel's int8-activation path for x
-        (quant_gemm.py: "auto" kernel on a VNNI CPU, bf16 rows, at least its minimum rows)."""
+        (quant_gemm.py: "auto" kernel on a VNNI or AVX2 CPU, bf16 rows, at least its minimum
+        rows)."""
         return (
             self.quant.kernel == "auto"
             and x.dtype == torch.bfloat16 == self.dtype

@@ -20,8 +20,9 @@
 //
 // Instruction sets: AVX-512 (16 lanes = one block; with AVX-512 BF16, int4 x bf16 uses
 // vdpbf16ps; with VNNI, int8 activations), AVX2 (two 8-lane halves; or int8 activations with
-// vpmaddubsw) and a scalar fallback, all compiled into one library (function-level target attributes) and chosen per
-// call by the `isa` argument, so every path can be forced and tested on any CPU that runs it.
+// vpmaddubsw) and a scalar fallback, all compiled into one library (function-level target
+// attributes) and chosen per call by the `isa` argument, so every path can be forced and tested
+// on any CPU that runs it.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -601,8 +602,8 @@ AVX2_TARGET void quantize_rows_avx2(const T* x, int64_t rows, int64_t k, int8_t*
       const T* xc = x + r * k + c * kChunk;
       __m256 v[4];
       for (int i = 0; i < 4; ++i) v[i] = load8(xc + 8 * i);
-      __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                               _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      __m256 m = _mm256_andnot_ps(sign, v[0]);
+      for (int i = 1; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
       m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
       m = _mm256_max_ps(m, _mm256_permute_ps(m, 0x4E));
       m = _mm256_max_ps(m, _mm256_permute_ps(m, 0xB1));
@@ -665,8 +666,8 @@ AVX2_TARGET void int4_block_avx2_int8(const Problem& p, const uint8_t* cb, const
         const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          const __m256i xa =
-              _mm256_shuffle_epi8(broadcast4(xq + r * p.in_features + chunk * kChunk + e * 4), pairs);
+          const int8_t* xr = xq + r * p.in_features + chunk * kChunk + e * 4;
+          const __m256i xa = _mm256_shuffle_epi8(broadcast4(xr), pairs);
           acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(a, xa));
           acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(b, xa));
         }
@@ -726,8 +727,8 @@ AVX2_TARGET void int8_block_avx2_int8(const Problem& p, const int8_t* cb, const 
       const __m256i u[2] = {_mm256_abs_epi8(w[0]), _mm256_abs_epi8(w[1])};
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const __m256i xa =
-            _mm256_shuffle_epi8(broadcast4(xq + r * p.in_features + chunk * kChunk + e * 4), quads);
+        const int8_t* xr = xq + r * p.in_features + chunk * kChunk + e * 4;
+        const __m256i xa = _mm256_shuffle_epi8(broadcast4(xr), quads);
         for (int h = 0; h < 2; ++h)
           acc[r][h] = _mm256_add_epi32(
               acc[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(u[h], _mm256_sign_epi8(xa, w[h])),
@@ -1137,7 +1138,8 @@ void prepare(const GemvTask& t, int64_t rows) {
   if (num_groups > 0) group_sums(xb, rows, k, t.group_size, a.xsum.data());
   a.problem = Problem{rows, k, t.out_features, t.num_blocks, t.group_size, num_groups,
                       needs_f32 ? a.widened.data() : nullptr, a.xsum.data(), xb, t.y, true};
-  if (is_int8_activation(a.isa)) a.quantized.quantize(xb, rows, k, a.isa, t.bits == 4, a.problem);
+  if (is_int8_activation(a.isa))
+    a.quantized.quantize(xb, rows, k, a.isa, t.bits == 4, a.problem);
   a.task = &t;
   a.rows = rows;
 }

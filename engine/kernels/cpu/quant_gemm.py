@@ -58,7 +58,9 @@ CHUNK = 32  # inputs per activation scale on those paths
 # count since the exact int4 path was measured bound by its instructions at one row).
 INT8_ACTIVATION_MIN_ROWS = 1
 # The extension's numbers (quant_gemm.cpp's `Isa`; bf16_gemm.cpp numbers its paths alike).
-_ISA_CODE = {"portable": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "avx512vnni": 4, "avx2_int8": 5}
+_ISA_CODE = {
+    "portable": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "avx512vnni": 4, "avx2_int8": 5
+}
 _ISA_FLAGS = {  # what the CPU must report for each path (Linux /proc/cpuinfo names)
     "portable": (),
     "avx2": ("avx2", "fma", "f16c"),
@@ -136,7 +138,7 @@ def rows_alike(isa: int, in_features: int) -> int:
     runs a row at a time: any count. The exact AVX-512 and AVX2 paths keep 4 accumulators a
     row up to 2 rows and 2 from 3 rows on (quant_gemm.cpp's `U`): their sums group otherwise
     past 2. (bf16 activations, as the fused step has them; quant_gemm.cpp `effective_isa`
-    takes the VNNI path only for whole chunks of inputs.)"""
+    takes the int8-activation paths only for whole chunks of inputs.)"""
     if isa == _ISA_CODE["portable"]:
         return ANY_ROWS
     int8_activations = (_ISA_CODE[name] for name in INT8_ACTIVATION_ISAS)
