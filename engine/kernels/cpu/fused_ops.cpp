@@ -784,6 +784,16 @@ inline __m512 load_float16(const scalar_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
   }
 }
+#elif defined(__AVX2__)
+template <typename scalar_t>
+inline __m256 load_float8(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+}
 #endif
 
 // out = float(x) / t; the largest value into *max; false where a value is NaN.
@@ -804,6 +814,19 @@ bool scale_row(const scalar_t* x, float t, int64_t n, float* out, float* max) {
   }
   nan = bad != 0;
   m = _mm512_reduce_max_ps(mv);
+#elif defined(__AVX2__)
+  const __m256 tv = _mm256_set1_ps(t);
+  __m256 mv = _mm256_set1_ps(m), bad = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_div_ps(load_float8(x + i), tv);
+    _mm256_storeu_ps(out + i, v);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    mv = _mm256_max_ps(mv, v);
+  }
+  nan = _mm256_movemask_ps(bad) != 0;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  for (const float v : lanes) m = std::max(m, v);
 #endif
   for (; i < n; ++i) {
     const float v = to_float(x[i]) / t;
@@ -887,6 +910,9 @@ void scale_by(float* v, int64_t n, float s) {
 #if defined(__AVX512F__)
   const __m512 sv = _mm512_set1_ps(s);
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(v + i, _mm512_mul_ps(_mm512_loadu_ps(v + i), sv));
+#elif defined(__AVX2__)
+  const __m256 sv = _mm256_set1_ps(s);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_loadu_ps(v + i), sv));
 #endif
   for (; i < n; ++i) v[i] = v[i] * s;
 }

@@ -270,7 +270,11 @@ for seed in range(40):
     ref = torch.softmax(logits.float().div_(t[:, None]), dim=-1)
     same += bool(done.all()) and torch.equal(probs, ref)
     total += 1
-print(lanes, same, total)
+logits = torch.randn(3, 100)
+logits[1, 9] = float("nan")  # inside a vector, not in the scalar tail
+logits[2, 97] = float("nan")  # in the tail
+probs, done = ext.softmax_rows(logits, torch.ones(3), lanes)
+print(done.tolist() == [True, False, False], lanes, same, total)
 """
 
 
@@ -278,7 +282,7 @@ print(lanes, same, total)
 def test_softmax_rows_follows_a_narrower_dispatch(isa, capability, want_lanes):
     """Under torch's AVX2 and DEFAULT dispatch (8 lanes with SLEEF's 8-lane exp; 8 lanes in
     order with std::exp), in a process of its own with that build of the fused ops: the same
-    bits as torch's chain there."""
+    bits as torch's chain there, and rows with a NaN (in a vector or in the tail) left to it."""
     import os
     import subprocess
     import sys
@@ -293,5 +297,6 @@ def test_softmax_rows_follows_a_narrower_dispatch(isa, capability, want_lanes):
         timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    lanes, same, total = map(int, done.stdout.split()[-3:])
-    assert (lanes, same) == (want_lanes, total)
+    nan_rows_left, lanes, same, total = done.stdout.split()[-4:]
+    assert (int(lanes), int(same)) == (want_lanes, int(total))
+    assert nan_rows_left == "True", "a row with a NaN was not left to torch"
