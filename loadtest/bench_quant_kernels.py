@@ -1,6 +1,7 @@
 """Quantized GEMM kernels against each other and against bf16 (oneDNN-packed), per shape.
 
     python -m loadtest.bench_quant_kernels [--rounds 5] [--rows 1,8,32,64] [--json out.json]
+    python -m loadtest.bench_quant_kernels --isas avx2,avx2_int8,avx512vnni [--rows 1,4,32]
     python -m loadtest.bench_quant_kernels --engine [--quantizations none,int4,int4@torch]
         [--llamacpp] [--workloads W1] [--rounds 3] [--json out.json]
 
@@ -15,6 +16,12 @@ The kernels run in alternating rounds; each cell is (bf16 median time) / (kernel
 so > 1 means faster than bf16; `c/t` is torch's time over the C++ kernel's for the same scheme;
 GB/s is the C++ kernel's packed weight bytes (codes and scales) over its median time. The tables
 in engine/quant/linear.py and engine/kernels/cpu/quant_gemm.py come from here.
+
+`--isas avx2,avx2_int8,avx512vnni` compares the C++ kernel's paths instead (each forced; the
+paths this CPU cannot run are left out): int4 g32 for every shape but lm_head, which the engine
+keeps in int8, with the weights streamed from memory (a pool of copies larger than the caches,
+a different copy each call, as a decode step reads them): microseconds and GB/s of packed
+weight bytes per path, the fastest of the rounds, and each path's speed over the first's.
 
 `--engine` runs whole workloads instead (loadtest/bench_engine.py's processes, bf16), one engine
 per quantization spec ("int4@torch": torch's kernels only, the A/B of the C++ kernel), plus
@@ -67,9 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantizations", default="none,int4,int4@torch,int8,int8@torch")
     parser.add_argument("--workloads", default="W1")
     parser.add_argument("--llamacpp", action="store_true", help="also llama.cpp on the GGUF")
+    parser.add_argument("--isas", default=None, help="compare the C++ kernel's paths instead")
     args = parser.parse_args(argv)
     if args.engine:
         return run_engines(args)
+    if args.isas:
+        return run_isas(args)
     rows_list = [int(r) for r in args.rows.split(",")]
     extension = quant_gemm.load()
     if extension is None:
@@ -141,6 +151,65 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"cpu": cpu_info().model_name, "threads": torch.get_num_threads(),
                 "rounds": args.rounds, "torch": torch.__version__}  # fmt: skip
+        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    return 0
+
+
+POOL_BYTES = 512 << 20  # more than any cache here, so every call reads its weights from memory
+
+
+def run_isas(args) -> int:
+    """The C++ kernel's paths against each other, weights streamed from memory."""
+    from engine.kernels.cpu import quant_gemm
+    from engine.platform import cpu_info
+    from engine.quant.primitives import quantize_int4_groupwise, quantize_int8_per_channel
+
+    # isort: split
+    import torch
+
+    extension = quant_gemm.load()
+    if extension is None:
+        print("the C++ kernel did not build here", file=sys.stderr)
+        return 1
+    isas = [isa for isa in args.isas.split(",") if quant_gemm.can_run(isa)]
+    print(f"{'shape':8} {'rows':>4}  " + "  ".join(f"{isa + ' us':>14} {'GB/s':>5}" for isa in isas)
+          + "  " + " ".join(f"{isa + '/' + isas[0]:>20}" for isa in isas[1:]))  # fmt: skip
+    results = []
+    for name in args.shapes.split(","):
+        in_features, out_features = SHAPES[name]
+        weight = torch.randn(out_features, in_features) * 0.02
+        if name == "lm_head":
+            packed = quant_gemm.pack_int8(*quantize_int8_per_channel(weight))
+            call = partial(quant_gemm.int8_gemm, extension, out_features=out_features)
+        else:
+            packed = quant_gemm.pack_int4(*quantize_int4_groupwise(weight, 32))
+            call = partial(quant_gemm.int4_gemm, extension, group_size=32,
+                           out_features=out_features)  # fmt: skip
+        nbytes = sum(t.numel() * t.element_size() for t in packed)
+        pool = [packed] + [tuple(t.clone() for t in packed) for _ in range(POOL_BYTES // nbytes)]
+        for rows in [int(r) for r in args.rows.split(",")]:
+            x = torch.randn(rows, in_features).to(torch.bfloat16)
+            best = dict.fromkeys(isas, float("inf"))
+            calls = 0
+            for _ in range(args.rounds):
+                for isa in isas:
+                    for _ in range(min(len(pool), 64)):
+                        weights = pool[calls % len(pool)]
+                        calls += 1
+                        start = time.perf_counter()
+                        call(x, weights[0], weights[1], isa=isa)
+                        best[isa] = min(best[isa], time.perf_counter() - start)
+            row = {"shape": name, "rows": rows, "bytes": nbytes,
+                   "us": {isa: best[isa] * 1e6 for isa in isas},
+                   "gb_s": {isa: nbytes / best[isa] / 1e9 for isa in isas}}  # fmt: skip
+            results.append(row)
+            cells = "  ".join(f"{row['us'][isa]:14.1f} {row['gb_s'][isa]:5.1f}" for isa in isas)
+            ratios = " ".join(f"{best[isas[0]] / best[isa]:20.2f}" for isa in isas[1:])
+            print(f"{name:8} {rows:>4}  {cells}  {ratios}", flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"cpu": cpu_info().model_name, "threads": torch.get_num_threads(),
+                "rounds": args.rounds, "isas": isas, "torch": torch.__version__}  # fmt: skip
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0
 

@@ -271,6 +271,33 @@ def test_bad_arguments_are_refused_with_a_message(ext):
         quant_gemm.pack_int8(torch.zeros(4, 8, dtype=torch.int8), torch.ones(5))
 
 
+@pytest.mark.parametrize(
+    "flags,fastest,exact",
+    [
+        ("avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx512vbmi",
+         "avx512vnni", "avx512"),
+        ("avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni avx512vbmi",
+         "avx512vnni", "avx512bf16"),
+        ("avx2 fma f16c avx512f avx512bw avx512vl avx512dq", "avx2_int8", "avx512"),
+        ("avx2 fma f16c", "avx2_int8", "avx2"),
+        ("sse4_2 avx", "portable", "portable"),
+    ],
+)  # fmt: skip
+def test_best_isa_by_cpu(monkeypatch, flags, fastest, exact):
+    """The path each kind of CPU takes: int8 activations wherever it has AVX2 (VNNI's where it
+    has that), and with `int8_activations=False` the widest exact path."""
+    from engine import platform
+
+    info = platform.CpuInfo("a cpu", frozenset(flags.split()), "DEFAULT")
+    monkeypatch.setattr(quant_gemm, "cpu_info", lambda: info)
+    quant_gemm.best_isa.cache_clear()
+    try:
+        assert quant_gemm.best_isa() == fastest
+        assert quant_gemm.best_isa(int8_activations=False) == exact
+    finally:
+        quant_gemm.best_isa.cache_clear()
+
+
 def test_a_path_this_cpu_cannot_run_is_refused(ext, monkeypatch):
     from engine import platform
 
