@@ -49,11 +49,12 @@ from engine.platform import cpu_info
 
 SOURCE = Path(__file__).with_name("quant_gemm.cpp")
 BLOCK = 16  # output channels per block of the packed layout
-# In order of preference (`best_isa` takes the last this CPU runs). avx2_int8 comes after the
-# exact AVX-512 path: on an AVX-512 CPU without VNNI (Skylake-SP) its integer dot products
-# should beat widening codes to fp32, as they do on the Xeon of loadtest/README.md's thirtieth
-# session (`bench_quant_kernels --isas`: as fast at one row, 1.1-1.4x at 4).
-ISAS = ("portable", "avx2", "avx512", "avx2_int8", "avx512bf16", "avx512vnni")
+# In order of preference (`best_isa` takes the last this CPU runs). An AVX-512 CPU without
+# VNNI (Skylake-SP) keeps the exact AVX-512 path: measured on the Xeon limited that way, the
+# AVX2 int8 path ran as fast at one row and 1.1-1.4x at 4 (`bench_quant_kernels --isas`), and
+# in the engine within the noise (loadtest/README.md, thirtieth session): no speed to pay for
+# the activations' rounding with.
+ISAS = ("portable", "avx2", "avx2_int8", "avx512", "avx512bf16", "avx512vnni")
 # Paths that quantize the activations to int8 (the others compute the reference's math).
 INT8_ACTIVATION_ISAS = ("avx2_int8", "avx512vnni")
 CHUNK = 32  # inputs per activation scale on those paths

@@ -278,14 +278,15 @@ def test_bad_arguments_are_refused_with_a_message(ext):
          "avx512vnni", "avx512"),
         ("avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni avx512vbmi",
          "avx512vnni", "avx512bf16"),
-        ("avx2 fma f16c avx512f avx512bw avx512vl avx512dq", "avx2_int8", "avx512"),
+        ("avx2 fma f16c avx512f avx512bw avx512vl avx512dq", "avx512", "avx512"),
         ("avx2 fma f16c", "avx2_int8", "avx2"),
         ("sse4_2 avx", "portable", "portable"),
     ],
 )  # fmt: skip
 def test_best_isa_by_cpu(monkeypatch, flags, fastest, exact):
-    """The path each kind of CPU takes: int8 activations wherever it has AVX2 (VNNI's where it
-    has that), and with `int8_activations=False` the widest exact path."""
+    """The path each kind of CPU takes: int8 activations with VNNI, or with AVX2 where there is
+    no AVX-512 (an AVX-512 CPU without VNNI keeps its exact path), and with
+    `int8_activations=False` the widest exact path."""
     from engine import platform
 
     info = platform.CpuInfo("a cpu", frozenset(flags.split()), "DEFAULT")
