@@ -760,24 +760,25 @@ void for_row_tiles(int64_t rows, int64_t max_tile, Fn&& fn) {
   for (int64_t r0 = 0; r0 < rows; r0 += max_tile) fn(r0, std::min(max_tile, rows - r0));
 }
 
-// The AVX-512 paths' driver: for each block of [b0, b1) and each tile of up to 8 rows,
-// block(std::integral_constant<int, R>, block index, first row, lanes) with R the tile's rows.
-template <typename Block>
+// fn(std::integral_constant<int, n>) for a tile of n rows, 1 <= n <= Max (a kernel compiled for
+// each row count up to Max).
+template <int Max, int R = 1, typename Fn>
+void with_rows(int64_t n, Fn&& fn) {
+  if constexpr (R < Max) {
+    if (n != R) return with_rows<Max, R + 1>(n, fn);
+  }
+  fn(std::integral_constant<int, R>{});
+}
+
+// The block kernels' driver: for each block of [b0, b1) and each tile of up to MaxTile rows
+// (AVX-512: 8, for 32 zmm registers; AVX2: 4, for 16 ymm), block(std::integral_constant<int,
+// R>, block index, first row, lanes) with R the tile's rows.
+template <int MaxTile, typename Block>
 void over_blocks(const Problem& p, int64_t b0, int64_t b1, Block&& block) {
-  using std::integral_constant;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
-    for_row_tiles(p.rows, 8, [&](int64_t r0, int64_t n) {
-      switch (n) {
-        case 1: block(integral_constant<int, 1>{}, b, r0, lanes); break;
-        case 2: block(integral_constant<int, 2>{}, b, r0, lanes); break;
-        case 3: block(integral_constant<int, 3>{}, b, r0, lanes); break;
-        case 4: block(integral_constant<int, 4>{}, b, r0, lanes); break;
-        case 5: block(integral_constant<int, 5>{}, b, r0, lanes); break;
-        case 6: block(integral_constant<int, 6>{}, b, r0, lanes); break;
-        case 7: block(integral_constant<int, 7>{}, b, r0, lanes); break;
-        default: block(integral_constant<int, 8>{}, b, r0, lanes); break;
-      }
+    for_row_tiles(p.rows, MaxTile, [&](int64_t r0, int64_t n) {
+      with_rows<MaxTile>(n, [&](auto rows) { block(rows, b, r0, lanes); });
     });
   }
 }
@@ -788,35 +789,35 @@ void over_blocks(const Problem& p, int64_t b0, int64_t b1, Block&& block) {
 
 void int4_avx512(const Problem& p, const uint8_t* codes, const uint16_t* scale_min, int64_t b0,
                  int64_t b1) {
-  over_blocks(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+  over_blocks<8>(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
     int4_block_avx512<rows()>(p, INT4_BLOCK_ARGS, r0, b * kBlock, lanes);
   });
 }
 
 void int4_avx512bf16(const Problem& p, const uint8_t* codes, const uint16_t* scale_min,
                      int64_t b0, int64_t b1) {
-  over_blocks(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+  over_blocks<8>(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
     int4_block_avx512bf16<rows()>(p, INT4_BLOCK_ARGS, r0, b * kBlock, lanes);
   });
 }
 
 void int4_vnni(const Problem& p, const uint8_t* codes, const uint16_t* scale_min, int64_t b0,
                int64_t b1) {
-  over_blocks(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+  over_blocks<8>(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
     int4_block_vnni<rows()>(p, INT4_BLOCK_ARGS, r0, b * kBlock, lanes);
   });
 }
 
 void int8_avx512(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
                  int64_t b1) {
-  over_blocks(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+  over_blocks<8>(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
     int8_block_avx512<rows()>(p, codes + b * p.in_features * kBlock, scale, r0, b * kBlock, lanes);
   });
 }
 
 void int8_vnni(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
                int64_t b1) {
-  over_blocks(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+  over_blocks<8>(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
     int8_block_vnni<rows()>(p, codes + b * p.in_features * kBlock, scale, r0, b * kBlock, lanes);
   });
 }
@@ -839,14 +840,10 @@ void int4_avx2(const Problem& p, const uint8_t* codes, const uint16_t* scale_min
       const int64_t col = b * kBlock + half * 8;
       if (col >= p.out_features) break;
       for_row_tiles(p.rows, 4, [&](int64_t r0, int64_t n) {
-#define CALL(R) int4_half_avx2<R>(p, codes + b * block_codes, scale_min + b * block_sm, r0, tmp, half)
-        switch (n) {
-          case 1: CALL(1); break;
-          case 2: CALL(2); break;
-          case 3: CALL(3); break;
-          default: CALL(4); break;
-        }
-#undef CALL
+        with_rows<4>(n, [&](auto rows) {
+          int4_half_avx2<rows()>(p, codes + b * block_codes, scale_min + b * block_sm, r0, tmp,
+                                 half);
+        });
         store_half(p, tmp, r0, n, col);
       });
     }
@@ -861,40 +858,19 @@ void int8_avx2(const Problem& p, const int8_t* codes, const float* scale, int64_
       const int64_t col = b * kBlock + half * 8;
       if (col >= p.out_features) break;
       for_row_tiles(p.rows, 4, [&](int64_t r0, int64_t n) {
-#define CALL(R) int8_half_avx2<R>(p, codes + b * p.in_features * kBlock, scale, r0, tmp, half, b * kBlock)
-        switch (n) {
-          case 1: CALL(1); break;
-          case 2: CALL(2); break;
-          case 3: CALL(3); break;
-          default: CALL(4); break;
-        }
-#undef CALL
+        with_rows<4>(n, [&](auto rows) {
+          int8_half_avx2<rows()>(p, codes + b * p.in_features * kBlock, scale, r0, tmp, half,
+                                 b * kBlock);
+        });
         store_half(p, tmp, r0, n, col);
       });
     }
   }
 }
 
-// The AVX2 int8 paths' driver: over_blocks' with tiles of up to 4 rows (16 ymm registers).
-template <typename Block>
-void over_blocks_avx2(const Problem& p, int64_t b0, int64_t b1, Block&& block) {
-  using std::integral_constant;
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
-    for_row_tiles(p.rows, 4, [&](int64_t r0, int64_t n) {
-      switch (n) {
-        case 1: block(integral_constant<int, 1>{}, b, r0, lanes); break;
-        case 2: block(integral_constant<int, 2>{}, b, r0, lanes); break;
-        case 3: block(integral_constant<int, 3>{}, b, r0, lanes); break;
-        default: block(integral_constant<int, 4>{}, b, r0, lanes); break;
-      }
-    });
-  }
-}
-
 void int4_avx2_int8(const Problem& p, const uint8_t* codes, const uint16_t* scale_min,
                     int64_t b0, int64_t b1) {
-  over_blocks_avx2(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+  over_blocks<4>(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
     int4_block_avx2_int8<rows()>(p, codes + b * (p.in_features / 2 * kBlock),
                                  scale_min + b * (p.num_groups * 2 * kBlock), r0, b * kBlock,
                                  lanes);
@@ -903,7 +879,7 @@ void int4_avx2_int8(const Problem& p, const uint8_t* codes, const uint16_t* scal
 
 void int8_avx2_int8(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
                     int64_t b1) {
-  over_blocks_avx2(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
+  over_blocks<4>(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
     int8_block_avx2_int8<rows()>(p, codes + b * p.in_features * kBlock, scale, r0, b * kBlock,
                                  lanes);
   });

@@ -87,18 +87,18 @@ def _poisoned(rows: int, out_features: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 dtypes = st.sampled_from([torch.float32, torch.bfloat16])
+seeds = st.integers(0, 2**31 - 1)
+# An int4 layer's shape: output channels, group size and groups (in_features their product).
+INT4_SHAPES = {
+    "out_features": st.integers(1, 70),
+    "group_size": st.sampled_from([32, 64, 128]),
+    "num_groups": st.integers(1, 4),
+}
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @settings(max_examples=25, deadline=None)
-@given(
-    rows=st.integers(1, 8),
-    out_features=st.integers(1, 70),
-    group_size=st.sampled_from([32, 64, 128]),
-    num_groups=st.integers(1, 4),
-    dtype=dtypes,
-    seed=st.integers(0, 2**31 - 1),
-)
+@given(rows=st.integers(1, 8), dtype=dtypes, seed=seeds, **INT4_SHAPES)
 def test_int4_matches_the_dequantizing_reference(
     ext, isa, rows, out_features, group_size, num_groups, dtype, seed
 ):
@@ -194,13 +194,7 @@ def test_the_kernel_quantizes_activations_as_the_reference(ext, rows, num_chunks
 
 
 @settings(max_examples=30, deadline=None)
-@given(
-    rows=st.integers(1, 9),
-    out_features=st.integers(1, 70),
-    group_size=st.sampled_from([32, 64, 128]),
-    num_groups=st.integers(1, 4),
-    seed=st.integers(0, 2**31 - 1),
-)
+@given(rows=st.integers(1, 9), seed=seeds, **INT4_SHAPES)
 def test_the_avx2_int8_path_has_the_vnni_paths_bits(
     ext, rows, out_features, group_size, num_groups, seed
 ):
