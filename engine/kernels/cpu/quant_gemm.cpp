@@ -590,8 +590,10 @@ AVX2_TARGET inline __m256 load8(const uint16_t* x) {
       _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
 }
 
-// quantize_rows' codes and scales (the same values: a max, one division, products rounded to
-// nearest even), in input order; no code sums (the AVX2 int8 path needs none).
+// quantize_rows' codes and scales for finite activations (the same values: a max, one
+// division, products rounded to nearest even), in input order; no code sums (the AVX2 int8
+// path needs none). For a chunk with an infinity or a NaN the two make no promise of the
+// same codes.
 template <typename T>
 AVX2_TARGET void quantize_rows_avx2(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xd) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -627,7 +629,7 @@ AVX2_TARGET inline __m256i broadcast4(const int8_t* x) {
   return _mm256_set1_epi32(four);
 }
 
-// Lanes [first, first + 8) of an [R][2] pair of 8-channel vectors into y.
+// The first `lanes` of each row's 16 outputs (a block's channels col0 ...) into y.
 template <int R>
 void store_avx2_block(const Problem& p, const float (&tmp)[R][16], int64_t row0, int64_t col0,
                       int64_t lanes) {
