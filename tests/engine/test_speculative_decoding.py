@@ -315,7 +315,7 @@ def run(mode, scheme):
     return outputs, fused.drafted_tokens if fused is not None else None, fused.lookup_tokens
 
 result = {}
-for scheme in (None, "int4"):
+for scheme in (None, "int4", "int4@exact"):
     on, off = run("on", scheme), run("off", scheme)
     result[str(scheme)] = {"same": on[0] == off[0], "drafted": on[1], "lookup_tokens": on[2]}
 print(json.dumps(result))
@@ -327,8 +327,9 @@ def test_a_narrower_cpus_paths_speculate_with_the_same_tokens(built, tiny_model_
     """The AVX2 and portable paths of every kernel the draft and the verifying step run (the
     CPU's flags above them hidden, torch's own dispatch lowered to match), in a process of
     their own: drafts are made and the tokens are the one-token steps'; with int4 weights the
-    lookup's proposals too, as many a step as the path keeps a row's bits for (AVX2: 1, its
-    GEMV regroups its sums at 3 rows; portable: LOOKUP_TOKENS)."""
+    lookup's proposals too, as many a step as the path keeps a row's bits for (the AVX2 int8
+    path and the portable one: LOOKUP_TOKENS; AVX2's exact path, "int4@exact": 1, its GEMV
+    regroups its sums at 3 rows)."""
     import json
     import os
     import subprocess
@@ -345,10 +346,11 @@ def test_a_narrower_cpus_paths_speculate_with_the_same_tokens(built, tiny_model_
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    for scheme in ("None", "int4"):
+    for scheme in ("None", "int4", "int4@exact"):
         assert result[scheme]["same"] and result[scheme]["drafted"] > 0, result
-    want = 1 if isa == "avx2" else fused_decode.LOOKUP_TOKENS
-    assert result["int4"]["lookup_tokens"] == want, result
+    assert result["int4"]["lookup_tokens"] == fused_decode.LOOKUP_TOKENS, result
+    exact = 1 if isa == "avx2" else fused_decode.LOOKUP_TOKENS
+    assert result["int4@exact"]["lookup_tokens"] == exact, result
 
 
 @pytest.mark.parametrize("proposer", ["draft", "lookup"])
