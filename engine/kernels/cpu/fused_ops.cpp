@@ -29,7 +29,6 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -72,16 +71,19 @@ inline uint32_t float_to_bf16_bits(float v) {
 template <>
 inline float round_like<at::BFloat16>(float v) { return bf16_bits_to_float(float_to_bf16_bits(v)); }
 
+// x[i] as float; bf16 through its bits, a form the vectoriser takes.
 template <typename scalar_t>
-inline void widen(const scalar_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
-}
+inline float float_at(const scalar_t* x, int64_t i) { return to_float(x[i]); }
 
 template <>
-inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+inline float float_at(const at::BFloat16* x, int64_t i) {
+  return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(x)[i]);
+}
+
+template <typename scalar_t>
+inline void widen(const scalar_t* src, float* dst, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_float(bits[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_at(src, i);
 }
 
 template <typename scalar_t>
@@ -774,65 +776,19 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> topk_rows(const torch::T
 // a division, a softmax, each over more than ATen's grain) woke the second thread for each.
 constexpr int64_t kRowsInline = 4;  // fewer rows run inline (a 49k row: ~30 us)
 
-#if defined(__AVX512F__)
-template <typename scalar_t>
-inline __m512 load_float16(const scalar_t* p) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return _mm512_loadu_ps(p);
-  } else {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-  }
-}
-#elif defined(__AVX2__)
-template <typename scalar_t>
-inline __m256 load_float8(const scalar_t* p) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return _mm256_loadu_ps(p);
-  } else {
-    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-  }
-}
-#endif
-
-// out = float(x) / t; the largest value into *max; false where a value is NaN.
+// out = float(x) / t (one IEEE division an element, in vectors of whatever width the build
+// has: the same bits at any); the largest value into *max (exact in any order); false where a
+// value is NaN.
 template <typename scalar_t>
 bool scale_row(const scalar_t* x, float t, int64_t n, float* out, float* max) {
   float m = -std::numeric_limits<float>::infinity();
-  bool nan = false;
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 tv = _mm512_set1_ps(t);
-  __m512 mv = _mm512_set1_ps(m);
-  __mmask16 bad = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_div_ps(load_float16(x + i), tv);
-    _mm512_storeu_ps(out + i, v);
-    bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    mv = _mm512_max_ps(mv, v);
-  }
-  nan = bad != 0;
-  m = _mm512_reduce_max_ps(mv);
-#elif defined(__AVX2__)
-  const __m256 tv = _mm256_set1_ps(t);
-  __m256 mv = _mm256_set1_ps(m), bad = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_div_ps(load_float8(x + i), tv);
-    _mm256_storeu_ps(out + i, v);
-    bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    mv = _mm256_max_ps(mv, v);
-  }
-  nan = _mm256_movemask_ps(bad) != 0;
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, mv);
-  for (const float v : lanes) m = std::max(m, v);
-#endif
-  for (; i < n; ++i) {
-    const float v = to_float(x[i]) / t;
+  int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = float_at(x, i) / t;
     out[i] = v;
     nan |= v != v;
-    m = std::max(m, v);
+    m = v > m ? v : m;
   }
   *max = m;
   return !nan;
@@ -906,15 +862,8 @@ float exp_and_sum(float* v, int64_t n, float m, int64_t exp_lanes) {
 }
 
 void scale_by(float* v, int64_t n, float s) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 sv = _mm512_set1_ps(s);
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(v + i, _mm512_mul_ps(_mm512_loadu_ps(v + i), sv));
-#elif defined(__AVX2__)
-  const __m256 sv = _mm256_set1_ps(s);
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_loadu_ps(v + i), sv));
-#endif
-  for (; i < n; ++i) v[i] = v[i] * s;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) v[i] = v[i] * s;
 }
 
 template <typename scalar_t>
