@@ -25,9 +25,9 @@ from engine.quant.kv_int8 import Int8PagedAttention
 
 class CpuPagedAttention(TorchPagedAttention):
     """The C++ kernels on the decode rows and on prefill chunks that follow cached tokens
-    (`use_extend_kernel`, up to the length `calibrate` measured the kernel faster for); fresh prompts (and dtypes the kernels lack, fp16) go through the
-    torch reference it subclasses. Needs no decode mask: the kernels stop at each request's
-    context length."""
+    (`use_extend_kernel`, up to the length `calibrate` measured the kernel faster for); fresh
+    prompts (and dtypes the kernels lack, fp16) go through the torch reference it subclasses.
+    Needs no decode mask: the kernels stop at each request's context length."""
 
     name = "cpu"
     needs_decode_mask = False
