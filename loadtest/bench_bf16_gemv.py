@@ -7,7 +7,9 @@ Shapes (in -> out): SmolLM2-135M's qkv-like 576->1728, gate_up 576->3072, down 1
 lm_head 576->49152; a 1B Llama's (Llama-3.2-1B) qkv 2048->3072, gate_up 2048->16384, down
 8192->2048, lm_head 2048->49152. Columns, per row count (bf16 activations, torch's threads):
 - gemv: our kernel called directly, on the weight packed in pairs along K;
-- packed: oneDNN's `_linear_pointwise` on its own packed layout (the engine's previous default);
+- packed: oneDNN's `_linear_pointwise` on its own packed layout (the engine's previous default;
+  left out, as NaN, on a CPU where oneDNN has no bf16 packing: no AVX-512 BW/VL/DQ nor
+  AVX-NE-CONVERT, e.g. AMD Zen 3);
 - plain: `F.linear` on the checkpoint layout (oneDNN repacks it inside every call);
 - read: `torch.sum` over the same weight bytes, the memory-read yardstick;
 - gemv_hp (with `--huge-pages`): our kernel on a copy of the packed weight in transparent huge
@@ -84,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             weight = (torch.randn(out_features, in_features) * 0.02).to(torch.bfloat16)
             packed = bf16_gemm.pack(weight, huge_pages=False)
             packed_hp = bf16_gemm.pack(weight, huge_pages=True) if args.huge_pages else None
-            onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+            try:
+                onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+            except RuntimeError:  # no bf16 packing on this CPU
+                onednn = None
             nbytes = weight.numel() * weight.element_size()
             for rows in [int(r) for r in args.rows.split(",")]:
                 x = torch.randn(rows, in_features).to(torch.bfloat16)
@@ -92,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                     "gemv": partial(bf16_gemm.gemm, extension, x, packed, None, out_features),
                     "packed": partial(
                         torch.ops.mkldnn._linear_pointwise, x, onednn, None, "none", [], ""
-                    ),
+                    )
+                    if onednn is not None
+                    else None,
                     "plain": partial(F.linear, x, weight),
                     "read": weight.sum,
                 }
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 with torch.inference_mode():
                     for _ in range(args.rounds):
                         for column, fn in fns.items():
-                            times[column].append(_sample(fn))
+                            times[column].append(float("nan") if fn is None else _sample(fn))
                 median = {c: statistics.median(v) for c, v in times.items()}
                 gb_s = {c: nbytes / median[c] / 1e9 for c in columns}
                 row = {"group": group, "shape": name, "in": in_features, "out": out_features,
