@@ -44,9 +44,10 @@ from engine.quant.primitives import quantize_int4_groupwise, quantize_int8_per_c
 log = structlog.get_logger(__name__)
 
 # Decode rows per fused step: with int4/int8 weights the per-operator path runs the same GEMV
-# kernel at any row count; bf16 weights on our GEMV up to bf16_gemm.FUSED_MAX_ROWS (64). The
-# per-operator path hands bf16 batches of more than GEMV_MAX_ROWS (16) to oneDNN, so between 17
-# and 64 rows the fused step's bits are our kernel's, not that path's (both round to bf16 once).
+# kernel at any row count; bf16 weights on our GEMV up to bf16_gemm.FUSED_MAX_ROWS (64). Where
+# oneDNN has a bf16 GEMM the per-operator path hands bf16 batches of more than GEMV_MAX_ROWS (16)
+# to it, so between 17 and 64 rows the fused step's bits are our kernel's, not that path's (both
+# round to bf16 once).
 MAX_ROWS_QUANT = 64
 
 # A greedy step of at most this many rows takes a bf16 lm_head's argmax through an int8 screen

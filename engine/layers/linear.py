@@ -20,7 +20,8 @@ crash. A packed tied lm_head holds its own copy; the embedding keeps the plain t
 (engine/kernels/cpu/bf16_gemm.py: weights in pairs along K for `vdpbf16ps`), which reads the
 weights at the memory bandwidth for the row counts of decoding. The packed copy is the only one
 kept: the layer runs our kernel for up to 16 rows and oneDNN's `F.linear` on a transient
-unpacked copy beyond (`bf16_gemm.linear`).
+unpacked copy beyond (`bf16_gemm.linear`), or our kernel at every row count on a CPU where
+oneDNN has no bf16 GEMM (`bf16_gemm.layer_max_rows`).
 
 This is the seam for quantization: a quantized linear only has to provide the same constructor
 arguments, `forward`, `weight_loader` and `pack`, and `make_linear`/`make_merged_linear` choose
@@ -93,6 +94,7 @@ class Linear(nn.Module):
                 return
             self._gemv = bf16_gemm.load().bf16_gemm
             self._isa = bf16_gemm.isa_code()
+            self._gemv_max_rows = bf16_gemm.layer_max_rows()
             packed = bf16_gemm.pack(self.weight.detach())
         elif kernel == "packed":
             if not is_packing_supported(self.weight):
@@ -119,7 +121,8 @@ class Linear(nn.Module):
         # [num_tokens, in_features] -> [num_tokens, out_features]
         if self.kernel == "gemv":
             return bf16_gemm.linear(self._gemv, self._isa, x, self.weight, self.bias,
-                                    self.out_features, self.in_features)  # fmt: skip
+                                    self.out_features, self.in_features,
+                                    self._gemv_max_rows)  # fmt: skip
         if self.kernel == "packed":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

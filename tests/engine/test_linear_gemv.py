@@ -39,8 +39,9 @@ def _layer(in_features: int, out_features: int, bias: bool, seed: int = 0) -> Li
     seed=st.integers(0, 2**31 - 1),
 )
 def test_gemv_layer_matches_the_plain_layer(rows, in_features, out_features, bias, seed):
-    """Up to GEMV_MAX_ROWS within bf16 rounding of torch (our kernel); beyond, bit-identical to the
-    plain layer (oneDNN on a transient unpacked copy, as Hugging Face computes it)."""
+    """Up to the layer's limit (GEMV_MAX_ROWS, or none on a CPU without oneDNN bf16) within bf16
+    rounding of torch (our kernel); beyond, bit-identical to the plain layer (oneDNN on a
+    transient unpacked copy, as Hugging Face computes it)."""
     layer = _layer(in_features, out_features, bias, seed)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed + 1))
     x = x.to(torch.bfloat16)
@@ -50,7 +51,8 @@ def test_gemv_layer_matches_the_plain_layer(rows, in_features, out_features, bia
     with torch.inference_mode():
         got = layer(x)
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
-    if rows > bf16_gemm.GEMV_MAX_ROWS:
+    limit = bf16_gemm.layer_max_rows()
+    if limit is not None and rows > limit:
         assert torch.equal(got, expected)
     else:
         magnitude = x.float().abs() @ layer_weight(layer).float().abs().t()
@@ -58,6 +60,29 @@ def test_gemv_layer_matches_the_plain_layer(rows, in_features, out_features, bia
             magnitude += layer.bias.float().abs()
         bound = 1e-5 * magnitude + 2.0**-7 * expected.float().abs() + 1e-6
         assert ((got.float() - expected.float()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("onednn_bf16", [True, False])
+def test_past_the_gemv_rows_a_layer_takes_onednn_only_where_it_has_bf16(monkeypatch, onednn_bf16):
+    """A 40-row batch (a prefill chunk) on a gemv layer: oneDNN's F.linear on an unpacked copy
+    (the plain layer's bits) where oneDNN has a bf16 GEMM, our kernel's bits where it has none
+    (AVX2-only CPUs, where torch's bf16 F.linear is 6-8x slower than our kernel)."""
+    monkeypatch.setattr(bf16_gemm, "can_pack_onednn", lambda dtype: onednn_bf16)
+    assert bf16_gemm.layer_max_rows() == (bf16_gemm.GEMV_MAX_ROWS if onednn_bf16 else None)
+    # Sums whose value shows their grouping (2^25, 1, -2^25, 1 ... times ones: 1 in our
+    # kernel's order, 16 in torch's; checked below that they differ).
+    layer = Linear(64, 16, bias=False, dtype=torch.bfloat16)
+    layer.weight.data.zero_()
+    for pair in range(32):
+        layer.weight.data[:, 2 * pair] = (2.0**25, 1.0, -(2.0**25), 1.0)[pair % 4]
+    x = torch.ones(40, 64, dtype=torch.bfloat16)
+    plain = layer(x)
+    layer.pack("gemv")
+    with torch.inference_mode():
+        got = layer(x)
+        ours = bf16_gemm.gemm(bf16_gemm.load(), x, layer.weight, None, 16)
+    assert not torch.equal(ours, plain)
+    assert torch.equal(got, plain if onednn_bf16 else ours)
 
 
 def layer_weight(layer: Linear) -> torch.Tensor:

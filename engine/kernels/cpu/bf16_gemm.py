@@ -25,6 +25,7 @@ import torch
 
 from engine import huge_pages as weight_pages
 from engine.kernels.cpu import extension, quant_gemm
+from engine.platform import can_pack_onednn
 
 SOURCE = Path(__file__).with_name("bf16_gemm.cpp")
 BLOCK = 16  # output channels per block of the packed layout
@@ -45,6 +46,17 @@ ROWS_ALIKE = 3
 # quant_gemm's paths but those that quantize activations (a bf16 weight has no integer codes)
 ISAS = tuple(isa for isa in quant_gemm.ISAS if isa not in quant_gemm.INT8_ACTIVATION_ISAS)
 can_run = quant_gemm.can_run
+
+
+def layer_max_rows() -> int | None:
+    """Rows up to which a layer on our kernel runs it (`linear`); None: every row count.
+
+    GEMV_MAX_ROWS where oneDNN has a bf16 GEMM (native, or emulated on AVX-512 BW/VL/DQ). On a
+    CPU without one (AVX2 only: AMD Zen 3, Intel's client cores) torch's bf16 `F.linear` falls
+    back to a path 6-8x slower than our kernel at every row count (2-core Zen 3, SmolLM2's
+    widths at 16-1024 rows; loadtest/README.md, thirty-first session): a 39-token prompt took
+    690 ms to its first token. There a prefill takes our kernel too and rounds as it does."""
+    return GEMV_MAX_ROWS if can_pack_onednn(torch.bfloat16) else None
 
 
 def best_isa() -> str:
@@ -143,9 +155,11 @@ def linear(
     bias: torch.Tensor | None,
     out_features: int,
     in_features: int,
+    max_rows: int | None = GEMV_MAX_ROWS,
 ) -> torch.Tensor:
     """A linear layer on a packed weight: x bf16 [rows, in] -> [rows, out_features]. `call` is
-    the extension's `bf16_gemm` and `isa` its code, looked up once by the caller."""
-    if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+    the extension's `bf16_gemm` and `isa` its code, looked up once by the caller; past
+    `max_rows` rows (None: never; `layer_max_rows()`) oneDNN on a transient unpacked copy."""
+    if x.dim() == 2 and (max_rows is None or x.shape[0] <= max_rows):
         return call(x, packed, bias, out_features, isa, None)
     return torch.nn.functional.linear(x, unpack(packed, out_features, in_features), bias)

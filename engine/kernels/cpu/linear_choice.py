@@ -156,11 +156,11 @@ def calibrate_shape(in_features: int, out_features: int, dtype: torch.dtype) -> 
                 x, weights["packed"], None, "none", [], ""
             ),
             # Our kernel itself at every bucket: the fused decode step runs it up to
-            # bf16_gemm.FUSED_MAX_ROWS (64) decode rows. (A prefill chunk past GEMV_MAX_ROWS
-            # takes F.linear on an unpacked copy instead, for HF's rounding: a per-prompt cost
-            # this per-token choice does not weigh. Timing that path at 64 rows chose oneDNN
-            # for every SmolLM2 linear, which kept the fused step off: W1 bf16 33 tok/s
-            # against 77.)
+            # bf16_gemm.FUSED_MAX_ROWS (64) decode rows. (Where oneDNN has a bf16 GEMM, a
+            # prefill chunk past GEMV_MAX_ROWS takes F.linear on an unpacked copy instead, for
+            # HF's rounding: a per-prompt cost this per-token choice does not weigh. Timing
+            # that path at 64 rows chose oneDNN for every SmolLM2 linear, which kept the fused
+            # step off: W1 bf16 33 tok/s against 77.)
             "gemv": lambda x=x: gemv(x, weights["gemv"], None, out_features, isa, None),
         }
         samples[rows] = calibration.timed_rounds({name: calls[name] for name in paths}, _ROUNDS)
