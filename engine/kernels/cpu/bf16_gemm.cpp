@@ -210,7 +210,6 @@ AVX2_TARGET void block_avx2(const Problem& p, int64_t b, int64_t row0) {
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t e = 0; e < p.num_pairs; ++e) {
     const __m256i* we = reinterpret_cast<const __m256i*>(wb + e * 2 * kBlock);
-    gemv_prefetch::ahead(we, 2 * kBlock * sizeof(uint16_t));  // a pair's entry: one cache line
     __m256 even[2], odd[2];
     for (int h = 0; h < 2; ++h) {
       const __m256i w = _mm256_loadu_si256(we + h);
