@@ -66,7 +66,7 @@ def test_gemv_layer_matches_the_plain_layer(rows, in_features, out_features, bia
 def test_past_the_gemv_rows_a_layer_takes_onednn_only_where_it_has_bf16(monkeypatch, onednn_bf16):
     """A 40-row batch (a prefill chunk) on a gemv layer: oneDNN's F.linear on an unpacked copy
     (the plain layer's bits) where oneDNN has a bf16 GEMM, our kernel's bits where it has none
-    (AVX2-only CPUs, where torch's bf16 F.linear is 6-8x slower than our kernel)."""
+    (AVX2-only CPUs, where torch's bf16 F.linear is 4-8x slower than our kernel)."""
     monkeypatch.setattr(bf16_gemm, "can_pack_onednn", lambda dtype: onednn_bf16)
     assert bf16_gemm.layer_max_rows() == (bf16_gemm.GEMV_MAX_ROWS if onednn_bf16 else None)
     # Sums whose value shows their grouping (2^25, 1, -2^25, 1 ... times ones: 1 in our

@@ -53,7 +53,7 @@ def layer_max_rows() -> int | None:
 
     GEMV_MAX_ROWS where oneDNN has a bf16 GEMM (native, or emulated on AVX-512 BW/VL/DQ). On a
     CPU without one (AVX2 only: AMD Zen 3, Intel's client cores) torch's bf16 `F.linear` falls
-    back to a path 6-8x slower than our kernel at every row count (2-core Zen 3, SmolLM2's
+    back to a path 4-8x slower than our kernel at every row count (2-core Zen 3, SmolLM2's
     widths at 16-1024 rows; loadtest/README.md, thirty-first session): a 39-token prompt took
     690 ms to its first token. There a prefill takes our kernel too and rounds as it does."""
     return GEMV_MAX_ROWS if can_pack_onednn(torch.bfloat16) else None
