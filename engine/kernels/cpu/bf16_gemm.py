@@ -155,7 +155,7 @@ def linear(
     bias: torch.Tensor | None,
     out_features: int,
     in_features: int,
-    max_rows: int | None = GEMV_MAX_ROWS,
+    max_rows: int | None,
 ) -> torch.Tensor:
     """A linear layer on a packed weight: x bf16 [rows, in] -> [rows, out_features]. `call` is
     the extension's `bf16_gemm` and `isa` its code, looked up once by the caller; past
