@@ -932,9 +932,9 @@ def test_threads_with_rare_slow_steps_keep_the_steps_when_their_mean_is_lower(st
 
 def test_waits_that_slept_end_the_period_and_sizes_are_chosen_apart(step_ext):
     """A probe of a clearly slower arm ends after its first counted step. A threaded step whose
-    barrier waits mostly slept (the cores just became busy) starts a probe of one thread at the
-    next step, however long the period; each size of step (rows in powers of two) has its own
-    choice."""
+    barrier waits mostly slept (the cores just became busy) and which ran slower than one thread
+    last did starts a probe of one thread at the next step, however long the period; each size
+    of step (rows in powers of two) has its own choice."""
     choice = step_ext.ThreadChoice()
     for _ in range(FIRST_PERIOD):  # threads 10x faster: the next period is the longest
         choice.record(1, choice.single(1), 1_000, False)
@@ -947,11 +947,36 @@ def test_waits_that_slept_end_the_period_and_sizes_are_chosen_apart(step_ext):
     assert not state["single"] and state["period"] == MAX_PERIOD
     choice.record(1, False, 1_000, False)
     assert not choice.single(1)
-    choice.record(1, False, 9_000, True)  # waits slept
+    choice.record(1, False, 11_000, True)  # waits slept, slower than one thread last ran
     assert choice.single(1)  # a probe now, not MAX_PERIOD steps later
     assert not choice.single(32)  # 32 rows: a size of its own, still on threads
     choice.record(32, False, 32_000, False)
     assert [s["min_rows"] for s in choice.state()] == [1, 32]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_waits_that_slept_in_steps_on_time_do_not_start_probes(step_ext, seed):
+    """W2 through a worker on 2 cores, as the Zen 3 traced it: threaded steps of 32 rows at
+    0.9-1.5x their best, their barrier waits mostly sleeping (the broker, the client and the
+    worker's loop preempt a thread now and then); one thread 1.7-1.9x the threads' best. Only a
+    step whose waits slept and which ran slower than one thread's last mean ends the period
+    early: the steps stay on threads, with a probe per period. (When every such step started a
+    probe, 62 of 127 steps ran on one thread.)"""
+    import random
+
+    rng = random.Random(seed)
+    choice = step_ext.ThreadChoice()
+    arms = []
+    for _ in range(400):
+        single = choice.single(32)
+        per_row = 1800 * rng.uniform(0.95, 1.05) if single else 1000 * rng.uniform(0.9, 1.5)
+        choice.record(32, single, int(per_row * 32), not single)
+        arms.append(single)
+    # The first probe, then one at each period's end (~100-300 steps for this gap).
+    [state] = choice.state()
+    assert state["probes"] <= 4 and sum(arms) <= 4 * PROBE_STEPS and not state["single"]
+    choice.record(32, False, 32 * 2500, True)  # slower than one thread, waits slept: a probe
+    assert choice.single(32)
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
