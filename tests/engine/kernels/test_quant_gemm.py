@@ -477,6 +477,30 @@ def test_rows_alike_rows_get_the_bits_of_the_row_alone(ext, isa, rows, bits, num
     assert torch.equal(together, alone), (isa, rows)
 
 
+@pytest.mark.parametrize("rows", [5, 6, 9, 33])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_the_avx2_int8_path_for_many_rows_has_the_bits_of_its_one_row_path(ext, rows, group_size):
+    """From 6 rows the AVX2 int8 int4 path rearranges each block's codes once for all its row
+    tiles (quant_gemm.cpp `int4_block_avx2_int8_dwords`); below, each tile unpacks them. Both
+    sum the same integers and scale them in the same order: every row of a many-row call has
+    the bits of that row computed alone (SmolLM2's width, codes at both ends of their range,
+    an all-zero activation chunk)."""
+    _isa("avx2_int8")
+    generator = torch.Generator().manual_seed(rows * group_size)
+    in_features = 576
+    codes = torch.randint(0, 16, (100, in_features), generator=generator)
+    codes[:, :64] = torch.tensor([0, 15]).repeat(32)
+    scale = (torch.rand(100, in_features // group_size, generator=generator) * 0.1).half().float()
+    minimum = (torch.randn(100, in_features // group_size, generator=generator) * 0.1).half()
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    x[rows // 2, 32:64] = 0.0
+    packed = quant_gemm.pack_int4(codes.to(torch.uint8), scale, minimum.float())
+    run = lambda x: quant_gemm.int4_gemm(ext, x, *packed, group_size, 100, "avx2_int8")  # noqa: E731
+    together = run(x)
+    alone = torch.cat([run(x[r : r + 1].clone()) for r in range(rows)])
+    assert torch.equal(together, alone)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_past_rows_alike_the_grouping_of_the_sums_shows(ext, isa):
     """The limit is where the paths' sums regroup: with products 2^24, 1, -2^24, 1 (repeated),
