@@ -477,25 +477,38 @@ def test_rows_alike_rows_get_the_bits_of_the_row_alone(ext, isa, rows, bits, num
     assert torch.equal(together, alone), (isa, rows)
 
 
-@pytest.mark.parametrize("rows", [5, 6, 9, 33])
+@pytest.mark.parametrize(
+    ("bits", "rows"), [(4, 5), (4, 6), (4, 9), (4, 33), (8, 15), (8, 16), (8, 33)]
+)
 @pytest.mark.parametrize("group_size", [32, 64])
-def test_the_avx2_int8_path_for_many_rows_has_the_bits_of_its_one_row_path(ext, rows, group_size):
-    """From 6 rows the AVX2 int8 int4 path rearranges each block's codes once for all its row
-    tiles (quant_gemm.cpp `int4_block_avx2_int8_dwords`); below, each tile unpacks them. Both
-    sum the same integers and scale them in the same order: every row of a many-row call has
-    the bits of that row computed alone (SmolLM2's width, codes at both ends of their range,
-    an all-zero activation chunk)."""
+def test_the_avx2_int8_path_for_many_rows_has_the_bits_of_its_few_rows_path(
+    ext, bits, rows, group_size
+):
+    """From 6 rows (int4) and 16 (int8) the AVX2 int8-activation path rearranges each block's
+    codes once for all its row tiles (quant_gemm.cpp `int4_block_avx2_int8_dwords`,
+    `int8_block_avx2_int8_dwords`); below, each tile reads them as they are packed. Both sum
+    the same integers and scale them in the same order: every row of a many-row call has the
+    bits of that row computed alone (SmolLM2's width, codes at both ends of their range, an
+    all-zero activation chunk)."""
     _isa("avx2_int8")
-    generator = torch.Generator().manual_seed(rows * group_size)
+    generator = torch.Generator().manual_seed(rows * group_size + bits)
     in_features = 576
-    codes = torch.randint(0, 16, (100, in_features), generator=generator)
-    codes[:, :64] = torch.tensor([0, 15]).repeat(32)
-    scale = (torch.rand(100, in_features // group_size, generator=generator) * 0.1).half().float()
-    minimum = (torch.randn(100, in_features // group_size, generator=generator) * 0.1).half()
     x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
     x[rows // 2, 32:64] = 0.0
-    packed = quant_gemm.pack_int4(codes.to(torch.uint8), scale, minimum.float())
-    run = lambda x: quant_gemm.int4_gemm(ext, x, *packed, group_size, 100, "avx2_int8")  # noqa: E731
+    if bits == 4:
+        codes = torch.randint(0, 16, (100, in_features), generator=generator)
+        codes[:, :64] = torch.tensor([0, 15]).repeat(32)
+        groups = in_features // group_size
+        scale = (torch.rand(100, groups, generator=generator) * 0.1).half().float()
+        minimum = (torch.randn(100, groups, generator=generator) * 0.1).half().float()
+        packed = quant_gemm.pack_int4(codes.to(torch.uint8), scale, minimum)
+        run = lambda x: quant_gemm.int4_gemm(ext, x, *packed, group_size, 100, "avx2_int8")  # noqa: E731
+    else:
+        codes = torch.randint(-127, 128, (100, in_features), generator=generator)
+        codes[:, :64] = torch.tensor([-127, 127]).repeat(32)
+        codes[:, 64:96] = 0
+        packed = quant_gemm.pack_int8(codes.to(torch.int8), torch.rand(100, generator=generator))
+        run = lambda x: quant_gemm.int8_gemm(ext, x, *packed, 100, "avx2_int8")  # noqa: E731
     together = run(x)
     alone = torch.cat([run(x[r : r + 1].clone()) for r in range(rows)])
     assert torch.equal(together, alone)
