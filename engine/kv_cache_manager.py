@@ -61,6 +61,10 @@ class KVCacheManager:
             hashes.append(hash_block(parent, req.all_token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
+    def full_block_hashes(self, req: Request, num_tokens: int) -> list[bytes]:
+        """Chain hashes of the request's first `num_tokens // block_size` blocks."""
+        return self._full_block_hashes(req, num_tokens)[: num_tokens // self.block_size]
+
     def get_computed_blocks(self, req: Request) -> list[Block]:
         """The longest run of cached full blocks that prefixes the request's tokens.
 

@@ -83,7 +83,8 @@ def test_preempts_least_urgent_latest_when_blocks_run_out():
 def test_urgent_waiting_request_preempts_bulk_work():
     sched = _make(num_blocks=6, block_size=4, budget=64, max_seqs=2)
     for i in range(2):
-        sched.add_request(Request(f"low{i}", list(range(8)), SamplingParams(max_tokens=12), priority=3, arrival_index=i))
+        prompt = list(range(8 * i, 8 * i + 8))  # distinct: nothing to wait for in the cache
+        sched.add_request(Request(f"low{i}", prompt, SamplingParams(max_tokens=12), priority=3, arrival_index=i))
     _step(sched)
     assert {r.request_id for r in sched.running} == {"low0", "low1"}
     sched.add_request(Request("urgent", [5] * 8, SamplingParams(max_tokens=2), priority=0, arrival_index=9))
@@ -107,6 +108,42 @@ def test_prefix_cache_hit_skips_computed_tokens():
     (s,) = out.scheduled
     assert (s.start_position, s.token_ids) == (12, [3, 4])
     assert sched.num_prefix_hits == 12 and sched.num_tokens_reused == 12
+
+
+def test_requests_sharing_a_prefix_admitted_together_compute_it_once():
+    """Chat prompts that share a system prompt arrive together: the first computes the shared
+    blocks, the others wait one step and take them from the prefix cache. A request behind one
+    that waits is still admitted (here, one with a prompt of its own), and a long prompt that
+    shares only a short prefix goes ahead (it would wait longer than it saves)."""
+    sched = _make(num_blocks=64, block_size=4, budget=256, max_seqs=8)
+    sys_prompt = list(range(100, 112))  # 3 full blocks
+    for i in range(3):
+        prompt = sys_prompt + [i, i + 1, i + 2]
+        sched.add_request(Request(f"chat{i}", prompt, SamplingParams(max_tokens=2), arrival_index=i))
+    sched.add_request(Request("other", list(range(200, 215)), SamplingParams(max_tokens=2), arrival_index=3))
+    long_prompt = sys_prompt[:4] + list(range(300, 340))  # shares 1 block of 11 to compute
+    sched.add_request(Request("long", long_prompt, SamplingParams(max_tokens=2), arrival_index=4))
+    out, _ = _step(sched)
+    assert [s.request_id for s in out.scheduled] == ["chat0", "other", "long"]
+    assert all(s.start_position == 0 for s in out.scheduled)
+    out, _ = _step(sched)
+    later = {s.request_id: s for s in out.scheduled if s.request_id.startswith("chat")}
+    assert set(later) == {"chat0", "chat1", "chat2"}
+    for rid in ("chat1", "chat2"):
+        assert (later[rid].start_position, len(later[rid].token_ids)) == (12, 3)  # cached: 12
+    assert sched.num_prefix_hits == 24 and sched.num_tokens_reused == 24
+    while sched.has_unfinished():
+        _step(sched)
+    assert sched.kv.num_free_blocks == 64
+
+
+def test_without_prefix_caching_requests_sharing_a_prefix_are_admitted_together():
+    """Nothing can be taken from a cache that is off: no request waits."""
+    sched = _make(num_blocks=64, block_size=4, budget=256, max_seqs=8, enable_prefix_caching=False)
+    for i in range(3):
+        sched.add_request(Request(f"chat{i}", list(range(100, 112)) + [i], SamplingParams(max_tokens=2), arrival_index=i))
+    out, _ = _step(sched)
+    assert [s.request_id for s in out.scheduled] == ["chat0", "chat1", "chat2"]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
