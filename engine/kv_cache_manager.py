@@ -65,15 +65,20 @@ class KVCacheManager:
         """Chain hashes of the request's first `num_tokens // block_size` blocks."""
         return self._full_block_hashes(req, num_tokens)[: num_tokens // self.block_size]
 
+    def can_take_cached(self, req: Request) -> bool:
+        """Whether `req` may take blocks from the prefix cache."""
+        if not self.enable_caching:
+            return False
+        # Cached prompt tokens would have no logits (vLLM does the same).
+        return req.params.prompt_logprobs is None or req.num_output_tokens > 0
+
     def get_computed_blocks(self, req: Request) -> list[Block]:
         """The longest run of cached full blocks that prefixes the request's tokens.
 
         At least one token is always left to compute: the model must run on the last token to
         produce logits, so a fully cached prompt gives back its last block."""
-        if not self.enable_caching:
+        if not self.can_take_cached(req):
             return []
-        if req.params.prompt_logprobs is not None and req.num_output_tokens == 0:
-            return []  # cached prompt tokens would have no logits (vLLM does the same)
         max_hit_tokens = req.num_tokens - 1
         hits = []
         for h in self._full_block_hashes(req, max_hit_tokens):

@@ -112,38 +112,44 @@ def test_prefix_cache_hit_skips_computed_tokens():
 
 def test_requests_sharing_a_prefix_admitted_together_compute_it_once():
     """Chat prompts that share a system prompt arrive together: the first computes the shared
-    blocks, the others wait one step and take them from the prefix cache. A request behind one
-    that waits is still admitted (here, one with a prompt of its own), and a long prompt that
-    shares only a short prefix goes ahead (it would wait longer than it saves)."""
+    blocks, the others (a long prompt that shares only the first block too) wait one step and
+    take them from the prefix cache; a request behind the waiting ones, with a prompt of its
+    own, is admitted in the first step."""
     sched = _make(num_blocks=64, block_size=4, budget=256, max_seqs=8)
     sys_prompt = list(range(100, 112))  # 3 full blocks
     for i in range(3):
         prompt = sys_prompt + [i, i + 1, i + 2]
         sched.add_request(Request(f"chat{i}", prompt, SamplingParams(max_tokens=2), arrival_index=i))
-    sched.add_request(Request("other", list(range(200, 215)), SamplingParams(max_tokens=2), arrival_index=3))
-    long_prompt = sys_prompt[:4] + list(range(300, 340))  # shares 1 block of 11 to compute
-    sched.add_request(Request("long", long_prompt, SamplingParams(max_tokens=2), arrival_index=4))
+    long_prompt = sys_prompt[:4] + list(range(300, 340))  # shares the first block
+    sched.add_request(Request("long", long_prompt, SamplingParams(max_tokens=2), arrival_index=3))
+    sched.add_request(Request("other", list(range(200, 215)), SamplingParams(max_tokens=2), arrival_index=4))
     out, _ = _step(sched)
-    assert [s.request_id for s in out.scheduled] == ["chat0", "other", "long"]
+    assert [s.request_id for s in out.scheduled] == ["chat0", "other"]
     assert all(s.start_position == 0 for s in out.scheduled)
     out, _ = _step(sched)
-    later = {s.request_id: s for s in out.scheduled if s.request_id.startswith("chat")}
-    assert set(later) == {"chat0", "chat1", "chat2"}
+    later = {s.request_id: s for s in out.scheduled}
+    assert {"chat1", "chat2", "long"} <= set(later)
     for rid in ("chat1", "chat2"):
         assert (later[rid].start_position, len(later[rid].token_ids)) == (12, 3)  # cached: 12
-    assert sched.num_prefix_hits == 24 and sched.num_tokens_reused == 24
+    assert (later["long"].start_position, len(later["long"].token_ids)) == (4, 40)
+    assert sched.num_prefix_hits == 28 and sched.num_tokens_reused == 28
     while sched.has_unfinished():
         _step(sched)
     assert sched.kv.num_free_blocks == 64
 
 
-def test_without_prefix_caching_requests_sharing_a_prefix_are_admitted_together():
-    """Nothing can be taken from a cache that is off: no request waits."""
-    sched = _make(num_blocks=64, block_size=4, budget=256, max_seqs=8, enable_prefix_caching=False)
-    for i in range(3):
-        sched.add_request(Request(f"chat{i}", list(range(100, 112)) + [i], SamplingParams(max_tokens=2), arrival_index=i))
-    out, _ = _step(sched)
-    assert [s.request_id for s in out.scheduled] == ["chat0", "chat1", "chat2"]
+def test_requests_that_cannot_take_cached_blocks_do_not_wait_for_them():
+    """Nothing can be taken from a cache that is off, nor by a request that wants its prompt's
+    logprobs (cached tokens would have none): such requests sharing a prefix are admitted
+    together."""
+    for caching, params in ((False, SamplingParams(max_tokens=2)),
+                            (True, SamplingParams(max_tokens=2, prompt_logprobs=1))):  # fmt: skip
+        sched = _make(num_blocks=64, block_size=4, budget=256, max_seqs=8,
+                      enable_prefix_caching=caching)  # fmt: skip
+        for i in range(3):
+            sched.add_request(Request(f"chat{i}", list(range(100, 112)) + [i], params, arrival_index=i))
+        out, _ = _step(sched)
+        assert [s.request_id for s in out.scheduled] == ["chat0", "chat1", "chat2"], caching
 
 
 class SchedulerMachine(RuleBasedStateMachine):
