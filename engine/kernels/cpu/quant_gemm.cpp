@@ -642,133 +642,11 @@ void store_avx2_block(const Problem& p, const float (&tmp)[R][16], int64_t row0,
     for (int64_t j = 0; j < lanes; ++j) put(p, (row0 + r) * p.out_features + col0 + j, tmp[r][j]);
 }
 
-template <int R>
-AVX2_TARGET void int4_block_avx2_int8(const Problem& p, const uint8_t* cb, const uint16_t* smb,
-                                      int64_t row0, int64_t col0, int64_t lanes) {
-  const __m256i low4 = _mm256_set1_epi8(15);
-  // Lane 0 takes the broadcast's bytes 0-1 (the even entry's inputs), lane 1 bytes 2-3.
-  const __m256i pairs = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                         2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-  const int64_t gs2 = p.group_size / 2, chunks_per_group = p.group_size / kChunk;
-  const int64_t num_chunks = p.in_features / kChunk;
-  const int8_t* xq = p.xq + row0 * p.in_features;
-  const float* xd = p.xd + row0 * num_chunks;
-  const float* xsum = p.xsum + row0 * p.num_groups;
-  __m256 out[R][2];
-  for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < p.num_groups; ++g) {
-    __m256 gacc[R][2];
-    for (int r = 0; r < R; ++r) gacc[r][0] = gacc[r][1] = _mm256_setzero_ps();
-    for (int64_t cg = 0; cg < chunks_per_group; ++cg) {
-      const int64_t chunk = g * chunks_per_group + cg;
-      const uint8_t* c = cb + (g * gs2 + cg * (kChunk / 2)) * kBlock;
-      gemv_prefetch::ahead(c, kChunk / 2 * kBlock);
-      __m256i acc[R][2];
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int e = 0; e < 8; ++e) {  // 8 loads of 4 inputs x 16 channels
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + e * 32));
-        const __m256i lo = _mm256_and_si256(v, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xr = xq + r * p.in_features + chunk * kChunk + e * 4;
-          const __m256i xa = _mm256_shuffle_epi8(broadcast4(xr), pairs);
-          acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(a, xa));
-          acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(b, xa));
-          in_register(acc[r][0]);
-          in_register(acc[r][1]);
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256 d = _mm256_set1_ps(xd[r * num_chunks + chunk]);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i sum = _mm256_add_epi32(
-              _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[r][h])),
-              _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[r][h], 1)));
-          gacc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, gacc[r][h]);
-        }
-      }
-    }
-    for (int h = 0; h < 2; ++h) {
-      const __m256 s = load_halves8(smb + g * 2 * kBlock + h * 8);
-      const __m256 m = load_halves8(smb + g * 2 * kBlock + kBlock + h * 8);
-      for (int r = 0; r < R; ++r) {
-        out[r][h] = _mm256_fmadd_ps(gacc[r][h], s, out[r][h]);
-        out[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[r * p.num_groups + g]), out[r][h]);
-      }
-    }
-  }
-  float tmp[R][16];
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(tmp[r], out[r][0]);
-    _mm256_storeu_ps(tmp[r] + 8, out[r][1]);
-  }
-  store_avx2_block<R>(p, tmp, row0, col0, lanes);
-}
-
-template <int R>
-AVX2_TARGET void int8_block_avx2_int8(const Problem& p, const int8_t* cb, const float* scale,
-                                      int64_t row0, int64_t col0, int64_t lanes) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i quads = _mm256_setr_epi8(0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3,
-                                         0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3);
-  const int64_t num_chunks = p.in_features / kChunk;
-  const int8_t* xq = p.xq + row0 * p.in_features;
-  const float* xd = p.xd + row0 * num_chunks;
-  __m256 out[R][2];
-  for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
-  for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
-    const int8_t* c = cb + chunk * kChunk * kBlock;
-    gemv_prefetch::ahead(c, kChunk * kBlock);
-    // Channels {0-3, 8-11} and {4-7, 12-15}, as the transposition leaves them.
-    __m256i acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int e = 0; e < 8; ++e) {  // 8 times 4 inputs x 16 channels (two loads)
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + e * 64));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + e * 64 + 32));
-      const __m256i lo = _mm256_unpacklo_epi8(a, b), hi = _mm256_unpackhi_epi8(a, b);
-      const __m256i even = _mm256_permute2x128_si256(lo, hi, 0x20);  // inputs k, k+2
-      const __m256i odd = _mm256_permute2x128_si256(lo, hi, 0x31);   // inputs k+1, k+3
-      const __m256i w[2] = {_mm256_unpacklo_epi16(even, odd), _mm256_unpackhi_epi16(even, odd)};
-      const __m256i u[2] = {_mm256_abs_epi8(w[0]), _mm256_abs_epi8(w[1])};
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xr = xq + r * p.in_features + chunk * kChunk + e * 4;
-        const __m256i xa = _mm256_shuffle_epi8(broadcast4(xr), quads);
-        for (int h = 0; h < 2; ++h) {
-          acc[r][h] = _mm256_add_epi32(
-              acc[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(u[h], _mm256_sign_epi8(xa, w[h])),
-                                           ones));
-          in_register(acc[r][h]);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256 d = _mm256_set1_ps(xd[r * num_chunks + chunk]);
-      const __m256i first = _mm256_permute2x128_si256(acc[r][0], acc[r][1], 0x20);   // 0-7
-      const __m256i second = _mm256_permute2x128_si256(acc[r][0], acc[r][1], 0x31);  // 8-15
-      out[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), d, out[r][0]);
-      out[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), d, out[r][1]);
-    }
-  }
-  const __m256 s[2] = {_mm256_loadu_ps(scale + col0), _mm256_loadu_ps(scale + col0 + 8)};
-  float tmp[R][16];
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(tmp[r], _mm256_mul_ps(out[r][0], s[0]));
-    _mm256_storeu_ps(tmp[r] + 8, _mm256_mul_ps(out[r][1], s[1]));
-  }
-  store_avx2_block<R>(p, tmp, row0, col0, lanes);
-}
-
 // Many rows: a block's int4 codes rearranged once (unpack_int4_block_dwords) so that each
 // 32-bit lane holds one channel's codes for 4 inputs, in the activations' order; then a row's 4
 // activation codes are one broadcast, with no shuffle per row (the shuffle and the broadcast
 // were ~1.5 of the ~3 cycles a row spent per 4 inputs on the Zen 3), and a chunk's int16 sums
-// are added pairwise by `vpmaddwd` into each channel's int32. The same integer sums, scaled in
-// the same order: the same bits as int4_block_avx2_int8.
+// are added pairwise by `vpmaddwd` into each channel's int32.
 //
 // Per 4 inputs, two vectors: channels 0-7, then 8-15; in channel j's lane the codes of inputs
 // 4e, 4e+1, 4e+2, 4e+3.
@@ -789,11 +667,38 @@ AVX2_TARGET void unpack_int4_block_dwords(const uint8_t* cb, int64_t in_features
   }
 }
 
-template <int R>
-AVX2_TARGET void int4_block_avx2_int8_dwords(const Problem& p, const __m256i* dwords,
-                                             const uint16_t* smb, int64_t row0, int64_t col0,
-                                             int64_t lanes) {
-  const __m256i ones = _mm256_set1_epi16(1);
+// The int8 codes likewise: per 4 inputs, each channel's 4 codes in a 32-bit lane in the
+// activations' order, as magnitudes and as signs (`vpsignb` gives each activation code its
+// weight's sign); channels {0-3, 8-11}, then {4-7, 12-15}. Four vectors per 4 inputs:
+// magnitudes, then codes, for each half.
+AVX2_TARGET void unpack_int8_block_dwords(const int8_t* cb, int64_t in_features, __m256i* out) {
+  for (int64_t e = 0; e < in_features / 4; ++e) {
+    if (e % 8 == 0) gemv_prefetch::ahead(cb + e * 64, kChunk * kBlock);
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + e * 64));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + e * 64 + 32));
+    const __m256i lo = _mm256_unpacklo_epi8(a, b), hi = _mm256_unpackhi_epi8(a, b);
+    const __m256i even = _mm256_permute2x128_si256(lo, hi, 0x20);  // inputs k, k+2
+    const __m256i odd = _mm256_permute2x128_si256(lo, hi, 0x31);   // inputs k+1, k+3
+    const __m256i w[2] = {_mm256_unpacklo_epi8(even, odd), _mm256_unpackhi_epi8(even, odd)};
+    for (int h = 0; h < 2; ++h) {
+      _mm256_store_si256(out + 4 * e + 2 * h, _mm256_abs_epi8(w[h]));
+      _mm256_store_si256(out + 4 * e + 2 * h + 1, w[h]);
+    }
+  }
+}
+
+// One block's 16 outputs for a tile of R rows. Dwords: `codes` is the block as
+// unpack_int4_block_dwords left it (a row's activation codes one broadcast, a chunk's sums
+// added pairwise by `vpmaddwd`); otherwise the block as packed, its nibbles unpacked here for
+// this tile and each row's activation codes shuffled into pairs. The same integer sums, scaled
+// in the same order: the same bits.
+template <int R, bool Dwords>
+AVX2_TARGET void int4_block_avx2_int8(const Problem& p, const void* codes, const uint16_t* smb,
+                                      int64_t row0, int64_t col0, int64_t lanes) {
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  // Lane 0 takes the broadcast's bytes 0-1 (the even entry's inputs), lane 1 bytes 2-3.
+  const __m256i pairs = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                         2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
   const int64_t chunks_per_group = p.group_size / kChunk;
   const int64_t num_chunks = p.in_features / kChunk;
   const int8_t* xq = p.xq + row0 * p.in_features;
@@ -806,15 +711,26 @@ AVX2_TARGET void int4_block_avx2_int8_dwords(const Problem& p, const __m256i* dw
     for (int r = 0; r < R; ++r) gacc[r][0] = gacc[r][1] = _mm256_setzero_ps();
     for (int64_t cg = 0; cg < chunks_per_group; ++cg) {
       const int64_t chunk = g * chunks_per_group + cg;
-      const __m256i* w = dwords + chunk * 16;
+      const uint8_t* c = static_cast<const uint8_t*>(codes) + chunk * (kChunk / 2) * kBlock;
+      const __m256i* w = static_cast<const __m256i*>(codes) + chunk * 16;
+      if constexpr (!Dwords) gemv_prefetch::ahead(c, kChunk / 2 * kBlock);
       __m256i acc[R][2];
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-      for (int e = 0; e < 8; ++e) {
-        const __m256i a = _mm256_load_si256(w + 2 * e), b = _mm256_load_si256(w + 2 * e + 1);
-#pragma GCC unroll 6
+      for (int e = 0; e < 8; ++e) {  // 4 inputs x 16 channels each
+        __m256i a, b;
+        if constexpr (Dwords) {
+          a = _mm256_load_si256(w + 2 * e), b = _mm256_load_si256(w + 2 * e + 1);
+        } else {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + e * 32));
+          const __m256i lo = _mm256_and_si256(v, low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
+        }
+#pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          const __m256i xa = broadcast4(xq + r * p.in_features + chunk * kChunk + e * 4);
+          const __m256i x4 = broadcast4(xq + r * p.in_features + chunk * kChunk + e * 4);
+          const __m256i xa = Dwords ? x4 : _mm256_shuffle_epi8(x4, pairs);
           acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(a, xa));
           acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(b, xa));
           in_register(acc[r][0]);
@@ -824,7 +740,13 @@ AVX2_TARGET void int4_block_avx2_int8_dwords(const Problem& p, const __m256i* dw
       for (int r = 0; r < R; ++r) {
         const __m256 d = _mm256_set1_ps(xd[r * num_chunks + chunk]);
         for (int h = 0; h < 2; ++h) {
-          const __m256i sum = _mm256_madd_epi16(acc[r][h], ones);
+          __m256i sum;  // each channel's int32 sum over the chunk
+          if constexpr (Dwords) {
+            sum = _mm256_madd_epi16(acc[r][h], ones);
+          } else {
+            sum = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[r][h])),
+                                   _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[r][h], 1)));
+          }
           gacc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, gacc[r][h]);
         }
       }
@@ -846,50 +768,52 @@ AVX2_TARGET void int4_block_avx2_int8_dwords(const Problem& p, const __m256i* dw
   store_avx2_block<R>(p, tmp, row0, col0, lanes);
 }
 
-// The int8 codes likewise (int8_block_avx2_int8_dwords): per 4 inputs, each channel's 4 codes
-// in a 32-bit lane in the activations' order, as magnitudes and as signs (`vpsignb` gives each
-// activation code its weight's sign, as int8_block_avx2_int8 does); channels {0-3, 8-11},
-// then {4-7, 12-15}. Four vectors per 4 inputs: magnitudes, then codes, for each half.
-AVX2_TARGET void unpack_int8_block_dwords(const int8_t* cb, int64_t in_features, __m256i* out) {
-  for (int64_t e = 0; e < in_features / 4; ++e) {
-    if (e % 8 == 0) gemv_prefetch::ahead(cb + e * 64, kChunk * kBlock / 4);
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + e * 64));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + e * 64 + 32));
-    const __m256i lo = _mm256_unpacklo_epi8(a, b), hi = _mm256_unpackhi_epi8(a, b);
-    const __m256i even = _mm256_permute2x128_si256(lo, hi, 0x20);  // inputs k, k+2
-    const __m256i odd = _mm256_permute2x128_si256(lo, hi, 0x31);   // inputs k+1, k+3
-    const __m256i w[2] = {_mm256_unpacklo_epi8(even, odd), _mm256_unpackhi_epi8(even, odd)};
-    for (int h = 0; h < 2; ++h) {
-      _mm256_store_si256(out + 4 * e + 2 * h, _mm256_abs_epi8(w[h]));
-      _mm256_store_si256(out + 4 * e + 2 * h + 1, w[h]);
-    }
-  }
-}
-
-template <int R>
-AVX2_TARGET void int8_block_avx2_int8_dwords(const Problem& p, const __m256i* dwords,
-                                             const float* scale, int64_t row0, int64_t col0,
-                                             int64_t lanes) {
+// As int4_block_avx2_int8, for int8 codes (Dwords: the block as unpack_int8_block_dwords left
+// it). The weights' magnitudes times the activation codes given the weights' signs (`vpsignb`:
+// |w| x a fits `vpmaddubsw`'s int16 pairs), pairs summed into int32 by `vpmaddwd`.
+template <int R, bool Dwords>
+AVX2_TARGET void int8_block_avx2_int8(const Problem& p, const void* codes, const float* scale,
+                                      int64_t row0, int64_t col0, int64_t lanes) {
   const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i quads = _mm256_setr_epi8(0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3,
+                                         0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3, 0, 2, 1, 3);
   const int64_t num_chunks = p.in_features / kChunk;
   const int8_t* xq = p.xq + row0 * p.in_features;
   const float* xd = p.xd + row0 * num_chunks;
   __m256 out[R][2];
   for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
   for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
-    const __m256i* w = dwords + chunk * 32;
+    const int8_t* c = static_cast<const int8_t*>(codes) + chunk * kChunk * kBlock;
+    const __m256i* dw = static_cast<const __m256i*>(codes) + chunk * 32;
+    if constexpr (!Dwords) gemv_prefetch::ahead(c, kChunk * kBlock);
+    // Channels {0-3, 8-11} and {4-7, 12-15}, as the transposition leaves them.
     __m256i acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-    for (int e = 0; e < 8; ++e) {
+    for (int e = 0; e < 8; ++e) {  // 8 times 4 inputs x 16 channels (two loads)
+      __m256i u[2], w[2];  // magnitudes and codes
+      if constexpr (Dwords) {
+        for (int h = 0; h < 2; ++h) {
+          u[h] = _mm256_load_si256(dw + 4 * e + 2 * h);
+          w[h] = _mm256_load_si256(dw + 4 * e + 2 * h + 1);
+        }
+      } else {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + e * 64));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + e * 64 + 32));
+        const __m256i lo = _mm256_unpacklo_epi8(a, b), hi = _mm256_unpackhi_epi8(a, b);
+        const __m256i even = _mm256_permute2x128_si256(lo, hi, 0x20);  // inputs k, k+2
+        const __m256i odd = _mm256_permute2x128_si256(lo, hi, 0x31);   // inputs k+1, k+3
+        w[0] = _mm256_unpacklo_epi16(even, odd), w[1] = _mm256_unpackhi_epi16(even, odd);
+        u[0] = _mm256_abs_epi8(w[0]), u[1] = _mm256_abs_epi8(w[1]);
+      }
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const __m256i xa = broadcast4(xq + r * p.in_features + chunk * kChunk + e * 4);
+        const __m256i x4 = broadcast4(xq + r * p.in_features + chunk * kChunk + e * 4);
+        const __m256i xa = Dwords ? x4 : _mm256_shuffle_epi8(x4, quads);
         for (int h = 0; h < 2; ++h) {
-          const __m256i u = _mm256_load_si256(w + 4 * e + 2 * h);
-          const __m256i sw = _mm256_load_si256(w + 4 * e + 2 * h + 1);
           acc[r][h] = _mm256_add_epi32(
-              acc[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(xa, sw)), ones));
+              acc[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(u[h], _mm256_sign_epi8(xa, w[h])),
+                                           ones));
           in_register(acc[r][h]);
         }
       }
@@ -1028,67 +952,74 @@ void int8_avx2(const Problem& p, const int8_t* codes, const float* scale, int64_
 }
 
 // From this many rows a block's codes are rearranged once for all its tiles of rows
-// (int4_block_avx2_int8_dwords). On the Zen 3 (2 threads, alternating builds, per call), against
-// int4_block_avx2_int8: 0.91-1.04x at 5 rows, 1.02-1.08x at 6, 1.05-1.09x at 8, 1.16-1.25x at
-// 16, 1.25-1.36x at 32, 1.43-1.48x at 128 (SmolLM2's qkv, gate_up, down). Tiles of 6 rows ran
-// as fast as tiles of 4.
+// (int4_block_avx2_int8<R, true>). On the Zen 3 (2 threads, alternating builds, per call),
+// against the tile path: 0.91-1.04x at 5 rows, 1.02-1.08x at 6, 1.05-1.09x at 8, 1.16-1.25x
+// at 16, 1.25-1.36x at 32, 1.43-1.48x at 128 (SmolLM2's qkv, gate_up, down). Tiles of 6 rows
+// ran as fast as tiles of 4.
 constexpr int64_t kDwordsMinRows = 6;
+// The int8 codes' rearrangement writes twice the int4's bytes per input (magnitudes and signs):
+// against the tile path (as above) 0.86-0.93x at 8 rows, 0.96-1.19x at 12, 1.04-1.25x at 16,
+// 1.11-1.22x at 32, 1.30-1.37x at 128 (the lm_head 49152x576 the lowest up to 16).
+constexpr int64_t kInt8DwordsMinRows = 16;
 constexpr int64_t kDwordsTile = 4;
+
+// The many-row drivers: each block of [b0, b1) rearranged once, by unpack(block index, buffer),
+// into a per-thread buffer of `bytes` (32-byte aligned), then block(std::integral_constant<int,
+// R>, buffer, block index, first row, lanes) for each tile of up to kDwordsTile rows.
+template <typename Unpack, typename Block>
+void over_rearranged_blocks(const Problem& p, int64_t b0, int64_t b1, int64_t bytes,
+                            Unpack&& unpack, Block&& block) {
+  thread_local std::vector<uint8_t> storage;
+  storage.resize(bytes + 32);
+  const auto address = reinterpret_cast<uintptr_t>(storage.data());
+  auto* buffer = reinterpret_cast<__m256i*>((address + 31) & ~uintptr_t{31});
+  for (int64_t b = b0; b < b1; ++b) {
+    unpack(b, buffer);
+    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
+    for_row_tiles(p.rows, kDwordsTile, [&](int64_t r0, int64_t n) {
+      with_rows<kDwordsTile>(n, [&](auto rows) { block(rows, buffer, b, r0, lanes); });
+    });
+  }
+}
 
 void int4_avx2_int8(const Problem& p, const uint8_t* codes, const uint16_t* scale_min,
                     int64_t b0, int64_t b1) {
+  const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
   if (p.rows >= kDwordsMinRows) {
-    // The block's rearranged codes (in_features / 2 vectors), 32-byte aligned, per thread.
-    thread_local std::vector<uint8_t> buffer;
-    buffer.resize(p.in_features * 16 + 32);
-    const auto address = reinterpret_cast<uintptr_t>(buffer.data());
-    auto* dwords = reinterpret_cast<__m256i*>((address + 31) & ~uintptr_t{31});
-    for (int64_t b = b0; b < b1; ++b) {
-      unpack_int4_block_dwords(codes + b * (p.in_features / 2 * kBlock), p.in_features, dwords);
-      const uint16_t* smb = scale_min + b * (p.num_groups * 2 * kBlock);
-      const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
-      for_row_tiles(p.rows, kDwordsTile, [&](int64_t r0, int64_t n) {
-        with_rows<kDwordsTile>(n, [&](auto rows) {
-          int4_block_avx2_int8_dwords<rows()>(p, dwords, smb, r0, b * kBlock, lanes);
+    over_rearranged_blocks(
+        p, b0, b1, p.in_features * 16,
+        [&](int64_t b, __m256i* buffer) {
+          unpack_int4_block_dwords(codes + b * block_codes, p.in_features, buffer);
+        },
+        [&](auto rows, const __m256i* buffer, int64_t b, int64_t r0, int64_t lanes) {
+          int4_block_avx2_int8<rows(), true>(p, buffer, scale_min + b * block_sm, r0,
+                                             b * kBlock, lanes);
         });
-      });
-    }
     return;
   }
   over_blocks<4>(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
-    int4_block_avx2_int8<rows()>(p, codes + b * (p.in_features / 2 * kBlock),
-                                 scale_min + b * (p.num_groups * 2 * kBlock), r0, b * kBlock,
-                                 lanes);
+    int4_block_avx2_int8<rows(), false>(p, codes + b * block_codes, scale_min + b * block_sm, r0,
+                                        b * kBlock, lanes);
   });
 }
 
-// The int8 codes' rearrangement writes twice the int4's bytes per input (magnitudes and signs):
-// against int8_block_avx2_int8 (as above) 0.86-0.93x at 8 rows, 0.96-1.19x at 12, 1.04-1.25x
-// at 16, 1.11-1.22x at 32, 1.30-1.37x at 128 (the lm_head 49152x576 the lowest up to 16).
-constexpr int64_t kInt8DwordsMinRows = 16;
-
 void int8_avx2_int8(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
                     int64_t b1) {
+  const int64_t block_codes = p.in_features * kBlock;
   if (p.rows >= kInt8DwordsMinRows) {
-    // The block's rearranged codes (in_features vectors), 32-byte aligned, per thread.
-    thread_local std::vector<uint8_t> buffer;
-    buffer.resize(p.in_features * 32 + 32);
-    const auto address = reinterpret_cast<uintptr_t>(buffer.data());
-    auto* dwords = reinterpret_cast<__m256i*>((address + 31) & ~uintptr_t{31});
-    for (int64_t b = b0; b < b1; ++b) {
-      unpack_int8_block_dwords(codes + b * p.in_features * kBlock, p.in_features, dwords);
-      const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
-      for_row_tiles(p.rows, kDwordsTile, [&](int64_t r0, int64_t n) {
-        with_rows<kDwordsTile>(n, [&](auto rows) {
-          int8_block_avx2_int8_dwords<rows()>(p, dwords, scale, r0, b * kBlock, lanes);
+    over_rearranged_blocks(
+        p, b0, b1, p.in_features * 32,
+        [&](int64_t b, __m256i* buffer) {
+          unpack_int8_block_dwords(codes + b * block_codes, p.in_features, buffer);
+        },
+        [&](auto rows, const __m256i* buffer, int64_t b, int64_t r0, int64_t lanes) {
+          int8_block_avx2_int8<rows(), true>(p, buffer, scale, r0, b * kBlock, lanes);
         });
-      });
-    }
     return;
   }
   over_blocks<4>(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
-    int8_block_avx2_int8<rows()>(p, codes + b * p.in_features * kBlock, scale, r0, b * kBlock,
-                                 lanes);
+    int8_block_avx2_int8<rows(), false>(p, codes + b * block_codes, scale, r0, b * kBlock,
+                                        lanes);
   });
 }
 
