@@ -25,6 +25,11 @@ only between steps, so the longest step is about the longest an arriving critica
 before its own prefill can start. That cap is loose (hundreds of ms: a step's fixed cost stays a
 small share of it).
 
+Prompts that share blocks (a system prompt, a chat template) and arrive together: a waiting
+request whose next full block a request admitted before it in the same step computes waits one
+step and takes it from the prefix cache (`_waits_for_blocks`), so the shared blocks are
+computed once.
+
 Samples of one prompt (SamplingParams.n > 1) are requests of their own that share the prompt's
 KV blocks through the prefix cache: the first sample (the leader) is queued as any request,
 the others are held out of the queue until the leader's prompt is computed (its full blocks

@@ -133,11 +133,12 @@ class Barrier {
 // a reason at the period's end: the threads' mean over their last kWindow steps rose kSlowdown
 // above their best (other work took the cores), or the step's barrier waits mostly slept; an
 // idle machine pays nothing. A step whose waits mostly slept and which ran slower than one
-// thread's last mean (kSlowdown above the threads' best, at least) ends the period at once. On one thread, threads are probed every period, the only way to see the
-// cores free again. The further apart the two arms, the longer the period before the next
-// probe, so probing costs about 1% of the steps' time whichever arm is slower; but a switch is
-// confirmed by a probe after the shortest period, and on one thread the period grows at most
-// twofold per probe that keeps it (`decide`). Step time is per row, in ns.
+// thread's last mean (kSlowdown above the threads' best, at least) ends the period at once.
+// On one thread, threads are probed every period, the only way to see the cores free again.
+// The further apart the two arms, the longer the period before the next probe, so probing
+// costs about 1% of the steps' time whichever arm is slower; but a switch is confirmed by a
+// probe after the shortest period, and on one thread the period grows at most twofold per
+// probe that keeps it (`decide`). Step time is per row, in ns.
 //
 // Why the fresh measure after a probe. Through a worker (its event loop, the broker and a
 // client streaming on the same 2 cores) one-stream steps on threads are heavy-tailed: a median
