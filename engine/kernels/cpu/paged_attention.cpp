@@ -151,6 +151,45 @@ inline __m512 lane_sums16(const __m512* v) {
                        _mm512_shuffle_f32x4(octets[0], octets[1], kOdd));
 }
 
+#elif defined(__AVX2__)
+// As the AVX-512 exp_ps, 8 lanes: 2^n applied by building its bits (n >= -126 after the clamp:
+// a normal number, so the product with 2^f is exact).
+inline __m256 exp_ps8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(y, n);
+  __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                          _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// out[i] = the sum of v[i]'s 8 lanes, for 8 vectors (the AVX2 lane_sums16).
+inline __m256 lane_sums8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);  // per 128-bit half
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+inline float max8(__m256 v) {
+  v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 1));
+  v = _mm256_max_ps(v, _mm256_permute_ps(v, 0x4E));
+  return _mm256_cvtss_f32(_mm256_max_ps(v, _mm256_permute_ps(v, 0xB1)));
+}
+
+inline float sum8(__m256 v) {
+  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 1));
+  v = _mm256_add_ps(v, _mm256_permute_ps(v, 0x4E));
+  return _mm256_cvtss_f32(_mm256_add_ps(v, _mm256_permute_ps(v, 0xB1)));
+}
 #endif
 
 // Online-softmax step of one row over one block's first n scores (in place: scores become
@@ -166,6 +205,30 @@ inline float softmax_step(float* sr, int64_t n, int64_t B, float& m, float& l) {
     _mm512_storeu_ps(sr, weights);
     const float correction = std::exp(m - new_max);  // 0 on the first block (m = -inf)
     l = l * correction + _mm512_reduce_add_ps(weights);
+    m = new_max;
+    return correction;
+  }
+#elif defined(__AVX2__)
+  if (B == 16) {
+    const __m256 index = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 count = _mm256_set1_ps(static_cast<float>(n));
+    const __m256 keep[2] = {_mm256_cmp_ps(index, count, _CMP_LT_OQ),
+                            _mm256_cmp_ps(_mm256_add_ps(index, _mm256_set1_ps(8)), count,
+                                          _CMP_LT_OQ)};
+    const __m256 low = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256 scores[2];
+    for (int h = 0; h < 2; ++h)
+      scores[h] = _mm256_blendv_ps(low, _mm256_loadu_ps(sr + 8 * h), keep[h]);
+    const float new_max = std::max(m, max8(_mm256_max_ps(scores[0], scores[1])));
+    __m256 total = _mm256_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+      const __m256 w = _mm256_and_ps(
+          keep[h], exp_ps8(_mm256_sub_ps(scores[h], _mm256_set1_ps(new_max))));
+      _mm256_storeu_ps(sr + 8 * h, w);
+      total = _mm256_add_ps(total, w);
+    }
+    const float correction = std::exp(m - new_max);  // 0 on the first block (m = -inf)
+    l = l * correction + sum8(total);
     m = new_max;
     return correction;
   }
@@ -235,6 +298,34 @@ inline void group_block_scores(const float* qf, int64_t G, int64_t D, int64_t B,
       return;
     }
   }
+#elif defined(__AVX2__)
+  constexpr int64_t kMaxGroup = 8;
+  if constexpr (HEAD_DIM > 0 && HEAD_DIM % 8 == 0) {
+    if (B == 16 && G <= kMaxGroup) {  // as the AVX-512 path, 8 lanes
+      __m256 partial[kMaxGroup][16];
+      for (int64_t t = 0; t < 16; ++t) {
+        if (t >= num_tokens) {
+          for (int64_t g = 0; g < G; ++g) partial[g][t] = _mm256_setzero_ps();
+          continue;
+        }
+        if (next_keys != nullptr) prefetch_bytes(next_keys + t * token_stride, row_bytes);
+        const float k_scale = block_scales ? block_scales[t * 2 * num_kv_heads] : 1.f;
+        const float* k = load_kv_row(block + t * token_stride, k_scale, row, HEAD_DIM);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* q = qf + g * HEAD_DIM;
+          __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+          for (int64_t d = 8; d < HEAD_DIM; d += 8)
+            sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), sum);
+          partial[g][t] = sum;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        _mm256_storeu_ps(scores + g * B, lane_sums8(partial[g]));
+        _mm256_storeu_ps(scores + g * B + 8, lane_sums8(partial[g] + 8));
+      }
+      return;
+    }
+  }
 #endif
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (next_keys != nullptr) prefetch_bytes(next_keys + t * token_stride, row_bytes);
@@ -272,6 +363,30 @@ inline void group_block_values(const float* weights, int64_t G, int64_t D, int64
             sum[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v[t] + 16 * c), sum[c]);
         }
         for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(a + 16 * c, sum[c]);
+      }
+      return;
+    }
+  }
+#elif defined(__AVX2__)
+  if constexpr (HEAD_DIM > 0 && HEAD_DIM % 8 == 0 && HEAD_DIM <= 64) {
+    if (num_tokens <= 16) {  // as the AVX-512 path: each row's accumulator in 8 registers
+      constexpr int kChunks = HEAD_DIM / 8;
+      const float* v[16];
+      for (int64_t t = 0; t < num_tokens; ++t) {
+        if (next_values != nullptr) prefetch_bytes(next_values + t * token_stride, row_bytes);
+        const float scale = value_scales ? value_scales[t * 2 * num_kv_heads] : 1.f;
+        v[t] = load_kv_row(values + t * token_stride, scale, rows + t * HEAD_DIM, HEAD_DIM);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* a = acc + g * HEAD_DIM;
+        __m256 sum[kChunks];
+        for (int c = 0; c < kChunks; ++c) sum[c] = _mm256_loadu_ps(a + 8 * c);
+        for (int64_t t = 0; t < num_tokens; ++t) {
+          const __m256 w = _mm256_set1_ps(weights[g * B + t]);
+          for (int c = 0; c < kChunks; ++c)
+            sum[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v[t] + 8 * c), sum[c]);
+        }
+        for (int c = 0; c < kChunks; ++c) _mm256_storeu_ps(a + 8 * c, sum[c]);
       }
       return;
     }
