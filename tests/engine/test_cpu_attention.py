@@ -398,23 +398,28 @@ def test_extend_dispatch_rule():
     assert not rule(PrefillChunk(0, 1, 20, ids), torch.float16, 4)
 
 
-@pytest.fixture(scope="module")
-def portable_extension(extension):
-    """The kernels built with no vector flags (what a CPU without AVX2 gets): the AVX-512 code
-    paths compiled out. Built once per machine into the cache dir like the native build."""
-    module = paged_attention.build(isa="portable")
+@pytest.fixture(scope="module", params=["portable", "avx2"])
+def narrower_extension(extension, request):
+    """The kernels built with no vector flags (what a CPU without AVX2 gets) and with AVX2's
+    (its own 8-lane paths): the AVX-512 code paths compiled out, so an AVX-512 CPU tests them
+    too. Built once per machine into the cache dir like the native build."""
+    from engine.platform import cpu_info
+
+    if request.param == "avx2" and not cpu_info().has("avx2", "fma", "f16c"):
+        pytest.skip("this CPU cannot run the AVX2 build")
+    module = paged_attention.build(isa=request.param)
     if module is None:
-        pytest.skip("the portable build failed here")
+        pytest.skip(f"the {request.param} build failed here")
     return module
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80])
-def test_portable_build_matches_reference(portable_extension, dtype, head_dim):
+def test_narrower_builds_match_reference(narrower_extension, dtype, head_dim):
     specs = [(0, 7), (1, 1), (15, 3), (16, 16), (17, 40), (83, 5)]
     q, kv_cache, chunks = extend_case(specs, 2, 4, head_dim, 16, dtype, seed=5)
     out = torch.full(q.shape, float("nan"), dtype=dtype)
-    paged_attention.extend(portable_extension, q, kv_cache, chunks, out)
+    paged_attention.extend(narrower_extension, q, kv_cache, chunks, out)
     tolerance = 2e-5 if dtype == torch.float32 else 1e-2
     for chunk in chunks:
         expected = reference_extend(q.float(), kv_cache.float(), chunk)
@@ -422,7 +427,7 @@ def test_portable_build_matches_reference(portable_extension, dtype, head_dim):
         torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
     q, kv_cache, table, context_lens = decode_case([1, 16, 17, 600], 2, 4, head_dim, 16, dtype, 5)
     out = torch.full(q.shape, float("nan"), dtype=dtype)
-    paged_attention.decode(portable_extension, q, kv_cache, table, context_lens, out=out)
+    paged_attention.decode(narrower_extension, q, kv_cache, table, context_lens, out=out)
     expected = reference_decode(q.float(), kv_cache.float(), table, context_lens)
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
 
