@@ -110,6 +110,11 @@ inline void scale(float alpha, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= alpha;
 }
 
+// 2^f's degree-6 Taylor polynomial, highest power first (the vector exponentials below).
+[[maybe_unused]] constexpr float kExp2Taylor[7] = {
+    1.5403530393381606e-4f, 1.3333558146428443e-3f, 9.6181291076284772e-3f,
+    5.5504108664821580e-2f, 2.4022650695910071e-1f, 6.9314718055994531e-1f, 1.f};
+
 #if defined(__AVX512F__)
 // e^x for x <= 0 (scores minus their running max), 16 lanes: 2^(x log2 e) split into an
 // integer power (applied exactly by scalef) and 2^f, f in [-1/2, 1/2], by its degree-6 Taylor
@@ -119,13 +124,8 @@ inline __m512 exp_ps(__m512 x) {
   const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(kExp2Taylor[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Taylor[i]));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -151,6 +151,21 @@ inline __m512 lane_sums16(const __m512* v) {
                        _mm512_shuffle_f32x4(octets[0], octets[1], kOdd));
 }
 
+// The vector operations the decode's block loops use (group_block_scores, group_block_values),
+// one vector of kWidth floats at a time; the AVX2 build has its own below.
+struct Lanes {
+  using V = __m512;
+  static constexpr int64_t kWidth = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  // out[i] = the sum of v[i]'s lanes, for 16 vectors.
+  static void store_sums16(float* out, const V* v) { _mm512_storeu_ps(out, lane_sums16(v)); }
+};
+
 #elif defined(__AVX2__)
 // As the AVX-512 exp_ps, 8 lanes: 2^n applied by building its bits (n >= -126 after the clamp:
 // a normal number, so the product with 2^f is exact).
@@ -159,13 +174,8 @@ inline __m256 exp_ps8(__m256 x) {
   const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
   const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(y, n);
-  __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  __m256 p = _mm256_set1_ps(kExp2Taylor[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Taylor[i]));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
                                                           _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
@@ -190,6 +200,21 @@ inline float sum8(__m256 v) {
   v = _mm256_add_ps(v, _mm256_permute_ps(v, 0x4E));
   return _mm256_cvtss_f32(_mm256_add_ps(v, _mm256_permute_ps(v, 0xB1)));
 }
+
+struct Lanes {  // as the AVX-512 one, 8 floats a vector
+  using V = __m256;
+  static constexpr int64_t kWidth = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store_sums16(float* out, const V* v) {
+    _mm256_storeu_ps(out, lane_sums8(v));
+    _mm256_storeu_ps(out + 8, lane_sums8(v + 8));
+  }
+};
 #endif
 
 // Online-softmax step of one row over one block's first n scores (in place: scores become
@@ -273,14 +298,14 @@ inline void group_block_scores(const float* qf, int64_t G, int64_t D, int64_t B,
                                int64_t num_tokens, int64_t token_stride, int64_t num_kv_heads,
                                float* row, float* scores, const cache_t* next_keys) {
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(cache_t));
-#if defined(__AVX512F__)
-  constexpr int64_t kMaxGroup = 8;
-  if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  constexpr int64_t kMaxGroup = 8, W = Lanes::kWidth;
+  if constexpr (HEAD_DIM > 0 && HEAD_DIM % W == 0) {
     if (B == 16 && G <= kMaxGroup) {  // each row's products in one vector per token; sums at the end
-      __m512 partial[kMaxGroup][16];
+      Lanes::V partial[kMaxGroup][16];
       for (int64_t t = 0; t < 16; ++t) {
         if (t >= num_tokens) {
-          for (int64_t g = 0; g < G; ++g) partial[g][t] = _mm512_setzero_ps();
+          for (int64_t g = 0; g < G; ++g) partial[g][t] = Lanes::zero();
           continue;
         }
         if (next_keys != nullptr) prefetch_bytes(next_keys + t * token_stride, row_bytes);
@@ -288,41 +313,13 @@ inline void group_block_scores(const float* qf, int64_t G, int64_t D, int64_t B,
         const float* k = load_kv_row(block + t * token_stride, k_scale, row, HEAD_DIM);
         for (int64_t g = 0; g < G; ++g) {
           const float* q = qf + g * HEAD_DIM;
-          __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-          for (int64_t d = 16; d < HEAD_DIM; d += 16)
-            sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), sum);
+          Lanes::V sum = Lanes::mul(Lanes::load(q), Lanes::load(k));
+          for (int64_t d = W; d < HEAD_DIM; d += W)
+            sum = Lanes::fmadd(Lanes::load(q + d), Lanes::load(k + d), sum);
           partial[g][t] = sum;
         }
       }
-      for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * B, lane_sums16(partial[g]));
-      return;
-    }
-  }
-#elif defined(__AVX2__)
-  constexpr int64_t kMaxGroup = 8;
-  if constexpr (HEAD_DIM > 0 && HEAD_DIM % 8 == 0) {
-    if (B == 16 && G <= kMaxGroup) {  // as the AVX-512 path, 8 lanes
-      __m256 partial[kMaxGroup][16];
-      for (int64_t t = 0; t < 16; ++t) {
-        if (t >= num_tokens) {
-          for (int64_t g = 0; g < G; ++g) partial[g][t] = _mm256_setzero_ps();
-          continue;
-        }
-        if (next_keys != nullptr) prefetch_bytes(next_keys + t * token_stride, row_bytes);
-        const float k_scale = block_scales ? block_scales[t * 2 * num_kv_heads] : 1.f;
-        const float* k = load_kv_row(block + t * token_stride, k_scale, row, HEAD_DIM);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* q = qf + g * HEAD_DIM;
-          __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
-          for (int64_t d = 8; d < HEAD_DIM; d += 8)
-            sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), sum);
-          partial[g][t] = sum;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        _mm256_storeu_ps(scores + g * B, lane_sums8(partial[g]));
-        _mm256_storeu_ps(scores + g * B + 8, lane_sums8(partial[g] + 8));
-      }
+      for (int64_t g = 0; g < G; ++g) Lanes::store_sums16(scores + g * B, partial[g]);
       return;
     }
   }
@@ -343,10 +340,11 @@ inline void group_block_values(const float* weights, int64_t G, int64_t D, int64
                                int64_t num_tokens, int64_t token_stride, int64_t num_kv_heads,
                                float* rows, float* acc, const cache_t* next_values) {
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(cache_t));
-#if defined(__AVX512F__)
-  if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 128) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  constexpr int64_t W = Lanes::kWidth;
+  if constexpr (HEAD_DIM > 0 && HEAD_DIM % W == 0 && HEAD_DIM / W <= 8) {
     if (num_tokens <= 16) {  // each query row's accumulator in registers across the block
-      constexpr int kChunks = HEAD_DIM / 16;
+      constexpr int kChunks = HEAD_DIM / W;
       const float* v[16];
       for (int64_t t = 0; t < num_tokens; ++t) {
         if (next_values != nullptr) prefetch_bytes(next_values + t * token_stride, row_bytes);
@@ -355,38 +353,14 @@ inline void group_block_values(const float* weights, int64_t G, int64_t D, int64
       }
       for (int64_t g = 0; g < G; ++g) {
         float* a = acc + g * HEAD_DIM;
-        __m512 sum[kChunks];
-        for (int c = 0; c < kChunks; ++c) sum[c] = _mm512_loadu_ps(a + 16 * c);
+        Lanes::V sum[kChunks];
+        for (int c = 0; c < kChunks; ++c) sum[c] = Lanes::load(a + W * c);
         for (int64_t t = 0; t < num_tokens; ++t) {
-          const __m512 w = _mm512_set1_ps(weights[g * B + t]);
+          const Lanes::V w = Lanes::set1(weights[g * B + t]);
           for (int c = 0; c < kChunks; ++c)
-            sum[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v[t] + 16 * c), sum[c]);
+            sum[c] = Lanes::fmadd(w, Lanes::load(v[t] + W * c), sum[c]);
         }
-        for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(a + 16 * c, sum[c]);
-      }
-      return;
-    }
-  }
-#elif defined(__AVX2__)
-  if constexpr (HEAD_DIM > 0 && HEAD_DIM % 8 == 0 && HEAD_DIM <= 64) {
-    if (num_tokens <= 16) {  // as the AVX-512 path: each row's accumulator in 8 registers
-      constexpr int kChunks = HEAD_DIM / 8;
-      const float* v[16];
-      for (int64_t t = 0; t < num_tokens; ++t) {
-        if (next_values != nullptr) prefetch_bytes(next_values + t * token_stride, row_bytes);
-        const float scale = value_scales ? value_scales[t * 2 * num_kv_heads] : 1.f;
-        v[t] = load_kv_row(values + t * token_stride, scale, rows + t * HEAD_DIM, HEAD_DIM);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* a = acc + g * HEAD_DIM;
-        __m256 sum[kChunks];
-        for (int c = 0; c < kChunks; ++c) sum[c] = _mm256_loadu_ps(a + 8 * c);
-        for (int64_t t = 0; t < num_tokens; ++t) {
-          const __m256 w = _mm256_set1_ps(weights[g * B + t]);
-          for (int c = 0; c < kChunks; ++c)
-            sum[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v[t] + 8 * c), sum[c]);
-        }
-        for (int c = 0; c < kChunks; ++c) _mm256_storeu_ps(a + 8 * c, sum[c]);
+        for (int c = 0; c < kChunks; ++c) Lanes::store(a + W * c, sum[c]);
       }
       return;
     }
