@@ -855,7 +855,8 @@ void with_rows(int64_t n, Fn&& fn) {
 
 // The block kernels' driver: for each block of [b0, b1) and each tile of up to MaxTile rows
 // (AVX-512: 8, for 32 zmm registers; AVX2: 4, for 16 ymm), block(std::integral_constant<int,
-// R>, block index, first row, lanes) with R the tile's rows.
+// R>, block index, first row, lanes) with R the tile's rows; a block's tiles in row order, the
+// first at row 0.
 template <int MaxTile, typename Block>
 void over_blocks(const Problem& p, int64_t b0, int64_t b1, Block&& block) {
   for (int64_t b = b0; b < b1; ++b) {
@@ -952,74 +953,52 @@ void int8_avx2(const Problem& p, const int8_t* codes, const float* scale, int64_
 }
 
 // From this many rows a block's codes are rearranged once for all its tiles of rows
-// (int4_block_avx2_int8<R, true>). On the Zen 3 (2 threads, alternating builds, per call),
-// against the tile path: 0.91-1.04x at 5 rows, 1.02-1.08x at 6, 1.05-1.09x at 8, 1.16-1.25x
-// at 16, 1.25-1.36x at 32, 1.43-1.48x at 128 (SmolLM2's qkv, gate_up, down). Tiles of 6 rows
-// ran as fast as tiles of 4.
+// (int4_block_avx2_int8<R, true>), before its first tile. On the Zen 3 (2 threads, alternating
+// builds, per call), against the tile path: 0.91-1.04x at 5 rows, 1.02-1.08x at 6, 1.05-1.09x
+// at 8, 1.16-1.25x at 16, 1.25-1.36x at 32, 1.43-1.48x at 128 (SmolLM2's qkv, gate_up, down).
+// Tiles of 6 rows ran as fast as tiles of 4.
 constexpr int64_t kDwordsMinRows = 6;
 // The int8 codes' rearrangement writes twice the int4's bytes per input (magnitudes and signs):
 // against the tile path (as above) 0.86-0.93x at 8 rows, 0.96-1.19x at 12, 1.04-1.25x at 16,
 // 1.11-1.22x at 32, 1.30-1.37x at 128 (the lm_head 49152x576 the lowest up to 16).
 constexpr int64_t kInt8DwordsMinRows = 16;
-constexpr int64_t kDwordsTile = 4;
 
-// The many-row drivers: each block of [b0, b1) rearranged once, by unpack(block index, buffer),
-// into a per-thread buffer of `bytes` (32-byte aligned), then block(std::integral_constant<int,
-// R>, buffer, block index, first row, lanes) for each tile of up to kDwordsTile rows.
-template <typename Unpack, typename Block>
-void over_rearranged_blocks(const Problem& p, int64_t b0, int64_t b1, int64_t bytes,
-                            Unpack&& unpack, Block&& block) {
+// A per-thread scratch of `bytes`, 32-byte aligned: a block's rearranged codes.
+__m256i* block_scratch(int64_t bytes) {
   thread_local std::vector<uint8_t> storage;
   storage.resize(bytes + 32);
   const auto address = reinterpret_cast<uintptr_t>(storage.data());
-  auto* buffer = reinterpret_cast<__m256i*>((address + 31) & ~uintptr_t{31});
-  for (int64_t b = b0; b < b1; ++b) {
-    unpack(b, buffer);
-    const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
-    for_row_tiles(p.rows, kDwordsTile, [&](int64_t r0, int64_t n) {
-      with_rows<kDwordsTile>(n, [&](auto rows) { block(rows, buffer, b, r0, lanes); });
-    });
-  }
+  return reinterpret_cast<__m256i*>((address + 31) & ~uintptr_t{31});
 }
 
 void int4_avx2_int8(const Problem& p, const uint8_t* codes, const uint16_t* scale_min,
                     int64_t b0, int64_t b1) {
   const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
-  if (p.rows >= kDwordsMinRows) {
-    over_rearranged_blocks(
-        p, b0, b1, p.in_features * 16,
-        [&](int64_t b, __m256i* buffer) {
-          unpack_int4_block_dwords(codes + b * block_codes, p.in_features, buffer);
-        },
-        [&](auto rows, const __m256i* buffer, int64_t b, int64_t r0, int64_t lanes) {
-          int4_block_avx2_int8<rows(), true>(p, buffer, scale_min + b * block_sm, r0,
-                                             b * kBlock, lanes);
-        });
-    return;
-  }
+  __m256i* dwords = p.rows >= kDwordsMinRows ? block_scratch(p.in_features * 16) : nullptr;
   over_blocks<4>(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
-    int4_block_avx2_int8<rows(), false>(p, codes + b * block_codes, scale_min + b * block_sm, r0,
-                                        b * kBlock, lanes);
+    const uint8_t* cb = codes + b * block_codes;
+    const uint16_t* smb = scale_min + b * block_sm;
+    if (dwords == nullptr) {
+      int4_block_avx2_int8<rows(), false>(p, cb, smb, r0, b * kBlock, lanes);
+      return;
+    }
+    if (r0 == 0) unpack_int4_block_dwords(cb, p.in_features, dwords);  // the block's first tile
+    int4_block_avx2_int8<rows(), true>(p, dwords, smb, r0, b * kBlock, lanes);
   });
 }
 
 void int8_avx2_int8(const Problem& p, const int8_t* codes, const float* scale, int64_t b0,
                     int64_t b1) {
   const int64_t block_codes = p.in_features * kBlock;
-  if (p.rows >= kInt8DwordsMinRows) {
-    over_rearranged_blocks(
-        p, b0, b1, p.in_features * 32,
-        [&](int64_t b, __m256i* buffer) {
-          unpack_int8_block_dwords(codes + b * block_codes, p.in_features, buffer);
-        },
-        [&](auto rows, const __m256i* buffer, int64_t b, int64_t r0, int64_t lanes) {
-          int8_block_avx2_int8<rows(), true>(p, buffer, scale, r0, b * kBlock, lanes);
-        });
-    return;
-  }
+  __m256i* dwords = p.rows >= kInt8DwordsMinRows ? block_scratch(p.in_features * 32) : nullptr;
   over_blocks<4>(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
-    int8_block_avx2_int8<rows(), false>(p, codes + b * block_codes, scale, r0, b * kBlock,
-                                        lanes);
+    const int8_t* cb = codes + b * block_codes;
+    if (dwords == nullptr) {
+      int8_block_avx2_int8<rows(), false>(p, cb, scale, r0, b * kBlock, lanes);
+      return;
+    }
+    if (r0 == 0) unpack_int8_block_dwords(cb, p.in_features, dwords);  // the block's first tile
+    int8_block_avx2_int8<rows(), true>(p, dwords, scale, r0, b * kBlock, lanes);
   });
 }
 
