@@ -485,8 +485,8 @@ def test_the_avx2_int8_path_for_many_rows_has_the_bits_of_its_few_rows_path(
     ext, bits, rows, group_size
 ):
     """From 6 rows (int4) and 16 (int8) the AVX2 int8-activation path rearranges each block's
-    codes once for all its row tiles (quant_gemm.cpp `int4_block_avx2_int8_dwords`,
-    `int8_block_avx2_int8_dwords`); below, each tile reads them as they are packed. Both sum
+    codes once for all its row tiles (quant_gemm.cpp `int4_block_avx2_int8<R, true>`,
+    `int8_block_avx2_int8<R, true>`); below, each tile reads them as they are packed. Both sum
     the same integers and scale them in the same order: every row of a many-row call has the
     bits of that row computed alone (SmolLM2's width, codes at both ends of their range, an
     all-zero activation chunk)."""
