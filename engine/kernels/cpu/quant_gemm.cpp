@@ -634,12 +634,41 @@ AVX2_TARGET inline __m256i broadcast4(const int8_t* x) {
   return _mm256_set1_epi32(four);
 }
 
-// The first `lanes` of each row's 16 outputs (a block's channels col0 ...) into y.
+// 8 outputs into y at index: bf16 rounded to nearest even, a NaN as 0x7FC0 (put's bits, 8 at
+// a time: at 32 rows the scalar stores took ~15% of the int4 kernel's time).
+AVX2_TARGET inline void store8(const Problem& p, int64_t index, __m256 v) {
+  if (!p.out_bf16) {
+    _mm256_storeu_ps(static_cast<float*>(p.y) + index, v);
+    return;
+  }
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i half = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<at::BFloat16*>(p.y) + index),
+                   _mm_packus_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1)));
+}
+
+// The first `lanes` of each row's 16 outputs (out[r][0] channels col0 .. col0 + 7, out[r][1]
+// the next 8) into y.
 template <int R>
-void store_avx2_block(const Problem& p, const float (&tmp)[R][16], int64_t row0, int64_t col0,
-                      int64_t lanes) {
-  for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < lanes; ++j) put(p, (row0 + r) * p.out_features + col0 + j, tmp[r][j]);
+AVX2_TARGET void store_avx2_block(const Problem& p, const __m256 (&out)[R][2], int64_t row0,
+                                  int64_t col0, int64_t lanes) {
+  if (lanes == kBlock) {
+    for (int r = 0; r < R; ++r) {
+      store8(p, (row0 + r) * p.out_features + col0, out[r][0]);
+      store8(p, (row0 + r) * p.out_features + col0 + 8, out[r][1]);
+    }
+    return;
+  }
+  float tmp[16];
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(tmp, out[r][0]);
+    _mm256_storeu_ps(tmp + 8, out[r][1]);
+    for (int64_t j = 0; j < lanes; ++j) put(p, (row0 + r) * p.out_features + col0 + j, tmp[j]);
+  }
 }
 
 // Many rows: a block's int4 codes rearranged once (unpack_int4_block_dwords) so that each
@@ -687,18 +716,66 @@ AVX2_TARGET void unpack_int8_block_dwords(const int8_t* cb, int64_t in_features,
   }
 }
 
-// One block's 16 outputs for a tile of R rows. Dwords: `codes` is the block as
-// unpack_int4_block_dwords left it (a row's activation codes one broadcast, a chunk's sums
-// added pairwise by `vpmaddwd`); otherwise the block as packed, its nibbles unpacked here for
-// this tile and each row's activation codes shuffled into pairs. The same integer sums, scaled
-// in the same order: the same bits.
+// One chunk's int32 sums of a tile of R rows over a block's 16 channels (sum[r][0]: channels
+// 0-7, sum[r][1]: 8-15). Dwords: `codes` is the block as unpack_int4_block_dwords left it (a
+// row's activation codes one broadcast, the int16 sums added pairwise by `vpmaddwd`);
+// otherwise the block as packed, its nibbles unpacked here for this tile and each row's
+// activation codes shuffled into pairs. The same integer sums either way.
 template <int R, bool Dwords>
-AVX2_TARGET void int4_block_avx2_int8(const Problem& p, const void* codes, const uint16_t* smb,
-                                      int64_t row0, int64_t col0, int64_t lanes) {
+AVX2_TARGET inline void int4_chunk_avx2_int8(const Problem& p, const void* codes,
+                                             const int8_t* xq, int64_t chunk,
+                                             __m256i (&sum)[R][2]) {
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   // Lane 0 takes the broadcast's bytes 0-1 (the even entry's inputs), lane 1 bytes 2-3.
   const __m256i pairs = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
                                          2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  const uint8_t* c = static_cast<const uint8_t*>(codes) + chunk * (kChunk / 2) * kBlock;
+  const __m256i* w = static_cast<const __m256i*>(codes) + chunk * 16;
+  if constexpr (!Dwords) gemv_prefetch::ahead(c, kChunk / 2 * kBlock);
+  __m256i acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int e = 0; e < 8; ++e) {  // 4 inputs x 16 channels each
+    __m256i a, b;
+    if constexpr (Dwords) {
+      a = _mm256_load_si256(w + 2 * e), b = _mm256_load_si256(w + 2 * e + 1);
+    } else {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + e * 32));
+      const __m256i lo = _mm256_and_si256(v, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i x4 = broadcast4(xq + r * p.in_features + chunk * kChunk + e * 4);
+      const __m256i xa = Dwords ? x4 : _mm256_shuffle_epi8(x4, pairs);
+      acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(a, xa));
+      acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(b, xa));
+      in_register(acc[r][0]);
+      in_register(acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (Dwords) {
+        sum[r][h] = _mm256_madd_epi16(acc[r][h], ones);
+      } else {
+        sum[r][h] = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[r][h])),
+                                     _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[r][h], 1)));
+      }
+    }
+  }
+}
+
+// One block's 16 outputs for a tile of R rows (codes as int4_chunk_avx2_int8 takes them).
+// Per group: the chunks' sums times their activation scales, times the group's scales, plus its
+// minimums times the activations' group sums. OneChunkGroups (groups of 32 inputs, GGUF's
+// Q4_0/Q4_1) adds each chunk's scaled sum to the outputs at once: the same operations in the
+// same order (a group's accumulator starts at zero), without the 8 registers a tile of 4 rows
+// would spend on group accumulators (their spills cost ~10% at 32 rows on the Zen 3).
+template <int R, bool Dwords, bool OneChunkGroups>
+AVX2_TARGET void int4_block_avx2_int8(const Problem& p, const void* codes, const uint16_t* smb,
+                                      int64_t row0, int64_t col0, int64_t lanes) {
   const int64_t chunks_per_group = p.group_size / kChunk;
   const int64_t num_chunks = p.in_features / kChunk;
   const int8_t* xq = p.xq + row0 * p.in_features;
@@ -707,47 +784,22 @@ AVX2_TARGET void int4_block_avx2_int8(const Problem& p, const void* codes, const
   __m256 out[R][2];
   for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < p.num_groups; ++g) {
-    __m256 gacc[R][2];
-    for (int r = 0; r < R; ++r) gacc[r][0] = gacc[r][1] = _mm256_setzero_ps();
-    for (int64_t cg = 0; cg < chunks_per_group; ++cg) {
+    __m256 gacc[R][2];  // the group's scaled chunk sums (one chunk: the chunk's own)
+    if constexpr (!OneChunkGroups) {
+      for (int r = 0; r < R; ++r) gacc[r][0] = gacc[r][1] = _mm256_setzero_ps();
+    }
+    for (int64_t cg = 0; cg < (OneChunkGroups ? 1 : chunks_per_group); ++cg) {
       const int64_t chunk = g * chunks_per_group + cg;
-      const uint8_t* c = static_cast<const uint8_t*>(codes) + chunk * (kChunk / 2) * kBlock;
-      const __m256i* w = static_cast<const __m256i*>(codes) + chunk * 16;
-      if constexpr (!Dwords) gemv_prefetch::ahead(c, kChunk / 2 * kBlock);
-      __m256i acc[R][2];
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int e = 0; e < 8; ++e) {  // 4 inputs x 16 channels each
-        __m256i a, b;
-        if constexpr (Dwords) {
-          a = _mm256_load_si256(w + 2 * e), b = _mm256_load_si256(w + 2 * e + 1);
-        } else {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + e * 32));
-          const __m256i lo = _mm256_and_si256(v, low4);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-          a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          const __m256i x4 = broadcast4(xq + r * p.in_features + chunk * kChunk + e * 4);
-          const __m256i xa = Dwords ? x4 : _mm256_shuffle_epi8(x4, pairs);
-          acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(a, xa));
-          acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(b, xa));
-          in_register(acc[r][0]);
-          in_register(acc[r][1]);
-        }
-      }
+      __m256i sum[R][2];
+      int4_chunk_avx2_int8<R, Dwords>(p, codes, xq, chunk, sum);
       for (int r = 0; r < R; ++r) {
         const __m256 d = _mm256_set1_ps(xd[r * num_chunks + chunk]);
         for (int h = 0; h < 2; ++h) {
-          __m256i sum;  // each channel's int32 sum over the chunk
-          if constexpr (Dwords) {
-            sum = _mm256_madd_epi16(acc[r][h], ones);
+          if constexpr (OneChunkGroups) {
+            gacc[r][h] = _mm256_mul_ps(_mm256_cvtepi32_ps(sum[r][h]), d);
           } else {
-            sum = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[r][h])),
-                                   _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[r][h], 1)));
+            gacc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][h]), d, gacc[r][h]);
           }
-          gacc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, gacc[r][h]);
         }
       }
     }
@@ -760,12 +812,7 @@ AVX2_TARGET void int4_block_avx2_int8(const Problem& p, const void* codes, const
       }
     }
   }
-  float tmp[R][16];
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(tmp[r], out[r][0]);
-    _mm256_storeu_ps(tmp[r] + 8, out[r][1]);
-  }
-  store_avx2_block<R>(p, tmp, row0, col0, lanes);
+  store_avx2_block<R>(p, out, row0, col0, lanes);
 }
 
 // As int4_block_avx2_int8, for int8 codes (Dwords: the block as unpack_int8_block_dwords left
@@ -827,12 +874,11 @@ AVX2_TARGET void int8_block_avx2_int8(const Problem& p, const void* codes, const
     }
   }
   const __m256 s[2] = {_mm256_loadu_ps(scale + col0), _mm256_loadu_ps(scale + col0 + 8)};
-  float tmp[R][16];
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(tmp[r], _mm256_mul_ps(out[r][0], s[0]));
-    _mm256_storeu_ps(tmp[r] + 8, _mm256_mul_ps(out[r][1], s[1]));
+    out[r][0] = _mm256_mul_ps(out[r][0], s[0]);
+    out[r][1] = _mm256_mul_ps(out[r][1], s[1]);
   }
-  store_avx2_block<R>(p, tmp, row0, col0, lanes);
+  store_avx2_block<R>(p, out, row0, col0, lanes);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -975,15 +1021,21 @@ void int4_avx2_int8(const Problem& p, const uint8_t* codes, const uint16_t* scal
                     int64_t b0, int64_t b1) {
   const int64_t block_codes = p.in_features / 2 * kBlock, block_sm = p.num_groups * 2 * kBlock;
   __m256i* dwords = p.rows >= kDwordsMinRows ? block_scratch(p.in_features * 16) : nullptr;
+  const bool one_chunk_groups = p.group_size == kChunk;
   over_blocks<4>(p, b0, b1, [&](auto rows, int64_t b, int64_t r0, int64_t lanes) {
     const uint8_t* cb = codes + b * block_codes;
     const uint16_t* smb = scale_min + b * block_sm;
-    if (dwords == nullptr) {
-      int4_block_avx2_int8<rows(), false>(p, cb, smb, r0, b * kBlock, lanes);
-      return;
-    }
+    auto run = [&](auto dwords_layout, auto one_chunk) {
+      int4_block_avx2_int8<rows(), dwords_layout(), one_chunk()>(
+          p, dwords_layout() ? static_cast<const void*>(dwords) : cb, smb, r0, b * kBlock, lanes);
+    };
+    auto groups = [&](auto dwords_layout) {
+      if (one_chunk_groups) run(dwords_layout, std::true_type{});
+      else run(dwords_layout, std::false_type{});
+    };
+    if (dwords == nullptr) return groups(std::false_type{});
     if (r0 == 0) unpack_int4_block_dwords(cb, p.in_features, dwords);  // the block's first tile
-    int4_block_avx2_int8<rows(), true>(p, dwords, smb, r0, b * kBlock, lanes);
+    groups(std::true_type{});
   });
 }
 
