@@ -35,9 +35,9 @@ class CpuPagedAttention(TorchPagedAttention):
     def __init__(self, extension: ModuleType):
         super().__init__()
         self.extension = extension
-        # The most new tokens a chunk after cached tokens takes the kernel with, measured on
-        # this machine (`calibrate`); None: paged_attention's static rule alone.
-        self.extend_limit: int | None = None
+        # The most new tokens a chunk after cached tokens takes the kernel with, per context,
+        # measured on this machine (`calibrate`); None: paged_attention's static rule alone.
+        self.extend_limit: extend_choice.ExtendLimits | None = None
 
     def calibrate(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                   dtype: torch.dtype) -> None:  # fmt: skip

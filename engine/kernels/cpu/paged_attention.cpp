@@ -543,40 +543,46 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& kv_cache,
 }
 
 
-#if defined(__AVX512F__)
-// Scores of four query rows against one 16-token block (kt [D, 16]): four independent FMA
-// chains sharing each load of kt, so the FMA latency is hidden.
+#if defined(__AVX512F__) || defined(__AVX2__)
+// Scores of four query rows against one 16-token block (kt [D, 16]): independent FMA chains
+// (four on AVX-512, eight halves on AVX2) sharing each load of kt, so the FMA latency is hidden.
 template <int HEAD_DIM>
 inline void block_scores4(const float* q, int64_t D, const float* kt, float* s) {
   if constexpr (HEAD_DIM > 0) D = HEAD_DIM;
-  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  constexpr int H = 16 / Lanes::kWidth;  // vectors per 16 tokens
+  Lanes::V a[4][H];
+  for (int j = 0; j < 4; ++j)
+    for (int h = 0; h < H; ++h) a[j][h] = Lanes::zero();
   for (int64_t d = 0; d < D; ++d) {
-    const __m512 k = _mm512_loadu_ps(kt + d * 16);
-    s0 = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), k, s0);
-    s1 = _mm512_fmadd_ps(_mm512_set1_ps(q[D + d]), k, s1);
-    s2 = _mm512_fmadd_ps(_mm512_set1_ps(q[2 * D + d]), k, s2);
-    s3 = _mm512_fmadd_ps(_mm512_set1_ps(q[3 * D + d]), k, s3);
+    Lanes::V k[H];
+    for (int h = 0; h < H; ++h) k[h] = Lanes::load(kt + d * 16 + h * Lanes::kWidth);
+    for (int j = 0; j < 4; ++j) {
+      const Lanes::V qd = Lanes::set1(q[j * D + d]);
+      for (int h = 0; h < H; ++h) a[j][h] = Lanes::fmadd(qd, k[h], a[j][h]);
+    }
   }
-  _mm512_storeu_ps(s, s0);
-  _mm512_storeu_ps(s + 16, s1);
-  _mm512_storeu_ps(s + 32, s2);
-  _mm512_storeu_ps(s + 48, s3);
+  for (int j = 0; j < 4; ++j)
+    for (int h = 0; h < H; ++h) Lanes::store(s + 16 * j + h * Lanes::kWidth, a[j][h]);
 }
 #endif
 
 // Scores of one query row against one block: s[t] = q . k_t for t < B, with the block's K
 // transposed to kt [D, B] (zero past the block's tokens), so the loop is a broadcast-FMA over
-// the block's tokens with no horizontal sums. B = 16 on AVX-512 is one register.
+// the block's tokens with no horizontal sums. B = 16: one AVX-512 register, two AVX2 ones.
 template <int HEAD_DIM>
 inline void block_scores(const float* q, const float* kt, int64_t D, int64_t B, float* s) {
   if constexpr (HEAD_DIM > 0) D = HEAD_DIM;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
   if (B == 16) {
-    __m512 sum = _mm512_setzero_ps();
+    constexpr int H = 16 / Lanes::kWidth;
+    Lanes::V sum[H];
+    for (int h = 0; h < H; ++h) sum[h] = Lanes::zero();
     for (int64_t d = 0; d < D; ++d) {
-      sum = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(kt + d * 16), sum);
+      const Lanes::V qd = Lanes::set1(q[d]);
+      for (int h = 0; h < H; ++h)
+        sum[h] = Lanes::fmadd(qd, Lanes::load(kt + d * 16 + h * Lanes::kWidth), sum[h]);
     }
-    _mm512_storeu_ps(s, sum);
+    for (int h = 0; h < H; ++h) Lanes::store(s + h * Lanes::kWidth, sum[h]);
     return;
   }
 #endif
@@ -590,20 +596,22 @@ inline void block_scores(const float* q, const float* kt, int64_t D, int64_t B, 
 }
 
 // acc [D] += sum over t < n of p[t] * v[t] (v rows [n, D] fp32): the accumulator stays in
-// registers across the block's tokens when D is a compile-time multiple of 16 on AVX-512.
+// registers across the block's tokens when D is a compile-time multiple of the vector width
+// that fits 8 registers (AVX-512: up to 128; AVX2: up to 64).
 template <int HEAD_DIM>
 inline void block_values(const float* p, const float* v, int64_t n, int64_t D, float* acc) {
-#if defined(__AVX512F__)
-  if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 128) {
-    constexpr int R = HEAD_DIM / 16;
-    __m512 a[R];
-    for (int j = 0; j < R; ++j) a[j] = _mm512_loadu_ps(acc + 16 * j);
+#if defined(__AVX512F__) || defined(__AVX2__)
+  constexpr int64_t W = Lanes::kWidth;
+  if constexpr (HEAD_DIM > 0 && HEAD_DIM % W == 0 && HEAD_DIM / W <= 8) {
+    constexpr int R = HEAD_DIM / W;
+    Lanes::V a[R];
+    for (int j = 0; j < R; ++j) a[j] = Lanes::load(acc + W * j);
     for (int64_t t = 0; t < n; ++t) {
-      const __m512 weight = _mm512_set1_ps(p[t]);
+      const Lanes::V weight = Lanes::set1(p[t]);
       const float* row = v + t * HEAD_DIM;
-      for (int j = 0; j < R; ++j) a[j] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(row + 16 * j), a[j]);
+      for (int j = 0; j < R; ++j) a[j] = Lanes::fmadd(weight, Lanes::load(row + W * j), a[j]);
     }
-    for (int j = 0; j < R; ++j) _mm512_storeu_ps(acc + 16 * j, a[j]);
+    for (int j = 0; j < R; ++j) Lanes::store(acc + W * j, a[j]);
     return;
   }
 #endif
@@ -655,7 +663,7 @@ void extend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
       for (int64_t d = 0; d < D; ++d) std::fill(&kt[d * B + num_tokens], &kt[d * B + B], 0.f);
     }
     int64_t r = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
     if (B == 16) {
       for (; r + 4 <= R; r += 4) block_scores4<HEAD_DIM>(qf.data() + r * D, D, kt.data(), &scores[r * B]);
     }

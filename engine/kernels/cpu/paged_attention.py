@@ -225,14 +225,17 @@ def choose_query_tile(num_queries: int, num_kv_heads: int) -> int:
     return max(1, min(MAX_QUERY_TILE, per_thread))
 
 
-def use_extend_kernel(chunk: PrefillChunk, dtype: torch.dtype, limit: int | None = None) -> bool:
+def use_extend_kernel(chunk: PrefillChunk, dtype: torch.dtype, limit=None) -> bool:
     """Whether a prefill chunk goes to the extend kernel rather than gather + SDPA: only chunks
     that follow cached tokens (a fresh prompt has no cache to read: SDPA's causal kernel on
     its own K/V), of at most `limit` new tokens where this machine's calibration gave one
-    (engine/kernels/cpu/extend_choice.py); without it, in bf16 always and in fp32 up to
+    (engine/kernels/cpu/extend_choice.py's `ExtendLimits`, a limit for the chunk's context, or
+    one int for every context); without it, in bf16 always and in fp32 up to
     EXTEND_MAX_TOKENS_FP32 new tokens (measured on the EPYC: see the module docstring)."""
     if chunk.block_ids is None or dtype not in SUPPORTED_DTYPES:
         return False
     if limit is not None:
+        if not isinstance(limit, int):
+            limit = limit.for_context(chunk.start_position)
         return chunk.num_tokens <= limit
     return dtype == torch.bfloat16 or chunk.num_tokens <= EXTEND_MAX_TOKENS_FP32

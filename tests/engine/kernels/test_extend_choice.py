@@ -30,32 +30,50 @@ def test_calibration_times_both_sides_and_decides_from_them():
     def reference(q, kv_cache, chunk):
         return backend._prefill(q, None, kv_cache, chunk)
 
-    result = extend_choice.calibrate(kernels, reference, 4, 2, 16, 16, torch.float32)
-    times = {int(k): v for k, v in result["us"].items()}
-    assert list(times) == list(extend_choice.CALIBRATION_NEW_TOKENS[: len(times)])
-    assert all(r > 0 and k > 0 for r, k in times.values())
-    assert result["limit"] == extend_choice.decide(times)
+    for prefix in (extend_choice.CALIBRATION_PREFIX, extend_choice.SHORT_PREFIX):
+        result = extend_choice.calibrate(kernels, reference, 4, 2, 16, 16, torch.float32, prefix)
+        times = {int(k): v for k, v in result["us"].items()}
+        assert list(times) == list(extend_choice.CALIBRATION_NEW_TOKENS[: len(times)])
+        assert all(r > 0 and k > 0 for r, k in times.values())
+        assert result["limit"] == extend_choice.decide(times)
 
 
 def test_the_limit_is_cached_per_shape_and_not_from_a_busy_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("MINI_INFER_CACHE_DIR", str(tmp_path))
     calls = []
 
-    def fake_calibrate(kernels, reference, *shape):
+    def fake_calibrate(kernels, reference, *shape, prefix=extend_choice.CALIBRATION_PREFIX):
         calls.append(shape)
-        return {"limit": 16, "us": {1: [2.0, 1.0]}}
+        return {"limit": 16 if prefix == extend_choice.CALIBRATION_PREFIX else 64,
+                "us": {1: [2.0, 1.0]}}  # fmt: skip
 
+    limits = extend_choice.ExtendLimits(long=16, short=64)
     monkeypatch.setattr(extend_choice, "calibrate", fake_calibrate)
     monkeypatch.setattr(calibration, "busy_reason", lambda: "load average 9.0 above 2 cores")
     limit = extend_choice.extend_limit(None, None, 9, 3, 64, 16, torch.bfloat16)
-    assert limit == 16 and len(calls) == 1
+    assert limit == limits and len(calls) == 2  # the long context, then the short one
     assert not extend_choice.calibration_file().exists()  # busy: used, not kept
     monkeypatch.setattr(calibration, "busy_reason", lambda: None)
-    assert extend_choice.extend_limit(None, None, 9, 3, 64, 16, torch.bfloat16) == 16
-    assert extend_choice.extend_limit(None, None, 9, 3, 64, 16, torch.bfloat16) == 16
-    assert len(calls) == 2  # measured again once, then read from the file
-    assert extend_choice.extend_limit(None, None, 8, 2, 64, 16, torch.bfloat16) == 16
-    assert len(calls) == 3  # another shape: its own entry
+    assert extend_choice.extend_limit(None, None, 9, 3, 64, 16, torch.bfloat16) == limits
+    assert extend_choice.extend_limit(None, None, 9, 3, 64, 16, torch.bfloat16) == limits
+    assert len(calls) == 4  # measured again once, then read from the file
+    assert extend_choice.extend_limit(None, None, 8, 2, 64, 16, torch.bfloat16) == limits
+    assert len(calls) == 6  # another shape: its own entry
+
+
+def test_a_chunk_takes_the_limit_of_its_context():
+    """After at most SHORT_CONTEXT_MAX cached tokens the short context's limit, past it the
+    long one's (the reference's per-chunk cost weighs more after a short prefix)."""
+    limits = extend_choice.ExtendLimits(long=4, short=64)
+    edge = extend_choice.SHORT_CONTEXT_MAX
+    assert limits.for_context(0) == limits.for_context(edge) == 64
+    assert limits.for_context(edge + 1) == limits.for_context(5000) == 4
+    ids = torch.zeros(4, dtype=torch.int64)
+    rule = paged_attention.use_extend_kernel
+    assert rule(PrefillChunk(0, 22, 32, ids), torch.bfloat16, limits)
+    assert not rule(PrefillChunk(0, 65, 32, ids), torch.bfloat16, limits)
+    assert rule(PrefillChunk(0, 4, 1024, ids), torch.bfloat16, limits)
+    assert not rule(PrefillChunk(0, 22, 1024, ids), torch.bfloat16, limits)
 
 
 @pytest.mark.parametrize("limit", [0, 4, extend_choice.NO_LIMIT])
