@@ -514,11 +514,19 @@ class Plan {
     if (t.mode == kEvery) {
       t.fn(t.args, rows, 0, total);
     } else if (t.mode == kDynamic) {
-      // Chunks of about a quarter of a fair share: few enough that the counter costs nothing.
+      // Chunks of about a quarter of a fair share (few enough that the counter costs nothing),
+      // then the last n chunks' worth one item at a time, so the threads end within an item of
+      // each other: with whole chunks to the end, a 32-row gate_up's threads waited ~15 us for
+      // each other at its barrier (a chunk is 24 blocks, ~120 us of work, there).
       const int64_t chunk = std::max<int64_t>(1, total / (4 * n));
+      const int64_t tail = total - std::min(total, chunk * n);
       std::atomic<int64_t>& next = next_item_[i];
-      for (int64_t begin; (begin = next.fetch_add(chunk, std::memory_order_relaxed)) < total;)
-        t.fn(t.args, rows, begin, std::min(total, begin + chunk));
+      for (;;) {
+        const int64_t size = next.load(std::memory_order_relaxed) < tail ? chunk : 1;
+        const int64_t begin = next.fetch_add(size, std::memory_order_relaxed);
+        if (begin >= total) break;
+        t.fn(t.args, rows, begin, std::min(total, begin + size));
+      }
     } else {
       const int64_t begin = total * me / n, end = total * (me + 1) / n;
       if (begin < end) t.fn(t.args, rows, begin, end);
