@@ -391,9 +391,7 @@ class FusedDecode:
             # (a verifying step's K and V, before any row attends to them: skipped elsewhere)
             tasks.append((store_fn, decode_args, 0, kv_heads, True, self.store_multiplier))
             self.task_names.append("kv_store")
-            # Items (row, KV head, partition) of unequal contexts: taken dynamically.
-            tasks.append((decode_fn, decode_args, 0, kv_heads, True, self.num_partitions,
-                          decode_step.TASK_DYNAMIC))  # fmt: skip
+            tasks.append((decode_fn, decode_args, 0, kv_heads, True, self.num_partitions))
             # (skipped, with its barrier, in steps of one partition: the decode wrote the output)
             tasks.append((merge_fn, decode_args, 0, kv_heads, True, self.merge_multiplier))
             self.task_names += ["attention", "attention_merge"]

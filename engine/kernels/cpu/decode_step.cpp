@@ -508,18 +508,21 @@ class Plan {
 
  private:
   static constexpr int64_t kMaxTimedThreads = 64;
+  static constexpr int64_t kTailRows = 8;  // dynamic tasks' tails item by item from this many rows
 
   // Thread `me` of `n` does its items of task `t` (the index `i` of the plan).
   void run_share(const Task& t, size_t i, int64_t rows, int64_t total, int64_t me, int64_t n) {
     if (t.mode == kEvery) {
       t.fn(t.args, rows, 0, total);
     } else if (t.mode == kDynamic) {
-      // Chunks of about a quarter of a fair share (few enough that the counter costs nothing),
-      // then the last n chunks' worth one item at a time, so the threads end within an item of
-      // each other: with whole chunks to the end, a 32-row gate_up's threads waited ~15 us for
-      // each other at its barrier (a chunk is 24 blocks, ~120 us of work, there).
+      // Chunks of about a quarter of a fair share (few enough that the counter costs nothing);
+      // from kTailRows rows the last n chunks' worth one item at a time, so the threads end
+      // within an item of each other: with whole chunks to the end, a 32-row gate_up's threads
+      // waited ~15 us for each other at its barrier (a chunk is 24 blocks, ~120 us of work,
+      // there). At one row an item is a few microseconds of streaming: items one by one there
+      // ran W1 at 0.91x in a 4-round run (each item moves the counter's line between cores).
       const int64_t chunk = std::max<int64_t>(1, total / (4 * n));
-      const int64_t tail = total - std::min(total, chunk * n);
+      const int64_t tail = rows >= kTailRows ? total - std::min(total, chunk * n) : total;
       std::atomic<int64_t>& next = next_item_[i];
       for (;;) {
         const int64_t size = next.load(std::memory_order_relaxed) < tail ? chunk : 1;
