@@ -519,9 +519,9 @@ class Plan {
       // from kTailRows rows the last n chunks' worth one item at a time, so the threads end
       // within an item of each other: with whole chunks to the end, a 32-row gate_up's threads
       // waited ~15 us for each other at its barrier (a chunk is 24 blocks, ~120 us of work,
-      // there). Below it whole chunks to the end, as before: a version with single items at
-      // every row count (and the attention's items taken dynamically) ran W1 at 0.914x and
-      // 0.922x in two of three runs, where an item is a few microseconds of streaming.
+      // there). Below it whole chunks to the end, as before, so one row runs the code it ran
+      // (a first version, single items at every row count and the attention's items taken
+      // dynamically too, ran W1 at 0.914x in one run).
       const int64_t chunk = std::max<int64_t>(1, total / (4 * n));
       const int64_t tail = rows >= kTailRows ? total - std::min(total, chunk * n) : total;
       std::atomic<int64_t>& next = next_item_[i];
