@@ -544,24 +544,25 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& kv_cache,
 
 
 #if defined(__AVX512F__) || defined(__AVX2__)
-// Scores of four query rows against one 16-token block (kt [D, 16]): independent FMA chains
-// (four on AVX-512, eight halves on AVX2) sharing each load of kt, so the FMA latency is hidden.
-template <int HEAD_DIM>
-inline void block_scores4(const float* q, int64_t D, const float* kt, float* s) {
+// Scores of ROWS query rows (q [ROWS, D]) against one 16-token block (kt [D, 16]): one FMA chain
+// per row and vector over d; four rows are independent chains sharing each load of kt, so the
+// FMA latency is hidden.
+template <int ROWS, int HEAD_DIM>
+inline void block_scores_rows(const float* q, int64_t D, const float* kt, float* s) {
   if constexpr (HEAD_DIM > 0) D = HEAD_DIM;
   constexpr int H = 16 / Lanes::kWidth;  // vectors per 16 tokens
-  Lanes::V a[4][H];
-  for (int j = 0; j < 4; ++j)
+  Lanes::V a[ROWS][H];
+  for (int j = 0; j < ROWS; ++j)
     for (int h = 0; h < H; ++h) a[j][h] = Lanes::zero();
   for (int64_t d = 0; d < D; ++d) {
     Lanes::V k[H];
     for (int h = 0; h < H; ++h) k[h] = Lanes::load(kt + d * 16 + h * Lanes::kWidth);
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < ROWS; ++j) {
       const Lanes::V qd = Lanes::set1(q[j * D + d]);
       for (int h = 0; h < H; ++h) a[j][h] = Lanes::fmadd(qd, k[h], a[j][h]);
     }
   }
-  for (int j = 0; j < 4; ++j)
+  for (int j = 0; j < ROWS; ++j)
     for (int h = 0; h < H; ++h) Lanes::store(s + 16 * j + h * Lanes::kWidth, a[j][h]);
 }
 #endif
@@ -573,18 +574,7 @@ template <int HEAD_DIM>
 inline void block_scores(const float* q, const float* kt, int64_t D, int64_t B, float* s) {
   if constexpr (HEAD_DIM > 0) D = HEAD_DIM;
 #if defined(__AVX512F__) || defined(__AVX2__)
-  if (B == 16) {
-    constexpr int H = 16 / Lanes::kWidth;
-    Lanes::V sum[H];
-    for (int h = 0; h < H; ++h) sum[h] = Lanes::zero();
-    for (int64_t d = 0; d < D; ++d) {
-      const Lanes::V qd = Lanes::set1(q[d]);
-      for (int h = 0; h < H; ++h)
-        sum[h] = Lanes::fmadd(qd, Lanes::load(kt + d * 16 + h * Lanes::kWidth), sum[h]);
-    }
-    for (int h = 0; h < H; ++h) Lanes::store(s + h * Lanes::kWidth, sum[h]);
-    return;
-  }
+  if (B == 16) return block_scores_rows<1, HEAD_DIM>(q, D, kt, s);
 #endif
   std::fill(s, s + B, 0.f);
   for (int64_t d = 0; d < D; ++d) {
@@ -665,7 +655,8 @@ void extend_tile(const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,
     int64_t r = 0;
 #if defined(__AVX512F__) || defined(__AVX2__)
     if (B == 16) {
-      for (; r + 4 <= R; r += 4) block_scores4<HEAD_DIM>(qf.data() + r * D, D, kt.data(), &scores[r * B]);
+      for (; r + 4 <= R; r += 4)
+        block_scores_rows<4, HEAD_DIM>(qf.data() + r * D, D, kt.data(), &scores[r * B]);
     }
 #endif
     for (; r < R; ++r) block_scores<HEAD_DIM>(qf.data() + r * D, kt.data(), D, B, &scores[r * B]);
