@@ -1,10 +1,11 @@
 """One engine setting, this code tree against another checkout: W1 (1 x 128) and W2 (32 x 128)
-output tokens/s on the default model (or the prefill workloads P1, P4: prompt tokens/s), each (tree, round) in a fresh process with that tree first
-on PYTHONPATH, trees alternating round by round; medians and this tree's ratio.
+output tokens/s on the default model or `--model` (or the prefill workloads P1, P4: prompt
+tokens/s), each (tree, round) in a fresh process with that tree first on PYTHONPATH, trees
+alternating round by round; medians and this tree's ratio.
 
     python -m loadtest.bench_trees --baseline /path/to/other/checkout [--rounds 4]
         [--options '{"quantization": "int4", "kv_cache_dtype": "int8"}'] [--workloads W1,W2]
-        [--sampling '{"temperature": 0.7, "top_p": 0.9}'] [--out r.json]
+        [--sampling '{"temperature": 0.7, "top_p": 0.9}'] [--model DIR] [--out r.json]
 
 Greedy unless `--sampling` (SamplingParams fields; request i seeded i). Each side runs this
 checkout's `loadtest` against its tree's engine (loadtest/trees.py).
@@ -34,7 +35,8 @@ def _child(args) -> None:
     from loadtest.bench_engine import prefill_speed, run_engine
     from loadtest.workloads import chat_prompts, workload_prompts, workloads
 
-    tokenizer = load_tokenizer(resolve_model("smollm2-135m"))
+    model = args.model
+    tokenizer = load_tokenizer(resolve_model(model))
     prompts = chat_prompts(tokenizer, 32)
     options, sampling = json.loads(args.options), json.loads(args.sampling)
 
@@ -42,10 +44,10 @@ def _child(args) -> None:
         if name in PREFILL_WORKLOADS:
             workload = workloads()[name]
             documents = workload_prompts(tokenizer, workload)
-            run = run_engine("smollm2-135m", "bfloat16", documents, list(workload.max_tokens),
+            run = run_engine(model, "bfloat16", documents, list(workload.max_tokens),
                              sampling=sampling, **options)  # fmt: skip
             return prefill_speed(documents, run)["prompt_tokens_per_s"]
-        return run_engine("smollm2-135m", "bfloat16", prompts[:WORKLOADS[name]], 128,
+        return run_engine(model, "bfloat16", prompts[:WORKLOADS[name]], 128,
                           sampling=sampling, **options)["tokens_per_s"]  # fmt: skip
 
     print_result({name: speed(name) for name in args.workloads.split(",")})
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--options", default='{"quantization": "int4"}', help="engine options")
     parser.add_argument("--workloads", default="W1,W2")
     parser.add_argument("--sampling", default="null", help="SamplingParams fields (JSON)")
+    parser.add_argument("--model", default="smollm2-135m", help="model id or directory")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown workloads {sorted(unknown)}: W1, W2, P1, P4")
     trees = {"baseline": args.baseline.resolve(), "this": ROOT}
     flags = ["--child", "--options", args.options, "--workloads", args.workloads,
-             "--sampling", args.sampling, "--baseline", str(args.baseline)]  # fmt: skip
+             "--sampling", args.sampling, "--model", args.model,
+             "--baseline", str(args.baseline)]  # fmt: skip
     runs = alternate(__file__, trees, flags, args.rounds, timeout_s=1800)
     medians = {side: {w: statistics.median(r[w] for r in rs) for w in workloads}
                for side, rs in runs.items()}  # fmt: skip
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     for side, med in medians.items():
         print(f"{side:10}" + "".join(f"{med[w]:10.1f}" for w in workloads), file=sys.stderr)
     print(f"{'ratio':10}" + "".join(f"{ratio[w]:10.3f}" for w in workloads), file=sys.stderr)
-    doc = {"options": options, "sampling": json.loads(args.sampling), "trees": {k: str(v) for k, v in trees.items()},
+    doc = {"model": args.model, "options": options, "sampling": json.loads(args.sampling), "trees": {k: str(v) for k, v in trees.items()},
            "rounds": args.rounds, "runs": runs, "medians": medians,
            "this_over_baseline": ratio}  # fmt: skip
     emit(doc, args.out, None, None)
