@@ -341,12 +341,10 @@ class FusedDecode:
                 x, y, codes, scales, bits, group_size, out_features, isa
             )
             # Each thread prepares the activations for itself (no barrier), then the threads
-            # take the blocks in chunks from a shared counter (the weight bytes of a block
-            # decide how finely they share the last ones: decode_step.cpp's run_share).
+            # take the blocks in chunks from a shared counter.
             every, dynamic = decode_step.TASK_EVERY_THREAD, decode_step.TASK_DYNAMIC
-            block_bytes = (codes.nbytes + scales.nbytes) // max(1, blocks)
             tasks.append((prepare_fn, args, 1, 0, False, multiplier, every))
-            tasks.append((blocks_fn, args, blocks, 0, True, multiplier, dynamic, block_bytes))
+            tasks.append((blocks_fn, args, blocks, 0, True, multiplier, dynamic))
             self.task_names += ["gemv_prepare", name]
             return args
 

@@ -53,7 +53,6 @@ struct Task {
   bool barrier_after;
   const int64_t* row_multiplier;  // the items are multiplied by *row_multiplier, if set
   int64_t mode;
-  int64_t item_bytes;  // weight bytes an item streams (kDynamic tasks; 0: not told)
 };
 
 inline void cpu_relax() {
@@ -354,9 +353,8 @@ class Plan {
   explicit Plan(const py::list& tasks) : owners_(tasks) {
     for (const auto& item : tasks) {
       const auto entry = item.cast<py::tuple>();
-      TORCH_CHECK(entry.size() >= 5 && entry.size() <= 8,
-                  "decode_step: a task is (fn, args, fixed, per_row, barrier[, multiplier[, mode"
-                  "[, item_bytes]]])");
+      TORCH_CHECK(entry.size() >= 5 && entry.size() <= 7,
+                  "decode_step: a task is (fn, args, fixed, per_row, barrier[, multiplier[, mode]])");
       const int64_t* multiplier = nullptr;
       if (entry.size() >= 6 && !entry[5].is_none()) {
         const auto tensor = entry[5].cast<torch::Tensor>();
@@ -369,13 +367,11 @@ class Plan {
       TORCH_CHECK(std::string(fn.name() ? fn.name() : "") == "mini_infer.task_fn" &&
                       std::string(args.name() ? args.name() : "") == "mini_infer.task_args",
                   "decode_step: tasks must come from the kernel libraries' make_*_task");
-      const int64_t mode = entry.size() >= 7 ? entry[6].cast<int64_t>() : kSplit;
+      const int64_t mode = entry.size() == 7 ? entry[6].cast<int64_t>() : kSplit;
       TORCH_CHECK(mode >= kSplit && mode <= kDynamic, "decode_step: unknown task mode ", mode);
-      const int64_t item_bytes = entry.size() == 8 ? entry[7].cast<int64_t>() : 0;
-      TORCH_CHECK(item_bytes >= 0, "decode_step: a task's item_bytes is >= 0");
       tasks_.push_back(Task{reinterpret_cast<TaskFn>(fn.get_pointer()), args.get_pointer(),
                             entry[2].cast<int64_t>(), entry[3].cast<int64_t>(),
-                            entry[4].cast<bool>(), multiplier, mode, item_bytes});
+                            entry[4].cast<bool>(), multiplier, mode});
       num_barriers_ += tasks_.back().barrier_after;
     }
     next_item_ = std::vector<std::atomic<int64_t>>(tasks_.size());
@@ -513,7 +509,6 @@ class Plan {
  private:
   static constexpr int64_t kMaxTimedThreads = 64;
   static constexpr int64_t kTailRows = 8;  // dynamic tasks' tails item by item from this many rows
-  static constexpr int64_t kTailChunkBytes = 256 << 10;  // below it, tails in eighths of a chunk
 
   // Thread `me` of `n` does its items of task `t` (the index `i` of the plan).
   void run_share(const Task& t, size_t i, int64_t rows, int64_t total, int64_t me, int64_t n) {
@@ -524,22 +519,14 @@ class Plan {
       // from kTailRows rows the last n chunks' worth one item at a time, so the threads end
       // within an item of each other: with whole chunks to the end, a 32-row gate_up's threads
       // waited ~15 us for each other at its barrier (a chunk is 24 blocks, ~120 us of work,
-      // there). Below it, a GEMV whose chunk streams at least kTailChunkBytes of weights takes
-      // its tail in eighths of a chunk: at one row the 1B-shaped model's chunks stream 0.3-12
-      // MB (20-400 us), and its threads waited 1.06 ms a step for each other after its GEMVs,
-      // 0.27 ms with these tails (loadtest/README.md). Smaller ones (SmolLM2's at one row,
-      // 10-140 KB a chunk) take whole chunks to the end, as before: their few microseconds of
-      // wait are worth less than the counter's extra round trips (a first version, single
-      // items at every row count and the attention's items taken dynamically too, ran W1 at
-      // 0.914x in one run).
+      // there). Below it whole chunks to the end, as before, so one row runs the code it ran
+      // (a first version, single items at every row count and the attention's items taken
+      // dynamically too, ran W1 at 0.914x in one run).
       const int64_t chunk = std::max<int64_t>(1, total / (4 * n));
-      const bool large = t.item_bytes * chunk >= kTailChunkBytes;
-      const int64_t piece = rows >= kTailRows ? 1 : std::max<int64_t>(1, chunk / 8);
-      const int64_t tail =
-          rows >= kTailRows || large ? total - std::min(total, chunk * n) : total;
+      const int64_t tail = rows >= kTailRows ? total - std::min(total, chunk * n) : total;
       std::atomic<int64_t>& next = next_item_[i];
       for (;;) {
-        const int64_t size = next.load(std::memory_order_relaxed) < tail ? chunk : piece;
+        const int64_t size = next.load(std::memory_order_relaxed) < tail ? chunk : 1;
         const int64_t begin = next.fetch_add(size, std::memory_order_relaxed);
         if (begin >= total) break;
         t.fn(t.args, rows, begin, std::min(total, begin + size));

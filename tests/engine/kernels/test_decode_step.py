@@ -363,16 +363,15 @@ def test_one_rows_context_is_split_to_share_the_threads_as_per_operator(step_ext
 @given(
     rows=st.integers(1, 12),
     blocks=st.integers(1, 400),
-    item_bytes=st.sampled_from([0, 1, 4096, 1 << 20]),
     threads=st.sampled_from([1, 2, 3]),
     seed=st.integers(0, 2**16),
 )
-def test_a_dynamic_gemvs_blocks_are_each_done_once_however_its_tail_is_shared(
-    step_ext, rows, blocks, item_bytes, threads, seed
+def test_a_dynamic_gemvs_blocks_are_each_done_once_however_they_are_shared(
+    step_ext, rows, blocks, threads, seed
 ):
-    """A GEMV task's blocks are taken from a shared counter, in chunks and then, for steps of
-    many rows or weights that stream many bytes a chunk (`item_bytes`), in smaller pieces at
-    the end: whichever way, every block is computed and the outputs are the kernel's own."""
+    """A GEMV task's blocks are taken from a shared counter, in chunks and, from
+    decode_step.cpp's kTailRows rows, one at a time at the end: whichever way, every block is
+    computed and the outputs are the kernel's own."""
     torch.manual_seed(seed)
     in_features, out_features = 64, blocks * quant_gemm.BLOCK
     packed, scale_min = quant_gemm.pack_int4(
@@ -388,23 +387,11 @@ def test_a_dynamic_gemvs_blocks_are_each_done_once_however_its_tail_is_shared(
     )
     plan = step_ext.Plan([
         (qg.gemv_prepare_task_fn(), args, 1, 0, False, None, decode_step.TASK_EVERY_THREAD),
-        (qg.gemv_blocks_task_fn(), args, num_blocks, 0, True, None, decode_step.TASK_DYNAMIC,
-         item_bytes),
+        (qg.gemv_blocks_task_fn(), args, num_blocks, 0, True, None, decode_step.TASK_DYNAMIC),
     ])  # fmt: skip
     plan.run(rows, threads, decode_step.SPIN)
     want = quant_gemm.int4_gemm(qg, x, packed, scale_min, 32, out_features)
     assert torch.equal(y, want)
-
-
-def test_a_tasks_item_bytes_must_not_be_negative(step_ext):
-    qg = quant_gemm.load()
-    x, y = torch.zeros(1, 64).bfloat16(), torch.zeros(1, 16).bfloat16()
-    packed, scale_min = quant_gemm.pack_int4(
-        torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2)
-    )
-    args, n = qg.make_gemv_task(x, y, packed, scale_min, 4, 32, 16, quant_gemm.isa_code())
-    with pytest.raises(RuntimeError, match="item_bytes"):
-        step_ext.Plan([(qg.gemv_blocks_task_fn(), args, n, 0, True, None, 2, -1)])
 
 
 @settings(max_examples=200, deadline=None)
