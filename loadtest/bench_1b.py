@@ -13,8 +13,13 @@ cached); "llamacpp" is `llama-server` on the F16 GGUF and "llamacpp-q4" on a Q4_
 `-t 2 -tb 2` and started with
 OMP_WAIT_POLICY removed from its environment: ggml's threads are OpenMP threads too, and the
 PASSIVE the engine sets would halve its speed). Each side runs in its own process each round.
-GB/s = tokens/s x the bytes of the weights one decode step reads (every linear, the tied
-lm_head included; 2.15 GB here), the same for both: both read 16-bit weights.
+The ratios are of wall-clock tok/s (both sides: 128 tokens after a ~30-token prompt); llama.cpp's
+own decode speed (`timings.predicted_per_second`) is printed beside its rounds, and the ratio
+against it too. GB/s = tokens/s x the weight bytes one decode step of that side reads (every
+linear and the tied lm_head): 16-bit sides 2 bytes a weight (2.15 GB here); "int4" the engine's
+layout, 4-bit codes with an fp16 scale and minimum per 32 (0.625 bytes a weight) and its int8
+lm_head (1 byte a weight and an fp32 scale a row); the llama.cpp sides the GGUF's tensors
+(Q4_1's output tensor is Q6_K: 0.82 bytes a weight).
 """
 
 from __future__ import annotations
@@ -38,6 +43,25 @@ def weight_bytes_per_token(config: dict) -> int:
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * ffn
     return 2 * (config["num_hidden_layers"] * per_layer + config["vocab_size"] * hidden)
+
+
+def int4_bytes_per_token(config: dict) -> int:
+    """Bytes the engine's int4 step reads: the linears' 4-bit codes with an fp16 scale and
+    minimum per group of 32 (20 bytes a group), the lm_head's int8 codes and fp32 row scales."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    linear_weights = weight_bytes_per_token(config) // 2 - vocab * hidden
+    return linear_weights // 32 * 20 + vocab * (hidden + 4)
+
+
+def gguf_bytes(path: Path) -> int | None:
+    """The bytes of a GGUF's tensors (what llama.cpp streams a token: the tied token_embd is
+    its output matrix); None without the `gguf` package or the file."""
+    try:
+        from gguf import GGUFReader
+
+        return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+    except (ImportError, OSError, ValueError):
+        return None
 
 
 def _child(side: str, spec: dict, q) -> None:
@@ -110,33 +134,46 @@ def main(argv: list[str] | None = None) -> int:
             spec["llama_server"] = str(server)
     config = json.loads((args.model / "config.json").read_text())
     nbytes = weight_bytes_per_token(config)
+    side_bytes = {"int4": int4_bytes_per_token(config), "llamacpp": gguf_bytes(Path(spec["gguf"])),
+                  "llamacpp-q4": gguf_bytes(Path(spec["gguf_q4"]))}  # fmt: skip
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     loads = [os.getloadavg()[0]]
     for round_index in range(args.rounds):
         for side in sides:
             result = measure(side, spec)
             runs[side].append(result)
+            own = (result.get("server_tok_s") or {}).get("median")
             print(f"round {round_index + 1} {side:11} "
                   f"{result.get('tokens_per_s', result.get('error'))} tok/s "
+                  f"{f'(its own {own}) ' if own else ''}"
                   f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
             loads.append(os.getloadavg()[0])
     summary = {}
     for side, results in runs.items():
         speeds = [r["tokens_per_s"] for r in results if "tokens_per_s" in r]
+        own = [r["server_tok_s"]["median"] for r in results if r.get("server_tok_s")]
         if speeds:
-            median = statistics.median(speeds)
-            summary[side] = {"tokens_per_s": speeds, "median": median,
-                             "gb_s": round(median * nbytes / 1e9, 1)}  # fmt: skip
-    bases = {side: summary.get(side, {}).get("median") for side in ("llamacpp", "llamacpp-q4")}
-    print(f"\nW1 1x{args.max_tokens}, {nbytes / 1e9:.2f} GB of weights per token, "
+            median, read = statistics.median(speeds), side_bytes.get(side) or nbytes
+            summary[side] = {"tokens_per_s": speeds, "median": median, "bytes_per_token": read,
+                             "gb_s": round(median * read / 1e9, 1)}  # fmt: skip
+            if own:
+                summary[side].update(own_tokens_per_s=own, own_median=statistics.median(own))
+    bases = {side: summary.get(side, {}) for side in ("llamacpp", "llamacpp-q4")}
+    print(f"\nW1 1x{args.max_tokens}, {nbytes / 1e9:.2f} GB of 16-bit weights per token, "
           f"load average {min(loads):.1f}-{max(loads):.1f}")  # fmt: skip
-    print(f"{'side':11} {'tok/s (rounds)':>28} {'median':>7} {'GB/s':>6} {'vs llama.cpp':>12}")
+    print(f"{'side':11} {'tok/s (rounds)':>28} {'median':>7} {'GB/tok':>6} {'GB/s':>6} "
+          f"{'vs llama.cpp':>12} {'vs its own':>10}")  # fmt: skip
     for side, s in summary.items():
-        # int4 against Q4_1, everything else against F16 (16-bit weights; GB/s assumes them)
+        # int4 against Q4_1, everything else against F16
         base = bases["llamacpp-q4" if side in ("int4", "llamacpp-q4") else "llamacpp"]
-        ratio = f"{s['median'] / base:.2f}x" if base else "-"
+        ratio = f"{s['median'] / base['median']:.2f}x" if base.get("median") else "-"
+        own = f"{s['median'] / base['own_median']:.2f}x" if base.get("own_median") else "-"
         rounds = ", ".join(f"{v:.1f}" for v in s["tokens_per_s"])
-        print(f"{side:11} {rounds:>28} {s['median']:7.1f} {s['gb_s']:6.1f} {ratio:>12}")
+        print(f"{side:11} {rounds:>28} {s['median']:7.1f} {s['bytes_per_token'] / 1e9:6.3f} "
+              f"{s['gb_s']:6.1f} {ratio:>12} {own:>10}")  # fmt: skip
+        if "own_tokens_per_s" in s:
+            print(f"{'  its own':11} {', '.join(f'{v:.1f}' for v in s['own_tokens_per_s']):>28} "
+                  f"{s['own_median']:7.1f}")  # fmt: skip
     doc = {"workload": "W1", "max_tokens": args.max_tokens, "weight_bytes_per_token": nbytes,
            "load_average": loads, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "summary": summary, "runs": runs}  # fmt: skip
