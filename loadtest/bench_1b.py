@@ -13,9 +13,9 @@ cached); "llamacpp" is `llama-server` on the F16 GGUF and "llamacpp-q4" on a Q4_
 `-t 2 -tb 2` and started with
 OMP_WAIT_POLICY removed from its environment: ggml's threads are OpenMP threads too, and the
 PASSIVE the engine sets would halve its speed). Each side runs in its own process each round.
-The ratios are of wall-clock tok/s (both sides: 128 tokens after a ~30-token prompt); llama.cpp's
-own decode speed (`timings.predicted_per_second`) is printed beside its rounds, and the ratio
-against it too. GB/s = tokens/s x the weight bytes one decode step of that side reads (every
+The ratios are of wall-clock tok/s (both sides: 128 tokens after a ~30-token prompt, its
+prefill included), and of decode speeds: the engine's tokens after its first over the time after
+it, llama.cpp's own `timings.predicted_per_second` (printed beside its rounds). GB/s = tokens/s x the weight bytes one decode step of that side reads (every
 linear and the tied lm_head): 16-bit sides 2 bytes a weight (2.15 GB here); "int4" the engine's
 layout, 4-bit codes with an fp16 scale and minimum per 32 (0.625 bytes a weight) and its int8
 lm_head (1 byte a weight and an fp32 scale a row); the llama.cpp sides the GGUF's tensors
@@ -43,6 +43,18 @@ def weight_bytes_per_token(config: dict) -> int:
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * ffn
     return 2 * (config["num_hidden_layers"] * per_layer + config["vocab_size"] * hidden)
+
+
+def decode_speed(result: dict) -> float | None:
+    """Tokens a second after the first: llama.cpp's own decode speed where it reported one, else
+    (output tokens - 1) over the time after the first token (one request: its TTFT)."""
+    own = (result.get("server_tok_s") or {}).get("median")
+    if own:
+        return own
+    ttfts, n = result.get("ttfts_ms") or [], result.get("output_tokens", 0)
+    if len(ttfts) != 1 or n < 2 or result["elapsed_s"] * 1000 <= ttfts[0]:
+        return None
+    return round((n - 1) / (result["elapsed_s"] - ttfts[0] / 1000), 1)
 
 
 def int4_bytes_per_token(config: dict) -> int:
@@ -142,38 +154,40 @@ def main(argv: list[str] | None = None) -> int:
         for side in sides:
             result = measure(side, spec)
             runs[side].append(result)
-            own = (result.get("server_tok_s") or {}).get("median")
+            decode = decode_speed(result) if "tokens_per_s" in result else None
             print(f"round {round_index + 1} {side:11} "
                   f"{result.get('tokens_per_s', result.get('error'))} tok/s "
-                  f"{f'(its own {own}) ' if own else ''}"
+                  f"{f'(decode {decode}) ' if decode else ''}"
                   f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
             loads.append(os.getloadavg()[0])
     summary = {}
     for side, results in runs.items():
         speeds = [r["tokens_per_s"] for r in results if "tokens_per_s" in r]
-        own = [r["server_tok_s"]["median"] for r in results if r.get("server_tok_s")]
+        decode = [d for r in results if "tokens_per_s" in r and (d := decode_speed(r))]
         if speeds:
             median, read = statistics.median(speeds), side_bytes.get(side) or nbytes
             summary[side] = {"tokens_per_s": speeds, "median": median, "bytes_per_token": read,
                              "gb_s": round(median * read / 1e9, 1)}  # fmt: skip
-            if own:
-                summary[side].update(own_tokens_per_s=own, own_median=statistics.median(own))
+            if decode:
+                decode_median = statistics.median(decode)
+                summary[side].update(decode_tokens_per_s=decode, decode_median=decode_median,
+                                     decode_gb_s=round(decode_median * read / 1e9, 1))  # fmt: skip
     bases = {side: summary.get(side, {}) for side in ("llamacpp", "llamacpp-q4")}
     print(f"\nW1 1x{args.max_tokens}, {nbytes / 1e9:.2f} GB of 16-bit weights per token, "
           f"load average {min(loads):.1f}-{max(loads):.1f}")  # fmt: skip
-    print(f"{'side':11} {'tok/s (rounds)':>28} {'median':>7} {'GB/tok':>6} {'GB/s':>6} "
-          f"{'vs llama.cpp':>12} {'vs its own':>10}")  # fmt: skip
+    print(f"{'side':14} {'tok/s (rounds)':>28} {'median':>7} {'GB/tok':>6} {'GB/s':>6} "
+          f"{'vs llama.cpp':>12}")  # fmt: skip
     for side, s in summary.items():
         # int4 against Q4_1, everything else against F16
         base = bases["llamacpp-q4" if side in ("int4", "llamacpp-q4") else "llamacpp"]
-        ratio = f"{s['median'] / base['median']:.2f}x" if base.get("median") else "-"
-        own = f"{s['median'] / base['own_median']:.2f}x" if base.get("own_median") else "-"
-        rounds = ", ".join(f"{v:.1f}" for v in s["tokens_per_s"])
-        print(f"{side:11} {rounds:>28} {s['median']:7.1f} {s['bytes_per_token'] / 1e9:6.3f} "
-              f"{s['gb_s']:6.1f} {ratio:>12} {own:>10}")  # fmt: skip
-        if "own_tokens_per_s" in s:
-            print(f"{'  its own':11} {', '.join(f'{v:.1f}' for v in s['own_tokens_per_s']):>28} "
-                  f"{s['own_median']:7.1f}")  # fmt: skip
+        for label, key, gb_s in (("", "", "gb_s"), ("  decode", "decode_", "decode_gb_s")):
+            if f"{key}median" not in s:
+                continue
+            median = s[f"{key}median"]
+            ratio = f"{median / base[f'{key}median']:.2f}x" if base.get(f"{key}median") else "-"
+            rounds = ", ".join(f"{v:.1f}" for v in s[f"{key}tokens_per_s"])
+            print(f"{label or side:14} {rounds:>28} {median:7.1f} "
+                  f"{s['bytes_per_token'] / 1e9:6.3f} {s[gb_s]:6.1f} {ratio:>12}")  # fmt: skip
     doc = {"workload": "W1", "max_tokens": args.max_tokens, "weight_bytes_per_token": nbytes,
            "load_average": loads, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "summary": summary, "runs": runs}  # fmt: skip

@@ -37,3 +37,14 @@ def test_16_bit_bytes_count_every_linear_and_the_head_once():
 
 def test_gguf_bytes_of_a_missing_file_is_none(tmp_path):
     assert bench_1b.gguf_bytes(tmp_path / "absent.gguf") is None
+
+
+def test_decode_speed_is_the_servers_own_or_the_tokens_after_the_first():
+    server = {"server_tok_s": {"median": 21.2, "sum": 21.2}, "output_tokens": 128,
+              "elapsed_s": 7.0, "ttfts_ms": [1200.0]}  # fmt: skip
+    assert bench_1b.decode_speed(server) == 21.2
+    engine = {"output_tokens": 128, "elapsed_s": 3.84, "ttfts_ms": [300.0]}
+    assert bench_1b.decode_speed(engine) == round(127 / 3.54, 1)
+    assert bench_1b.decode_speed({**engine, "ttfts_ms": [300.0, 310.0]}) is None  # two streams
+    assert bench_1b.decode_speed({**engine, "output_tokens": 1}) is None
+    assert bench_1b.decode_speed({**engine, "ttfts_ms": [3840.0]}) is None
