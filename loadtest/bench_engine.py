@@ -9,7 +9,8 @@ and llama.cpp's `llama-server` on the model's GGUF (loadtest/llamacpp_peer.py). 
 the implementations alternate N times and the medians are reported (this machine is noisy).
 
     mini-infer bench engine [--dtypes float32,bfloat16] [--workloads W1,W2,W3,W4,P1,P4]
-        [--compare hf,llamacpp,llamacpp-stream] [--rounds 3] [--compile off] [--out r.json] [--plot r.png]
+        [--compare hf,llamacpp,llamacpp-stream,llamacpp-ngram] [--rounds 3] [--compile off]
+        [--out r.json] [--plot r.png]
     mini-infer bench engine --profile [--dtypes bfloat16] [--quantization int4]
 
 `--plot` draws throughput against concurrency (the uniform workloads: 1, 8, 32, 64 requests).
@@ -32,12 +33,20 @@ import threading
 import time
 from pathlib import Path
 
-from loadtest.llamacpp_peer import ENV_VAR, find_server, missing_message, run_llamacpp
+from loadtest.llamacpp_peer import (
+    ENV_VAR,
+    NGRAM_ARGS,
+    find_server,
+    missing_message,
+    run_llamacpp,
+)
 from loadtest.report import emit, summarize, token_gaps
 from loadtest.workloads import CONCURRENCY, ENGINE_OPTIONS, workload_prompts, workloads
 
-# peer name -> result key; "llamacpp" (non-streaming) is the main line the ratios use.
-LLAMACPP_PEERS = {"llamacpp": "llamacpp-gguf", "llamacpp-stream": "llamacpp-gguf-stream"}
+# peer name -> result key; "llamacpp" (non-streaming) is the main line the ratios use;
+# "llamacpp-ngram" the same with llama-server's n-gram speculation (llamacpp_peer.NGRAM_ARGS).
+LLAMACPP_PEERS = {"llamacpp": "llamacpp-gguf", "llamacpp-stream": "llamacpp-gguf-stream",
+                  "llamacpp-ngram": "llamacpp-gguf-ngram"}  # fmt: skip
 
 
 def run_engine(
@@ -208,9 +217,11 @@ def _child(impl: str, spec: dict, q) -> None:
                                            **options)  # fmt: skip
             elif impl == "hf":
                 results[name] = run_hf(spec["model_path"], spec["dtype"], prompts, lengths)
-            else:  # "llamacpp" (non-streaming, the main line) or "llamacpp-stream"
+            else:  # "llamacpp" (non-streaming, the main line), "-stream" or "-ngram"
+                extra = NGRAM_ARGS if impl.endswith("-ngram") else ()
                 results[name] = run_llamacpp(Path(spec["llama_server"]), Path(spec["gguf"]),
-                                             prompts, lengths, impl.endswith("-stream"))  # fmt: skip
+                                             prompts, lengths, impl.endswith("-stream"),
+                                             extra)  # fmt: skip
         except Exception as error:
             print(f"[bench] {impl} {name} failed: {error!r}", file=sys.stderr, flush=True)
             results[name] = {"error": repr(error)[-500:]}
@@ -270,7 +281,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--workloads", default="W1,W2", help="comma list of W1,W2,W3,W4,C8,P1,P4")
     parser.add_argument(
-        "--compare", default="hf", help="peers: comma list of hf,llamacpp,llamacpp-stream"
+        "--compare", default="hf",
+        help="peers: comma list of hf,llamacpp,llamacpp-stream,llamacpp-ngram",
     )
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds (medians)")
     parser.add_argument("--compile", default="auto", help="engine compile: auto|on|off")
@@ -322,7 +334,7 @@ def run(args) -> int:
     peers = [p for p in args.compare.split(",") if p]
     unknown = set(peers) - {"hf", *LLAMACPP_PEERS}
     if unknown:
-        raise SystemExit(f"unknown peer(s) {sorted(unknown)}; use hf, llamacpp, llamacpp-stream")
+        raise SystemExit(f"unknown peer(s) {sorted(unknown)}; use hf, {', '.join(LLAMACPP_PEERS)}")
     server, gguf = find_server(args.llama_server), args.gguf or _default_gguf()
     if set(peers) & set(LLAMACPP_PEERS) and (server is None or gguf is None):
         print(missing_message() if server is None else "llama.cpp peer skipped: no GGUF "
@@ -457,7 +469,8 @@ def _ratios(medians: dict) -> dict:
     out = {}
     for engine_key in (k for k in medians if k.startswith("engine-")):
         dtype = engine_key.removeprefix("engine-").split("-")[0]  # engine-<dtype>[-<quant>]
-        for peer_key in (k for k in medians if k in (f"hf-{dtype}", "llamacpp-gguf")):
+        peers = (f"hf-{dtype}", "llamacpp-gguf", "llamacpp-gguf-ngram")
+        for peer_key in (k for k in medians if k in peers):
             shared = set(medians[engine_key]) & set(medians[peer_key])
             out[f"{engine_key}/{peer_key}"] = {
                 w: round(medians[engine_key][w] / medians[peer_key][w], 2) for w in sorted(shared)

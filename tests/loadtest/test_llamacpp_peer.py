@@ -22,6 +22,8 @@ with open(os.environ["FAKE_ENV_OUT"], "w") as f:
     json.dump({"env": dict(os.environ), "args": args}, f)
 TIMINGS = {"predicted_ms": 100.0, "predicted_n": 8, "predicted_per_second": 80.0,
            "prompt_per_second": 500.0}
+if "--spec-type" in args:  # speculating: llama-server reports its drafts
+    TIMINGS.update(draft_n=6, draft_n_accepted=4)
 
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *a):
@@ -59,14 +61,16 @@ def fake_server(tmp_path: Path) -> Path:
     return binary
 
 
-def _run_peer(binary: Path, tmp_path: Path, stream: bool, env: dict[str, str]) -> tuple[dict, dict]:
+def _run_peer(
+    binary: Path, tmp_path: Path, stream: bool, env: dict[str, str], extra: tuple = ()
+) -> tuple[dict, dict]:
     """The peer in a fresh interpreter that imports engine first, as the bench's children do."""
     out = tmp_path / "env.json"
     code = (
         "import json, sys, engine; from pathlib import Path; "
         "from loadtest.llamacpp_peer import run_llamacpp; "
-        f"r = run_llamacpp(Path({str(binary)!r}), Path('m.gguf'), [[1, 2], [3]], [5, 7], {stream}); "
-        "print(json.dumps(r))"
+        f"r = run_llamacpp(Path({str(binary)!r}), Path('m.gguf'), [[1, 2], [3]], [5, 7], {stream}, "
+        f"{extra!r}); print(json.dumps(r))"
     )
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MINI_INFER_OMP"))}
     result = subprocess.run(
@@ -86,6 +90,16 @@ def test_peer_runs_without_the_engines_openmp_policy(fake_server, tmp_path, stre
     assert result["output_tokens"] == 12 and result["stream"] is stream
     assert result["server_tok_s"] == {"median": 80.0, "sum": 160.0}
     assert result["server_prompt_tok_s"] == {"median": 500.0, "sum": 1000.0}  # both modes
+
+
+def test_the_ngram_line_passes_its_speculation_and_reports_the_drafts(fake_server, tmp_path):
+    from loadtest.llamacpp_peer import NGRAM_ARGS
+
+    result, seen = _run_peer(fake_server, tmp_path, False, {}, NGRAM_ARGS)
+    assert seen["args"][-len(NGRAM_ARGS):] == list(NGRAM_ARGS)
+    assert result["draft_tokens"] == 12 and result["draft_accepted"] == 8  # two requests
+    plain, _ = _run_peer(fake_server, tmp_path, False, {})
+    assert "draft_tokens" not in plain
 
 
 def test_peer_keeps_a_policy_the_user_set(fake_server, tmp_path):
