@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from loadtest.report import decode_speed
+
 ENGINE_SIDES = ("gemv", "packed", "plain", "auto", "int4")
 
 
@@ -43,18 +45,6 @@ def weight_bytes_per_token(config: dict) -> int:
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * ffn
     return 2 * (config["num_hidden_layers"] * per_layer + config["vocab_size"] * hidden)
-
-
-def decode_speed(result: dict) -> float | None:
-    """Tokens a second after the first: llama.cpp's own decode speed where it reported one, else
-    (output tokens - 1) over the time after the first token (one request: its TTFT)."""
-    own = (result.get("server_tok_s") or {}).get("median")
-    if own:
-        return own
-    ttfts, n = result.get("ttfts_ms") or [], result.get("output_tokens", 0)
-    if len(ttfts) != 1 or n < 2 or result["elapsed_s"] * 1000 <= ttfts[0]:
-        return None
-    return round((n - 1) / (result["elapsed_s"] - ttfts[0] / 1000), 1)
 
 
 def int4_bytes_per_token(config: dict) -> int:

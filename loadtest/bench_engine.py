@@ -40,7 +40,7 @@ from loadtest.llamacpp_peer import (
     missing_message,
     run_llamacpp,
 )
-from loadtest.report import emit, summarize, token_gaps
+from loadtest.report import decode_speed, emit, summarize, token_gaps
 from loadtest.workloads import CONCURRENCY, ENGINE_OPTIONS, workload_prompts, workloads
 
 # peer name -> result key; "llamacpp" (non-streaming) is the main line the ratios use;
@@ -404,6 +404,13 @@ def run(args) -> int:
                       + " ".join(cells))  # fmt: skip
     for pair, ratios in doc["ratios"].items():
         print(f"{pair:34} " + " ".join(f"{w}={r:.2f}" for w, r in ratios.items()))
+    doc["decode_medians"], doc["decode_ratios"] = _decode_medians(doc["runs"], names)
+    if doc["decode_ratios"]:  # one request: decode alone, llama.cpp's by its own clock
+        print("decode tok/s after the first token (medians; llama.cpp: its own timings): "
+              + ", ".join(f"{k} {w}={v}" for k, m in doc["decode_medians"].items()
+                          for w, v in m.items()))  # fmt: skip
+        for pair, ratios in doc["decode_ratios"].items():
+            print(f"{pair + ' (decode)':34} " + " ".join(f"{w}={r:.2f}" for w, r in ratios.items()))
     if doc["startup_s"]:
         print("start-up, s (medians; load = weights, packing, KV pool; compile = torch.compile "
               "graphs, excluded from tok/s):")  # fmt: skip
@@ -433,6 +440,29 @@ def _medians(runs: list[dict], names: list[str]) -> dict:
         if values:
             out[w] = round(statistics.median(values), 1)
     return out
+
+
+def _decode_medians(runs: dict, names: list[str]) -> tuple[dict, dict]:
+    """For one-request workloads, each side's decode speed (report.decode_speed: the tokens
+    after the first; llama-server's own clock), medians over rounds, and engine / llama.cpp.
+    The wall-clock ratios count each side's prefill too: llama.cpp's Q4_1 prefill is slow
+    beside ours on these CPUs, so they alone would flatter the engine."""
+    medians: dict = {}
+    for key, rounds in runs.items():
+        for w in (w for w in names if speed_of(w) == "tokens_per_s"):  # not prefill's
+            speeds = [d for r in rounds if (d := decode_speed(r["results"].get(w) or {}))]
+            if speeds and all(len((r["results"].get(w) or {}).get("ttfts_ms", [])) == 1
+                              for r in rounds):  # fmt: skip
+                medians.setdefault(key, {})[w] = round(statistics.median(speeds), 1)
+    ratios = {}
+    for engine_key in (k for k in medians if k.startswith("engine-")):
+        for peer_key in (k for k in medians if k in LLAMACPP_PEERS.values()):
+            shared = sorted(set(medians[engine_key]) & set(medians[peer_key]))
+            if shared:
+                ratios[f"{engine_key}/{peer_key}"] = {
+                    w: round(medians[engine_key][w] / medians[peer_key][w], 2) for w in shared
+                }
+    return medians, ratios
 
 
 def _server_speed(runs: list[dict], w: str, field: str = "server_tok_s") -> str:

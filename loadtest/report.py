@@ -27,6 +27,19 @@ def summarize(num_tokens: int, elapsed_s: float, ttfts_s: list[float]) -> dict:
     }
 
 
+def decode_speed(result: dict) -> float | None:
+    """One request's tokens a second after its first: llama-server's own decode speed where it
+    reported one (`server_tok_s`), else (output tokens - 1) over the time after the first token
+    (a summary of one request); None for several requests or too few tokens."""
+    own = (result.get("server_tok_s") or {}).get("median")
+    if own:
+        return own
+    ttfts, n = result.get("ttfts_ms") or [], result.get("output_tokens", 0)
+    if len(ttfts) != 1 or n < 2 or result["elapsed_s"] * 1000 <= ttfts[0]:
+        return None
+    return round((n - 1) / (result["elapsed_s"] - ttfts[0] / 1000), 1)
+
+
 # A token that reaches the reader within this of the one before came with it (one delta, one
 # fetch, one burst of a lagging event loop): a reader sees the two at once.
 BUNCHED_GAP_S = 0.0005

@@ -9,6 +9,7 @@ import pytest
 
 from engine.quant.linear import QuantLinear
 from loadtest import bench_1b
+from loadtest.report import decode_speed
 
 
 def test_int4_bytes_per_token_are_the_engines_packed_weights(tiny_model_dir):
@@ -42,9 +43,10 @@ def test_gguf_bytes_of_a_missing_file_is_none(tmp_path):
 def test_decode_speed_is_the_servers_own_or_the_tokens_after_the_first():
     server = {"server_tok_s": {"median": 21.2, "sum": 21.2}, "output_tokens": 128,
               "elapsed_s": 7.0, "ttfts_ms": [1200.0]}  # fmt: skip
-    assert bench_1b.decode_speed(server) == 21.2
+    assert decode_speed(server) == 21.2
     engine = {"output_tokens": 128, "elapsed_s": 3.84, "ttfts_ms": [300.0]}
-    assert bench_1b.decode_speed(engine) == round(127 / 3.54, 1)
-    assert bench_1b.decode_speed({**engine, "ttfts_ms": [300.0, 310.0]}) is None  # two streams
-    assert bench_1b.decode_speed({**engine, "output_tokens": 1}) is None
-    assert bench_1b.decode_speed({**engine, "ttfts_ms": [3840.0]}) is None
+    assert decode_speed(engine) == round(127 / 3.54, 1)
+    assert decode_speed({**engine, "ttfts_ms": [300.0, 310.0]}) is None  # two streams
+    assert decode_speed({**engine, "output_tokens": 1}) is None
+    assert decode_speed({**engine, "ttfts_ms": [3840.0]}) is None
+

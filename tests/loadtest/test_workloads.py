@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loadtest.bench_engine import _medians, prefill_speed, speed_of
+from loadtest.bench_engine import _decode_medians, _medians, prefill_speed, speed_of
 from loadtest.workloads import document_prompts, workload_prompts, workloads
 
 
@@ -79,3 +79,18 @@ def test_the_table_compares_p1_by_prompt_speed_and_the_rest_by_output_speed() ->
         for p in (700.0, 900.0, 800.0)
     ]
     assert _medians(runs, ["W1", "P1"]) == {"W1": 10.0, "P1": 800.0}
+
+
+def test_bench_engine_compares_one_requests_decode_against_llamacpps_own_clock():
+    def rounds(*results):
+        return [{"results": {"W1": r}} for r in results]
+
+    engine = {"output_tokens": 128, "elapsed_s": 0.6, "ttfts_ms": [70.0]}
+    peer = {"output_tokens": 128, "elapsed_s": 1.3, "ttfts_ms": [200.0],
+            "server_tok_s": {"median": 120.0, "sum": 120.0}}  # fmt: skip
+    batch = {"output_tokens": 256, "elapsed_s": 0.6, "ttfts_ms": [70.0, 80.0]}
+    runs = {"engine-bfloat16-int4": rounds(engine, engine), "llamacpp-gguf": rounds(peer, peer),
+            "engine-bfloat16-int8": rounds(batch, batch)}  # fmt: skip
+    medians, ratios = _decode_medians(runs, ["W1"])
+    assert medians == {"engine-bfloat16-int4": {"W1": 239.6}, "llamacpp-gguf": {"W1": 120.0}}
+    assert ratios == {"engine-bfloat16-int4/llamacpp-gguf": {"W1": 2.0}}
