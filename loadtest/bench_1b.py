@@ -13,13 +13,14 @@ cached); "llamacpp" is `llama-server` on the F16 GGUF and "llamacpp-q4" on a Q4_
 `-t 2 -tb 2` and started with
 OMP_WAIT_POLICY removed from its environment: ggml's threads are OpenMP threads too, and the
 PASSIVE the engine sets would halve its speed). Each side runs in its own process each round.
-The ratios are of wall-clock tok/s (both sides: 128 tokens after a ~30-token prompt, its
-prefill included), and of decode speeds: the engine's tokens after its first over the time after
-it, llama.cpp's own `timings.predicted_per_second` (printed beside its rounds). GB/s = tokens/s x the weight bytes one decode step of that side reads (every
-linear and the tied lm_head): 16-bit sides 2 bytes a weight (2.15 GB here); "int4" the engine's
-layout, 4-bit codes with an fp16 scale and minimum per 32 (0.625 bytes a weight) and its int8
-lm_head (1 byte a weight and an fp32 scale a row); the llama.cpp sides the GGUF's tensors
-(Q4_1's output tensor is Q6_K: 0.82 bytes a weight).
+The ratios are of wall-clock tok/s (both sides: 128 tokens after a ~40-token prompt, its
+prefill included), and of decode speeds: the engine's tokens after its first over the time
+after it, llama.cpp's own `timings.predicted_per_second` (report.decode_speed). GB/s =
+tokens/s x the weight bytes one decode step of that side reads (every linear and the tied
+lm_head): 16-bit sides 2 bytes a weight (2.15 GB here); "int4" the engine's layout, 4-bit
+codes with an fp16 scale and minimum per 32 (0.625 bytes a weight) and its int8 lm_head (1
+byte a weight and an fp32 scale a row); the llama.cpp sides the GGUF's tensors (Q4_1's output
+tensor is Q6_K: 0.82 bytes a weight).
 """
 
 from __future__ import annotations
