@@ -356,7 +356,8 @@ def test_engine_greedy_tokens_with_prefix_caching_and_chunked_prefill(
     ]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     # Every chunk after cached tokens to the kernel, whatever this machine's calibration says.
-    monkeypatch.setattr(extend_choice, "extend_limit", lambda *args: extend_choice.NO_LIMIT)
+    every = extend_choice.ExtendLimits(extend_choice.NO_LIMIT, extend_choice.NO_LIMIT)
+    monkeypatch.setattr(extend_choice, "extend_limit", lambda *args: every)
     extend_calls = []
     real_extend = paged_attention.extend
     monkeypatch.setattr(
@@ -389,13 +390,17 @@ def test_extend_dispatch_rule():
     assert rule(PrefillChunk(0, limit, 20, ids), torch.float32)
     assert not rule(PrefillChunk(0, limit + 1, 20, ids), torch.float32)
     assert not rule(PrefillChunk(0, 2, 20, ids), torch.float16)
-    # With this machine's calibrated limit: up to it, in either dtype; fresh prompts still not.
-    assert rule(PrefillChunk(0, 4, 20, ids), torch.bfloat16, 4)
-    assert not rule(PrefillChunk(0, 5, 20, ids), torch.bfloat16, 4)
-    assert rule(PrefillChunk(0, 64, 20, ids), torch.float32, 64)
-    assert not rule(PrefillChunk(0, 1, 20, ids), torch.bfloat16, 0)
-    assert not rule(PrefillChunk(0, 1, 0), torch.bfloat16, 4)
-    assert not rule(PrefillChunk(0, 1, 20, ids), torch.float16, 4)
+    # With this machine's calibrated limits: up to them, in either dtype; fresh prompts still
+    # not (one limit for both contexts here: extend_choice's tests take them apart).
+    def limits(n):
+        return extend_choice.ExtendLimits(n, n)
+
+    assert rule(PrefillChunk(0, 4, 20, ids), torch.bfloat16, limits(4))
+    assert not rule(PrefillChunk(0, 5, 20, ids), torch.bfloat16, limits(4))
+    assert rule(PrefillChunk(0, 64, 20, ids), torch.float32, limits(64))
+    assert not rule(PrefillChunk(0, 1, 20, ids), torch.bfloat16, limits(0))
+    assert not rule(PrefillChunk(0, 1, 0), torch.bfloat16, limits(4))
+    assert not rule(PrefillChunk(0, 1, 20, ids), torch.float16, limits(4))
 
 
 @pytest.fixture(scope="module", params=["portable", "avx2"])

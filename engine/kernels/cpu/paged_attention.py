@@ -76,6 +76,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -84,6 +85,9 @@ from engine.kernels.cpu import extension
 from engine.kernels.cpu.extension import compiler  # noqa: F401  (re-exported)
 from engine.kernels.cpu.extension import remove_stale_lock as _remove_stale_lock  # noqa: F401
 from engine.platform import cpu_info
+
+if TYPE_CHECKING:
+    from engine.kernels.cpu.extend_choice import ExtendLimits
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 PARTITION_TOKENS = 512  # context tokens per work item before a long context is split
@@ -225,17 +229,16 @@ def choose_query_tile(num_queries: int, num_kv_heads: int) -> int:
     return max(1, min(MAX_QUERY_TILE, per_thread))
 
 
-def use_extend_kernel(chunk: PrefillChunk, dtype: torch.dtype, limit=None) -> bool:
+def use_extend_kernel(
+    chunk: PrefillChunk, dtype: torch.dtype, limits: ExtendLimits | None = None
+) -> bool:
     """Whether a prefill chunk goes to the extend kernel rather than gather + SDPA: only chunks
     that follow cached tokens (a fresh prompt has no cache to read: SDPA's causal kernel on
-    its own K/V), of at most `limit` new tokens where this machine's calibration gave one
-    (engine/kernels/cpu/extend_choice.py's `ExtendLimits`, a limit for the chunk's context, or
-    one int for every context); without it, in bf16 always and in fp32 up to
-    EXTEND_MAX_TOKENS_FP32 new tokens (measured on the EPYC: see the module docstring)."""
+    its own K/V), of at most the limit for the chunk's context where this machine's calibration
+    gave `limits` (engine/kernels/cpu/extend_choice.py); without it, in bf16 always and in fp32
+    up to EXTEND_MAX_TOKENS_FP32 new tokens (measured on the EPYC: see the module docstring)."""
     if chunk.block_ids is None or dtype not in SUPPORTED_DTYPES:
         return False
-    if limit is not None:
-        if not isinstance(limit, int):
-            limit = limit.for_context(chunk.start_position)
-        return chunk.num_tokens <= limit
+    if limits is not None:
+        return chunk.num_tokens <= limits.for_context(chunk.start_position)
     return dtype == torch.bfloat16 or chunk.num_tokens <= EXTEND_MAX_TOKENS_FP32

@@ -79,9 +79,10 @@ def test_a_chunk_takes_the_limit_of_its_context():
 @pytest.mark.parametrize("limit", [0, 4, extend_choice.NO_LIMIT])
 def test_the_backend_sends_chunks_up_to_the_limit_to_the_kernel(monkeypatch, limit):
     backend = CpuPagedAttention(kernels)
-    monkeypatch.setattr(extend_choice, "extend_limit", lambda *args: limit)
+    limits = extend_choice.ExtendLimits(limit, limit)  # the chunks below follow 20 tokens
+    monkeypatch.setattr(extend_choice, "extend_limit", lambda *args: limits)
     backend.calibrate(4, 2, 16, 16, torch.float32)
-    assert backend.extend_limit == limit
+    assert backend.extend_limit == limits
     seen = {"kernel": [], "reference": []}
     monkeypatch.setattr(
         paged_attention, "extend",
