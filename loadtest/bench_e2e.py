@@ -39,7 +39,14 @@ from pathlib import Path
 from loadtest.bench_engine import run_engine
 from loadtest.llamacpp_peer import peak_rss_of
 from loadtest.loadgen_service import scrape_metrics, wait_ready
-from loadtest.report import BUNCHED_GAP_S, emit, percentile, summarize, token_gaps
+from loadtest.report import (
+    BUNCHED_GAP_S,
+    emit,
+    gap_after_first_ms,
+    percentile,
+    summarize,
+    token_gaps,
+)
 from loadtest.workloads import ENGINE_OPTIONS, chat_messages, chat_prompts
 
 GAP_KEYS = ("p50_ms", "p90_ms", "p99_ms", "bunched_share")
@@ -452,10 +459,9 @@ def run_pair(args, model: str, engine_options: dict) -> dict:
     }
     if args.num_requests == 1:  # one stream: its mean gap between tokens after the first
         for side, stats in (("direct", direct), ("e2e", e2e)):
-            gaps = stats["output_tokens"] - 1
-            pair[f"itl_{side}_ms"] = round(
-                (stats["elapsed_s"] * 1000 - stats["ttft_p50_ms"]) / max(gaps, 1), 2
-            )
+            gap_ms = gap_after_first_ms(stats["elapsed_s"], stats["ttft_p50_ms"],
+                                        stats["output_tokens"])  # fmt: skip
+            pair[f"itl_{side}_ms"] = round(gap_ms, 2)
         pair["itl_ratio_e2e_over_direct"] = round(pair["itl_e2e_ms"] / pair["itl_direct_ms"], 3)
     # How the tokens came: the mean gap above cannot tell a steady stream from bursts.
     for side, stats in (("direct", direct), ("e2e", e2e)):

@@ -27,17 +27,23 @@ def summarize(num_tokens: int, elapsed_s: float, ttfts_s: list[float]) -> dict:
     }
 
 
+def gap_after_first_ms(elapsed_s: float, ttft_ms: float, num_tokens: int) -> float:
+    """One stream's mean gap between its tokens after the first, in ms: the time after its
+    first token over the gaps (at least one)."""
+    return (elapsed_s * 1000 - ttft_ms) / max(num_tokens - 1, 1)
+
+
 def decode_speed(result: dict) -> float | None:
     """One request's tokens a second after its first: llama-server's own decode speed where it
-    reported one (`server_tok_s`), else (output tokens - 1) over the time after the first token
-    (a summary of one request); None for several requests or too few tokens."""
+    reported one (`server_tok_s`), else 1 / `gap_after_first_ms` (a summary of one request);
+    None for several requests or too few tokens."""
     own = (result.get("server_tok_s") or {}).get("median")
     if own:
         return own
     ttfts, n = result.get("ttfts_ms") or [], result.get("output_tokens", 0)
     if len(ttfts) != 1 or n < 2 or result["elapsed_s"] * 1000 <= ttfts[0]:
         return None
-    return round((n - 1) / (result["elapsed_s"] - ttfts[0] / 1000), 1)
+    return round(1000 / gap_after_first_ms(result["elapsed_s"], ttfts[0], n), 1)
 
 
 # A token that reaches the reader within this of the one before came with it (one delta, one
