@@ -484,7 +484,7 @@ class FusedDecode:
         rows than the buffers, or partials too small for its attention split).
 
         Why: the step's Python runs after the weights have streamed through the caches, so
-        each array operation costs 5-8x its warm time (loadtest/README.md, "Python on cold
+        each array operation costs 5-8x its warm time (loadtest/JOURNAL.md, "Python on cold
         caches"); this path does a handful instead of ~25 (prepare_step, then `run`'s copies).
         Every id the table holds was checked when written, and the new token's slot is read
         from the table, so whatever a request's list says, the step writes and reads only

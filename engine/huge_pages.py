@@ -2,7 +2,7 @@
 
 A decode step streams every packed weight once, and at one row that stream is the step: on the
 2-core Zen 4 VM, a 128 MB read ran at 43-48 GB/s from memory advised MADV_HUGEPAGE against
-28-34 GB/s from 4 KiB pages (alternating in one process, 3 processes; loadtest/README.md).
+28-34 GB/s from 4 KiB pages (alternating in one process, 3 processes; loadtest/JOURNAL.md).
 Most of a small model's weights are under one huge page each (SmolLM2's layers: 0.3-1.1 MB),
 so they are copied, once packed, into chunks of a shared arena that is advised as a whole.
 

@@ -7,7 +7,7 @@ transformers' dependencies install rich, so it always is here. Measured after `i
 service's logs do not need rich: its JSON logs format tracebacks as plain text, and its console
 renderer is given plain tracebacks too (worker/service/log_config.py). At W2 with int4 weights
 and the int8 KV cache those 4.4 MiB are 1% of the engine's peak RSS, whose target is 1.2x
-llama-server's (loadtest/README.md, sixteenth session).
+llama-server's (loadtest/JOURNAL.md, sixteenth session).
 
 So importing this module (`engine` does it first, and so does `mini-infer serve`, the worker)
 imports structlog with rich hidden from it: an entry of None in `sys.modules` makes `import

@@ -11,7 +11,7 @@ loaded (once per process: a later engine in the same process does not); what a s
 comes back from the page cache at first use (a minor fault per page, once: the first request
 after start took ~30 ms longer on that VM) and counts in RSS again. RSS then holds what serving
 uses, not what starting did: at W2 with int4 weights and the int8 KV cache, the peak went from
-422 to 357 MiB, its file pages from 96 to 31 MiB (loadtest/README.md).
+422 to 357 MiB, its file pages from 96 to 31 MiB (loadtest/JOURNAL.md).
 Pages another process also maps are left where they are (the kernel skips them), and the page
 cache may keep the pages it dropped from this process (reclaimable, as any file read is).
 

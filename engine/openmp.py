@@ -4,7 +4,7 @@ Why PASSIVE: where the cores are shared (the worker's event loop, the broker, ot
 libgomp thread that spins at the end of a parallel region (its default: up to 300k iterations,
 then sleep) holds the core its partner needs; measured on the shared 2-core Zen 4 VM, PASSIVE
 ran one stream 4-40x faster than libgomp's default and spin counts of 10k-100k (every table:
-loadtest/README.md, "OpenMP wait policy"). On an idle machine the per-operator step pays for it
+loadtest/JOURNAL.md, "OpenMP wait policy"). On an idle machine the per-operator step pays for it
 (2026-12-03, idle VM, W1 int4: 37 tok/s with PASSIVE against 89 with libgomp's default and 91
 with GOMP_SPINCOUNT=100000); the fused decode step (engine/fused_decode.py) takes
 that cost away where it applies: one parallel region per step, whose barriers spin briefly and

@@ -12,7 +12,7 @@ top-k takes `topk(k)`; top-p alone takes `topk` of a growing candidate set until
 nucleus. min_p is applied last (as in HF: after top-k and top-p), to the kept candidates.
 Rows that start alike take that first `topk` (or cumsum) in one call over them (a row's values
 are its own either way): W2 sampled at temperature 0.7, top-p 0.9 ran 1.09x faster than with a
-call per row (loadtest/README.md). That first `topk` is the fused ops' `topk_rows` where they
+call per row (loadtest/JOURNAL.md). That first `topk` is the fused ops' `topk_rows` where they
 are built (`_topk`: of equal values the lower index first); torch's elsewhere.
 
 Penalties, logit bias and the structured-output mask (engine/logits_processors.py) run first,

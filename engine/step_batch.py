@@ -53,7 +53,7 @@ def prepare_step(
     Sampling rows are the last token of each `needs_sample` request. Positions, slots and the
     decode block table are computed with array operations over all tokens at once (no Python
     loop per token), and the decode mask, which only the torch reference reads, is built only
-    when asked (measured: loadtest/README.md, "Step preparation").
+    when asked (measured: loadtest/JOURNAL.md, "Step preparation").
     """
     if scheduled and all(len(r.token_ids) == 1 for r in scheduled):
         return _prepare_decodes(scheduled, block_size, dtype if build_decode_mask else None)

@@ -18,7 +18,7 @@ Each round times every column in turn (alternating; each sample is the mean of e
 last ~20 ms); the table gives medians over the rounds, GB/s of weight bytes (out * in * 2) per
 median call, and the ratios packed/gemv and plain/gemv (> 1: ours is faster). The same weight
 is read call after call, so SmolLM2's small layers sit in the 32 MB L3 (GB/s above DRAM's);
-the 1B shapes do not. Figures in loadtest/README.md.
+the 1B shapes do not. Figures in loadtest/JOURNAL.md.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ cost the same, the loss is the cores the two share, and only less work beside th
 Each competitor runs at nice 0, and at nice 19 (`-nice19`: the worker's event loop's default,
 `event_loop_nice`). Modes alternate in fresh processes for `--rounds` rounds; medians and
 ratios against the run with no competitor are printed, then the JSON. Not a test: the numbers
-go in loadtest/README.md.
+go in loadtest/JOURNAL.md.
 
     python -m loadtest.bench_contention [--quantization int4] [--workload W2] [--duties 0.1,0.2]
                                         [--modes thread,process] [--rounds 3] [--out r.json]

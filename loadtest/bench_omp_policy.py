@@ -7,7 +7,7 @@ chosen spin count with threads bound to cores (OMP_PROC_BIND). With `--busy` eve
 repeated beside a competing thread in the engine's process: a Python loop that works 1 ms and
 sleeps 1 ms, as the worker's event loop does beside the engine thread. The policies alternate
 for `--rounds` rounds; medians and ratios against PASSIVE are printed. Not a test: the numbers
-go in loadtest/README.md and the choice in engine/openmp.py.
+go in loadtest/JOURNAL.md and the choice in engine/openmp.py.
 
     python -m loadtest.bench_omp_policy --quantization int4 --workloads W1,W2 --rounds 3 --busy
 """

@@ -22,7 +22,7 @@ Sides (the engine is built once; the sides alternate for `--rounds`, each with a
   engine);
 - `rdkafka`: the `process` side with confluent-kafka's producer (librdkafka) in place of
   aiokafka's, where confluent-kafka is importable (it is not a dependency of this project: the
-  side is there to price a reply path on librdkafka: loadtest/README.md).
+  side is there to price a reply path on librdkafka: loadtest/JOURNAL.md).
 
 Each round reports the engine's mean gap between a stream's tokens after its first and its
 throughput, their ratios to the `none` run of the same round, the messages the consumer read

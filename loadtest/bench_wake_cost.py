@@ -5,7 +5,7 @@ A token through the worker wakes several threads (the event loop, the broker's, 
 the engine's second thread between steps). On bare metal a wake-up costs a few microseconds of
 CPU; on some virtual machines it costs far more, and more the longer the thread slept (the
 vCPU halted meanwhile, and the code it runs next finds its caches and TLB cold). On the 2-core
-VM of loadtest/README.md an asyncio loop woken every 20 ms spent ~220 us of CPU per wake-up
+VM of loadtest/JOURNAL.md an asyncio loop woken every 20 ms spent ~220 us of CPU per wake-up
 doing nothing else. Run this before comparing per-token CPU figures across machines.
 
 For each sleep length: `--n` sleeps of a plain thread (`time.sleep`) and of an asyncio loop

@@ -61,7 +61,7 @@ def _free_port() -> int:
 
 # llama-server's n-gram speculation in the shape of the engine's prompt lookup: drafts of up
 # to 3 tokens after the latest match of the context's last 3 (`ngram-map-k`). Its other n-gram
-# modes were measured on W1 and none was faster (loadtest/README.md, thirty-fourth session).
+# modes were measured on W1 and none was faster (loadtest/JOURNAL.md, thirty-fourth session).
 NGRAM_ARGS = ("--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", "3",
               "--spec-ngram-map-k-size-m", "3")  # fmt: skip
 

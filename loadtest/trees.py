@@ -72,7 +72,7 @@ def alternate(
     round's result printed as it comes: each side's results, in round order. The order within
     a round flips every round (ABBA...): with the same side always first, P1 measured the
     second side 0.86-0.90x in two runs of bench_trees where fresh processes in ABBA order gave
-    1.0 (loadtest/README.md, twenty-ninth session)."""
+    1.0 (loadtest/JOURNAL.md, twenty-ninth session)."""
     runs: dict[str, list] = {name: [] for name in sides}
     for i in range(rounds):
         order = list(sides.items())

@@ -10,7 +10,7 @@ Numerics: the embedding rows become the head's int8 per-row quantization of them
 1/254 of the row's largest weight). Measured (loadtest/bench_accuracy.py, perplexity against
 fp32, SmolLM2, the C++ kernel's VNNI path): int4 + int8 KV cache +1.89% (+1.79% with the
 table); with exact activations int4 +0.38% (+0.16%), int8 +0.39% (+0.19%). The bounds are +2%
-and +1% (loadtest/README.md): int4 keeps 0.11 points of margin.
+and +1% (loadtest/JOURNAL.md): int4 keeps 0.11 points of margin.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ How each projection tensor lands in a quantized layer (`load_quantized_layers`):
 - Anything else gguf's own `dequantize` reads (Q8_0, Q5_*, K-quants, IQ*, floats) is
   dequantized in memory and quantized by the layer (`weight_loader`): Q8_0's per-block scales do
   not fit our per-output-channel int8 row, so Q8_0 -> int8 requantizes (the accuracy cost is
-  measured in loadtest/README.md). Types gguf cannot dequantize are refused by name.
+  measured in loadtest/JOURNAL.md). Types gguf cannot dequantize are refused by name.
 The non-projection tensors (embeddings, norms, biases) are dequantized in memory
 (`iter_float_tensors`), and so is everything when no quantization is asked for (the fp32
 oracle path).

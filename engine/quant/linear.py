@@ -27,7 +27,7 @@ Kernels (no dequantize-then-matmul):
     kernel on unquantized activations is used instead (faster there, and more accurate): the
     same int8 weight serves both.
 
-Measured against torch's kernels and bf16 at 1-64 rows (tables: loadtest/README.md, "Kernel
+Measured against torch's kernels and bf16 at 1-64 rows (tables: loadtest/JOURNAL.md, "Kernel
 measurements moved out of the code"): past a few rows bf16 beats every weight-only kernel.
 Ours now serves every row count (the later 32-512-row run found it ahead at each).
 

@@ -305,7 +305,7 @@ class Publisher:
         lane. `send` costs a coroutine, a metadata check and a future per message: at W2 (a
         step's 32 token messages at once, over the shared reply topic's partitions) the
         batches took the event loop's CPU a message from 46 to 34 us in aiokafka alone
-        (loadtest/README.md). Outcomes stay per message: a batch's ack or error is told to
+        (loadtest/JOURNAL.md). Outcomes stay per message: a batch's ack or error is told to
         each of its messages, and a deadline still fails a message on its own.
 
         `send_batch` waits until the partition's last batch has left for the broker, and a

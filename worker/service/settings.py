@@ -370,7 +370,7 @@ class WorkerSettings(BaseSettings):
     # engine's threads keep the process's). On a machine whose cores the engine's threads fill,
     # each time the loop preempted one of them, the other waited at the step's next barrier:
     # W2 through Kafka on 2 cores ran at 0.54x the direct engine with 0, 0.79x with 10 and 0.85x
-    # with 19 (loadtest/README.md). 0 leaves it as it is.
+    # with 19 (loadtest/JOURNAL.md). 0 leaves it as it is.
     event_loop_nice: int = Field(
         default=19, ge=0, le=19, description="the loop thread's nice value"
     )
@@ -379,7 +379,7 @@ class WorkerSettings(BaseSettings):
     # wakes takes the core back at once; at nice 19 alone, the loop could keep the core for
     # its time slice while the engine's other thread waited at the next barrier. One stream
     # through Kafka on 2 cores: inter-token latency 1.16x the direct engine's with "idle",
-    # 1.35x with "normal" (medians of 11 alternating rounds, loadtest/README.md). Threads the
+    # 1.35x with "normal" (medians of 11 alternating rounds, loadtest/JOURNAL.md). Threads the
     # loop starts later inherit it. Neither is applied where the worker may use one CPU only
     # (affinity or cgroup quota, engine/cpus.py): there the engine's thread leaves the
     # loop no room, and a lowered loop streamed each request's tokens in one burst at its end.

@@ -204,7 +204,7 @@ class Telemetry:
             "mini_infer.inter_token_latency", unit="s",
             # As the worker's event loop received them: where it handles several steps' tokens
             # at once (it lags the engine on busy cores), their gaps are near 0 and the next
-            # one is long, as its clients see them (loadtest/README.md, "tokens arrive in
+            # one is long, as its clients see them (loadtest/JOURNAL.md, "tokens arrive in
             # bursts").
             description="gap between consecutive output tokens as the worker handled them",
             explicit_bucket_boundaries_advisory=_TOKEN_BUCKETS_S,

@@ -457,7 +457,7 @@ def freeze_start_up_heap() -> None:
     ms of CPU). Frozen, start-up's objects are never walked again (nor freed, should they
     become cyclic garbage: they live as long as the worker), and the quarter is counted from
     what is left: full collections every ~8 s of W2, 5-12 ms of CPU each (14-38 ms with the
-    loop preempted). Measured with `gc.callbacks` in the worker (loadtest/README.md).
+    loop preempted). Measured with `gc.callbacks` in the worker (loadtest/JOURNAL.md).
     The log line gives a full collection's time before the freeze (it also frees start-up's
     garbage) and after it."""
     started_s = time.perf_counter()
@@ -479,7 +479,7 @@ def loop_priority(niceness: int, policy: str, num_cpus: int) -> tuple[int, str]:
     sleep at barriers, or one thread leaves a core), else as the engine's (0, "normal"). With
     one CPU, the engine's thread computes without sleeping while it generates, and a loop at
     nice 19 or under SCHED_IDLE got the CPU about once a second: one stream's tokens reached the
-    client in a single burst at the end (`bench e2e --worker-cpus 0`, loadtest/README.md)."""
+    client in a single burst at the end (`bench e2e --worker-cpus 0`, loadtest/JOURNAL.md)."""
     if num_cpus >= 2:
         return niceness, policy
     if niceness > 0 or policy != "normal":

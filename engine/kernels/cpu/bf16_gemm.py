@@ -4,7 +4,7 @@ Why a kernel: at the row counts of decoding a linear is a read of its weights, a
 packed bf16 GEMM read SmolLM2's at ~16 GB/s of the ~32-43 GB/s two Zen 4 cores stream. This
 kernel reads each weight byte once, in order, with `vdpbf16ps` (32 MACs per instruction on
 bf16 pairs) where the CPU has AVX-512 BF16; measured against oneDNN and a plain read of the same
-bytes by `python -m loadtest.bench_bf16_gemv` (figures in loadtest/README.md).
+bytes by `python -m loadtest.bench_bf16_gemv` (figures in loadtest/JOURNAL.md).
 
 Layout (`pack`, once at load): [num_blocks, K2/2, 16, 2] bf16, output channels in blocks of 16
 and each channel's inputs in pairs (see the .cpp). It replaces the checkpoint layout: a layer
@@ -54,7 +54,7 @@ def layer_max_rows() -> int | None:
     GEMV_MAX_ROWS where oneDNN has a bf16 GEMM (native, or emulated on AVX-512 BW/VL/DQ). On a
     CPU without one (AVX2 only: AMD Zen 3, Intel's client cores) torch's bf16 `F.linear` falls
     back to a path 4-8x slower than our kernel at every row count (2-core Zen 3, SmolLM2's
-    widths at 16-1024 rows; loadtest/README.md, thirty-first session): a 39-token prompt took
+    widths at 16-1024 rows; loadtest/JOURNAL.md, thirty-first session): a 39-token prompt took
     690 ms to its first token. There a prefill takes our kernel too and rounds as it does."""
     return GEMV_MAX_ROWS if can_pack_onednn(torch.bfloat16) else None
 

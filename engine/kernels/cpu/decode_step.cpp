@@ -389,7 +389,7 @@ class Plan {
   // the waiter's switch interval runs out (Python's 5 ms). That wait is counted (`counters`,
   // `stats`): through a worker, ~0.1 s of a 4.4 s W2 run, ~20 ms of a one-stream run. It is the
   // loop's time to work: shortening it (a 0.1 ms interval while the step ran) halved the waits and
-  // did not move what the client measured (loadtest/README.md, "The engine thread's waits for the
+  // did not move what the client measured (loadtest/JOURNAL.md, "The engine thread's waits for the
   // GIL").
   void run(int64_t rows, int64_t num_threads, int64_t spin) {
     TORCH_CHECK(rows > 0, "decode_step: rows must be positive");

@@ -66,6 +66,12 @@ class ExtendLimits:
     def for_context(self, cached: int) -> int:
         return self.short if cached <= SHORT_CONTEXT_MAX else self.long
 
+    def __repr__(self) -> str:  # as the start-up log prints it: NO_LIMIT as "any"
+        def name(limit: int) -> str:
+            return "any" if limit >= NO_LIMIT else str(limit)
+
+        return f"ExtendLimits(long={name(self.long)}, short={name(self.short)})"
+
 
 def calibration_file():
     return calibration.cache_dir() / f"extend-{cpu_info().fingerprint}.json"

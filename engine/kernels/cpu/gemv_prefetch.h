@@ -2,7 +2,7 @@
 // lie in order (the next blocks follow in memory), and on the 2-core Intel Xeon VM (AVX-512
 // VNNI, no avx512_bf16) the hardware prefetcher alone left a GEMV streamed from memory at 16-19
 // GB/s of the 23-26 a plain read makes; fetching 2 KiB ahead took it to 20-26
-// (loadtest/README.md). The exact int8 path too (running a bf16 lm_head's 28 MB int8 screen,
+// (loadtest/JOURNAL.md). The exact int8 path too (running a bf16 lm_head's 28 MB int8 screen,
 // as it did before the screen's own GEMV: 2.0 ms of a W1 bf16 step, 1.4 with the prefetch), and
 // the screen's GEMV (bf16_gemm.cpp); on the AVX2-only Zen 3 the bf16 GEMV's AVX2 path (one row,
 // a 1B model's gate_up: 29.8 -> 34.5 GB/s with it). MINI_INFER_GEMV_PREFETCH_BYTES

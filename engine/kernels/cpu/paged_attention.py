@@ -10,7 +10,7 @@ step with fewer (sequence, KV head) pairs than two per thread splits shorter con
 every thread has work (`partition_blocks_for`).
 
 It runs 1.3-2.3x the reference's decode attention at SmolLM2 shapes (one thread; the table:
-loadtest/README.md, "Kernel measurements moved out of the code").
+loadtest/JOURNAL.md, "Kernel measurements moved out of the code").
 
 Two things made it: head_dim fixed at compile time for 64 and 128 (straight vector code, no
 remainder loops: bf16 32 x 256 went from 0.93x to 2.7x), and a software prefetch of the next
@@ -24,7 +24,7 @@ also drops the gather buffer that grows with context length and the decode mask.
 Decode prefetches the next block a row per token while it computes this one. The 64
 prefetches of a block (bf16, head_dim 64) used to go out at once: they filled the core's miss
 buffers and stalled it until the first returned, so the memory time added to the compute. At
-one SmolLM2 row on the Zen 4 VM (`loadtest/README.md`, "Decode attention at long contexts"):
+one SmolLM2 row on the Zen 4 VM (`loadtest/JOURNAL.md`, "Decode attention at long contexts"):
 30 layers of decode attention from memory 1.4-1.7x faster from 256 tokens of context on (the
 AVX2 build 1.2-1.5x), an int4 step at 1.5-2K tokens 1.35-1.4x. A register path (rows widened
 and accumulators kept in AVX-512 registers for a whole partition, the same bits) was level
@@ -43,7 +43,7 @@ scores are broadcast-FMAs over the block's 16 tokens (four query rows at a time)
 exponentials are one AVX-512 polynomial, and the value sums stay in registers. The first
 version (a dot product per query row and key, scalar expf) ran at 0.3-0.7x the reference for
 32+ new tokens; this one runs 0.77-1.75x the reference (the table by prefix and new tokens:
-loadtest/README.md, "Kernel measurements moved out of the code").
+loadtest/JOURNAL.md, "Kernel measurements moved out of the code").
 
 Hence the rule (`use_extend_kernel`), measured on the AMD EPYC: bf16 chunks after a cached
 prefix always take the kernel (it never lost by more than that machine's noise); fp32 chunks

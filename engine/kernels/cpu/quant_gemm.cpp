@@ -1151,7 +1151,7 @@ struct QuantizedActivations {
 // against VNNI's ~1.5): SmolLM2's int4 layers at one row on the 2-core Zen 4 VM, in-process
 // A/B, exact 12-14 GB/s, VNNI 15-29 GB/s (1.2-2.2x). It was 2 while the engine measured no gain
 // at one row (on a shared machine); the accuracy figures were always the VNNI ones, since
-// perplexity runs many rows a step (loadtest/README.md).
+// perplexity runs many rows a step (loadtest/JOURNAL.md).
 constexpr int64_t kVnniMinRows = 1;
 
 int64_t effective_isa(int64_t isa, bool x_is_bf16, int64_t in_features, int64_t rows) {

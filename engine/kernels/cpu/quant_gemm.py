@@ -32,7 +32,7 @@ Multithreaded over blocks of output channels with at::parallel_for (a layer unde
 weights per task runs on one thread).
 
 One row reaches the memory bandwidth (the int4 lm_head at ~33 GB/s on 2 Zen 4 threads, against
-13 GB/s for torch's int8 kernel); the per-shape and in-engine numbers are in loadtest/README.md,
+13 GB/s for torch's int8 kernel); the per-shape and in-engine numbers are in loadtest/JOURNAL.md,
 "Kernel measurements moved out of the code".
 """
 
@@ -52,7 +52,7 @@ BLOCK = 16  # output channels per block of the packed layout
 # In order of preference (`best_isa` takes the last this CPU runs). An AVX-512 CPU without
 # VNNI (Skylake-SP) keeps the exact AVX-512 path: measured on the Xeon limited that way, the
 # AVX2 int8 path ran as fast at one row and 1.1-1.4x at 4 (`bench_quant_kernels --isas`), and
-# in the engine within the noise (loadtest/README.md, thirtieth session): no speed to pay for
+# in the engine within the noise (loadtest/JOURNAL.md, thirtieth session): no speed to pay for
 # the activations' rounding with.
 ISAS = ("portable", "avx2", "avx2_int8", "avx512", "avx512bf16", "avx512vnni")
 # Paths that quantize the activations to int8 (the others compute the reference's math).

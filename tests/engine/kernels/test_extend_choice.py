@@ -24,6 +24,12 @@ def test_decide_keeps_the_sizes_before_the_first_loss():
     assert decide({}) == extend_choice.NO_LIMIT
 
 
+def test_limits_print_no_limit_as_any():
+    limits = extend_choice.ExtendLimits(long=64, short=extend_choice.NO_LIMIT)
+    assert repr(limits) == "ExtendLimits(long=64, short=any)"
+    assert str(extend_choice.ExtendLimits(0, 4)) == "ExtendLimits(long=0, short=4)"
+
+
 def test_calibration_times_both_sides_and_decides_from_them():
     backend = CpuPagedAttention(kernels)
 
