@@ -232,7 +232,12 @@ AVX2_TARGET void block_avx2(const Problem& p, int64_t b, int64_t row0) {
   const uint16_t* wb = p.w + b * p.num_pairs * 2 * kBlock;
   const int64_t x_stride = 2 * p.rows;  // floats per pair
   const float* x = p.xf + 2 * row0;
+  // Every loop over acc is unrolled, so that it lives in registers: indexed at run time
+  // anywhere (as the epilogue's loop once did), it lived on the stack, and every FMA of 2 to 4
+  // rows loaded and stored its accumulator (1.14-1.58x the time at 16-64 rows on the Zen 3;
+  // loadtest/JOURNAL.md, thirty-fifth session).
   __m256 acc[R][2][U];
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h)
       for (int u = 0; u < U; ++u) acc[r][h][u] = _mm256_setzero_ps();
@@ -245,16 +250,17 @@ AVX2_TARGET void block_avx2(const Problem& p, int64_t b, int64_t row0) {
     fma_pair_avx2<R, U>(wb, x, x_stride, e, 0, acc);
   const int64_t lanes = std::min(kBlock, p.out_features - b * kBlock);
   const float* bias = bias_of(p, b);
-  alignas(32) float tmp[kBlock];
+  alignas(32) float out[R][kBlock];
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     for (int h = 0; h < 2; ++h) {
       __m256 a = acc[r][h][0];
       for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[r][h][u]);
       if (bias != nullptr) a = _mm256_add_ps(a, _mm256_loadu_ps(bias + 8 * h));
-      _mm256_store_ps(tmp + 8 * h, a);
+      _mm256_store_ps(out[r] + 8 * h, a);
     }
-    store_lanes(p, row0 + r, b * kBlock, lanes, tmp);
   }
+  for (int r = 0; r < R; ++r) store_lanes(p, row0 + r, b * kBlock, lanes, out[r]);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -198,6 +198,9 @@ void int8_portable(const Problem& p, const int8_t* codes, const float* scale, in
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
 // Store the first lanes (mask) of v at y[index...], as fp32 or rounded to nearest-even bf16.
+// Unlike put and store8 it does not map a NaN to 0x7FC0, and needs not: bf16 outputs come from
+// bf16 activations, so a NaN here is an input's (low 16 bits zero) or the default NaN
+// (0xFFC00000), and the rounding's carry cannot reach the exponent of either: a NaN stays NaN.
 AVX512_TARGET inline void store16(const Problem& p, int64_t index, __mmask16 mask, __m512 v) {
   if (!p.out_bf16) {
     _mm512_mask_storeu_ps(static_cast<float*>(p.y) + index, mask, v);
