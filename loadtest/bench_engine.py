@@ -454,15 +454,8 @@ def _decode_medians(runs: dict, names: list[str]) -> tuple[dict, dict]:
             if speeds and all(len((r["results"].get(w) or {}).get("ttfts_ms", [])) == 1
                               for r in rounds):  # fmt: skip
                 medians.setdefault(key, {})[w] = round(statistics.median(speeds), 1)
-    ratios = {}
-    for engine_key in (k for k in medians if k.startswith("engine-")):
-        for peer_key in (k for k in medians if k in LLAMACPP_PEERS.values()):
-            shared = sorted(set(medians[engine_key]) & set(medians[peer_key]))
-            if shared:
-                ratios[f"{engine_key}/{peer_key}"] = {
-                    w: round(medians[engine_key][w] / medians[peer_key][w], 2) for w in shared
-                }
-    return medians, ratios
+    ratios = _ratios(medians, peers=tuple(LLAMACPP_PEERS.values()))
+    return medians, {pair: by_workload for pair, by_workload in ratios.items() if by_workload}
 
 
 def _server_speed(runs: list[dict], w: str, field: str = "server_tok_s") -> str:
@@ -493,14 +486,14 @@ def _startup(runs: dict) -> dict:
     return out
 
 
-def _ratios(medians: dict) -> dict:
+def _ratios(medians: dict, peers: tuple[str, ...] | None = None) -> dict:
     """engine / peer per workload: against HF in the same dtype, and against llama.cpp (its own
-    quantised GGUF) for every engine dtype."""
+    quantised GGUF) for every engine dtype; or against `peers` for every engine dtype."""
     out = {}
     for engine_key in (k for k in medians if k.startswith("engine-")):
         dtype = engine_key.removeprefix("engine-").split("-")[0]  # engine-<dtype>[-<quant>]
-        peers = (f"hf-{dtype}", "llamacpp-gguf", "llamacpp-gguf-ngram")
-        for peer_key in (k for k in medians if k in peers):
+        against = (f"hf-{dtype}", "llamacpp-gguf", "llamacpp-gguf-ngram") if peers is None else peers
+        for peer_key in (k for k in medians if k in against):
             shared = set(medians[engine_key]) & set(medians[peer_key])
             out[f"{engine_key}/{peer_key}"] = {
                 w: round(medians[engine_key][w] / medians[peer_key][w], 2) for w in sorted(shared)

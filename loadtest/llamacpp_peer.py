@@ -125,10 +125,15 @@ class LlamaServer:
         decode_s = timings.get("predicted_ms", 0.0) / 1000
         per_token_s = decode_s / num_tokens if num_tokens else 0.0
         return {"num_tokens": num_tokens, "ttft_s": max(0.0, done_s - decode_s + per_token_s),
-                "predicted_per_second": timings.get("predicted_per_second"),
-                "prompt_per_second": timings.get("prompt_per_second"),
-                "draft_n": timings.get("draft_n"),
-                "draft_n_accepted": timings.get("draft_n_accepted")}  # fmt: skip
+                **_own_timings(timings)}  # fmt: skip
+
+
+# What a request's answer keeps of llama-server's `timings`, streamed or not.
+TIMING_FIELDS = ("predicted_per_second", "prompt_per_second", "draft_n", "draft_n_accepted")
+
+
+def _own_timings(timings: dict) -> dict:
+    return {field: timings.get(field) for field in TIMING_FIELDS}
 
 
 def _read_stream(response, start: float) -> dict:
@@ -146,11 +151,7 @@ def _read_stream(response, start: float) -> dict:
             timings = event.get("timings") or {}
             break
     ttft_s = first if first is not None else time.perf_counter() - start
-    return {"num_tokens": num_tokens, "ttft_s": ttft_s,
-            "predicted_per_second": timings.get("predicted_per_second"),
-            "prompt_per_second": timings.get("prompt_per_second"),
-            "draft_n": timings.get("draft_n"),
-            "draft_n_accepted": timings.get("draft_n_accepted")}  # fmt: skip
+    return {"num_tokens": num_tokens, "ttft_s": ttft_s, **_own_timings(timings)}
 
 
 def run_llamacpp(
