@@ -43,13 +43,16 @@ namespace {
 
 constexpr int64_t kBlock = 16;  // output channels per block (one AVX-512 vector of fp32)
 enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+constexpr int64_t kAvx2Rows = 4;  // rows per tile of the AVX2 path (and of its activations)
 
 struct Problem {
   int64_t rows, num_pairs, out_features;
   // The activations pair-major, so that a step over one pair reads all rows' values from one
   // or two cache lines (row-major rows 4 KiB apart would alias in L1 at K = 2048):
   const uint32_t* xpairs;  // bf16 [num_pairs, rows], one uint32 per pair
-  const float* xf;         // the same widened to fp32 [num_pairs, rows, 2] (FMA paths)
+  // The same widened to fp32 (FMA paths): [num_pairs, rows, 2], but for the AVX2 path in tiles
+  // of kAvx2Rows rows (`widen`).
+  const float* xf;
   const uint16_t* w;       // packed [num_blocks, num_pairs, 16, 2]
   const float* bias;       // fp32 [num_blocks * 16] (zero padded), or nullptr
   at::BFloat16* y;         // [rows, out_features]
@@ -230,8 +233,9 @@ template <int R>
 AVX2_TARGET void block_avx2(const Problem& p, int64_t b, int64_t row0) {
   constexpr int U = R <= 3 ? 2 : 1;
   const uint16_t* wb = p.w + b * p.num_pairs * 2 * kBlock;
-  const int64_t x_stride = 2 * p.rows;  // floats per pair
-  const float* x = p.xf + 2 * row0;
+  // This tile's activations (`widen`): R rows, which are the layout's tile from row0 on.
+  const int64_t x_stride = 2 * R;  // floats per pair
+  const float* x = p.xf + row0 * p.num_pairs * 2;
   // Every loop over acc is unrolled, so that it lives in registers: indexed at run time
   // anywhere (as the epilogue's loop once did), it lived on the stack, and every FMA of 2 to 4
   // rows loaded and stored its accumulator (1.14-1.58x the time at 16-64 rows on the Zen 3;
@@ -278,7 +282,7 @@ AVX2_TARGET void block_avx2(const Problem& p, int64_t b, int64_t row0) {
   }
 
 void run_blocks(const Problem& p, int64_t isa, int64_t b0, int64_t b1) {
-  const int64_t max_tile = isa >= kAvx512 ? 16 : (isa == kAvx2 ? 4 : 1);
+  const int64_t max_tile = isa >= kAvx512 ? 16 : (isa == kAvx2 ? kAvx2Rows : 1);
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t r0 = 0; r0 < p.rows; r0 += max_tile) {
       const int64_t n = std::min(max_tile, p.rows - r0);
@@ -325,32 +329,57 @@ void check_isa(int64_t isa) {
 
 // The activations pair-major (see Problem; an odd in_features gets a zero appended) and, for the
 // FMA paths, widened to fp32: plain loops, since at one row an ATen op would cost more.
-struct Activations {
-  at::Tensor contiguous;
-  std::vector<uint32_t> pairs;  // [num_pairs, rows]
-  std::vector<float> widened;   // [num_pairs, rows, 2]
-};
-
-Activations activations(const at::Tensor& x, int64_t num_pairs, bool widen) {
-  Activations a;
-  a.contiguous = x.contiguous();
-  const int64_t rows = x.size(0), k = x.size(1);
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(a.contiguous.data_ptr());
-  a.pairs.resize(num_pairs * rows);
+void pair_up(const uint16_t* bits, int64_t rows, int64_t k, int64_t num_pairs, uint32_t* pairs) {
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* row = bits + r * k;
     for (int64_t e = 0; e < num_pairs; ++e) {
       const uint32_t low = row[2 * e];
       const uint32_t high = 2 * e + 1 < k ? row[2 * e + 1] : 0;
-      a.pairs[e * rows + r] = low | (high << 16);
+      pairs[e * rows + r] = low | (high << 16);
     }
   }
-  if (widen) {
-    a.widened.resize(num_pairs * rows * 2);
-    for (int64_t i = 0; i < num_pairs * rows; ++i) {
-      a.widened[2 * i] = bf16_to_float(static_cast<uint16_t>(a.pairs[i] & 0xffffu));
-      a.widened[2 * i + 1] = bf16_to_float(static_cast<uint16_t>(a.pairs[i] >> 16));
+}
+
+// `pairs` as fp32, in tiles of `tile` rows: the tile of rows r0 .. r0 + n - 1 (n = `tile`, or
+// the rows left) is [num_pairs, n, 2] from float r0 * num_pairs * 2 on. With tile >= rows, the
+// pair-major [num_pairs, rows, 2] that the AVX-512 and portable paths read. The AVX2 path reads
+// tiles of kAvx2Rows rows, so each of its passes over a block reads one sequential run: pair-
+// major, at tens of rows, its reads strode across all of [num_pairs, rows, 2] (1.25 MB at 39
+// rows of K = 8192, past L2), and 39-row GEMMs of a 1B Llama's shapes took 1.1-1.3x as long
+// (loadtest/JOURNAL.md, thirty-sixth session). The values and the order of their sums are the
+// same either way: so are the bits.
+void widen(const uint32_t* pairs, int64_t rows, int64_t num_pairs, int64_t tile, float* out) {
+  for (int64_t r0 = 0; r0 < rows; r0 += tile) {
+    const int64_t n = std::min(tile, rows - r0);
+    float* o = out + r0 * num_pairs * 2;
+    for (int64_t e = 0; e < num_pairs; ++e) {
+      for (int64_t r = 0; r < n; ++r) {
+        const uint32_t v = pairs[e * rows + r0 + r];
+        o[(e * n + r) * 2] = bf16_to_float(static_cast<uint16_t>(v & 0xffffu));
+        o[(e * n + r) * 2 + 1] = bf16_to_float(static_cast<uint16_t>(v >> 16));
+      }
     }
+  }
+}
+
+int64_t widened_tile(int64_t isa, int64_t rows) { return isa == kAvx2 ? kAvx2Rows : rows; }
+
+struct Activations {
+  at::Tensor contiguous;
+  std::vector<uint32_t> pairs;  // [num_pairs, rows]
+  std::vector<float> widened;   // `widen`'s layout for the isa
+};
+
+Activations activations(const at::Tensor& x, int64_t num_pairs, int64_t isa) {
+  Activations a;
+  a.contiguous = x.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1);
+  a.pairs.resize(num_pairs * rows);
+  pair_up(reinterpret_cast<const uint16_t*>(a.contiguous.data_ptr()), rows, k, num_pairs,
+          a.pairs.data());
+  if (isa != kAvx512Bf16) {
+    a.widened.resize(num_pairs * rows * 2);
+    widen(a.pairs.data(), rows, num_pairs, widened_tile(isa, rows), a.widened.data());
   }
   return a;
 }
@@ -395,7 +424,7 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
   }
   at::Tensor y = output(x, out_features, out);
   if (rows == 0) return y;
-  const Activations a = activations(x, num_pairs, isa != kAvx512Bf16);
+  const Activations a = activations(x, num_pairs, isa);
   const Problem p{rows, num_pairs, out_features, a.pairs.data(),
                   a.widened.empty() ? nullptr : a.widened.data(),
                   reinterpret_cast<const uint16_t*>(packed.data_ptr()),
@@ -434,20 +463,10 @@ Problem lay_out(const GemvTask& t, int64_t rows) {
   thread_local std::vector<uint32_t> pairs;  // each thread lays out the few rows itself
   thread_local std::vector<float> widened;
   pairs.resize(num_pairs * rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* row = t.x + r * k;
-    for (int64_t e = 0; e < num_pairs; ++e) {
-      const uint32_t low = row[2 * e];
-      const uint32_t high = 2 * e + 1 < k ? row[2 * e + 1] : 0;
-      pairs[e * rows + r] = low | (high << 16);
-    }
-  }
+  pair_up(t.x, rows, k, num_pairs, pairs.data());
   if (t.isa != kAvx512Bf16) {
     widened.resize(num_pairs * rows * 2);
-    for (int64_t i = 0; i < num_pairs * rows; ++i) {
-      widened[2 * i] = bf16_to_float(static_cast<uint16_t>(pairs[i] & 0xffffu));
-      widened[2 * i + 1] = bf16_to_float(static_cast<uint16_t>(pairs[i] >> 16));
-    }
+    widen(pairs.data(), rows, num_pairs, widened_tile(t.isa, rows), widened.data());
   }
   return Problem{rows, num_pairs, t.out_features, pairs.data(),
                  t.isa != kAvx512Bf16 ? widened.data() : nullptr, t.w,

@@ -102,6 +102,31 @@ def test_real_widths_and_more_rows_than_one_tile(ext, isa, rows):
     _check(bf16_gemm.gemm(ext, x, bf16_gemm.pack(weight), bias, 1000, isa), x, weight, bias)
 
 
+# Rows per tile of each path (bf16_gemm.cpp's `run_blocks`): a tile's rows are summed together,
+# and the AVX2 path lays its activations out tile by tile (`widen`).
+TILE_ROWS = {"avx512bf16": 16, "avx512": 16, "avx2": 4, "portable": 1}
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@settings(max_examples=10, deadline=None)
+@given(rows=st.integers(2, 45), **PROBLEM)
+def test_every_tile_gets_the_bits_of_its_rows_alone(
+    ext, isa, rows, in_features, out_features, has_bias, seed
+):
+    """Many rows are tiles of rows, each computed as a call with those rows alone would: the
+    same bits, tile by tile. A tile that read another tile's activations (a wrong offset or
+    stride in the tiled layout) would not."""
+    isa = _isa(isa)
+    x, weight, bias = _case(torch.Generator().manual_seed(seed), rows, in_features,
+                            out_features, has_bias)  # fmt: skip
+    packed = bf16_gemm.pack(weight)
+    together = bf16_gemm.gemm(ext, x, packed, bias, out_features, isa)
+    tile = TILE_ROWS[isa]
+    for r0 in range(0, rows, tile):
+        alone = bf16_gemm.gemm(ext, x[r0 : r0 + tile].clone(), packed, bias, out_features, isa)
+        assert torch.equal(together[r0 : r0 + tile], alone), (isa, r0)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @settings(max_examples=15, deadline=None)
 @given(rows=st.integers(2, bf16_gemm.ROWS_ALIKE), **PROBLEM)
