@@ -1,7 +1,7 @@
 """Our bf16 GEMV (engine/kernels/cpu/bf16_gemm.py) against oneDNN and a plain memory read.
 
     python -m loadtest.bench_bf16_gemv [--rounds 5] [--rows 1,4,16] [--shapes smol,1b]
-        [--json loadtest/results/bf16-gemv.json]
+        [--baseline OTHER_CHECKOUT] [--json loadtest/results/bf16-gemv.json]
 
 Shapes (in -> out): SmolLM2-135M's qkv-like 576->1728, gate_up 576->3072, down 1536->576,
 lm_head 576->49152; a 1B Llama's (Llama-3.2-1B) qkv 2048->3072, gate_up 2048->16384, down
@@ -13,7 +13,11 @@ lm_head 576->49152; a 1B Llama's (Llama-3.2-1B) qkv 2048->3072, gate_up 2048->16
 - plain: `F.linear` on the checkpoint layout (oneDNN repacks it inside every call);
 - read: `torch.sum` over the same weight bytes, the memory-read yardstick;
 - gemv_hp (with `--huge-pages`): our kernel on a copy of the packed weight in transparent huge
-  pages (madvise; the engine packs that way by default: engine/huge_pages.py).
+  pages (madvise; the engine packs that way by default: engine/huge_pages.py);
+- gemv_base (with `--baseline DIR`): the kernel as another checkout has it (its
+  engine/kernels/cpu/bf16_gemm.cpp, built beside this one and called in the same process), so a
+  change to the kernel is measured against the code before it, the two alternating call by
+  call; the table adds base/gemv (> 1: this tree's is faster).
 Each round times every column in turn (alternating; each sample is the mean of enough calls to
 last ~20 ms); the table gives medians over the rounds, GB/s of weight bytes (out * in * 2) per
 median call, and the ratios packed/gemv and plain/gemv (> 1: ours is faster). The same weight
@@ -67,18 +71,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="smol,1b")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--huge-pages", action="store_true", help="add the gemv_hp column")
+    parser.add_argument(
+        "--baseline", type=Path, default=None,
+        help="another checkout: add its kernel (gemv_base) and base/gemv",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    columns = COLUMNS + (("gemv_hp",) if args.huge_pages else ())
+    columns = (COLUMNS + (("gemv_hp",) if args.huge_pages else ())
+               + (("gemv_base",) if args.baseline else ()))  # fmt: skip
     extension = bf16_gemm.load()
     if extension is None:
         raise SystemExit("the C++ kernel did not build here (no compiler)")
+    base = _baseline_kernel(args.baseline) if args.baseline is not None else None
     isa = bf16_gemm.best_isa()
     load_before = os.getloadavg()
     print(f"cpu {cpu_info().model_name}, {torch.get_num_threads()} threads, isa {isa}, "
           f"load average {load_before[0]:.1f}")  # fmt: skip
     print(f"{'shape':12} {'rows':>4} " + " ".join(f"{c + ' us':>9}" for c in columns)
           + " " + " ".join(f"{c + ' GB/s':>11}" for c in columns)
-          + f" {'packed/gemv':>11} {'plain/gemv':>10}")  # fmt: skip
+          + f" {'packed/gemv':>11} {'plain/gemv':>10}"
+          + (f" {'base/gemv':>9}" if base is not None else ""))  # fmt: skip
     results = []
     torch.manual_seed(0)
     for group in args.shapes.split(","):
@@ -106,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                 if packed_hp is not None:
                     fns["gemv_hp"] = partial(bf16_gemm.gemm, extension, x, packed_hp, None,
                                              out_features)  # fmt: skip
+                if base is not None:
+                    fns["gemv_base"] = partial(bf16_gemm.gemm, base, x, packed, None, out_features)
                 times: dict[str, list[float]] = {c: [] for c in columns}
                 with torch.inference_mode():
                     for _ in range(args.rounds):
@@ -118,26 +131,46 @@ def main(argv: list[str] | None = None) -> int:
                        "samples_us": {c: [t * 1e6 for t in v] for c, v in times.items()},
                        "gb_s": gb_s, "packed_over_gemv": median["packed"] / median["gemv"],
                        "plain_over_gemv": median["plain"] / median["gemv"]}  # fmt: skip
+                if base is not None:
+                    row["base_over_gemv"] = median["gemv_base"] / median["gemv"]
                 results.append(row)
                 label = f"{group}:{name}"
                 print(f"{label:12} {rows:>4} "
                       + " ".join(f"{median[c] * 1e6:9.1f}" for c in columns) + " "
                       + " ".join(f"{gb_s[c]:11.1f}" for c in columns)
-                      + f" {row['packed_over_gemv']:11.2f} {row['plain_over_gemv']:10.2f}",
+                      + f" {row['packed_over_gemv']:11.2f} {row['plain_over_gemv']:10.2f}"
+                      + (f" {row['base_over_gemv']:9.2f}" if base is not None else ""),
                       flush=True)  # fmt: skip
     load_after = os.getloadavg()
     print(f"load average after: {load_after[0]:.1f}")
     print(json.dumps({"summary": [
-        {k: r[k] for k in ("group", "shape", "rows", "packed_over_gemv", "plain_over_gemv")}
+        {k: r[k] for k in ("group", "shape", "rows", "packed_over_gemv", "plain_over_gemv",
+                           "base_over_gemv") if k in r}
         | {"gemv_gb_s": round(r["gb_s"]["gemv"], 1), "read_gb_s": round(r["gb_s"]["read"], 1)}
         for r in results]}))  # fmt: skip
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"cpu": cpu_info().model_name, "threads": torch.get_num_threads(), "isa": isa,
                 "rounds": args.rounds, "torch": torch.__version__, "huge_pages": args.huge_pages,
+                "baseline": None if args.baseline is None else str(args.baseline),
                 "load_average": {"before": load_before, "after": load_after}}  # fmt: skip
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0
+
+
+def _baseline_kernel(checkout: Path):
+    """The bf16 GEMV extension built from another checkout's source (its own cache entry: the
+    name carries the source's digest), to call beside this tree's."""
+    from engine.kernels.cpu import extension
+
+    source = checkout / "engine" / "kernels" / "cpu" / "bf16_gemm.cpp"
+    if not source.is_file():
+        raise SystemExit(f"{checkout} has no {source.relative_to(checkout)}")
+    name = f"mini_infer_bf16_gemm_{extension.source_digest(source)}"
+    module = extension.build(name, source, [], event="bf16_gemm_baseline")
+    if module is None:
+        raise SystemExit(f"the baseline's kernel did not build ({source})")
+    return module
 
 
 if __name__ == "__main__":
