@@ -51,7 +51,7 @@ struct Problem {
   // or two cache lines (row-major rows 4 KiB apart would alias in L1 at K = 2048):
   const uint32_t* xpairs;  // bf16 [num_pairs, rows], one uint32 per pair
   // The same widened to fp32 (FMA paths): [num_pairs, rows, 2], but for the AVX2 path in tiles
-  // of kAvx2Rows rows (`widen`).
+  // of kAvx2Rows rows (`widen_tiles`; it has no xpairs).
   const float* xf;
   const uint16_t* w;       // packed [num_blocks, num_pairs, 16, 2]
   const float* bias;       // fp32 [num_blocks * 16] (zero padded), or nullptr
@@ -233,7 +233,7 @@ template <int R>
 AVX2_TARGET void block_avx2(const Problem& p, int64_t b, int64_t row0) {
   constexpr int U = R <= 3 ? 2 : 1;
   const uint16_t* wb = p.w + b * p.num_pairs * 2 * kBlock;
-  // This tile's activations (`widen`): R rows, which are the layout's tile from row0 on.
+  // This tile's activations (`widen_tiles`): R rows, the layout's tile from row0 on.
   const int64_t x_stride = 2 * R;  // floats per pair
   const float* x = p.xf + row0 * p.num_pairs * 2;
   // Every loop over acc is unrolled, so that it lives in registers: indexed at run time
@@ -340,46 +340,68 @@ void pair_up(const uint16_t* bits, int64_t rows, int64_t k, int64_t num_pairs, u
   }
 }
 
-// `pairs` as fp32, in tiles of `tile` rows: the tile of rows r0 .. r0 + n - 1 (n = `tile`, or
-// the rows left) is [num_pairs, n, 2] from float r0 * num_pairs * 2 on. With tile >= rows, the
-// pair-major [num_pairs, rows, 2] that the AVX-512 and portable paths read. The AVX2 path reads
-// tiles of kAvx2Rows rows, so each of its passes over a block reads one sequential run: pair-
-// major, at tens of rows, its reads strode across all of [num_pairs, rows, 2] (1.25 MB at 39
-// rows of K = 8192, past L2), and 39-row GEMMs of a 1B Llama's shapes took 1.1-1.3x as long
-// (loadtest/JOURNAL.md, thirty-sixth session). The values and the order of their sums are the
-// same either way: so are the bits.
-void widen(const uint32_t* pairs, int64_t rows, int64_t num_pairs, int64_t tile, float* out) {
-  for (int64_t r0 = 0; r0 < rows; r0 += tile) {
-    const int64_t n = std::min(tile, rows - r0);
+// `pairs` as fp32 [num_pairs, rows, 2], pair-major: what the AVX-512 and portable paths read.
+void widen(const uint32_t* pairs, int64_t rows, int64_t num_pairs, float* out) {
+  for (int64_t i = 0; i < num_pairs * rows; ++i) {
+    out[2 * i] = bf16_to_float(static_cast<uint16_t>(pairs[i] & 0xffffu));
+    out[2 * i + 1] = bf16_to_float(static_cast<uint16_t>(pairs[i] >> 16));
+  }
+}
+
+// What the AVX2 path reads: x (bf16 [rows, k], row-major) as fp32 in tiles of kAvx2Rows rows, the
+// path's tile. The tile of rows r0 .. r0 + n - 1 (n = kAvx2Rows, or the rows left) is
+// [num_pairs, n, 2] from float r0 * num_pairs * 2 on; an odd k gets a zero appended. Tiles
+// [t0, t1) only, so that threads can share the work. Each pass over a block then reads one
+// sequential run: pair-major, at tens of rows, its reads strode across all of
+// [num_pairs, rows, 2] (1.25 MB at 39 rows of K = 8192, past L2), and 39-row GEMMs of a 1B
+// Llama's shapes took 1.1-1.3x as long. Built straight from x, without the pair-major copy
+// (whose writes, a row apart by rows * 4 bytes, cost ~10 ns a pair at 1024 rows), and by the
+// threads of the call: on one thread the preparation was a tenth of a 1024-row GEMM
+// (loadtest/JOURNAL.md, thirty-sixth session). The values and the order of every sum are
+// those of the pair-major layout: so are the bits.
+void widen_tiles(const uint16_t* x, int64_t rows, int64_t k, int64_t num_pairs, float* out,
+                 int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t r0 = t * kAvx2Rows, n = std::min(kAvx2Rows, rows - r0);
     float* o = out + r0 * num_pairs * 2;
-    for (int64_t e = 0; e < num_pairs; ++e) {
-      for (int64_t r = 0; r < n; ++r) {
-        const uint32_t v = pairs[e * rows + r0 + r];
-        o[(e * n + r) * 2] = bf16_to_float(static_cast<uint16_t>(v & 0xffffu));
-        o[(e * n + r) * 2 + 1] = bf16_to_float(static_cast<uint16_t>(v >> 16));
+    for (int64_t r = 0; r < n; ++r) {
+      const uint16_t* row = x + (r0 + r) * k;
+      for (int64_t e = 0; e < k / 2; ++e) {
+        o[(e * n + r) * 2] = bf16_to_float(row[2 * e]);
+        o[(e * n + r) * 2 + 1] = bf16_to_float(row[2 * e + 1]);
+      }
+      if (k % 2 != 0) {
+        o[((num_pairs - 1) * n + r) * 2] = bf16_to_float(row[k - 1]);
+        o[((num_pairs - 1) * n + r) * 2 + 1] = 0.f;
       }
     }
   }
 }
 
-int64_t widened_tile(int64_t isa, int64_t rows) { return isa == kAvx2 ? kAvx2Rows : rows; }
+int64_t num_tiles(int64_t rows) { return (rows + kAvx2Rows - 1) / kAvx2Rows; }
 
+// The activations as `isa` reads them: pairs (avx512bf16), pairs widened pair-major (avx512,
+// portable) or, for the AVX2 path, room for `widen_tiles`, which the call's threads fill.
 struct Activations {
   at::Tensor contiguous;
   std::vector<uint32_t> pairs;  // [num_pairs, rows]
-  std::vector<float> widened;   // `widen`'s layout for the isa
+  std::vector<float> widened;   // `widen`'s or `widen_tiles`' layout
 };
 
 Activations activations(const at::Tensor& x, int64_t num_pairs, int64_t isa) {
   Activations a;
   a.contiguous = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1);
+  if (isa == kAvx2) {
+    a.widened.resize(num_pairs * rows * 2);
+    return a;
+  }
   a.pairs.resize(num_pairs * rows);
   pair_up(reinterpret_cast<const uint16_t*>(a.contiguous.data_ptr()), rows, k, num_pairs,
           a.pairs.data());
   if (isa != kAvx512Bf16) {
     a.widened.resize(num_pairs * rows * 2);
-    widen(a.pairs.data(), rows, num_pairs, widened_tile(isa, rows), a.widened.data());
+    widen(a.pairs.data(), rows, num_pairs, a.widened.data());
   }
   return a;
 }
@@ -424,20 +446,30 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
   }
   at::Tensor y = output(x, out_features, out);
   if (rows == 0) return y;
-  const Activations a = activations(x, num_pairs, isa);
-  const Problem p{rows, num_pairs, out_features, a.pairs.data(),
+  Activations a = activations(x, num_pairs, isa);
+  const Problem p{rows, num_pairs, out_features, a.pairs.empty() ? nullptr : a.pairs.data(),
                   a.widened.empty() ? nullptr : a.widened.data(),
                   reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                   bias_f32.empty() ? nullptr : bias_f32.data(),
                   y.data_ptr<at::BFloat16>()};
+  // The AVX2 path's activations, laid out by the threads that read them, tiles shared out.
+  const bool tiled = isa == kAvx2;
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(a.contiguous.data_ptr());
+  const int64_t tiles = num_tiles(rows);
   const int num_threads = num_threads_for(packed.numel() * 2, num_blocks);
   if (num_threads == 1) {
+    if (tiled) widen_tiles(bits, rows, in_features, num_pairs, a.widened.data(), 0, tiles);
     run_blocks(p, isa, 0, num_blocks);
     return y;
   }
 #pragma omp parallel num_threads(num_threads)
   {
     const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    if (tiled) {
+      widen_tiles(bits, rows, in_features, num_pairs, a.widened.data(), tiles * t / n,
+                  tiles * (t + 1) / n);
+#pragma omp barrier
+    }
     run_blocks(p, isa, num_blocks * t / n, num_blocks * (t + 1) / n);
   }
   return y;
@@ -462,13 +494,18 @@ Problem lay_out(const GemvTask& t, int64_t rows) {
   const int64_t k = t.in_features, num_pairs = t.num_pairs;
   thread_local std::vector<uint32_t> pairs;  // each thread lays out the few rows itself
   thread_local std::vector<float> widened;
-  pairs.resize(num_pairs * rows);
-  pair_up(t.x, rows, k, num_pairs, pairs.data());
-  if (t.isa != kAvx512Bf16) {
+  if (t.isa == kAvx2) {
     widened.resize(num_pairs * rows * 2);
-    widen(pairs.data(), rows, num_pairs, widened_tile(t.isa, rows), widened.data());
+    widen_tiles(t.x, rows, k, num_pairs, widened.data(), 0, num_tiles(rows));
+  } else {
+    pairs.resize(num_pairs * rows);
+    pair_up(t.x, rows, k, num_pairs, pairs.data());
+    if (t.isa != kAvx512Bf16) {
+      widened.resize(num_pairs * rows * 2);
+      widen(pairs.data(), rows, num_pairs, widened.data());
+    }
   }
-  return Problem{rows, num_pairs, t.out_features, pairs.data(),
+  return Problem{rows, num_pairs, t.out_features, t.isa == kAvx2 ? nullptr : pairs.data(),
                  t.isa != kAvx512Bf16 ? widened.data() : nullptr, t.w,
                  t.bias.empty() ? nullptr : t.bias.data(), t.y};
 }
