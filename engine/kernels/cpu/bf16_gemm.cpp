@@ -381,11 +381,16 @@ void widen_tiles(const uint16_t* x, int64_t rows, int64_t k, int64_t num_pairs, 
 int64_t num_tiles(int64_t rows) { return (rows + kAvx2Rows - 1) / kAvx2Rows; }
 
 // The activations as `isa` reads them: pairs (avx512bf16), pairs widened pair-major (avx512,
-// portable) or, for the AVX2 path, room for `widen_tiles`, which the call's threads fill.
+// portable) or, for the AVX2 path, room for `widen_tiles`, which the call's threads fill (left
+// uninitialised: at 1024 rows a zero fill alone was a few percent of the call).
 struct Activations {
   at::Tensor contiguous;
   std::vector<uint32_t> pairs;  // [num_pairs, rows]
-  std::vector<float> widened;   // `widen`'s or `widen_tiles`' layout
+  std::vector<float> widened;   // `widen`'s layout
+  at::Tensor tiles;             // fp32, `widen_tiles`' layout (AVX2)
+  const float* xf() const {
+    return tiles.defined() ? tiles.data_ptr<float>() : widened.empty() ? nullptr : widened.data();
+  }
 };
 
 Activations activations(const at::Tensor& x, int64_t num_pairs, int64_t isa) {
@@ -393,7 +398,7 @@ Activations activations(const at::Tensor& x, int64_t num_pairs, int64_t isa) {
   a.contiguous = x.contiguous();
   const int64_t rows = x.size(0), k = x.size(1);
   if (isa == kAvx2) {
-    a.widened.resize(num_pairs * rows * 2);
+    a.tiles = at::empty({num_pairs * rows * 2}, x.options().dtype(at::kFloat));
     return a;
   }
   a.pairs.resize(num_pairs * rows);
@@ -446,28 +451,27 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
   }
   at::Tensor y = output(x, out_features, out);
   if (rows == 0) return y;
-  Activations a = activations(x, num_pairs, isa);
+  const Activations a = activations(x, num_pairs, isa);
+  float* tiles = a.tiles.defined() ? a.tiles.data_ptr<float>() : nullptr;
   const Problem p{rows, num_pairs, out_features, a.pairs.empty() ? nullptr : a.pairs.data(),
-                  a.widened.empty() ? nullptr : a.widened.data(),
+                  a.xf(),
                   reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                   bias_f32.empty() ? nullptr : bias_f32.data(),
                   y.data_ptr<at::BFloat16>()};
   // The AVX2 path's activations, laid out by the threads that read them, tiles shared out.
-  const bool tiled = isa == kAvx2;
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(a.contiguous.data_ptr());
-  const int64_t tiles = num_tiles(rows);
+  const int64_t count = num_tiles(rows);
   const int num_threads = num_threads_for(packed.numel() * 2, num_blocks);
   if (num_threads == 1) {
-    if (tiled) widen_tiles(bits, rows, in_features, num_pairs, a.widened.data(), 0, tiles);
+    if (tiles != nullptr) widen_tiles(bits, rows, in_features, num_pairs, tiles, 0, count);
     run_blocks(p, isa, 0, num_blocks);
     return y;
   }
 #pragma omp parallel num_threads(num_threads)
   {
     const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-    if (tiled) {
-      widen_tiles(bits, rows, in_features, num_pairs, a.widened.data(), tiles * t / n,
-                  tiles * (t + 1) / n);
+    if (tiles != nullptr) {
+      widen_tiles(bits, rows, in_features, num_pairs, tiles, count * t / n, count * (t + 1) / n);
 #pragma omp barrier
     }
     run_blocks(p, isa, num_blocks * t / n, num_blocks * (t + 1) / n);
