@@ -161,13 +161,12 @@ def main(argv: list[str] | None = None) -> int:
 def _baseline_kernel(checkout: Path):
     """The bf16 GEMV extension built from another checkout's source (its own cache entry: the
     name carries the source's digest), to call beside this tree's."""
-    from engine.kernels.cpu import extension
+    from engine.kernels.cpu import bf16_gemm
 
     source = checkout / "engine" / "kernels" / "cpu" / "bf16_gemm.cpp"
     if not source.is_file():
         raise SystemExit(f"{checkout} has no {source.relative_to(checkout)}")
-    name = f"mini_infer_bf16_gemm_{extension.source_digest(source)}"
-    module = extension.build(name, source, [], event="bf16_gemm_baseline")
+    module = bf16_gemm.build(source=source)
     if module is None:
         raise SystemExit(f"the baseline's kernel did not build ({source})")
     return module

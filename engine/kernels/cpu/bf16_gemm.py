@@ -70,14 +70,15 @@ def isa_code(isa: str | None = None) -> int:
     return quant_gemm.isa_code(isa or best_isa())
 
 
-def extension_name() -> str:
-    return f"mini_infer_bf16_gemm_{extension.source_digest(SOURCE)}"
+def extension_name(source: Path = SOURCE) -> str:
+    return f"mini_infer_bf16_gemm_{extension.source_digest(source)}"
 
 
-def build(build_root: Path | None = None) -> ModuleType | None:
-    """Compile (or reuse) and import the extension; None, with a warning, if that fails."""
+def build(build_root: Path | None = None, source: Path = SOURCE) -> ModuleType | None:
+    """Compile (or reuse) and import the extension; None, with a warning, if that fails.
+    `source`: another checkout's bf16_gemm.cpp (a benchmark's baseline), in its own cache entry."""
     return extension.build(
-        extension_name(), SOURCE, [], build_root, event="bf16_gemm", fallback="oneDNN"
+        extension_name(source), source, [], build_root, event="bf16_gemm", fallback="oneDNN"
     )
 
 
