@@ -380,6 +380,18 @@ void widen_tiles(const uint16_t* x, int64_t rows, int64_t k, int64_t num_pairs, 
 
 int64_t num_tiles(int64_t rows) { return (rows + kAvx2Rows - 1) / kAvx2Rows; }
 
+// The layouts every path but AVX2 reads: the pairs and, for the FMA paths (avx512, portable),
+// their fp32 widening.
+void lay_out_pair_major(const uint16_t* bits, int64_t rows, int64_t k, int64_t num_pairs,
+                        int64_t isa, std::vector<uint32_t>& pairs, std::vector<float>& widened) {
+  pairs.resize(num_pairs * rows);
+  pair_up(bits, rows, k, num_pairs, pairs.data());
+  if (isa != kAvx512Bf16) {
+    widened.resize(num_pairs * rows * 2);
+    widen(pairs.data(), rows, num_pairs, widened.data());
+  }
+}
+
 // The activations as `isa` reads them: pairs (avx512bf16), pairs widened pair-major (avx512,
 // portable) or, for the AVX2 path, room for `widen_tiles`, which the call's threads fill (left
 // uninitialised: at 1024 rows a zero fill alone was a few percent of the call).
@@ -388,9 +400,6 @@ struct Activations {
   std::vector<uint32_t> pairs;  // [num_pairs, rows]
   std::vector<float> widened;   // `widen`'s layout
   at::Tensor tiles;             // fp32, `widen_tiles`' layout (AVX2)
-  const float* xf() const {
-    return tiles.defined() ? tiles.data_ptr<float>() : widened.empty() ? nullptr : widened.data();
-  }
 };
 
 Activations activations(const at::Tensor& x, int64_t num_pairs, int64_t isa) {
@@ -399,14 +408,9 @@ Activations activations(const at::Tensor& x, int64_t num_pairs, int64_t isa) {
   const int64_t rows = x.size(0), k = x.size(1);
   if (isa == kAvx2) {
     a.tiles = at::empty({num_pairs * rows * 2}, x.options().dtype(at::kFloat));
-    return a;
-  }
-  a.pairs.resize(num_pairs * rows);
-  pair_up(reinterpret_cast<const uint16_t*>(a.contiguous.data_ptr()), rows, k, num_pairs,
-          a.pairs.data());
-  if (isa != kAvx512Bf16) {
-    a.widened.resize(num_pairs * rows * 2);
-    widen(a.pairs.data(), rows, num_pairs, a.widened.data());
+  } else {
+    lay_out_pair_major(reinterpret_cast<const uint16_t*>(a.contiguous.data_ptr()), rows, k,
+                       num_pairs, isa, a.pairs, a.widened);
   }
   return a;
 }
@@ -453,8 +457,8 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed,
   if (rows == 0) return y;
   const Activations a = activations(x, num_pairs, isa);
   float* tiles = a.tiles.defined() ? a.tiles.data_ptr<float>() : nullptr;
-  const Problem p{rows, num_pairs, out_features, a.pairs.empty() ? nullptr : a.pairs.data(),
-                  a.xf(),
+  const float* xf = tiles != nullptr ? tiles : a.widened.empty() ? nullptr : a.widened.data();
+  const Problem p{rows, num_pairs, out_features, a.pairs.empty() ? nullptr : a.pairs.data(), xf,
                   reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                   bias_f32.empty() ? nullptr : bias_f32.data(),
                   y.data_ptr<at::BFloat16>()};
@@ -502,12 +506,7 @@ Problem lay_out(const GemvTask& t, int64_t rows) {
     widened.resize(num_pairs * rows * 2);
     widen_tiles(t.x, rows, k, num_pairs, widened.data(), 0, num_tiles(rows));
   } else {
-    pairs.resize(num_pairs * rows);
-    pair_up(t.x, rows, k, num_pairs, pairs.data());
-    if (t.isa != kAvx512Bf16) {
-      widened.resize(num_pairs * rows * 2);
-      widen(pairs.data(), rows, num_pairs, widened.data());
-    }
+    lay_out_pair_major(t.x, rows, k, num_pairs, t.isa, pairs, widened);
   }
   return Problem{rows, num_pairs, t.out_features, t.isa == kAvx2 ? nullptr : pairs.data(),
                  t.isa != kAvx512Bf16 ? widened.data() : nullptr, t.w,
