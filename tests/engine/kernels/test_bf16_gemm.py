@@ -103,7 +103,7 @@ def test_real_widths_and_more_rows_than_one_tile(ext, isa, rows):
 
 
 # Rows per tile of each path (bf16_gemm.cpp's `run_blocks`): a tile's rows are summed together,
-# and the AVX2 path lays its activations out tile by tile (`widen`).
+# and the AVX2 path lays its activations out tile by tile (`widen_tiles`).
 TILE_ROWS = {"avx512bf16": 16, "avx512": 16, "avx2": 4, "portable": 1}
 
 
