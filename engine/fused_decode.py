@@ -311,12 +311,16 @@ class FusedDecode:
         tasks: list[tuple] = []
         self.task_names: list[str] = []  # per task, for the profile's breakdown
         exp_lanes = (fused_ops.lanes() or (8, 0))[1]  # as engine/layers/ops.py passes it
+        # Row-wise tasks are split evenly below 8 rows and shared from a counter from 8 on:
+        # attention's items cost what their row's context does, and a thread preempted by other
+        # work (a worker's loop, a broker) no longer holds its whole share up at the barrier.
+        many = decode_step.TASK_DYNAMIC_MANY
 
         def norm(norm_module, x, residual):
             args = fo.make_norm_task(
                 x, residual, norm_module.weight, self.normed, norm_module.eps, norm_module.lanes
             )
-            tasks.append((norm_fn, args, 0, 1, True))
+            tasks.append((norm_fn, args, 0, 1, True, None, many))
             self.task_names.append("norm")
 
         def gemv(name, linear, x, y, multiplier=None):
@@ -386,20 +390,21 @@ class FusedDecode:
             else:
                 decode_args = pa.make_decode_task(self.qkv, attn.kv_cache, *step_args)
                 decode_fn, store_fn = attn_fn, pa.store_task_fn()
-            tasks.append((rope_fn, fo.make_rotary_task(rope_view, self.cos, self.sin), 0, 1, True))
+            rotary = fo.make_rotary_task(rope_view, self.cos, self.sin)
+            tasks.append((rope_fn, rotary, 0, 1, True, None, many))
             self.task_names.append("rotary")
             # (a verifying step's K and V, before any row attends to them: skipped elsewhere)
             tasks.append((store_fn, decode_args, 0, kv_heads, True, self.store_multiplier))
             self.task_names.append("kv_store")
-            tasks.append((decode_fn, decode_args, 0, kv_heads, True, self.num_partitions))
+            tasks.append((decode_fn, decode_args, 0, kv_heads, True, self.num_partitions, many))
             # (skipped, with its barrier, in steps of one partition: the decode wrote the output)
-            tasks.append((merge_fn, decode_args, 0, kv_heads, True, self.merge_multiplier))
+            tasks.append((merge_fn, decode_args, 0, kv_heads, True, self.merge_multiplier, many))
             self.task_names += ["attention", "attention_merge"]
             gemv("o_proj", attn.o_proj, self.attn.view(self.max_rows, -1), self.branch)
             norm(layer.post_attention_layernorm, self.branch, self.residual)
             gemv("gate_up_proj", mlp.gate_up_proj, self.normed, self.gate_up)
             silu = fo.make_silu_mul_task(self.gate_up, self.act, exp_lanes)
-            tasks.append((silu_fn, silu, 0, 1, True))
+            tasks.append((silu_fn, silu, 0, 1, True, None, many))
             self.task_names.append("silu_mul")
             gemv("down_proj", mlp.down_proj, self.act, self.branch)
         norm(model.model.norm, self.branch, self.residual)

@@ -43,8 +43,11 @@ using TaskFn = void (*)(const void* args, int64_t rows, int64_t begin, int64_t e
 // How a task's items are shared: kSplit, a contiguous equal share per thread; kEvery, every
 // thread does all of them (preparing state of its own, e.g. a GEMV's widened activations);
 // kDynamic, threads take chunks from a shared counter until none are left, so a thread that
-// is ahead (its core less busy, its share of the last task done sooner) does more.
-enum Mode : int64_t { kSplit = 0, kEvery = 1, kDynamic = 2 };
+// is ahead (its core less busy, its share of the last task done sooner) does more;
+// kDynamicMany, kSplit in steps of fewer than kTailRows rows and kDynamic from it (row-wise
+// tasks: attention's items, whose cost follows each row's context, and the norms, RoPE and
+// SiLU * up, whose shares a partner preempted by other work holds up at their barrier).
+enum Mode : int64_t { kSplit = 0, kEvery = 1, kDynamic = 2, kDynamicMany = 3 };
 
 struct Task {
   TaskFn fn;
@@ -368,7 +371,8 @@ class Plan {
                       std::string(args.name() ? args.name() : "") == "mini_infer.task_args",
                   "decode_step: tasks must come from the kernel libraries' make_*_task");
       const int64_t mode = entry.size() == 7 ? entry[6].cast<int64_t>() : kSplit;
-      TORCH_CHECK(mode >= kSplit && mode <= kDynamic, "decode_step: unknown task mode ", mode);
+      TORCH_CHECK(mode >= kSplit && mode <= kDynamicMany, "decode_step: unknown task mode ",
+                  mode);
       tasks_.push_back(Task{reinterpret_cast<TaskFn>(fn.get_pointer()), args.get_pointer(),
                             entry[2].cast<int64_t>(), entry[3].cast<int64_t>(),
                             entry[4].cast<bool>(), multiplier, mode});
@@ -514,7 +518,7 @@ class Plan {
   void run_share(const Task& t, size_t i, int64_t rows, int64_t total, int64_t me, int64_t n) {
     if (t.mode == kEvery) {
       t.fn(t.args, rows, 0, total);
-    } else if (t.mode == kDynamic) {
+    } else if (t.mode == kDynamic || (t.mode == kDynamicMany && rows >= kTailRows)) {
       // Chunks of about a quarter of a fair share (few enough that the counter costs nothing);
       // from kTailRows rows the last n chunks' worth one item at a time, so the threads end
       // within an item of each other: with whole chunks to the end, a 32-row gate_up's threads

@@ -13,7 +13,9 @@ from engine.kernels.cpu import extension
 
 SOURCE = Path(__file__).with_name("decode_step.cpp")
 SPIN = 4000  # barrier: pause rounds (~100 us) before a waiting thread sleeps
-TASK_EVERY_THREAD, TASK_DYNAMIC = 1, 2  # decode_step.cpp's task modes (kSplit is the default)
+# decode_step.cpp's task modes (kSplit, a contiguous equal share per thread, is the default):
+# every thread does all items; shared out from a counter; split below 8 rows and shared from it.
+TASK_EVERY_THREAD, TASK_DYNAMIC, TASK_DYNAMIC_MANY = 1, 2, 3
 
 
 def extension_name() -> str:

@@ -1014,21 +1014,28 @@ def test_waits_that_slept_in_steps_on_time_do_not_start_probes(step_ext, seed):
     assert choice.single(32)
 
 
+# 12 rows: from decode_step.cpp's kTailRows (8) the row-wise tasks (norms, RoPE, attention's
+# items, SiLU * up) are shared from a counter too, as the GEMVs' blocks are at any size.
+MANY_PROMPTS = [[3 + i, 40 + 2 * i, 9] + list(range(50, 50 + 3 * i)) for i in range(12)]
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS, MANY_PROMPTS], ids=["4-rows", "12-rows"])
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_threads_preempted_in_the_middle_of_steps_change_no_bits(
-    step_ext, tiny_model_dir, quantization
+    step_ext, tiny_model_dir, quantization, prompts
 ):
     """More threads than cores: threads are preempted in the middle of steps all the time (their
-    partners wait at barriers, sleep, are woken; GEMV blocks go to whichever thread takes them).
-    Every step still gives the per-operator path's bits."""
-    engine = _engine(tiny_model_dir, quantization)
+    partners wait at barriers, sleep, are woken; GEMV blocks, and from 8 rows every row-wise
+    task's items, go to whichever thread takes them). Every step still gives the per-operator
+    path's bits."""
+    engine = _engine(tiny_model_dir, quantization, max_num_seqs=16)
     threads = torch.get_num_threads()
     torch.set_num_threads(max(6, 3 * (os.cpu_count() or 1)))
     try:
-        checker = _check(engine, PROMPTS, max_tokens=10)
+        checker = _check(engine, prompts, max_tokens=10)
     finally:
         torch.set_num_threads(threads)
-    assert checker.num_checked >= 9 and 4 in checker.num_rows
+    assert checker.num_checked >= 9 and len(prompts) in checker.num_rows
 
 
 def test_steps_on_one_thread_are_the_same_bits(step_ext, tiny_model_dir):
