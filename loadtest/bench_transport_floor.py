@@ -31,14 +31,22 @@ per token (/proc's 10 ms ticks; the producer on the `thread` side by its thread'
 Medians over the rounds, a table, the JSON, and with `--plot` every round's ratios by side.
 `mini-infer bench e2e --floor` runs one round of the `thread` side after each of its pairs.
 
+With `--task-times`, each run also reads the fused decode step's per-task clocks (the ones
+`mini-infer bench engine --profile` reads): the seconds its threads spent in the tasks and
+waiting at the barriers after them, summed over the threads, by kind of task (where other work
+on the cores stalls the step). While the clocks run the thread choice is off: every step runs
+on all the threads.
+
     python -m loadtest.bench_transport_floor [--sides none,process,thread] [--rounds 6]
-        [--num-streams 1] [--num-tokens 256] [--fetch-wait-ms 20] [--out r.json] [--plot r.png]
+        [--num-streams 1] [--num-tokens 256] [--fetch-wait-ms 20] [--task-times]
+        [--out r.json] [--plot r.png]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import multiprocessing
 import os
 import statistics
@@ -314,6 +322,31 @@ def _run_side(
     return {**result, "cpu_us_per_token": {k: round(v / num * 1e6, 1) for k, v in cpu.items()}}
 
 
+def _with_task_times(engine, run) -> dict:
+    """`run()`'s result with the fused decode step's clocks over it: `task_work_s` and
+    `task_wait_s`, seconds summed over the threads, in all and by kind of task (the plan's
+    task names). Nothing added where the engine has no fused step."""
+    fused = getattr(engine.runner._forward, "fused", None)
+    if fused is None:
+        return run()
+    fused.plan.set_timing(True)
+    try:
+        result = run()
+        work, wait = fused.plan.task_times()
+    finally:
+        fused.plan.set_timing(False)
+    kinds: dict[str, list[float]] = {}
+    for name, w, b in zip(fused.task_names, work, wait, strict=True):
+        kind = kinds.setdefault(name, [0.0, 0.0])
+        kind[0] += sum(w) / 1e9
+        kind[1] += sum(b) / 1e9
+    by_wait = sorted(kinds.items(), key=lambda item: -item[1][1])
+    result["task_work_s"] = round(sum(k[0] for k in kinds.values()), 3)
+    result["task_wait_s"] = round(sum(k[1] for k in kinds.values()), 3)
+    result["task_wait_s_by_kind"] = {name: round(k[1], 3) for name, k in by_wait}
+    return result
+
+
 def _spawn_with_fd(spawn, bootstrap: str, read_fd: int, ready, side: str):
     """A spawned producer child that gets `read_fd` (spawn closes inherited descriptors unless
     they are passed)."""
@@ -351,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default=None)
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument(
+        "--task-times", action="store_true",
+        help="the fused step's work and barrier waits per kind of task (thread choice off)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path)
     parser.add_argument("--plot", type=Path, help="each round's ratios by side (a PNG)")
     args = parser.parse_args(argv)
@@ -380,10 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[dict] = []
     for round_ in range(args.rounds):
         order = sides if round_ % 2 == 0 else sides[::-1]  # neither side always first
-        results = {
-            side: _run_side(side, engine, prompts, args.num_tokens, args.fetch_wait_ms)
-            for side in order
-        }
+        results = {}
+        for side in order:
+            run = functools.partial(
+                _run_side, side, engine, prompts, args.num_tokens, args.fetch_wait_ms
+            )
+            results[side] = _with_task_times(engine, run) if args.task_times else run()
         none = results["none"]
         for result in results.values():
             result["itl_ratio"] = round(result["itl_ms"] / none["itl_ms"], 3)
@@ -397,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(
             f"{side} ITL {r['itl_ms']:.2f} ms ({r['itl_ratio']:.3f}x) "
             f"{r['tokens_per_s']:.0f} tok/s ({r['throughput_ratio']:.3f}x)"
+            + (f" waits {r['task_wait_s']:.2f} s of {r['task_work_s']:.2f} s "
+               f"({_top_waits(r)})" if "task_wait_s" in r else "")
             for side, r in results.items()
         ), file=sys.stderr, flush=True)  # fmt: skip
     medians = {}
@@ -406,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
             key: round(statistics.median(r[key] for r in runs), 3)
             for key in ("itl_ms", "itl_ratio", "tokens_per_s", "throughput_ratio")
         }
+        for key in ("task_work_s", "task_wait_s"):
+            if key in runs[0]:
+                medians[side][key] = round(statistics.median(r[key] for r in runs), 3)
         for name in runs[0].get("cpu_us_per_token", {}):
             medians[side][f"{name}_us_per_token"] = round(
                 statistics.median(r["cpu_us_per_token"][name] for r in runs), 1
@@ -429,6 +473,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     emit(doc, args.out, args.plot, lambda plt: _draw(doc, plt))
     return 0
+
+
+def _top_waits(result: dict, count: int = 4) -> str:
+    """The kinds of task with the longest barrier waits, "name seconds" each."""
+    kinds = list(result["task_wait_s_by_kind"].items())[:count]
+    return ", ".join(f"{name} {seconds:.2f}" for name, seconds in kinds)
 
 
 def _draw(doc: dict, plt):
