@@ -59,6 +59,7 @@ import msgpack
 
 from loadtest.bench_e2e import cpu_seconds, lower_priority
 from loadtest.loadgen_service import create_bench_topics
+from loadtest.profile_step import run_with_task_clocks
 from loadtest.report import emit
 from worker.client.client import DEFAULT_REPLY_FETCH_MAX_WAIT_MS
 
@@ -329,14 +330,9 @@ def _with_task_times(engine, run) -> dict:
     fused = getattr(engine.runner._forward, "fused", None)
     if fused is None:
         return run()
-    fused.plan.set_timing(True)
-    try:
-        result = run()
-        work, wait = fused.plan.task_times()
-    finally:
-        fused.plan.set_timing(False)
+    result, tasks = run_with_task_clocks(fused.plan, fused.task_names, run)
     kinds: dict[str, list[float]] = {}
-    for name, w, b in zip(fused.task_names, work, wait, strict=True):
+    for name, w, b in tasks:
         kind = kinds.setdefault(name, [0.0, 0.0])
         kind[0] += sum(w) / 1e9
         kind[1] += sum(b) / 1e9

@@ -203,6 +203,20 @@ def profile_workload(eng, totals: dict, prompts, num_requests: int, num_steps: i
     }
 
 
+def run_with_task_clocks(plan, names: list[str], run) -> tuple[object, list[tuple]]:
+    """`run()` with a fused decode plan's per-task clocks on (decode_step.cpp `set_timing`):
+    its result and, per task of the plan, (its name from `names`, each thread's ns working, each
+    thread's ns waiting at the barrier after it); no tasks where every step ran on one thread.
+    While the clocks run the thread choice is off: every step runs on all the threads."""
+    plan.set_timing(True)
+    try:
+        result = run()
+        work, wait = plan.task_times()
+    finally:
+        plan.set_timing(False)
+    return result, list(zip(names, work, wait, strict=True)) if work else []
+
+
 def _fused_task_split(eng, num_steps: int) -> dict | None:
     """Inside the fused decode call, per step and kind of task (summed over layers), in ms:
     each thread's time working and waiting at the barrier after, averaged over the threads.
@@ -212,15 +226,12 @@ def _fused_task_split(eng, num_steps: int) -> dict | None:
     plan = getattr(plan, "plan", plan)  # under _TimedPlan
     if plan is None or not hasattr(plan, "set_timing"):
         return None
-    plan.set_timing(True)
-    for _ in range(num_steps):
-        eng.step()
-    work, wait = plan.task_times()
-    plan.set_timing(False)
-    if not work:  # every step ran on one thread (no barriers, no clocks)
+    _, tasks = run_with_task_clocks(plan, fused.task_names,
+                                    lambda: [eng.step() for _ in range(num_steps)])  # fmt: skip
+    if not tasks:  # every step ran on one thread (no barriers, no clocks)
         return None
     split: dict[str, dict[str, float]] = {}
-    for name, w, b in zip(fused.task_names, work, wait, strict=True):
+    for name, w, b in tasks:
         entry = split.setdefault(name, {"work": 0.0, "wait": 0.0, "max_work": 0.0})
         entry["work"] += sum(w) / len(w) / num_steps / 1e6
         entry["max_work"] += max(w) / num_steps / 1e6
