@@ -345,10 +345,13 @@ class FusedDecode:
                 x, y, codes, scales, bits, group_size, out_features, isa
             )
             # Each thread prepares the activations for itself (no barrier), then the threads
-            # take the blocks in chunks from a shared counter.
+            # take the blocks in chunks from a shared counter, at the end in smaller ones, of
+            # no fewer than ~64 KiB of weights (decode_step.cpp's run_share).
             every, dynamic = decode_step.TASK_EVERY_THREAD, decode_step.TASK_DYNAMIC
+            block_bytes = (codes.nbytes + scales.nbytes) // blocks
+            least = max(1, -(-decode_step.LEAST_TAKE_BYTES // block_bytes))
             tasks.append((prepare_fn, args, 1, 0, False, multiplier, every))
-            tasks.append((blocks_fn, args, blocks, 0, True, multiplier, dynamic))
+            tasks.append((blocks_fn, args, blocks, 0, True, multiplier, dynamic, least))
             self.task_names += ["gemv_prepare", name]
             return args
 

@@ -56,6 +56,7 @@ struct Task {
   bool barrier_after;
   const int64_t* row_multiplier;  // the items are multiplied by *row_multiplier, if set
   int64_t mode;
+  int64_t least;  // kDynamic below kTailRows rows: the smallest take (a GEMV's ~64 KiB)
 };
 
 inline void cpu_relax() {
@@ -349,15 +350,17 @@ class ThreadChoice {
 
 class Plan {
  public:
-  // tasks: (fn capsule, args capsule, fixed_items, items_per_row, barrier_after[, multiplier])
-  // tuples, multiplier an int64 tensor whose first value (set before each run: attention's
-  // partitions; 0 or 1 for a task that runs in some steps only) multiplies the items. The
-  // capsules and tensors are kept alive here.
+  // tasks: (fn capsule, args capsule, fixed_items, items_per_row, barrier_after[, multiplier[,
+  // mode[, least]]]) tuples, multiplier an int64 tensor whose first value (set before each run:
+  // attention's partitions; 0 or 1 for a task that runs in some steps only) multiplies the
+  // items, least the fewest items a thread takes at once (run_share). The capsules and tensors
+  // are kept alive here.
   explicit Plan(const py::list& tasks) : owners_(tasks) {
     for (const auto& item : tasks) {
       const auto entry = item.cast<py::tuple>();
-      TORCH_CHECK(entry.size() >= 5 && entry.size() <= 7,
-                  "decode_step: a task is (fn, args, fixed, per_row, barrier[, multiplier[, mode]])");
+      TORCH_CHECK(entry.size() >= 5 && entry.size() <= 8,
+                  "decode_step: a task is (fn, args, fixed, per_row, barrier[, multiplier[, mode[, "
+                  "least]]])");
       const int64_t* multiplier = nullptr;
       if (entry.size() >= 6 && !entry[5].is_none()) {
         const auto tensor = entry[5].cast<torch::Tensor>();
@@ -370,12 +373,14 @@ class Plan {
       TORCH_CHECK(std::string(fn.name() ? fn.name() : "") == "mini_infer.task_fn" &&
                       std::string(args.name() ? args.name() : "") == "mini_infer.task_args",
                   "decode_step: tasks must come from the kernel libraries' make_*_task");
-      const int64_t mode = entry.size() == 7 ? entry[6].cast<int64_t>() : kSplit;
+      const int64_t mode = entry.size() >= 7 ? entry[6].cast<int64_t>() : kSplit;
+      const int64_t least = entry.size() == 8 ? entry[7].cast<int64_t>() : 1;
+      TORCH_CHECK(least >= 1, "decode_step: a task's least take is at least one item");
       TORCH_CHECK(mode >= kSplit && mode <= kDynamicMany, "decode_step: unknown task mode ",
                   mode);
       tasks_.push_back(Task{reinterpret_cast<TaskFn>(fn.get_pointer()), args.get_pointer(),
                             entry[2].cast<int64_t>(), entry[3].cast<int64_t>(),
-                            entry[4].cast<bool>(), multiplier, mode});
+                            entry[4].cast<bool>(), multiplier, mode, least});
       num_barriers_ += tasks_.back().barrier_after;
     }
     next_item_ = std::vector<std::atomic<int64_t>>(tasks_.size());
@@ -519,21 +524,38 @@ class Plan {
     if (t.mode == kEvery) {
       t.fn(t.args, rows, 0, total);
     } else if (t.mode == kDynamic || (t.mode == kDynamicMany && rows >= kTailRows)) {
-      // Chunks of about a quarter of a fair share (few enough that the counter costs nothing);
-      // from kTailRows rows the last n chunks' worth one item at a time, so the threads end
-      // within an item of each other: with whole chunks to the end, a 32-row gate_up's threads
-      // waited ~15 us for each other at its barrier (a chunk is 24 blocks, ~120 us of work,
-      // there). Below it whole chunks to the end, as before, so one row runs the code it ran
-      // (a first version, single items at every row count and the attention's items taken
-      // dynamically too, ran W1 at 0.914x in one run).
+      // Chunks of about a quarter of a fair share (few enough that the counter costs nothing),
+      // and a tail in smaller pieces, so the threads end close together:
+      // - from kTailRows rows, the last n chunks' worth one item at a time: with whole chunks
+      //   to the end, a 32-row gate_up's threads waited ~15 us for each other at its barrier (a
+      //   chunk is 24 blocks, ~120 us of work, there);
+      // - below it (a GEMV streaming its weights from memory), each take a (2n)th of what is
+      //   left, down to the task's `least` (the plan gives a GEMV ~64 KiB of weights): with
+      //   whole chunks to the end, a 1B model's one-row step waited 2.0-2.7 ms of its ~30 at
+      //   the GEMVs' barriers (the last chunk of gate_up is ~0.12 ms of reading). A take costs
+      //   more than its counter: where the other thread took the blocks between, the weights'
+      //   stream restarts (single items at every row count ran a 135M model's one-row steps,
+      //   whose blocks are 5 KiB, at 0.914x in one run).
       const int64_t chunk = std::max<int64_t>(1, total / (4 * n));
-      const int64_t tail = rows >= kTailRows ? total - std::min(total, chunk * n) : total;
       std::atomic<int64_t>& next = next_item_[i];
-      for (;;) {
-        const int64_t size = next.load(std::memory_order_relaxed) < tail ? chunk : 1;
-        const int64_t begin = next.fetch_add(size, std::memory_order_relaxed);
-        if (begin >= total) break;
-        t.fn(t.args, rows, begin, std::min(total, begin + size));
+      if (rows >= kTailRows) {
+        const int64_t tail = total - std::min(total, chunk * n);
+        for (;;) {
+          const int64_t size = next.load(std::memory_order_relaxed) < tail ? chunk : 1;
+          const int64_t begin = next.fetch_add(size, std::memory_order_relaxed);
+          if (begin >= total) break;
+          t.fn(t.args, rows, begin, std::min(total, begin + size));
+        }
+      } else {
+        const int64_t least = std::min(t.least, chunk);
+        for (;;) {
+          const int64_t left = total - next.load(std::memory_order_relaxed);
+          if (left <= 0) break;
+          const int64_t size = std::clamp(left / (2 * n), least, chunk);
+          const int64_t begin = next.fetch_add(size, std::memory_order_relaxed);
+          if (begin >= total) break;
+          t.fn(t.args, rows, begin, std::min(total, begin + size));
+        }
       }
     } else {
       const int64_t begin = total * me / n, end = total * (me + 1) / n;

@@ -16,6 +16,8 @@ SPIN = 4000  # barrier: pause rounds (~100 us) before a waiting thread sleeps
 # decode_step.cpp's task modes (kSplit, a contiguous equal share per thread, is the default):
 # every thread does all items; shared out from a counter; split below 8 rows and shared from it.
 TASK_EVERY_THREAD, TASK_DYNAMIC, TASK_DYNAMIC_MANY = 1, 2, 3
+# A dynamic GEMV's smallest take of blocks at its end, in bytes of weights (a task's `least`).
+LEAST_TAKE_BYTES = 64 << 10
 
 
 def extension_name() -> str:

@@ -30,6 +30,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <cmath>
 #include <cstdint>
@@ -1258,13 +1259,18 @@ struct GemvTask {
   int64_t group_size, in_features, out_features, num_blocks, isa;
   const at::BFloat16* x;  // [rows, in_features], contiguous
   at::BFloat16* y;        // [rows, out_features], contiguous
+  // Which task a thread's preparation is for: a task made where a freed one lay has its
+  // address, never its serial.
+  uint64_t serial;
 };
+
+std::atomic<uint64_t> next_gemv_task_serial{1};
 
 // The activations of one GEMV as this thread's kernels take them: widened, group sums and (VNNI)
 // int8 codes. Prepared by each thread for itself (cheaper than a barrier), once per GEMV of a
 // step (gemv_prepare_task), then used by every share of blocks the thread takes.
 struct PreparedActivations {
-  const void* task = nullptr;  // the GemvTask prepared for
+  uint64_t task = 0;  // the serial of the GemvTask prepared for
   int64_t rows = 0, isa = 0;
   std::vector<float> widened, xsum;
   QuantizedActivations quantized;
@@ -1290,7 +1296,7 @@ void prepare(const GemvTask& t, int64_t rows) {
                       needs_f32 ? a.widened.data() : nullptr, a.xsum.data(), xb, t.y, true};
   if (is_int8_activation(a.isa))
     a.quantized.quantize(xb, rows, k, a.isa, t.bits == 4, a.problem);
-  a.task = &t;
+  a.task = t.serial;
   a.rows = rows;
 }
 
@@ -1326,7 +1332,7 @@ void gemv_prepare_task(const void* raw, int64_t rows, int64_t, int64_t) {
 
 void gemv_blocks_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
   const GemvTask& t = *static_cast<const GemvTask*>(raw);
-  if (prepared.task != &t || prepared.rows != rows) prepare(t, rows);  // not prepared: do it now
+  if (prepared.task != t.serial || prepared.rows != rows) prepare(t, rows);  // not prepared yet
   run_blocks(t, b0, b1);
 }
 
@@ -1351,7 +1357,8 @@ py::tuple make_gemv_task(const at::Tensor& x, const at::Tensor& y, const at::Ten
               "quant_gemm task: in_features must be a multiple of group_size");
   auto* task = new GemvTask{bits, codes.data_ptr(), scales.data_ptr(), group_size,
                             in_features, out_features, num_blocks, isa,
-                            x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>()};
+                            x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(),
+                            next_gemv_task_serial.fetch_add(1)};
   py::capsule args(task, "mini_infer.task_args",
                    [](void* p) { delete static_cast<GemvTask*>(p); });
   return py::make_tuple(args, num_blocks);

@@ -364,14 +364,16 @@ def test_one_rows_context_is_split_to_share_the_threads_as_per_operator(step_ext
     rows=st.integers(1, 12),
     blocks=st.integers(1, 400),
     threads=st.sampled_from([1, 2, 3]),
+    least=st.integers(1, 40),
     seed=st.integers(0, 2**16),
 )
 def test_a_dynamic_gemvs_blocks_are_each_done_once_however_they_are_shared(
-    step_ext, rows, blocks, threads, seed
+    step_ext, rows, blocks, threads, least, seed
 ):
-    """A GEMV task's blocks are taken from a shared counter, in chunks and, from
-    decode_step.cpp's kTailRows rows, one at a time at the end: whichever way, every block is
-    computed and the outputs are the kernel's own."""
+    """A GEMV task's blocks are taken from a shared counter, in chunks and, at the end, from
+    decode_step.cpp's kTailRows rows one at a time, below it in shrinking chunks of no fewer
+    than the task's `least`: whichever way, every block is computed and the outputs are the
+    kernel's own."""
     torch.manual_seed(seed)
     in_features, out_features = 64, blocks * quant_gemm.BLOCK
     packed, scale_min = quant_gemm.pack_int4(
@@ -387,11 +389,29 @@ def test_a_dynamic_gemvs_blocks_are_each_done_once_however_they_are_shared(
     )
     plan = step_ext.Plan([
         (qg.gemv_prepare_task_fn(), args, 1, 0, False, None, decode_step.TASK_EVERY_THREAD),
-        (qg.gemv_blocks_task_fn(), args, num_blocks, 0, True, None, decode_step.TASK_DYNAMIC),
+        (qg.gemv_blocks_task_fn(), args, num_blocks, 0, True, None, decode_step.TASK_DYNAMIC,
+         least),
     ])  # fmt: skip
     plan.run(rows, threads, decode_step.SPIN)
     want = quant_gemm.int4_gemm(qg, x, packed, scale_min, 32, out_features)
     assert torch.equal(y, want)
+
+
+def test_a_plan_refuses_unknown_modes_and_empty_takes(step_ext):
+    qg = quant_gemm.load()
+    x = torch.randn(1, 64).bfloat16()
+    y = torch.full((1, 64), float("nan"), dtype=torch.bfloat16)
+    packed, scale_min = quant_gemm.pack_int4(
+        torch.randint(0, 16, (64, 64), dtype=torch.uint8), torch.rand(64, 2), -torch.rand(64, 2)
+    )
+    args, blocks = qg.make_gemv_task(x, y, packed, scale_min, 4, 32, 64, quant_gemm.isa_code())
+    task = (qg.gemv_blocks_task_fn(), args, blocks, 0, True, None)
+    with pytest.raises(RuntimeError, match="unknown task mode"):
+        step_ext.Plan([(*task, 7)])
+    with pytest.raises(RuntimeError, match="least take"):
+        step_ext.Plan([(*task, decode_step.TASK_DYNAMIC, 0)])
+    step_ext.Plan([(*task, decode_step.TASK_DYNAMIC, 3)]).run(1, 2, decode_step.SPIN)
+    assert torch.equal(y, quant_gemm.int4_gemm(qg, x, packed, scale_min, 32, 64))
 
 
 @settings(max_examples=200, deadline=None)
