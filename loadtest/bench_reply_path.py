@@ -81,9 +81,10 @@ async def _run(num_requests: int, num_tokens: int, step_s: float, broker_pid: in
     partition = TopicPartition("requests", 0)
     tracker.assign([partition])
     dead = SimpleNamespace(write=lambda *a, **k: None)
+    telemetry = Telemetry(settings.observability, "bench")
     pipeline = Pipeline(
         settings, "bench", _Bridge(), replies, dead, tracker,
-        Telemetry(settings.observability, "bench"), SimpleNamespace(), Batcher(settings.batcher),
+        telemetry, SimpleNamespace(), Batcher(settings.batcher),
     )  # fmt: skip
     policy = RoutingPolicy(Limits(), settings.kafka.reply_topic_prefix, frozenset())
     jobs = []
@@ -125,6 +126,9 @@ async def _run(num_requests: int, num_tokens: int, step_s: float, broker_pid: in
         await asyncio.sleep(step_s)  # the engine's step, during which the loop sends
     while any(job.state is not JobState.DONE for job in jobs):  # every final acknowledged
         await asyncio.sleep(0.005)
+    # A collection records the measurements a worker keeps for it (its per-step and per-token
+    # histograms'): that is counted too, as if scraped once at the end.
+    telemetry.meter_provider.force_flush()
     cpu_s = time.process_time() - cpu_before
     wall_s = time.perf_counter() - wall_before
     broker_s = cpu_seconds(broker_pid) - broker_before

@@ -160,3 +160,38 @@ def test_a_steps_gaps_are_recorded_once_per_token_as_per_delta_recording_did(ste
     for labels, n in series.get("mini_infer_inter_token_latency_seconds_bucket", []):
         le = float(labels["le"])  # "+Inf" parses to inf
         assert n == sum(1 for gap_s in expected[labels["urgency"]] if gap_s <= le)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batches=st.lists(
+        st.tuples(st.integers(1, 40), st.booleans()),  # (steps before it, scrape after it)
+        min_size=1, max_size=12,
+    ),  # fmt: skip
+    max_pending=st.integers(1, 50),
+)
+def test_deferred_histograms_show_every_measurement_once_at_every_scrape(
+    batches, max_pending
+) -> None:
+    """The per-step and per-token histograms hand their measurements to the SDK at each
+    collection (or every MAX_PENDING, where nothing collects): whatever the interleaving, a
+    scrape counts every measurement made before it, once, and the pending ones stay bounded."""
+    t = Telemetry(ObservabilitySettings(), "w", model_name="smol")
+    t.deferred.MAX_PENDING = max_pending
+    num_steps = num_gaps = 0
+    for steps, scrape_after in batches:
+        for _ in range(steps):
+            t.step_s.record(0.01)
+            t.itl_s.record_many(0.02, 3, {"urgency": "normal"})
+            num_steps += 1
+            num_gaps += 3
+            assert len(t.deferred._pending) <= max_pending
+        if scrape_after:
+            series = scrape(t)
+            assert series["mini_infer_engine_step_duration_seconds_count"][0][1] == num_steps
+            [(labels, count)] = series["mini_infer_inter_token_latency_seconds_count"]
+            assert (labels["urgency"], count) == ("normal", num_gaps)
+    series = scrape(t)
+    assert series["mini_infer_engine_step_duration_seconds_sum"][0][1] == pytest.approx(
+        0.01 * num_steps
+    )
