@@ -66,11 +66,11 @@ class _Deferred:
     One OpenTelemetry `record` costs 12-20 us in a tight loop on the 2-core VMs, and more on
     the token path, where a worker's loop comes to it cold between steps; an append costs
     well under a microsecond. Recorded at collection instead, the loop's CPU time per token
-    fell to 0.90x at W2's shape and 0.94x at one stream's (loadtest/JOURNAL.md, "Per-step
-    metrics recorded at collection"). Every reader's collection runs the observable
-    instruments' callbacks before it reads the instruments, and `flush` is one of them, so a
-    scrape or an export sees every measurement made before it. Where nothing collects (no
-    exporter), the measurements are recorded every `MAX_PENDING`."""
+    fell to 0.90x at W2's shape and 0.94x at one stream's (loadtest/JOURNAL.md, thirty-eighth
+    session, "The per-step metrics recorded at collection"). Every reader's collection runs the
+    observable instruments' callbacks before it reads the instruments, and `flush` is one of
+    them, so a scrape or an export sees every measurement made before it. Where nothing
+    collects (no exporter), the measurements are recorded every `MAX_PENDING`."""
 
     MAX_PENDING = 4096
 

@@ -534,8 +534,9 @@ class Plan {
       //   whole chunks to the end, a 1B model's one-row step waited 2.0-2.7 ms of its ~30 at
       //   the GEMVs' barriers (the last chunk of gate_up is ~0.12 ms of reading). A take costs
       //   more than its counter: where the other thread took the blocks between, the weights'
-      //   stream restarts (single items at every row count ran a 135M model's one-row steps,
-      //   whose blocks are 5 KiB, at 0.914x in one run).
+      //   stream restarts (a first version of the item-by-item tail, at every row count and
+      //   with attention's items taken dynamically too, ran a 135M model's W1, whose blocks
+      //   are ~5 KiB, at 0.914x in one run).
       const int64_t chunk = std::max<int64_t>(1, total / (4 * n));
       std::atomic<int64_t>& next = next_item_[i];
       if (rows >= kTailRows) {
