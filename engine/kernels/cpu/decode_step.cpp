@@ -538,25 +538,15 @@ class Plan {
       //   with attention's items taken dynamically too, ran a 135M model's W1, whose blocks
       //   are ~5 KiB, at 0.914x in one run).
       const int64_t chunk = std::max<int64_t>(1, total / (4 * n));
+      const int64_t tail = total - std::min(total, chunk * n), least = std::min(t.least, chunk);
       std::atomic<int64_t>& next = next_item_[i];
-      if (rows >= kTailRows) {
-        const int64_t tail = total - std::min(total, chunk * n);
-        for (;;) {
-          const int64_t size = next.load(std::memory_order_relaxed) < tail ? chunk : 1;
-          const int64_t begin = next.fetch_add(size, std::memory_order_relaxed);
-          if (begin >= total) break;
-          t.fn(t.args, rows, begin, std::min(total, begin + size));
-        }
-      } else {
-        const int64_t least = std::min(t.least, chunk);
-        for (;;) {
-          const int64_t left = total - next.load(std::memory_order_relaxed);
-          if (left <= 0) break;
-          const int64_t size = std::clamp(left / (2 * n), least, chunk);
-          const int64_t begin = next.fetch_add(size, std::memory_order_relaxed);
-          if (begin >= total) break;
-          t.fn(t.args, rows, begin, std::min(total, begin + size));
-        }
+      for (;;) {
+        const int64_t taken = next.load(std::memory_order_relaxed);
+        const int64_t size = rows >= kTailRows ? (taken < tail ? chunk : 1)
+                                               : std::clamp((total - taken) / (2 * n), least, chunk);
+        const int64_t begin = next.fetch_add(size, std::memory_order_relaxed);
+        if (begin >= total) break;
+        t.fn(t.args, rows, begin, std::min(total, begin + size));
       }
     } else {
       const int64_t begin = total * me / n, end = total * (me + 1) / n;
