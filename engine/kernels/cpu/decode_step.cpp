@@ -542,8 +542,9 @@ class Plan {
       std::atomic<int64_t>& next = next_item_[i];
       for (;;) {
         const int64_t taken = next.load(std::memory_order_relaxed);
-        const int64_t size = rows >= kTailRows ? (taken < tail ? chunk : 1)
-                                               : std::clamp((total - taken) / (2 * n), least, chunk);
+        const int64_t size = rows >= kTailRows
+                                 ? (taken < tail ? chunk : 1)
+                                 : std::clamp((total - taken) / (2 * n), least, chunk);
         const int64_t begin = next.fetch_add(size, std::memory_order_relaxed);
         if (begin >= total) break;
         t.fn(t.args, rows, begin, std::min(total, begin + size));
