@@ -57,11 +57,10 @@ MAX_ROWS_QUANT = 64
 SCREEN_MAX_ROWS = 4
 SCREEN_MIN_SHARE = 0.125  # below this share of a step's weight bytes, a head gets no screen
 
-# Below this many rows, the row-wise tasks (the norms, RoPE, SiLU * up) split each row in parts,
-# one per thread (fused_ops.cpp's for_row_parts): at one row each was one thread's work while
-# its partners waited (a 1B model's one-row step: ~0.2 ms of SiLU * up and ~0.2 of norms a
-# step). 0: whole rows at every size.
-COLUMN_SPLIT_ROWS = 8
+# Below this many rows, SiLU * up splits each row in column parts, one per thread (fused_ops.cpp's
+# for_row_parts): at one row it was one thread's work while its partners waited (a 1B model's
+# one-row step: ~0.3 ms a step). 0: whole rows at every size.
+SILU_SPLIT_ROWS = 8
 
 # Speculative decoding (`FusedDecode.speculate`): tokens a draft proposes per step. Verified in
 # one step of DRAFT_TOKENS + 1 rows, whose bits are each row's one-row step's only while the
@@ -175,9 +174,6 @@ class FusedDecode:
         bf16, i64 = torch.bfloat16, torch.int64
         m = max_rows
         self.residual = torch.zeros(m, hidden, dtype=bf16)
-        # The norms write the new residual to the other buffer (a row split in parts is read
-        # whole by each part while the others write): the two take turns through the layers.
-        self.residual_next = torch.zeros(m, hidden, dtype=bf16)
         self.normed = torch.zeros(m, hidden, dtype=bf16)
         self.branch = torch.zeros(m, hidden, dtype=bf16)  # o_proj / down_proj output
         self.qkv = torch.zeros(m, (heads + 2 * kv_heads) * head_dim, dtype=bf16)
@@ -325,19 +321,12 @@ class FusedDecode:
         # work (a worker's loop, a broker) no longer holds its whole share up at the barrier.
         many = decode_step.TASK_DYNAMIC_MANY
 
-        # Row-wise tasks are items of (row, part), a part per thread, split below
-        # COLUMN_SPLIT_ROWS rows.
-        parts, split_below = max(1, torch.get_num_threads()), COLUMN_SPLIT_ROWS
-        residuals = [self.residual, self.residual_next]  # [the residual now, the other]
-
-        def norm(norm_module, x, with_residual: bool):
-            residual, written = residuals if with_residual else (None, None)
-            args = fo.make_norm_task(x, residual, written, norm_module.weight, self.normed,
-                                     norm_module.eps, norm_module.lanes, parts, split_below)  # fmt: skip
-            tasks.append((norm_fn, args, 0, parts, True, None, many))
+        def norm(norm_module, x, residual):
+            args = fo.make_norm_task(
+                x, residual, norm_module.weight, self.normed, norm_module.eps, norm_module.lanes
+            )
+            tasks.append((norm_fn, args, 0, 1, True, None, many))
             self.task_names.append("norm")
-            if with_residual:
-                residuals.reverse()
 
         def gemv(name, linear, x, y, multiplier=None):
             if draft is not None:
@@ -392,9 +381,9 @@ class FusedDecode:
         for index, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             if index == 0:  # residual = the embeddings; normed = RMSNorm(residual)
-                norm(layer.input_layernorm, self.residual, False)
+                norm(layer.input_layernorm, self.residual, None)
             else:  # residual += the last MLP output; normed = RMSNorm(residual)
-                norm(layer.input_layernorm, self.branch, True)
+                norm(layer.input_layernorm, self.branch, self.residual)
             gemv("qkv_proj", attn.qkv_proj, self.normed, self.qkv)
             step_args = (
                 self.block_table, self.context_lens, self.slot_mapping, self.num_partitions,
@@ -409,8 +398,8 @@ class FusedDecode:
             else:
                 decode_args = pa.make_decode_task(self.qkv, attn.kv_cache, *step_args)
                 decode_fn, store_fn = attn_fn, pa.store_task_fn()
-            rotary = fo.make_rotary_task(rope_view, self.cos, self.sin, parts, split_below)
-            tasks.append((rope_fn, rotary, 0, parts, True, None, many))
+            rotary = fo.make_rotary_task(rope_view, self.cos, self.sin)
+            tasks.append((rope_fn, rotary, 0, 1, True, None, many))
             self.task_names.append("rotary")
             # (a verifying step's K and V, before any row attends to them: skipped elsewhere)
             tasks.append((store_fn, decode_args, 0, kv_heads, True, self.store_multiplier))
@@ -420,13 +409,16 @@ class FusedDecode:
             tasks.append((merge_fn, decode_args, 0, kv_heads, True, self.merge_multiplier, many))
             self.task_names += ["attention", "attention_merge"]
             gemv("o_proj", attn.o_proj, self.attn.view(self.max_rows, -1), self.branch)
-            norm(layer.post_attention_layernorm, self.branch, True)
+            norm(layer.post_attention_layernorm, self.branch, self.residual)
             gemv("gate_up_proj", mlp.gate_up_proj, self.normed, self.gate_up)
-            silu = fo.make_silu_mul_task(self.gate_up, self.act, exp_lanes, parts, split_below)
+            # (a row in column parts, one per thread, below SILU_SPLIT_ROWS rows)
+            parts = max(1, torch.get_num_threads())
+            silu = fo.make_silu_mul_task(self.gate_up, self.act, exp_lanes, parts,
+                                         SILU_SPLIT_ROWS)  # fmt: skip
             tasks.append((silu_fn, silu, 0, parts, True, None, many))
             self.task_names.append("silu_mul")
             gemv("down_proj", mlp.down_proj, self.act, self.branch)
-        norm(model.model.norm, self.branch, True)
+        norm(model.model.norm, self.branch, self.residual)
         if draft is not None:  # the screen's logits and their argmax: the draft tokens
             self._screen_tasks(tasks, bg, None)
             self._argmax_tasks(tasks, fo, None)

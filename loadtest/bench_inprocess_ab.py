@@ -10,6 +10,12 @@ order flipped every round. `--load-order b,a` builds B first, to take the build 
 result (run it both ways). Prints each round, the medians and the pairwise median of A/B, and the
 JSON.
 
+`--task-clocks` also times the fused step's tasks in every round (decode_step.cpp's per-task
+clocks, as `bench engine --profile` reads them; the thread choice is off while they run): per
+kind of task, the threads' mean work plus their mean wait at the barrier after it, in ms a step,
+which is the time the step spends on that kind. A change to a small part of the step (a norm,
+SiLU * up) shows there, where the whole step's tokens a second drown it in the host's pace.
+
     python -m loadtest.bench_inprocess_ab --model DIR \\
         --set-a engine.kernels.cpu.decode_step.LEAST_TAKE_BYTES=65536 \\
         --set-b engine.kernels.cpu.decode_step.LEAST_TAKE_BYTES=1099511627776 --rounds 10
@@ -82,13 +88,17 @@ def run(args) -> dict:
     engines = {side: build_with(settings[side], build) for side in order}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     speeds: dict[str, list[float]] = {"a": [], "b": []}
+    clocks: dict[str, list[dict[str, float]]] = {"a": [], "b": []}  # per round: kind -> ms/step
     for r in range(args.rounds):
         for side in order if r % 2 == 0 else order[::-1]:
             eng = engines[side]
             eng.add_request(f"r{r}", prompt, params)
-            start, num_tokens = time.perf_counter(), 0
-            while eng.has_unfinished_requests():
-                num_tokens += sum(len(d.token_ids) for d in eng.step())
+            start = time.perf_counter()
+            if args.task_clocks:
+                num_tokens, spans = _timed(eng)
+                clocks[side].append(spans)
+            else:
+                num_tokens, _ = _generate(eng)
             speeds[side].append(round(num_tokens / (time.perf_counter() - start), 2))
         print(f"round {r + 1}/{args.rounds}: A {speeds['a'][-1]:.1f} tok/s, "
               f"B {speeds['b'][-1]:.1f}", flush=True)  # fmt: skip
@@ -97,12 +107,53 @@ def run(args) -> dict:
     print(f"\nW1 1x{args.max_tokens}, tok/s medians of {args.rounds}: A {medians['a']:.1f}, "
           f"B {medians['b']:.1f}; A/B pairwise median {pairwise:.3f}, ratio of medians "
           f"{medians['a'] / medians['b']:.3f}")  # fmt: skip
-    return {
+    result = {
         "model": args.model, "options": options, "max_tokens": args.max_tokens,
         "set_a": args.set_a, "set_b": args.set_b, "load_order": order,
         "tokens_per_s": speeds, "medians": medians,
         "a_over_b_pairwise_median": round(pairwise, 3),
         "a_over_b_ratio_of_medians": round(medians["a"] / medians["b"], 3),
+    }  # fmt: skip
+    if args.task_clocks:
+        result["task_ms_per_step"] = clocks
+        result["task_ms_medians"] = _clock_medians(clocks)
+        print(f"\nthe fused step's tasks, ms a step (work + wait), medians of {args.rounds}:")
+        for kind, sides in result["task_ms_medians"].items():
+            print(f"  {kind:<18} A {sides['a']:8.3f}   B {sides['b']:8.3f}")
+    return result
+
+
+def _generate(eng) -> tuple[int, int]:
+    """Steps `eng` until its requests are done: (tokens, steps)."""
+    num_tokens = num_steps = 0
+    while eng.has_unfinished_requests():
+        num_tokens += sum(len(d.token_ids) for d in eng.step())
+        num_steps += 1
+    return num_tokens, num_steps
+
+
+def _timed(eng) -> tuple[int, dict[str, float]]:
+    """`_generate(eng)` with the fused step's task clocks on: its tokens and, per kind of task,
+    ms a step."""
+    from loadtest.profile_step import run_with_task_clocks
+
+    fused = eng.runner._forward.fused
+    (num_tokens, num_steps), tasks = run_with_task_clocks(
+        fused.plan, fused.task_names, lambda: _generate(eng)
+    )
+    spans: dict[str, float] = {}
+    for name, work, wait in tasks:
+        span = (sum(work) / len(work) + sum(wait) / len(wait)) / max(1, num_steps) / 1e6
+        spans[name] = round(spans.get(name, 0.0) + span, 4)
+    return num_tokens, spans
+
+
+def _clock_medians(clocks: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    kinds = {k for rounds in clocks.values() for spans in rounds for k in spans}
+    return {
+        kind: {side: round(statistics.median(s.get(kind, 0.0) for s in clocks[side]), 4)
+               for side in "ab"}
+        for kind in sorted(kinds)
     }  # fmt: skip
 
 
@@ -115,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-order", default="a,b", help="a,b or b,a: which is built first")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--task-clocks",
+        action="store_true",
+        help="also time the fused step's tasks, per kind, every round",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     emit(run(args), args.out, None, None)

@@ -55,3 +55,22 @@ def test_a_constant_the_module_lacks_is_refused_and_nothing_stays_set():
             "engine.kernels.cpu.decode_step.NO_SUCH_CONSTANT=2",
         ], lambda: None)  # fmt: skip
     assert before == decode_step.LEAST_TAKE_BYTES
+
+
+def test_task_clocks_give_each_round_and_side_the_steps_tasks(tiny_model_dir, tmp_path):
+    out = tmp_path / "ab.json"
+    name = "engine.fused_decode.SILU_SPLIT_ROWS"
+    bench_inprocess_ab.main([
+        "--model", str(tiny_model_dir), "--options", '{"quantization": "int4"}', "--rounds", "2",
+        "--max-tokens", "5", "--set-a", f"{name}=8", "--set-b", f"{name}=0", "--task-clocks",
+        "--out", str(out),
+    ])  # fmt: skip
+    doc = json.loads(out.read_text())
+    for side in "ab":
+        rounds = doc["task_ms_per_step"][side]
+        assert len(rounds) == 2
+        for spans in rounds:
+            assert {"norm", "silu_mul", "gate_up_proj"} <= set(spans)
+            assert all(v >= 0 for v in spans.values()) and spans["gate_up_proj"] > 0
+        medians = doc["task_ms_medians"]["norm"][side]
+        assert min(s["norm"] for s in rounds) <= medians <= max(s["norm"] for s in rounds)

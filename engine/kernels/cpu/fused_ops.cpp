@@ -160,33 +160,6 @@ float torch_row_sum(const float* values, int64_t n) {
   return total;
 }
 
-// One row's RMSNorm, written over columns [c0, c1) of its n: the new residual
-// round(x + residual) (read from res_in, written to res_out; no residual: x is normalised) and
-// out = RMSNorm of it. The row is read whole and its squares summed whole, in torch's order, so
-// every split of the columns writes the bits of the whole row. value, square: n floats of
-// scratch.
-template <typename scalar_t, int L>
-void rms_norm_row(const scalar_t* x, const scalar_t* res_in, scalar_t* res_out,
-                  const scalar_t* weight, scalar_t* out, int64_t n, int64_t c0, int64_t c1,
-                  float eps, float* value, float* square) {
-  widen(x, value, n);
-  if (res_in != nullptr) {  // x + residual, rounded to the model dtype, is the new residual
-    widen(res_in, square, n);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) value[i] = round_like<scalar_t>(value[i] + square[i]);
-    narrow(value + c0, res_out + c0, c1 - c0);
-  }
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) square[i] = value[i] * value[i];
-  const float variance = torch_row_sum<L>(square, n) / static_cast<float>(n);
-  const float inv = 1.0f / std::sqrt(variance + eps);
-  widen(weight + c0, square + c0, c1 - c0);
-#pragma omp simd
-  for (int64_t i = c0; i < c1; ++i)
-    value[i] = round_like<scalar_t>(square[i] * round_like<scalar_t>(value[i] * inv));
-  narrow(value + c0, out + c0, c1 - c0);
-}
-
 template <typename scalar_t, int L>
 void rms_norm_rows(const scalar_t* x, scalar_t* residual, const scalar_t* weight, scalar_t* out,
                    int64_t rows, int64_t n, int64_t x_stride, int64_t out_stride, float eps) {
@@ -194,9 +167,24 @@ void rms_norm_rows(const scalar_t* x, scalar_t* residual, const scalar_t* weight
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> value(n), square(n);
     for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = x + r * x_stride;
       scalar_t* rr = residual != nullptr ? residual + r * n : nullptr;
-      rms_norm_row<scalar_t, L>(x + r * x_stride, rr, rr, weight, out + r * out_stride, n, 0, n,
-                                eps, value.data(), square.data());
+      widen(xr, value.data(), n);
+      if (rr != nullptr) {  // x + residual, rounded to the model dtype, is the new residual
+        widen(rr, square.data(), n);
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) value[i] = round_like<scalar_t>(value[i] + square[i]);
+        narrow(value.data(), rr, n);
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) square[i] = value[i] * value[i];
+      const float variance = torch_row_sum<L>(square.data(), n) / static_cast<float>(n);
+      const float inv = 1.0f / std::sqrt(variance + eps);
+      widen(weight, square.data(), n);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i)
+        value[i] = round_like<scalar_t>(square[i] * round_like<scalar_t>(value[i] * inv));
+      narrow(value.data(), out + r * out_stride, n);
     }
   });
 }
@@ -432,13 +420,49 @@ int64_t exp_lanes_built() {
 
 using bf16 = at::BFloat16;
 
-// The row-wise tasks' items are (row, part) pairs, `parts` a row: in steps of fewer than
-// `split_below` rows a row's parts are columns (heads, for RoPE) shared by the step's threads,
-// where one thread would do the whole row while its partners waited at the barrier after it (a
-// 1B model's one-row step: ~0.2 ms of SiLU * up and ~0.2 of norms on one thread); from
-// `split_below` rows on a row is done whole by whoever takes its first part (its other parts are
-// nothing), so no row's norm is summed twice. f(row, p0, p1) does parts [p0, p1) of a row, once
-// for each row the items [begin, end) touch.
+struct NormTask {
+  bf16* x;         // [rows, n], row stride x_stride
+  bf16* residual;  // [rows, n] contiguous, or null (plain RMSNorm)
+  const bf16* weight;
+  bf16* out;  // [rows, n], row stride out_stride (may be x)
+  int64_t n, x_stride, out_stride, lanes;
+  float eps;
+};
+
+void norm_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
+  const NormTask& t = *static_cast<const NormTask*>(raw);
+  if (begin >= end) return;
+  auto* residual = t.residual != nullptr ? t.residual + begin * t.n : nullptr;
+  auto* x = t.x + begin * t.x_stride;
+  auto* out = t.out + begin * t.out_stride;
+  if (t.lanes == 16)
+    rms_norm_rows<bf16, 16>(x, residual, t.weight, out, end - begin, t.n, t.x_stride, t.out_stride, t.eps);
+  else
+    rms_norm_rows<bf16, 8>(x, residual, t.weight, out, end - begin, t.n, t.x_stride, t.out_stride, t.eps);
+}
+
+struct RotaryTask {
+  bf16* x;  // [rows, heads, head_dim] at token_stride / head_stride
+  const bf16* cos;  // [rows, head_dim]
+  const bf16* sin;
+  int64_t num_heads, head_dim, token_stride, head_stride;
+};
+
+void rotary_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
+  const RotaryTask& t = *static_cast<const RotaryTask*>(raw);
+  if (begin >= end) return;
+  rotary_rows<bf16>(t.x + begin * t.token_stride, t.cos + begin * t.head_dim,
+                    t.sin + begin * t.head_dim, end - begin, t.num_heads, t.head_dim,
+                    t.token_stride, t.head_stride);
+}
+
+// SiLU * up's items are (row, part) pairs, `parts` a row: in steps of fewer than `split_below`
+// rows a row's parts are its columns, shared by the step's threads, where one thread would do the
+// whole row while its partners waited at the barrier after it (a 1B model's one-row step: 16
+// rows of 8192, ~0.3 ms a step on one thread); from `split_below` rows on a row is done whole by
+// whoever takes its first part (its other parts are nothing). f(row, p0, p1) does parts [p0, p1)
+// of a row, once for each row the items [begin, end) touch. (The norms gain nothing split so:
+// each part would read and sum the whole row, and that is most of a norm's time.)
 template <typename F>
 void for_row_parts(int64_t rows, int64_t parts, int64_t split_below, int64_t begin, int64_t end,
                    F&& f) {
@@ -464,59 +488,6 @@ inline int64_t part_start(int64_t n, int64_t parts, int64_t p) {
 struct RowParts {
   int64_t parts, split_below;
 };
-
-struct NormTask {
-  const bf16* x;         // [rows, n], row stride x_stride
-  const bf16* residual;  // [rows, n] contiguous, or null (plain RMSNorm)
-  bf16* residual_out;    // [rows, n] contiguous: the new residual (may be `residual` unsplit)
-  const bf16* weight;
-  bf16* out;  // [rows, n], row stride out_stride (may be x unsplit)
-  int64_t n, x_stride, out_stride, lanes;
-  float eps;
-  RowParts split;
-};
-
-void norm_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
-  const NormTask& t = *static_cast<const NormTask*>(raw);
-  if (begin >= end) return;
-  std::vector<float> value(t.n), square(t.n);
-  for_row_parts(rows, t.split.parts, t.split.split_below, begin, end,
-                [&](int64_t r, int64_t p0, int64_t p1) {
-    const int64_t c0 = part_start(t.n, t.split.parts, p0), c1 = part_start(t.n, t.split.parts, p1);
-    if (c0 >= c1) return;
-    const bf16* res_in = t.residual != nullptr ? t.residual + r * t.n : nullptr;
-    bf16* res_out = t.residual != nullptr ? t.residual_out + r * t.n : nullptr;
-    const bf16* x = t.x + r * t.x_stride;
-    bf16* out = t.out + r * t.out_stride;
-    if (t.lanes == 16)
-      rms_norm_row<bf16, 16>(x, res_in, res_out, t.weight, out, t.n, c0, c1, t.eps, value.data(),
-                             square.data());
-    else
-      rms_norm_row<bf16, 8>(x, res_in, res_out, t.weight, out, t.n, c0, c1, t.eps, value.data(),
-                            square.data());
-  });
-}
-
-struct RotaryTask {
-  bf16* x;  // [rows, heads, head_dim] at token_stride / head_stride
-  const bf16* cos;  // [rows, head_dim]
-  const bf16* sin;
-  int64_t num_heads, head_dim, token_stride, head_stride;
-  RowParts split;  // a row's parts are heads
-};
-
-void rotary_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
-  const RotaryTask& t = *static_cast<const RotaryTask*>(raw);
-  if (begin >= end) return;
-  for_row_parts(rows, t.split.parts, t.split.split_below, begin, end,
-                [&](int64_t r, int64_t p0, int64_t p1) {
-    const int64_t h0 = t.num_heads * p0 / t.split.parts, h1 = t.num_heads * p1 / t.split.parts;
-    if (h0 >= h1) return;
-    rotary_rows<bf16>(t.x + r * t.token_stride + h0 * t.head_stride, t.cos + r * t.head_dim,
-                      t.sin + r * t.head_dim, 1, h1 - h0, t.head_dim, t.token_stride,
-                      t.head_stride);
-  });
-}
 
 struct SiluMulTask {
   const bf16* gate_up;  // [rows, 2n] contiguous
@@ -682,56 +653,27 @@ void check_bf16(const torch::Tensor& t, const char* name) {
               "fused_ops task: ", name, " must be bfloat16 with a unit last stride");
 }
 
-RowParts row_parts(int64_t parts, int64_t split_below) {
-  TORCH_CHECK(parts >= 1 && split_below >= 0,
-              "fused_ops task: parts must be positive and split_below not negative");
-  return RowParts{parts, split_below};
-}
-
-bool same_memory(const torch::Tensor& a, const torch::Tensor& b) {
-  return a.data_ptr() == b.data_ptr();
-}
-
-// x, residual (None: plain norm), residual_out (None: residual, in place), out: [max_rows, n]
-// buffers of the step. A row split in `parts` (below `split_below` rows) is read whole by each
-// of its parts while the others write theirs: it must not be written where it is read.
+// x, residual (None: plain norm), out: [max_rows, n] buffers of the step.
 py::capsule make_norm_task(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                           c10::optional<torch::Tensor> residual_out, torch::Tensor weight,
-                           torch::Tensor out, double eps, int64_t lanes, int64_t parts,
-                           int64_t split_below) {
+                           torch::Tensor weight, torch::Tensor out, double eps, int64_t lanes) {
   check_bf16(x, "x");
   check_bf16(out, "out");
   check_bf16(weight, "weight");
   TORCH_CHECK(lanes == 8 || lanes == 16, "lanes must be 8 or 16");
-  const RowParts split = row_parts(parts, split_below);
-  const bool splits = parts > 1 && split_below > 0;
-  bf16* res_out = nullptr;
   if (residual.has_value()) {
     check_bf16(*residual, "residual");
     TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(),
                 "residual must be contiguous and shaped like x");
-    const torch::Tensor& written = residual_out.has_value() ? *residual_out : *residual;
-    check_bf16(written, "residual_out");
-    TORCH_CHECK(written.is_contiguous() && written.sizes() == x.sizes(),
-                "residual_out must be contiguous and shaped like x");
-    TORCH_CHECK(!splits || (!same_memory(written, *residual) && !same_memory(written, x)),
-                "norm task: a split row's new residual must not overwrite its inputs");
-    res_out = written.data_ptr<bf16>();
   }
-  TORCH_CHECK(!splits || (!same_memory(out, x) &&
-                          !(residual.has_value() && same_memory(out, *residual))),
-              "norm task: a split row's output must not overwrite its inputs");
   return task_args(new NormTask{x.data_ptr<bf16>(),
                                 residual.has_value() ? residual->data_ptr<bf16>() : nullptr,
-                                res_out, weight.data_ptr<bf16>(), out.data_ptr<bf16>(), x.size(1),
-                                x.stride(0), out.stride(0), lanes, static_cast<float>(eps),
-                                split});
+                                weight.data_ptr<bf16>(), out.data_ptr<bf16>(), x.size(1),
+                                x.stride(0), out.stride(0), lanes, static_cast<float>(eps)});
 }
 
 // x [max_rows, heads, head_dim] view (the q and k heads of the qkv buffer); cos, sin
-// [max_rows, head_dim] contiguous buffers. A row's parts are heads (each rotated alone).
-py::capsule make_rotary_task(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                             int64_t parts, int64_t split_below) {
+// [max_rows, head_dim] contiguous buffers.
+py::capsule make_rotary_task(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   check_bf16(x, "x");
   check_bf16(cos, "cos");
   check_bf16(sin, "sin");
@@ -739,8 +681,13 @@ py::capsule make_rotary_task(torch::Tensor x, torch::Tensor cos, torch::Tensor s
                   cos.size(-1) == x.size(2) && sin.sizes() == cos.sizes(),
               "rotary task: x [rows, heads, head_dim], cos/sin [rows, head_dim]");
   return task_args(new RotaryTask{x.data_ptr<bf16>(), cos.data_ptr<bf16>(), sin.data_ptr<bf16>(),
-                                  x.size(1), x.size(2), x.stride(0), x.stride(1),
-                                  row_parts(parts, split_below)});
+                                  x.size(1), x.size(2), x.stride(0), x.stride(1)});
+}
+
+RowParts row_parts(int64_t parts, int64_t split_below) {
+  TORCH_CHECK(parts >= 1 && split_below >= 0,
+              "fused_ops task: parts must be positive and split_below not negative");
+  return RowParts{parts, split_below};
 }
 
 py::capsule make_silu_mul_task(torch::Tensor gate_up, torch::Tensor out, int64_t lanes,

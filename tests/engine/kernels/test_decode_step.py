@@ -400,79 +400,45 @@ def test_a_dynamic_gemvs_blocks_are_each_done_once_however_they_are_shared(
 @settings(max_examples=60, deadline=None)
 @given(
     rows=st.integers(1, 12),
-    n=st.sampled_from([8, 40, 64, 100, 576, 1000]),
-    heads=st.integers(1, 12),
+    n=st.sampled_from([8, 40, 64, 100, 576, 1000, 1536]),
     parts=st.integers(1, 5),
     split_below=st.integers(0, 13),
     threads=st.sampled_from([1, 2, 3]),
     mode=st.sampled_from([0, decode_step.TASK_DYNAMIC_MANY]),
+    scale=st.sampled_from([1.0, 8.0]),
     seed=st.integers(0, 2**16),
 )
-def test_row_wise_tasks_split_in_parts_write_each_rows_bits_once(
-    step_ext, rows, n, heads, parts, split_below, threads, mode, seed
+def test_silu_mul_split_in_column_parts_writes_each_rows_bits_once(
+    step_ext, rows, n, parts, split_below, threads, mode, scale, seed
 ):
-    """The norms, RoPE and SiLU * up take (row, part) items: below `split_below` rows a row's
-    parts are its columns (heads, for RoPE), each part reading the whole row and writing its
-    own; from it a row is done whole by whoever takes its first part. However the threads
-    share them, every row comes out as the per-operator kernels make it, and the norm's new
-    residual goes to its own buffer, the old one untouched."""
+    """SiLU * up takes (row, part) items: below `split_below` rows a row's parts are its
+    columns, each written by whichever thread takes it; from it a row is done whole by whoever
+    takes its first part. However the threads share them, every row is torch's."""
     from engine.kernels.cpu import fused_ops
 
     fo = fused_ops.load()
     if fo is None:
         pytest.skip("the fused ops cannot follow torch's arithmetic here")
-    norm_lanes, exp_lanes = fused_ops.lanes()
     g = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g).bfloat16()
-
-    x, residual, weight = randn(rows, n), randn(rows, n), randn(n)
-    residual_before = residual.clone()
-    residual_out = torch.full_like(residual, float("nan"))
-    normed = torch.full_like(x, float("nan"))
-    gate_up = randn(rows, 2 * n) * 4
+    gate_up = (torch.randn(rows, 2 * n, generator=g) * scale).bfloat16()
     act = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
-    head_dim = 8
-    qkv = randn(rows, heads + 1, head_dim)  # the last head is not rotated (V's place)
-    cos, sin = randn(rows, head_dim), randn(rows, head_dim)
-    want_qkv = qkv.clone()
-    fo.rotary_(want_qkv[:, :heads], cos, sin)
-    tasks = [
-        (fo.norm_task_fn(), fo.make_norm_task(x, residual, residual_out, weight, normed, 1e-5,
-                                              norm_lanes, parts, split_below)),
-        (fo.silu_mul_task_fn(), fo.make_silu_mul_task(gate_up, act, exp_lanes, parts,
-                                                      split_below)),
-        (fo.rotary_task_fn(), fo.make_rotary_task(qkv[:, :heads], cos, sin, parts, split_below)),
-    ]  # fmt: skip
-    plan = step_ext.Plan([(fn, args, 0, parts, True, None, mode) for fn, args in tasks])
+    args = fo.make_silu_mul_task(gate_up, act, fused_ops.lanes()[1], parts, split_below)
+    plan = step_ext.Plan([(fo.silu_mul_task_fn(), args, 0, parts, True, None, mode)])
     plan.run(rows, threads, decode_step.SPIN)
-
-    want_normed, want_residual = x.clone(), residual.clone()
-    fo.add_rms_norm_(want_normed, want_residual, weight, 1e-5, norm_lanes)
-    assert torch.equal(residual, residual_before)
-    assert torch.equal(residual_out, want_residual) and torch.equal(normed, want_normed)
     assert torch.equal(act, torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:])
-    assert torch.equal(qkv, want_qkv)
 
 
-def test_a_split_norm_refuses_to_write_over_what_it_reads(step_ext):
+def test_silu_mul_task_refuses_no_parts(step_ext):
     from engine.kernels.cpu import fused_ops
 
     fo = fused_ops.load()
     if fo is None:
         pytest.skip("the fused ops cannot follow torch's arithmetic here")
-    x, residual, other, weight = (torch.zeros(2, 64, dtype=torch.bfloat16) for _ in range(4))
-    lanes = fused_ops.lanes()[0]
-    with pytest.raises(RuntimeError, match="new residual must not overwrite"):
-        fo.make_norm_task(x, residual, None, weight[0], other, 1e-5, lanes, 2, 8)
-    with pytest.raises(RuntimeError, match="output must not overwrite"):
-        fo.make_norm_task(x, residual, other, weight[0], x, 1e-5, lanes, 2, 8)
+    gate_up, act = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="parts must be positive"):
-        fo.make_norm_task(x, None, None, weight[0], other, 1e-5, lanes, 0, 8)
-    # unsplit (one part, or split_below 0), in place as the per-operator kernel works
-    fo.make_norm_task(x, residual, None, weight[0], x, 1e-5, lanes, 1, 8)
-    fo.make_norm_task(x, residual, None, weight[0], x, 1e-5, lanes, 2, 0)
+        fo.make_silu_mul_task(gate_up, act, fused_ops.lanes()[1], 0, 8)
+    with pytest.raises(RuntimeError, match="split_below not negative"):
+        fo.make_silu_mul_task(gate_up, act, fused_ops.lanes()[1], 2, -1)
 
 
 def test_a_plan_refuses_unknown_modes_and_empty_takes(step_ext):
