@@ -13,8 +13,13 @@ is held for the whole wait, so there are about idle time / wait of them). On two
 land beside the engine: a client's reply consumer and a worker's request consumer poll all the
 time.
 
+And what a produce request costs (`--produce N`): N messages of `--produce-bytes`, each sent
+alone and awaited (acks=all, no linger: one stream's tokens, a request each), the producer's CPU
+and the broker's per request. A worker streaming one request sends about one such request a
+token, and on two cores the broker's share lands beside the engine.
+
     python -m loadtest.bench_fetch_hold [--waits 20,100,500] [--messages 12] [--idle-s 5]
-                                        [--partitions 1] [--bootstrap HOST:PORT]
+                                        [--partitions 1] [--produce 0] [--bootstrap HOST:PORT]
 """
 
 from __future__ import annotations
@@ -107,11 +112,48 @@ async def idle_cost(
     return result
 
 
+async def produce_cost(
+    bootstrap: str, num_requests: int, num_bytes: int, broker_pid: int | None
+) -> dict:
+    """CPU per produce request of one message each, sent one after another and awaited: this
+    process's (the producer's) and the broker's where its pid is known."""
+    from aiokafka import AIOKafkaProducer
+
+    from loadtest.bench_e2e import cpu_seconds
+
+    topic = f"produce-cost-{random.randrange(1 << 30)}"
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+    await producer.start()
+    try:
+        await producer.send_and_wait(topic, b"first")  # creates the topic
+        value = b"x" * num_bytes
+        cpu_before, started = time.process_time(), time.monotonic()
+        broker_before = cpu_seconds(broker_pid) if broker_pid else 0.0
+        for _ in range(num_requests):
+            await producer.send_and_wait(topic, value)
+        elapsed = time.monotonic() - started
+        producer_s = time.process_time() - cpu_before
+        broker_s = cpu_seconds(broker_pid) - broker_before if broker_pid else 0.0
+    finally:
+        await producer.stop()
+    result = {
+        "requests": num_requests,
+        "ms_per_request": round(elapsed * 1000 / num_requests, 3),
+        "producer_us_per_request": round(producer_s * 1e6 / num_requests, 1),
+    }
+    if broker_pid:
+        result["broker_us_per_request"] = round(broker_s * 1e6 / num_requests, 1)
+    return result
+
+
 async def run(
     bootstrap: str, waits: list[int], num_messages: int, idle_s: float = 0.0,
-    num_partitions: int = 1, broker_pid: int | None = None,
+    num_partitions: int = 1, broker_pid: int | None = None, num_produce: int = 0,
+    produce_bytes: int = 200,
 ) -> dict:  # fmt: skip
     results = {}
+    if num_produce > 0:
+        results["produce"] = await produce_cost(bootstrap, num_produce, produce_bytes, broker_pid)
     for wait_ms in waits:
         latencies = await hold_ms(bootstrap, wait_ms, num_messages)
         results[str(wait_ms)] = {
@@ -134,21 +176,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bootstrap", default=None, help="a running broker (default: embedded)")
     parser.add_argument("--idle-s", type=float, default=5.0, help="0: no idle cost measured")
     parser.add_argument("--partitions", type=int, default=1, help="of the idle topic")
+    parser.add_argument("--produce", type=int, default=0, help="produce requests to time (0: none)")
+    parser.add_argument("--produce-bytes", type=int, default=200, help="each message's size")
     parser.add_argument("--out", default=None, help="write the JSON here too")
     args = parser.parse_args(argv)
     waits = [int(w) for w in args.waits.split(",")]
     if args.bootstrap:
         results = asyncio.run(
-            run(args.bootstrap, waits, args.messages, args.idle_s, args.partitions)
-        )
+            run(args.bootstrap, waits, args.messages, args.idle_s, args.partitions,
+                num_produce=args.produce, produce_bytes=args.produce_bytes)
+        )  # fmt: skip
     else:
         from worker.broker import EmbeddedBroker
 
         with EmbeddedBroker() as broker:
             results = asyncio.run(
                 run(broker.bootstrap_servers, waits, args.messages, args.idle_s,
-                    args.partitions, broker.pid)
+                    args.partitions, broker.pid, args.produce, args.produce_bytes)
             )  # fmt: skip
+    produce = results.pop("produce", None)
     print(f"{'fetch wait':>10} {'median':>8} {'min':>8} {'max':>8}  (produce -> consume, ms)")
     for wait, r in results.items():
         print(f"{wait:>10} {r['median_ms']:>8} {r['min_ms']:>8} {r['max_ms']:>8}")
@@ -162,8 +208,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{idle.get('broker_cpu_per_s', float('nan')):>8.4f} "
                   f"{idle['consumer_ms_per_fetch']:>12.3f} "
                   f"{idle.get('broker_ms_per_fetch', float('nan')):>10.3f}")  # fmt: skip
+    if produce is not None:
+        print(f"\nproduce requests of one {args.produce_bytes}-byte message, awaited one by one "
+              f"({produce['requests']}): {produce['ms_per_request']} ms each; CPU per request: "
+              f"producer {produce['producer_us_per_request']} us, broker "
+              f"{produce.get('broker_us_per_request', 'not known')} us")  # fmt: skip
     doc = {"messages": args.messages, "broker": args.bootstrap or "embedded",
-           "idle_s": args.idle_s, "idle_partitions": args.partitions, "by_wait_ms": results}  # fmt: skip
+           "idle_s": args.idle_s, "idle_partitions": args.partitions, "by_wait_ms": results,
+           **({"produce": produce} if produce is not None else {})}  # fmt: skip
     from loadtest.report import emit
 
     emit(doc, None if args.out is None else Path(args.out), None, None)
