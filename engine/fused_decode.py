@@ -320,6 +320,7 @@ class FusedDecode:
         # attention's items cost what their row's context does, and a thread preempted by other
         # work (a worker's loop, a broker) no longer holds its whole share up at the barrier.
         many = decode_step.TASK_DYNAMIC_MANY
+        silu_parts = max(1, torch.get_num_threads())  # a row's parts below SILU_SPLIT_ROWS rows
 
         def norm(norm_module, x, residual):
             args = fo.make_norm_task(
@@ -411,11 +412,9 @@ class FusedDecode:
             gemv("o_proj", attn.o_proj, self.attn.view(self.max_rows, -1), self.branch)
             norm(layer.post_attention_layernorm, self.branch, self.residual)
             gemv("gate_up_proj", mlp.gate_up_proj, self.normed, self.gate_up)
-            # (a row in column parts, one per thread, below SILU_SPLIT_ROWS rows)
-            parts = max(1, torch.get_num_threads())
-            silu = fo.make_silu_mul_task(self.gate_up, self.act, exp_lanes, parts,
+            silu = fo.make_silu_mul_task(self.gate_up, self.act, exp_lanes, silu_parts,
                                          SILU_SPLIT_ROWS)  # fmt: skip
-            tasks.append((silu_fn, silu, 0, parts, True, None, many))
+            tasks.append((silu_fn, silu, 0, silu_parts, True, None, many))
             self.task_names.append("silu_mul")
             gemv("down_proj", mlp.down_proj, self.act, self.branch)
         norm(model.model.norm, self.branch, self.residual)

@@ -459,7 +459,7 @@ void rotary_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
 // SiLU * up's items are (row, part) pairs, `parts` a row: in steps of fewer than `split_below`
 // rows a row's parts are its columns, shared by the step's threads, where one thread would do the
 // whole row while its partners waited at the barrier after it (a 1B model's one-row step: 16
-// rows of 8192, ~0.3 ms a step on one thread); from `split_below` rows on a row is done whole by
+// layers' rows of 8192, ~0.3 ms a step on one thread); from `split_below` rows on a row is done whole by
 // whoever takes its first part (its other parts are nothing). f(row, p0, p1) does parts [p0, p1)
 // of a row, once for each row the items [begin, end) touch. (The norms gain nothing split so:
 // each part would read and sum the whole row, and that is most of a norm's time.)
