@@ -358,11 +358,17 @@ void silu_mul_row(const scalar_t* g, const scalar_t* u, scalar_t* o, int64_t n, 
   }
 }
 
+// The floats one iteration of torch's vectorised loop takes: 2 Vectorized<scalar_t>, and a
+// Vectorized of a 2-byte type holds twice the float lanes.
+template <typename scalar_t>
+constexpr int64_t loop_step(int64_t lanes) {
+  return 2 * lanes * (sizeof(scalar_t) == 2 ? 2 : 1);
+}
+
 template <typename scalar_t>
 void silu_mul_rows(const scalar_t* gate_up, scalar_t* out, int64_t rows, int64_t n,
                    int64_t in_stride, int64_t lanes, int64_t num_threads) {
-  // A Vectorized of a 2-byte type holds twice the float lanes.
-  const int64_t step = 2 * lanes * (sizeof(scalar_t) == 2 ? 2 : 1);
+  const int64_t step = loop_step<scalar_t>(lanes);
   const int64_t chunk = torch_chunk(rows * n, num_threads);
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
@@ -457,12 +463,12 @@ void rotary_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
 }
 
 // SiLU * up's items are (row, part) pairs, `parts` a row: in steps of fewer than `split_below`
-// rows a row's parts are its columns, shared by the step's threads, where one thread would do the
-// whole row while its partners waited at the barrier after it (a 1B model's one-row step: 16
-// layers' rows of 8192, ~0.3 ms a step on one thread); from `split_below` rows on a row is done whole by
-// whoever takes its first part (its other parts are nothing). f(row, p0, p1) does parts [p0, p1)
-// of a row, once for each row the items [begin, end) touch. (The norms gain nothing split so:
-// each part would read and sum the whole row, and that is most of a norm's time.)
+// rows a row's parts are its columns, shared by the step's threads, where one thread would do
+// the whole row while its partners waited at the barrier after it (a 1B model's one-row step:
+// 16 layers' rows of 8192, ~0.3 ms a step on one thread); from `split_below` rows on a row is
+// done whole by whoever takes its first part (its other parts are nothing). f(row, p0, p1) does
+// parts [p0, p1) of a row, once for each row the items [begin, end) touch. (The norms gain
+// nothing split so: each part would read and sum the whole row, most of a norm's time.)
 template <typename F>
 void for_row_parts(int64_t rows, int64_t parts, int64_t split_below, int64_t begin, int64_t end,
                    F&& f) {
@@ -485,27 +491,22 @@ inline int64_t part_start(int64_t n, int64_t parts, int64_t p) {
   return n * p / parts / align * align;
 }
 
-struct RowParts {
-  int64_t parts, split_below;
-};
-
 struct SiluMulTask {
   const bf16* gate_up;  // [rows, 2n] contiguous
   bf16* out;            // [rows, n] contiguous
   int64_t n, lanes, num_threads;  // torch's intra-op threads when the task was made
-  RowParts split;
+  int64_t parts, split_below;     // for_row_parts
 };
 
 // torch's exp pieces are placed by the whole step's element count (silu_mul_row).
 void silu_mul_task(const void* raw, int64_t rows, int64_t begin, int64_t end) {
   const SiluMulTask& t = *static_cast<const SiluMulTask*>(raw);
   if (begin >= end) return;
-  const int64_t step = 2 * t.lanes * 2;  // bf16: a Vectorized holds twice the float lanes
+  const int64_t step = loop_step<bf16>(t.lanes);
   const int64_t chunk = torch_chunk(rows * t.n, t.num_threads);
   std::vector<float> gate(t.n), denom(t.n);
-  for_row_parts(rows, t.split.parts, t.split.split_below, begin, end,
-                [&](int64_t r, int64_t p0, int64_t p1) {
-    const int64_t c0 = part_start(t.n, t.split.parts, p0), c1 = part_start(t.n, t.split.parts, p1);
+  for_row_parts(rows, t.parts, t.split_below, begin, end, [&](int64_t r, int64_t p0, int64_t p1) {
+    const int64_t c0 = part_start(t.n, t.parts, p0), c1 = part_start(t.n, t.parts, p1);
     if (c0 >= c1) return;
     const bf16* g = t.gate_up + r * 2 * t.n;
     silu_mul_row<bf16>(g, g + t.n, t.out + r * t.n, t.n, r * t.n, chunk, step, t.lanes, c0, c1,
@@ -684,12 +685,6 @@ py::capsule make_rotary_task(torch::Tensor x, torch::Tensor cos, torch::Tensor s
                                   x.size(1), x.size(2), x.stride(0), x.stride(1)});
 }
 
-RowParts row_parts(int64_t parts, int64_t split_below) {
-  TORCH_CHECK(parts >= 1 && split_below >= 0,
-              "fused_ops task: parts must be positive and split_below not negative");
-  return RowParts{parts, split_below};
-}
-
 py::capsule make_silu_mul_task(torch::Tensor gate_up, torch::Tensor out, int64_t lanes,
                                int64_t parts, int64_t split_below) {
   check_bf16(gate_up, "gate_up");
@@ -698,9 +693,11 @@ py::capsule make_silu_mul_task(torch::Tensor gate_up, torch::Tensor out, int64_t
                   gate_up.size(1) == 2 * out.size(1),
               "silu_mul task: gate_up [rows, 2n], out [rows, n], contiguous");
   check_exp_lanes(lanes);
+  TORCH_CHECK(parts >= 1 && split_below >= 0,
+              "silu_mul task: parts must be positive and split_below not negative");
   return task_args(new SiluMulTask{gate_up.data_ptr<bf16>(), out.data_ptr<bf16>(), out.size(1),
-                                   lanes, static_cast<int64_t>(at::get_num_threads()),
-                                   row_parts(parts, split_below)});
+                                   lanes, static_cast<int64_t>(at::get_num_threads()), parts,
+                                   split_below});
 }
 
 // table [n, width...] and out [max_rows, width...] of one dtype, rows unit-strided inside;

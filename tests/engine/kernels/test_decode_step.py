@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from engine import LLMEngine, SamplingParams, fused_decode
 from engine.kernels.attention_types import AttentionMetadata, PrefillChunk
-from engine.kernels.cpu import bf16_gemm, decode_step, quant_gemm
+from engine.kernels.cpu import bf16_gemm, decode_step, fused_ops, quant_gemm
 from engine.layers.linear import Linear
 from engine.quant.config import QuantConfig
 from engine.quant.linear import QuantLinear
@@ -29,6 +29,13 @@ def step_ext():
     if decode_step.load() is None or quant_gemm.load() is None:
         pytest.skip("the C++ kernels did not build here (no compiler)")
     return decode_step.load()
+
+
+@pytest.fixture(scope="module")
+def fused_ops_ext():
+    if fused_ops.load() is None:
+        pytest.skip("the fused ops cannot follow torch's arithmetic here")
+    return fused_ops.load()
 
 
 @pytest.fixture(scope="module")
@@ -409,16 +416,12 @@ def test_a_dynamic_gemvs_blocks_are_each_done_once_however_they_are_shared(
     seed=st.integers(0, 2**16),
 )
 def test_silu_mul_split_in_column_parts_writes_each_rows_bits_once(
-    step_ext, rows, n, parts, split_below, threads, mode, scale, seed
+    step_ext, fused_ops_ext, rows, n, parts, split_below, threads, mode, scale, seed
 ):
     """SiLU * up takes (row, part) items: below `split_below` rows a row's parts are its
     columns, each written by whichever thread takes it; from it a row is done whole by whoever
     takes its first part. However the threads share them, every row is torch's."""
-    from engine.kernels.cpu import fused_ops
-
-    fo = fused_ops.load()
-    if fo is None:
-        pytest.skip("the fused ops cannot follow torch's arithmetic here")
+    fo = fused_ops_ext
     g = torch.Generator().manual_seed(seed)
     gate_up = (torch.randn(rows, 2 * n, generator=g) * scale).bfloat16()
     act = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
@@ -428,12 +431,8 @@ def test_silu_mul_split_in_column_parts_writes_each_rows_bits_once(
     assert torch.equal(act, torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:])
 
 
-def test_silu_mul_task_refuses_no_parts(step_ext):
-    from engine.kernels.cpu import fused_ops
-
-    fo = fused_ops.load()
-    if fo is None:
-        pytest.skip("the fused ops cannot follow torch's arithmetic here")
+def test_silu_mul_task_refuses_no_parts(fused_ops_ext):
+    fo = fused_ops_ext
     gate_up, act = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="parts must be positive"):
         fo.make_silu_mul_task(gate_up, act, fused_ops.lanes()[1], 0, 8)
