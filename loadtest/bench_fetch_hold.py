@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import statistics
 import sys
@@ -148,12 +149,9 @@ async def produce_cost(
 
 async def run(
     bootstrap: str, waits: list[int], num_messages: int, idle_s: float = 0.0,
-    num_partitions: int = 1, broker_pid: int | None = None, num_produce: int = 0,
-    produce_bytes: int = 200,
+    num_partitions: int = 1, broker_pid: int | None = None,
 ) -> dict:  # fmt: skip
     results = {}
-    if num_produce > 0:
-        results["produce"] = await produce_cost(bootstrap, num_produce, produce_bytes, broker_pid)
     for wait_ms in waits:
         latencies = await hold_ms(bootstrap, wait_ms, num_messages)
         results[str(wait_ms)] = {
@@ -181,20 +179,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the JSON here too")
     args = parser.parse_args(argv)
     waits = [int(w) for w in args.waits.split(",")]
-    if args.bootstrap:
-        results = asyncio.run(
-            run(args.bootstrap, waits, args.messages, args.idle_s, args.partitions,
-                num_produce=args.produce, produce_bytes=args.produce_bytes)
-        )  # fmt: skip
-    else:
-        from worker.broker import EmbeddedBroker
+    with contextlib.ExitStack() as stack:
+        bootstrap, broker_pid = args.bootstrap, None
+        if bootstrap is None:
+            from worker.broker import EmbeddedBroker
 
-        with EmbeddedBroker() as broker:
-            results = asyncio.run(
-                run(broker.bootstrap_servers, waits, args.messages, args.idle_s,
-                    args.partitions, broker.pid, args.produce, args.produce_bytes)
-            )  # fmt: skip
-    produce = results.pop("produce", None)
+            broker = stack.enter_context(EmbeddedBroker())
+            bootstrap, broker_pid = broker.bootstrap_servers, broker.pid
+        results = asyncio.run(
+            run(bootstrap, waits, args.messages, args.idle_s, args.partitions, broker_pid)
+        )
+        produce = (
+            asyncio.run(produce_cost(bootstrap, args.produce, args.produce_bytes, broker_pid))
+            if args.produce > 0
+            else None
+        )
     print(f"{'fetch wait':>10} {'median':>8} {'min':>8} {'max':>8}  (produce -> consume, ms)")
     for wait, r in results.items():
         print(f"{wait:>10} {r['median_ms']:>8} {r['min_ms']:>8} {r['max_ms']:>8}")

@@ -81,8 +81,7 @@ def run(args) -> dict:
         eng = LLMEngine(args.model, dtype="bfloat16", **options)
         warm = SamplingParams(max_tokens=8, temperature=0.0)
         eng.add_request("warmup", prompt[::-1], warm)  # shares no block with the prompt
-        while eng.has_unfinished_requests():
-            eng.step()
+        _generate(eng)
         return eng
 
     engines = {side: build_with(settings[side], build) for side in order}
@@ -135,17 +134,14 @@ def _generate(eng) -> tuple[int, int]:
 def _timed(eng) -> tuple[int, dict[str, float]]:
     """`_generate(eng)` with the fused step's task clocks on: its tokens and, per kind of task,
     ms a step."""
-    from loadtest.profile_step import run_with_task_clocks
+    from loadtest.profile_step import run_with_task_clocks, task_split
 
     fused = eng.runner._forward.fused
     (num_tokens, num_steps), tasks = run_with_task_clocks(
         fused.plan, fused.task_names, lambda: _generate(eng)
     )
-    spans: dict[str, float] = {}
-    for name, work, wait in tasks:
-        span = (sum(work) / len(work) + sum(wait) / len(wait)) / max(1, num_steps) / 1e6
-        spans[name] = round(spans.get(name, 0.0) + span, 4)
-    return num_tokens, spans
+    split = task_split(tasks, max(1, num_steps))
+    return num_tokens, {k: round(e["work"] + e["wait"], 4) for k, e in split.items()}
 
 
 def _clock_medians(clocks: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:

@@ -35,7 +35,7 @@ import statistics
 import time
 from pathlib import Path
 
-from loadtest.profile_step import run_with_task_clocks
+from loadtest.profile_step import run_with_task_clocks, task_split
 from loadtest.report import emit
 
 NUM_RUNS = 40  # runs of a plan per round (the first few after another plan warm its buffers)
@@ -54,10 +54,7 @@ def _timed(fn, runs: int = NUM_RUNS) -> float:
 def _task_split(plan, names: list[str], run, runs: int = NUM_RUNS) -> dict[str, float]:
     """ms per run and kind of task: the threads' mean work (the plan's own clocks)."""
     _, tasks = run_with_task_clocks(plan, names, lambda: [run() for _ in range(runs)])
-    split: dict[str, float] = {}
-    for name, w, _ in tasks:
-        split[name] = split.get(name, 0.0) + sum(w) / len(w) / runs / 1e6
-    return {k: round(v, 3) for k, v in split.items()}
+    return {k: round(e["work"], 3) for k, e in task_split(tasks, runs).items()}
 
 
 def _last_rows(eng, fused, request_id: str, num_rows: int) -> tuple[int, int]:

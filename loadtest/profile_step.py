@@ -230,13 +230,21 @@ def _fused_task_split(eng, num_steps: int) -> dict | None:
                                     lambda: [eng.step() for _ in range(num_steps)])  # fmt: skip
     if not tasks:  # every step ran on one thread (no barriers, no clocks)
         return None
+    split = task_split(tasks, num_steps)
+    return {k: {m: round(v, 3) for m, v in e.items()} for k, e in split.items()}
+
+
+def task_split(tasks: list[tuple], num_steps: int) -> dict[str, dict[str, float]]:
+    """`run_with_task_clocks`'s tasks by kind (their name), summed over the kind's tasks, in ms
+    a step (or a run: `num_steps` divides): the threads' mean work, the slowest thread's work
+    and the threads' mean wait at the barrier after."""
     split: dict[str, dict[str, float]] = {}
     for name, w, b in tasks:
         entry = split.setdefault(name, {"work": 0.0, "wait": 0.0, "max_work": 0.0})
         entry["work"] += sum(w) / len(w) / num_steps / 1e6
         entry["max_work"] += max(w) / num_steps / 1e6
         entry["wait"] += sum(b) / len(b) / num_steps / 1e6
-    return {k: {m: round(v, 3) for m, v in e.items()} for k, e in split.items()}
+    return split
 
 
 def _plan_stats(eng) -> dict | None:
