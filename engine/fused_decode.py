@@ -88,22 +88,13 @@ BATCH_MAX_REQUESTS = 3
 
 def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
     """Why `model` cannot take the fused step (None: it can)."""
-    from engine.models.llama import (
-        LlamaAttention,
-        LlamaDecoderLayer,
-        LlamaForCausalLM,
-        LlamaMLP,
-        LlamaModel,
-    )
-
-    if not isinstance(model, LlamaForCausalLM) or type(model.model) is not LlamaModel:
-        return f"architecture {type(model).__name__}"
+    reason = _architecture_reason(model)
+    if reason is not None:
+        return reason
     if kv_dtype not in (torch.bfloat16, torch.int8):
         return f"KV cache {kv_dtype}"
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if (type(layer), type(attn), type(mlp)) != (LlamaDecoderLayer, LlamaAttention, LlamaMLP):
-            return "layer types"
+        attn = layer.self_attn
         backend = getattr(attn.backend, "name", None)
         if not (backend == "cpu" and isinstance(attn.kv_cache, torch.Tensor)) and not (
             backend == "cpu-int8kv" and isinstance(attn.kv_cache, Int8KVCache)
@@ -119,6 +110,42 @@ def unsupported_reason(model, kv_dtype: torch.dtype) -> str | None:
     if model.model.norm.kernels is None:
         return "fused ops off"
     return None
+
+
+def _architecture_reason(model) -> str | None:
+    """Why `model`'s classes are not the ones the step runs (None: they are)."""
+    from engine.models.llama import (
+        LlamaAttention,
+        LlamaDecoderLayer,
+        LlamaForCausalLM,
+        LlamaMLP,
+        LlamaModel,
+    )
+
+    if not isinstance(model, LlamaForCausalLM) or type(model.model) is not LlamaModel:
+        return f"architecture {type(model).__name__}"
+    for layer in model.model.layers:
+        types = (type(layer), type(layer.self_attn), type(layer.mlp))
+        if types != (LlamaDecoderLayer, LlamaAttention, LlamaMLP):
+            return "layer types"
+    return None
+
+
+def linears_for_the_step(model, mode: str) -> list:
+    """The plain linears the fused step would run (every projection and the lm_head), to be put
+    on our GEMV before the step is resolved: [] where `mode` is "off" or the model's classes
+    are not the step's.
+
+    Why not by their own calibration (engine/kernels/cpu/linear_choice.py): a linear on our
+    GEMV runs inside the step's one parallel region, and the lm_head there brings the screen,
+    the n-gram lookup and the draft (`speculate`) with it. One call of one layer cannot weigh
+    that. On the 2-core Zen 5 the calibration put SmolLM2's lm_head on oneDNN (our kernel 1.5x
+    slower at 64 rows, faster at 1-16), which took the lm_head off the step: W1 bf16 158 tok/s
+    against 298 with it on the step, W2 1117 against 1168 (loadtest/JOURNAL.md, fortieth
+    session)."""
+    if mode == "off" or _architecture_reason(model) is not None:
+        return []
+    return [linear for linear in _step_linears(model) if isinstance(linear, Linear)]
 
 
 def _projections(layer) -> tuple:

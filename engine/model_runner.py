@@ -255,11 +255,14 @@ class ModelRunner:
 
     def _pack_linears(self, requested: str) -> dict[str, int]:
         """Pack the linears whose shape a calibration on this CPU (or `requested`) says should
-        be; returns how many layers took each path, for the log."""
+        be, the fused step's on our GEMV (`linears_for_the_step`); returns how many layers took
+        each path, for the log."""
         linears = [m for m in self.model.modules() if isinstance(m, Linear)]
+        step = fused_decode.linears_for_the_step(self.model, self.config.fused_decode)
         choices = choose_linear_kernels(
-            [(m.in_features, m.out_features) for m in linears], self.dtype, requested
-        )
+            [(m.in_features, m.out_features) for m in linears], self.dtype, requested,
+            step_shapes=[(m.in_features, m.out_features) for m in step],
+        )  # fmt: skip
         counts = {"plain": 0, "packed": 0, "gemv": 0}
         for module in linears:
             module.pack(choices[(module.in_features, module.out_features)])

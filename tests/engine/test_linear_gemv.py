@@ -155,3 +155,48 @@ def test_tied_lm_head_packs_its_own_copy_and_the_embedding_stays(tiny_model_dir)
     assert table.shape == (head.out_features, head.in_features)  # still the plain table
     assert head.weight.data_ptr() != table.data_ptr()
     assert torch.equal(layer_weight(head), table)
+
+
+def test_the_steps_shapes_take_the_gemv_uncalibrated_and_the_others_calibrate(monkeypatch, tmp_path):
+    """With "auto", the fused step's shapes take our GEMV without a calibration (one call's time
+    cannot weigh what the step gains); the rest are calibrated; a forced path and a dtype our
+    GEMV does not run are unchanged."""
+    calibrated = []
+
+    def calibrate(in_features, out_features, dtype):
+        calibrated.append((in_features, out_features))
+        return {"choice": "packed" if linear_choice.can_pack_onednn(dtype) else "plain"}
+
+    monkeypatch.setattr(linear_choice, "calibrate_shape", calibrate)
+    monkeypatch.setattr(linear_choice, "calibration_file", lambda: tmp_path / "linear.json")
+    monkeypatch.setattr(linear_choice.calibration, "busy_reason", lambda: "not cached in a test")
+    shapes = [(64, 96), (64, 200), (32, 64)]
+    other = calibrate(0, 0, torch.bfloat16)["choice"]
+    got = linear_choice.choose_linear_kernels(shapes, torch.bfloat16, step_shapes=[(64, 200)])
+    assert got == {(64, 96): other, (64, 200): "gemv", (32, 64): other}
+    assert sorted(calibrated) == [(0, 0), (32, 64), (64, 96)]
+    forced = linear_choice.choose_linear_kernels(shapes, torch.bfloat16, "plain", [(64, 200)])
+    assert set(forced.values()) == {"plain"}
+    calibrated.clear()
+    fp32 = linear_choice.choose_linear_kernels(shapes, torch.float32, step_shapes=[(64, 200)])
+    assert "gemv" not in fp32.values() and sorted(calibrated) == sorted(shapes)
+
+
+@pytest.mark.parametrize("fused_decode", ["auto", "off"])
+def test_a_runner_keeps_the_lm_head_on_the_step_where_one_call_would_choose_onednn(
+    monkeypatch, tmp_path, tiny_model_dir, fused_decode
+):
+    """As on the Zen 5, a calibration that picks oneDNN for every shape: with the fused step
+    on, its projections and lm_head still take our GEMV, so the step runs the lm_head; with the
+    step off, the calibration's choice stands."""
+    monkeypatch.setattr(linear_choice, "calibrate_shape", lambda *shape: {"choice": "packed"})
+    monkeypatch.setattr(linear_choice, "calibration_file", lambda: tmp_path / "linear.json")
+    monkeypatch.setattr(linear_choice, "can_pack_onednn", lambda dtype: True)
+    monkeypatch.setattr(linear_choice.calibration, "busy_reason", lambda: "not cached in a test")
+    config = EngineConfig(num_kv_blocks=8, fused_decode=fused_decode)
+    runner = ModelRunner(tiny_model_dir, config, torch.bfloat16, quantization=None)
+    if fused_decode == "off":
+        assert runner.linear_kernels == {"plain": 0, "packed": 9, "gemv": 0}
+        return
+    assert runner.linear_kernels == {"plain": 0, "packed": 0, "gemv": 9}
+    assert runner.fused_decode is None and runner._forward.fused.has_lm_head

@@ -34,6 +34,13 @@ medians) the calibrated choice (lm_head, gate/up and down packed; q/k/v and o pl
 the tok/s of all-plain (the rule measured on the Xeon) for 1 stream and 1.67x for 16. bf16 took
 packed for every shape (2-2.5x per GEMM at 1 row).
 
+The fused decode step's linears (every projection and the lm_head of a model the step takes,
+engine/fused_decode.py `linears_for_the_step`) are not calibrated: with "auto" they take our
+GEMV wherever it runs, because on it they run inside the step's one parallel region and the
+lm_head brings the step's screen and speculative decoding with it, a gain one call cannot
+measure. On the 2-core Zen 5 the calibration put SmolLM2's bf16 lm_head on oneDNN (faster at
+64 rows only), which kept it off the step: W1 bf16 ran at 158 tok/s against 298.
+
 `EngineConfig.linear_kernel` forces a path ("plain" | "packed" | "gemv"), so each stays tested
 on any CPU. A path this machine cannot run (oneDNN cannot pack fp16 without
 avx_ne_convert/avx512_fp16; our GEMV is bf16 only and needs a C++ compiler) falls back, with one
@@ -92,9 +99,15 @@ def available_paths(dtype: torch.dtype) -> tuple[str, ...]:
 
 
 def choose_linear_kernels(
-    shapes: Iterable[tuple[int, int]], dtype: torch.dtype, requested: str = "auto"
+    shapes: Iterable[tuple[int, int]],
+    dtype: torch.dtype,
+    requested: str = "auto",
+    step_shapes: Iterable[tuple[int, int]] = (),
 ) -> dict[tuple[int, int], str]:
-    """{(in_features, out_features): "plain" | "packed" | "gemv"} for each distinct shape."""
+    """{(in_features, out_features): "plain" | "packed" | "gemv"} for each distinct shape.
+    `step_shapes` are the fused decode step's linears (fused_decode.linears_for_the_step): with
+    "auto" they take our GEMV wherever it runs, uncalibrated (the step's gain is not one
+    call's)."""
     if requested not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {requested!r}")
     distinct = sorted(set(shapes))
@@ -115,11 +128,12 @@ def choose_linear_kernels(
                 detail="oneDNN has no packed path for this dtype on this CPU; using F.linear",
             )  # fmt: skip
         return dict.fromkeys(distinct, "plain")
+    choices = dict.fromkeys(set(step_shapes) & set(distinct) if "gemv" in paths else (), "gemv")
     path = calibration_file()
     cached = calibration.read(path)
-    choices, measured = {}, {}
+    measured = {}
     busy = calibration.busy_reason()
-    for shape in distinct:
+    for shape in (shape for shape in distinct if shape not in choices):
         key = _key(dtype, *shape)
         if key not in cached:
             measured[key] = calibrate_shape(*shape, dtype)
