@@ -163,6 +163,47 @@ AVX512BF16_TARGET void block_avx512bf16(const Problem& p, int64_t b, int64_t row
   finish_avx512<R, U>(p, b, row0, acc);
 }
 
+// From kWideMinRows rows, the avx512bf16 path's tiles are kWideRows rows over kWideBlocks blocks
+// at once (`blocks_avx512bf16`): a pair's step loads 2 weight vectors and 8 broadcasts for 16
+// dot products, where one block over 16 rows loads 17 for 16. There the GEMM is bound by the
+// core, not the memory. On the 2-core Zen 5, SmolLM2's lm_head (576 -> 49152) at 32 and 64
+// rows: 1.15-1.37x and 1.16-1.19x the one-block tiles, even with oneDNN; its other shapes
+// 0.97-1.04x; at 8 and 16 rows, where the weights' bytes bound the call, two weight streams
+// were slower (0.77-0.98x, `loadtest/JOURNAL.md`, fortieth session). Three or four blocks, or
+// 12 rows, were 2-3x slower: the accumulators did not stay in registers. One accumulator per
+// row and block, as block_avx512bf16 keeps from 8 rows: the same sums.
+constexpr int64_t kWideMinRows = 32;
+constexpr int kWideRows = 8;
+constexpr int kWideBlocks = 2;
+
+template <int NB, int R>
+AVX512BF16_TARGET void blocks_avx512bf16(const Problem& p, int64_t b, int64_t row0) {
+  const int64_t stride = p.num_pairs * 2 * kBlock;  // bf16 values per block
+  const uint16_t* wb = p.w + b * stride;
+  const uint32_t* x = p.xpairs + row0;
+  __m512 acc[NB][R][1];
+#pragma GCC unroll 4
+  for (int nb = 0; nb < NB; ++nb)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[nb][r][0] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < p.num_pairs; ++e) {
+    __m512bh w[NB];
+#pragma GCC unroll 4
+    for (int nb = 0; nb < NB; ++nb) {
+      gemv_prefetch::ahead(wb + nb * stride + e * 2 * kBlock, 2 * kBlock * sizeof(uint16_t));
+      w[nb] = (__m512bh)_mm512_loadu_si512(wb + nb * stride + e * 2 * kBlock);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(x[e * p.rows + r]);
+#pragma GCC unroll 4
+      for (int nb = 0; nb < NB; ++nb) acc[nb][r][0] = _mm512_dpbf16_ps(acc[nb][r][0], w[nb], xr);
+    }
+  }
+#pragma GCC unroll 4
+  for (int nb = 0; nb < NB; ++nb) finish_avx512<R, 1>(p, b + nb, row0, acc[nb]);
+}
+
 // acc[r][u] += W's pair e (as fp32: even element << 16, odd & 0xffff0000) * x[r, 2e..2e+1].
 template <int R, int U>
 AVX512_TARGET __attribute__((always_inline)) inline void fma_pair_avx512(const uint16_t* wb, const float* x, int64_t x_stride,
@@ -282,6 +323,30 @@ AVX2_TARGET void block_avx2(const Problem& p, int64_t b, int64_t row0) {
   }
 
 void run_blocks(const Problem& p, int64_t isa, int64_t b0, int64_t b1) {
+  if (isa == kAvx512Bf16 && p.rows >= kWideMinRows) {
+    // Tiles of kWideRows rows for every block (so a row's sums do not depend on its block),
+    // kWideBlocks blocks at a time; the rows past the last whole tile, and the blocks past the
+    // last whole group, one block at a time.
+    const int64_t whole = p.rows - p.rows % kWideRows;
+    int64_t b = b0;
+    for (; b + kWideBlocks <= b1; b += kWideBlocks) {
+      for (int64_t r0 = 0; r0 < whole; r0 += kWideRows)
+        blocks_avx512bf16<kWideBlocks, kWideRows>(p, b, r0);
+      if (whole < p.rows)
+        for (int64_t nb = 0; nb < kWideBlocks; ++nb) {
+#define CALL(R) block_avx512bf16<R>(p, b + nb, whole)
+          DISPATCH_ROWS_16(p.rows - whole, CALL)
+#undef CALL
+        }
+    }
+    for (; b < b1; ++b)
+      for (int64_t r0 = 0; r0 < p.rows; r0 += kWideRows) {
+#define CALL(R) block_avx512bf16<R>(p, b, r0)
+        DISPATCH_ROWS_16(std::min<int64_t>(kWideRows, p.rows - r0), CALL)
+#undef CALL
+      }
+    return;
+  }
   const int64_t max_tile = isa >= kAvx512 ? 16 : (isa == kAvx2 ? kAvx2Rows : 1);
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t r0 = 0; r0 < p.rows; r0 += max_tile) {

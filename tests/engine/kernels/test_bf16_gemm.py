@@ -103,25 +103,33 @@ def test_real_widths_and_more_rows_than_one_tile(ext, isa, rows):
 
 
 # Rows per tile of each path (bf16_gemm.cpp's `run_blocks`): a tile's rows are summed together,
-# and the AVX2 path lays its activations out tile by tile (`widen_tiles`).
+# and the AVX2 path lays its activations out tile by tile (`widen_tiles`). From WIDE_MIN_ROWS
+# rows the avx512bf16 path takes tiles of WIDE_ROWS rows over two blocks at once.
 TILE_ROWS = {"avx512bf16": 16, "avx512": 16, "avx2": 4, "portable": 1}
+WIDE_MIN_ROWS, WIDE_ROWS = 32, 8
+
+
+def _tile_rows(isa: str, rows: int) -> int:
+    return WIDE_ROWS if isa == "avx512bf16" and rows >= WIDE_MIN_ROWS else TILE_ROWS[isa]
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@settings(max_examples=10, deadline=None)
-@given(rows=st.integers(2, 45), **PROBLEM)
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(2, 80), **PROBLEM)
 def test_every_tile_gets_the_bits_of_its_rows_alone(
     ext, isa, rows, in_features, out_features, has_bias, seed
 ):
     """Many rows are tiles of rows, each computed as a call with those rows alone would: the
     same bits, tile by tile. A tile that read another tile's activations (a wrong offset or
-    stride in the tiled layout) would not."""
+    stride in the tiled layout) would not, nor would the avx512bf16 path's two-block tiles if
+    they summed other than one block's (a call of 8 rows alone takes the one-block kernel), or
+    wrote a block's outputs into its neighbour's (out_features draws odd numbers of blocks)."""
     isa = _isa(isa)
     x, weight, bias = _case(torch.Generator().manual_seed(seed), rows, in_features,
                             out_features, has_bias)  # fmt: skip
     packed = bf16_gemm.pack(weight)
     together = bf16_gemm.gemm(ext, x, packed, bias, out_features, isa)
-    tile = TILE_ROWS[isa]
+    tile = _tile_rows(isa, rows)
     for r0 in range(0, rows, tile):
         alone = bf16_gemm.gemm(ext, x[r0 : r0 + tile].clone(), packed, bias, out_features, isa)
         assert torch.equal(together[r0 : r0 + tile], alone), (isa, r0)
