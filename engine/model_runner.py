@@ -21,7 +21,7 @@ from engine import fused_decode, kv_pool
 from engine.attention_backends import attention_backend
 from engine.compile import CompiledModel
 from engine.config import EngineConfig
-from engine.kernels.cpu.linear_choice import choose_linear_kernels
+from engine.kernels.cpu.linear_choice import choose_linears
 from engine.kernels.cpu.paged_attention import compiler
 from engine.kv_cache_manager import cdiv
 from engine.layers.linear import Linear
@@ -259,13 +259,14 @@ class ModelRunner:
         each path, for the log."""
         linears = [m for m in self.model.modules() if isinstance(m, Linear)]
         step = fused_decode.linears_for_the_step(self.model, self.config.fused_decode)
-        choices = choose_linear_kernels(
+        choices = choose_linears(
             [(m.in_features, m.out_features) for m in linears], self.dtype, requested,
             step_shapes=[(m.in_features, m.out_features) for m in step],
         )  # fmt: skip
         counts = {"plain": 0, "packed": 0, "gemv": 0}
         for module in linears:
-            module.pack(choices[(module.in_features, module.out_features)])
+            choice = choices[(module.in_features, module.out_features)]
+            module.pack(choice.path, gemv_max_rows=choice.max_rows)
             counts[module.kernel] += 1
         return counts
 

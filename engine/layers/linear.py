@@ -20,8 +20,9 @@ crash. A packed tied lm_head holds its own copy; the embedding keeps the plain t
 (engine/kernels/cpu/bf16_gemm.py: weights in pairs along K for `vdpbf16ps`), which reads the
 weights at the memory bandwidth for the row counts of decoding. The packed copy is the only one
 kept: the layer runs our kernel for up to 16 rows and oneDNN's `F.linear` on a transient
-unpacked copy beyond (`bf16_gemm.linear`), or our kernel at every row count on a CPU where
-oneDNN has no bf16 GEMM (`bf16_gemm.layer_max_rows`).
+unpacked copy beyond (`bf16_gemm.linear`), or our kernel at every row count where the
+calibration timed it faster at a prefill's rows than that `F.linear` (linear_choice.py
+`gemv_max_rows`) or oneDNN has no bf16 GEMM (`bf16_gemm.layer_max_rows`).
 
 This is the seam for quantization: a quantized linear only has to provide the same constructor
 arguments, `forward`, `weight_loader` and `pack`, and `make_linear`/`make_merged_linear` choose
@@ -83,10 +84,13 @@ class Linear(nn.Module):
     def is_packed(self) -> bool:
         return self.kernel != "plain"
 
-    def pack(self, kernel: str = "packed") -> None:
+    def pack(self, kernel: str = "packed", gemv_max_rows: int | None | str = "machine") -> None:
         """Swap the weight for its `kernel` layout ("packed": oneDNN's, "gemv": ours; call once,
         after loading). The plain weight is freed unless something else holds it (a tied
-        embedding table does). A layout this CPU cannot run leaves the weight plain."""
+        embedding table does). A layout this CPU cannot run leaves the weight plain.
+        `gemv_max_rows`: the most rows a call runs our kernel for (None: every row count;
+        "machine": `bf16_gemm.layer_max_rows()`; the runner passes its shape's calibrated
+        limit, engine/kernels/cpu/linear_choice.py `gemv_max_rows`)."""
         if kernel == "plain" or self.is_packed:
             return
         if kernel == "gemv":
@@ -94,7 +98,9 @@ class Linear(nn.Module):
                 return
             self._gemv = bf16_gemm.load().bf16_gemm
             self._isa = bf16_gemm.isa_code()
-            self._gemv_max_rows = bf16_gemm.layer_max_rows()
+            self._gemv_max_rows = (
+                bf16_gemm.layer_max_rows() if gemv_max_rows == "machine" else gemv_max_rows
+            )
             packed = bf16_gemm.pack(self.weight.detach())
         elif kernel == "packed":
             if not is_packing_supported(self.weight):

@@ -157,10 +157,10 @@ def test_tied_lm_head_packs_its_own_copy_and_the_embedding_stays(tiny_model_dir)
     assert torch.equal(layer_weight(head), table)
 
 
-def test_the_steps_shapes_take_the_gemv_uncalibrated_and_the_others_calibrate(monkeypatch, tmp_path):
-    """With "auto", the fused step's shapes take our GEMV without a calibration (one call's time
-    cannot weigh what the step gains); the rest are calibrated; a forced path and a dtype our
-    GEMV does not run are unchanged."""
+def test_the_steps_shapes_take_the_gemv_whatever_one_call_measured(monkeypatch, tmp_path):
+    """With "auto", the fused step's shapes take our GEMV even where the calibration chose
+    oneDNN for one call (which cannot weigh what the step gains); the rest keep the
+    calibration's choice; a forced path and a dtype our GEMV does not run are unchanged."""
     calibrated = []
 
     def calibrate(in_features, out_features, dtype):
@@ -172,14 +172,63 @@ def test_the_steps_shapes_take_the_gemv_uncalibrated_and_the_others_calibrate(mo
     monkeypatch.setattr(linear_choice.calibration, "busy_reason", lambda: "not cached in a test")
     shapes = [(64, 96), (64, 200), (32, 64)]
     other = calibrate(0, 0, torch.bfloat16)["choice"]
+    calibrated.clear()
     got = linear_choice.choose_linear_kernels(shapes, torch.bfloat16, step_shapes=[(64, 200)])
     assert got == {(64, 96): other, (64, 200): "gemv", (32, 64): other}
-    assert sorted(calibrated) == [(0, 0), (32, 64), (64, 96)]
+    assert sorted(calibrated) == sorted(shapes)  # the step's too: they decide its rows
     forced = linear_choice.choose_linear_kernels(shapes, torch.bfloat16, "plain", [(64, 200)])
     assert set(forced.values()) == {"plain"}
-    calibrated.clear()
     fp32 = linear_choice.choose_linear_kernels(shapes, torch.float32, step_shapes=[(64, 200)])
-    assert "gemv" not in fp32.values() and sorted(calibrated) == sorted(shapes)
+    assert "gemv" not in fp32.values()
+
+
+@settings(max_examples=60, deadline=None)
+@given(ours=st.floats(1, 1e4), plain=st.floats(1, 1e4), has_entry=st.booleans(),
+       onednn_bf16=st.booleans())  # fmt: skip
+def test_a_gemv_layer_runs_every_row_count_where_ours_timed_faster_than_the_fallback(
+    ours, plain, has_entry, onednn_bf16
+):
+    """Past 16 rows a gemv layer hands oneDNN a transient copy (HF's rounding) unless its
+    shape's calibration timed our kernel at a prefill's rows no slower than F.linear on the
+    plain weight (the fallback's GEMM before its copy); without oneDNN bf16, every row count."""
+    rows = linear_choice.PREFILL_ROWS
+    entry = {f"gemv_us_m{rows}": ours, f"plain_us_m{rows}": plain} if has_entry else None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bf16_gemm, "can_pack_onednn", lambda dtype: onednn_bf16)
+        limit = linear_choice.gemv_max_rows(entry)
+    if not onednn_bf16 or (has_entry and ours <= plain):
+        assert limit is None
+    else:
+        assert limit == bf16_gemm.GEMV_MAX_ROWS
+
+
+@pytest.mark.parametrize("ours_faster", [True, False])
+def test_a_runner_gives_each_gemv_layer_its_shapes_rows(
+    monkeypatch, tmp_path, tiny_model_dir, ours_faster
+):
+    """The calibrated limit reaches the layers: with our kernel timed faster at 64 rows a
+    40-row prefill runs it (no copy for oneDNN); slower, the layers copy their weight out."""
+    rows = linear_choice.PREFILL_ROWS
+    timed = {f"gemv_us_m{rows}": 1.0 if ours_faster else 3.0, f"plain_us_m{rows}": 2.0}
+    monkeypatch.setattr(
+        linear_choice, "calibrate_shape", lambda *shape: {"choice": "gemv", **timed}
+    )
+    monkeypatch.setattr(linear_choice, "calibration_file", lambda: tmp_path / "linear.json")
+    monkeypatch.setattr(linear_choice.calibration, "busy_reason", lambda: "not cached in a test")
+    monkeypatch.setattr(bf16_gemm, "can_pack_onednn", lambda dtype: True)
+    runner = ModelRunner(tiny_model_dir, EngineConfig(num_kv_blocks=8), torch.bfloat16,
+                         quantization=None)  # fmt: skip
+    layers = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert layers and all(m.kernel == "gemv" for m in layers)
+    expected = None if ours_faster else bf16_gemm.GEMV_MAX_ROWS
+    assert {m._gemv_max_rows for m in layers} == {expected}
+    unpacked = []
+    real_unpack = bf16_gemm.unpack
+    monkeypatch.setattr(bf16_gemm, "unpack", lambda *args: unpacked.append(args) or real_unpack(*args))
+    layer = layers[0]
+    with torch.inference_mode():
+        layer(torch.randn(40, layer.in_features).to(torch.bfloat16))
+    assert len(unpacked) == (0 if ours_faster else 1)
 
 
 @pytest.mark.parametrize("fused_decode", ["auto", "off"])

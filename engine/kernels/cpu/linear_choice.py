@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import structlog
 import torch
@@ -65,11 +66,13 @@ log = structlog.get_logger(__name__)
 
 LINEAR_KERNELS = ("auto", "plain", "packed", "gemv")
 CALIBRATION_ROWS = (1, 4, 16, 64)
+PREFILL_ROWS = CALIBRATION_ROWS[-1]  # the bucket that stands for a prefill chunk (`gemv_max_rows`)
 _ROUNDS = 15
 # Bumped when what a cached entry means changes: entries from before are measured again (v2:
 # decisions taken under load or from implausible samples are no longer cached; v3: "gemv" timed
-# as our kernel at every bucket).
-CALIBRATION_VERSION = 3
+# as our kernel at every bucket; v4: our kernel's two-block tiles from 32 rows, and the 64-row
+# bucket deciding a gemv layer's prefill rows).
+CALIBRATION_VERSION = 4
 MIN_PLAUSIBLE_SAMPLES = 5  # of _ROUNDS, per path and rows bucket, for a decision to be cached
 MIN_CALL_US = 0.5  # one torch call never returns faster (dispatch alone is ~1-2 us)
 # An upper bound on what one core reads from its own L2 (64 B/cycle at 5 GHz): 320 GB/s.
@@ -98,16 +101,35 @@ def available_paths(dtype: torch.dtype) -> tuple[str, ...]:
     return tuple(paths)
 
 
+class LinearChoice(NamedTuple):
+    """A shape's path, and for "gemv" the most rows a call runs our kernel for (None: every row
+    count; beyond, oneDNN's F.linear on a transient unpacked copy, `bf16_gemm.linear`)."""
+
+    path: str
+    max_rows: int | None = None
+
+
 def choose_linear_kernels(
     shapes: Iterable[tuple[int, int]],
     dtype: torch.dtype,
     requested: str = "auto",
     step_shapes: Iterable[tuple[int, int]] = (),
 ) -> dict[tuple[int, int], str]:
-    """{(in_features, out_features): "plain" | "packed" | "gemv"} for each distinct shape.
-    `step_shapes` are the fused decode step's linears (fused_decode.linears_for_the_step): with
-    "auto" they take our GEMV wherever it runs, uncalibrated (the step's gain is not one
-    call's)."""
+    """{(in_features, out_features): "plain" | "packed" | "gemv"} for each distinct shape
+    (`choose_linears`' paths)."""
+    return {shape: c.path for shape, c in choose_linears(shapes, dtype, requested, step_shapes).items()}
+
+
+def choose_linears(
+    shapes: Iterable[tuple[int, int]],
+    dtype: torch.dtype,
+    requested: str = "auto",
+    step_shapes: Iterable[tuple[int, int]] = (),
+) -> dict[tuple[int, int], LinearChoice]:
+    """{(in_features, out_features): LinearChoice} for each distinct shape. `step_shapes` are
+    the fused decode step's linears (fused_decode.linears_for_the_step): with "auto" they take
+    our GEMV wherever it runs, whatever their calibration says of one call (the step's gain is
+    not one call's); their calibration still decides their rows (`gemv_max_rows`)."""
     if requested not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {requested!r}")
     distinct = sorted(set(shapes))
@@ -120,24 +142,26 @@ def choose_linear_kernels(
                 "linear.kernel_unavailable", requested=requested, using=chosen,
                 dtype=str(dtype), cpu=cpu_info().model_name,
             )  # fmt: skip
-        return dict.fromkeys(distinct, chosen)
+        return dict.fromkeys(distinct, LinearChoice(chosen, gemv_max_rows(None)))
     if paths == ("plain",):
         if dtype != torch.float32:
             log.warning(
                 "linear.packing_unavailable", dtype=str(dtype), cpu=cpu_info().model_name,
                 detail="oneDNN has no packed path for this dtype on this CPU; using F.linear",
             )  # fmt: skip
-        return dict.fromkeys(distinct, "plain")
-    choices = dict.fromkeys(set(step_shapes) & set(distinct) if "gemv" in paths else (), "gemv")
+        return dict.fromkeys(distinct, LinearChoice("plain"))
+    on_the_step = set(step_shapes) if "gemv" in paths else set()
     path = calibration_file()
     cached = calibration.read(path)
-    measured = {}
+    choices, measured = {}, {}
     busy = calibration.busy_reason()
-    for shape in (shape for shape in distinct if shape not in choices):
+    for shape in distinct:
         key = _key(dtype, *shape)
         if key not in cached:
             measured[key] = calibrate_shape(*shape, dtype)
-        choices[shape] = (measured.get(key) or cached[key])["choice"]
+        entry = measured.get(key) or cached[key]
+        choice = "gemv" if shape in on_the_step else entry["choice"]
+        choices[shape] = LinearChoice(choice, gemv_max_rows(entry) if choice == "gemv" else None)
     if measured:
         unsure = [r["unsure"] for r in measured.values() if "unsure" in r]
         reason = busy or calibration.busy_reason() or (unsure[0] if unsure else None)
@@ -147,6 +171,20 @@ def choose_linear_kernels(
         else:  # used for this process only: a busy machine's ranking must not outlive it
             log.warning("linear.calibration_not_cached", reason=reason, results=measured)
     return choices
+
+
+def gemv_max_rows(entry: dict | None) -> int | None:
+    """The most rows a layer on our GEMV runs it for, from its shape's calibration `entry`:
+    every row count (None) where our kernel at PREFILL_ROWS rows was timed no slower than
+    `F.linear` on the plain weight, what the fallback past `bf16_gemm.layer_max_rows()` runs
+    (after copying the weight out of our layout, which the timing leaves out); else, and with
+    no calibration (a forced path), `layer_max_rows()`: oneDNN past 16 rows, which rounds a
+    prefill as Hugging Face's bf16 model does, on a CPU where oneDNN has a bf16 GEMM."""
+    limit = bf16_gemm.layer_max_rows()
+    if limit is None or entry is None:
+        return limit
+    ours, plain = entry.get(f"gemv_us_m{PREFILL_ROWS}"), entry.get(f"plain_us_m{PREFILL_ROWS}")
+    return None if ours is not None and plain is not None and ours <= plain else limit
 
 
 def calibrate_shape(in_features: int, out_features: int, dtype: torch.dtype) -> dict:

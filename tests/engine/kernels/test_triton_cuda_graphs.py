@@ -150,13 +150,13 @@ def test_cuda_runner_moves_plain_linears_without_packing_for_this_cpu(tiny_model
     kernels (it used to, then unpacked them), even where the config asks for packed ones."""
     import engine.model_runner as model_runner
 
-    asked, choose = [], model_runner.choose_linear_kernels
+    asked, choose = [], model_runner.choose_linears
 
-    def spy(shapes, dtype, requested="auto"):
+    def spy(shapes, dtype, requested="auto", step_shapes=()):
         asked.append(requested)
-        return choose(shapes, dtype, requested)
+        return choose(shapes, dtype, requested, step_shapes)
 
-    monkeypatch.setattr(model_runner, "choose_linear_kernels", spy)
+    monkeypatch.setattr(model_runner, "choose_linears", spy)
     config = EngineConfig(
         num_kv_blocks=32, block_size=4, max_model_len=64, max_num_seqs=2, linear_kernel="packed"
     )
