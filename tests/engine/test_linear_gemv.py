@@ -143,6 +143,9 @@ def test_real_calibration_times_every_bf16_path_at_every_bucket():
     for rows in linear_choice.CALIBRATION_ROWS:
         for path in paths:
             assert result[f"{path}_us_m{rows}"] > 0
+    # ... and the fallback a gemv layer runs past its rows, where it has one (oneDNN bf16)
+    fallback = result.get(f"fallback_us_m{linear_choice.PREFILL_ROWS}")
+    assert (fallback is not None and fallback > 0) == (bf16_gemm.layer_max_rows() is not None)
 
 
 def test_tied_lm_head_packs_its_own_copy_and_the_embedding_stays(tiny_model_dir):
@@ -183,20 +186,20 @@ def test_the_steps_shapes_take_the_gemv_whatever_one_call_measured(monkeypatch, 
 
 
 @settings(max_examples=60, deadline=None)
-@given(ours=st.floats(1, 1e4), plain=st.floats(1, 1e4), has_entry=st.booleans(),
+@given(ours=st.floats(1, 1e4), fallback=st.floats(1, 1e4), has_entry=st.booleans(),
        onednn_bf16=st.booleans())  # fmt: skip
 def test_a_gemv_layer_runs_every_row_count_where_ours_timed_faster_than_the_fallback(
-    ours, plain, has_entry, onednn_bf16
+    ours, fallback, has_entry, onednn_bf16
 ):
     """Past 16 rows a gemv layer hands oneDNN a transient copy (HF's rounding) unless its
-    shape's calibration timed our kernel at a prefill's rows no slower than F.linear on the
-    plain weight (the fallback's GEMM before its copy); without oneDNN bf16, every row count."""
+    shape's calibration timed our kernel at a prefill's rows no slower than that fallback;
+    without oneDNN bf16, every row count."""
     rows = linear_choice.PREFILL_ROWS
-    entry = {f"gemv_us_m{rows}": ours, f"plain_us_m{rows}": plain} if has_entry else None
+    entry = {f"gemv_us_m{rows}": ours, f"fallback_us_m{rows}": fallback} if has_entry else None
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bf16_gemm, "can_pack_onednn", lambda dtype: onednn_bf16)
         limit = linear_choice.gemv_max_rows(entry)
-    if not onednn_bf16 or (has_entry and ours <= plain):
+    if not onednn_bf16 or (has_entry and ours <= fallback):
         assert limit is None
     else:
         assert limit == bf16_gemm.GEMV_MAX_ROWS
@@ -209,7 +212,7 @@ def test_a_runner_gives_each_gemv_layer_its_shapes_rows(
     """The calibrated limit reaches the layers: with our kernel timed faster at 64 rows a
     40-row prefill runs it (no copy for oneDNN); slower, the layers copy their weight out."""
     rows = linear_choice.PREFILL_ROWS
-    timed = {f"gemv_us_m{rows}": 1.0 if ours_faster else 3.0, f"plain_us_m{rows}": 2.0}
+    timed = {f"gemv_us_m{rows}": 1.0 if ours_faster else 3.0, f"fallback_us_m{rows}": 2.0}
     monkeypatch.setattr(
         linear_choice, "calibrate_shape", lambda *shape: {"choice": "gemv", **timed}
     )

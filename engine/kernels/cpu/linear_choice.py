@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -68,11 +69,12 @@ LINEAR_KERNELS = ("auto", "plain", "packed", "gemv")
 CALIBRATION_ROWS = (1, 4, 16, 64)
 PREFILL_ROWS = CALIBRATION_ROWS[-1]  # the bucket that stands for a prefill chunk (`gemv_max_rows`)
 _ROUNDS = 15
+_FALLBACK_ROUNDS = 5  # the fallback copies the weight each call: fewer, slower samples
 # Bumped when what a cached entry means changes: entries from before are measured again (v2:
 # decisions taken under load or from implausible samples are no longer cached; v3: "gemv" timed
-# as our kernel at every bucket; v4: our kernel's two-block tiles from 32 rows, and the 64-row
-# bucket deciding a gemv layer's prefill rows).
-CALIBRATION_VERSION = 4
+# as our kernel at every bucket; v4: our kernel's two-block tiles from 32 rows; v5: the
+# fallback a gemv layer runs past its rows timed at 64 rows, deciding those rows).
+CALIBRATION_VERSION = 5
 MIN_PLAUSIBLE_SAMPLES = 5  # of _ROUNDS, per path and rows bucket, for a decision to be cached
 MIN_CALL_US = 0.5  # one torch call never returns faster (dispatch alone is ~1-2 us)
 # An upper bound on what one core reads from its own L2 (64 B/cycle at 5 GHz): 320 GB/s.
@@ -175,16 +177,17 @@ def choose_linears(
 
 def gemv_max_rows(entry: dict | None) -> int | None:
     """The most rows a layer on our GEMV runs it for, from its shape's calibration `entry`:
-    every row count (None) where our kernel at PREFILL_ROWS rows was timed no slower than
-    `F.linear` on the plain weight, what the fallback past `bf16_gemm.layer_max_rows()` runs
-    (after copying the weight out of our layout, which the timing leaves out); else, and with
-    no calibration (a forced path), `layer_max_rows()`: oneDNN past 16 rows, which rounds a
-    prefill as Hugging Face's bf16 model does, on a CPU where oneDNN has a bf16 GEMM."""
+    every row count (None) where our kernel at PREFILL_ROWS rows was timed no slower than the
+    fallback past `bf16_gemm.layer_max_rows()` rows (the weight copied out of our layout, then
+    `F.linear`); else, and with no calibration (a forced path), `layer_max_rows()`: oneDNN past
+    16 rows, which rounds a prefill as Hugging Face's bf16 model does, on a CPU where oneDNN
+    has a bf16 GEMM."""
     limit = bf16_gemm.layer_max_rows()
     if limit is None or entry is None:
         return limit
-    ours, plain = entry.get(f"gemv_us_m{PREFILL_ROWS}"), entry.get(f"plain_us_m{PREFILL_ROWS}")
-    return None if ours is not None and plain is not None and ours <= plain else limit
+    ours = entry.get(f"gemv_us_m{PREFILL_ROWS}")
+    fallback = entry.get(f"fallback_us_m{PREFILL_ROWS}")
+    return None if ours is not None and fallback is not None and ours <= fallback else limit
 
 
 def calibrate_shape(in_features: int, out_features: int, dtype: torch.dtype) -> dict:
@@ -217,7 +220,16 @@ def calibrate_shape(in_features: int, out_features: int, dtype: torch.dtype) -> 
         }
         samples[rows] = calibration.timed_rounds({name: calls[name] for name in paths}, _ROUNDS)
     weight_bytes = in_features * out_features * dtype.itemsize
-    return decide(samples, floor_us(weight_bytes, torch.get_num_threads()))
+    result = decide(samples, floor_us(weight_bytes, torch.get_num_threads()))
+    if gemv is not None and bf16_gemm.layer_max_rows() is not None:
+        # What a gemv layer runs past layer_max_rows() rows: its weight copied out of our
+        # layout, then F.linear (`gemv_max_rows` weighs it against our kernel).
+        x = torch.randn(PREFILL_ROWS, in_features).to(dtype)
+        fallback = partial(bf16_gemm.linear, gemv, isa, x, weights["gemv"], None, out_features,
+                           in_features, 0)  # fmt: skip
+        times = calibration.timed_rounds({"fallback": fallback}, _FALLBACK_ROUNDS)["fallback"]
+        result[f"fallback_us_m{PREFILL_ROWS}"] = round(min(times), 1)
+    return result
 
 
 def floor_us(weight_bytes: int, num_threads: int) -> float:
