@@ -6,7 +6,8 @@
         [--llamacpp] [--workloads W1] [--rounds 3] [--json out.json]
 
 SmolLM2-135M shapes: qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576, lm_head
-576->49152. Columns, for bf16 activations:
+576->49152; with `--shapes 1b_qkv,1b_o,1b_gate_up,1b_down,1b_lm_head` the 1B benchmark
+model's (2048->3072, 2048->2048, 2048->16384, 8192->2048, 2048->49152). Columns, for bf16 activations:
 - int8 / int4: torch's weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`);
 - int8c / int4c: the C++ kernel of engine/kernels/cpu/quant_gemm.py called directly (the
   layer runs it at every row count where it builds);
@@ -43,6 +44,12 @@ SHAPES = {
     "qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
     "lm_head": (576, 49152),
 }  # fmt: skip
+# The 1B benchmark model's (loadtest/make_bench_model.py), for `--shapes` (not run by default).
+SHAPES_1B = {
+    "1b_qkv": (2048, 3072), "1b_o": (2048, 2048), "1b_gate_up": (2048, 16384),
+    "1b_down": (8192, 2048), "1b_lm_head": (2048, 49152),
+}  # fmt: skip
+ALL_SHAPES = {**SHAPES, **SHAPES_1B}
 COLUMNS = ("int8", "int8c", "int4", "int4c", "w8a8")
 
 
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'GB/s 8c':>7} {'GB/s 4c':>7}")  # fmt: skip
     results = []
     for name in args.shapes.split(","):
-        in_features, out_features = SHAPES[name]
+        in_features, out_features = ALL_SHAPES[name]
         weight = torch.randn(out_features, in_features) * 0.02
         dense = Linear(in_features, out_features, False, torch.bfloat16)
         dense.weight_loader(dense.weight, weight, None)
@@ -176,9 +183,9 @@ def run_isas(args) -> int:
           + "  " + " ".join(f"{isa + '/' + isas[0]:>20}" for isa in isas[1:]))  # fmt: skip
     results = []
     for name in args.shapes.split(","):
-        in_features, out_features = SHAPES[name]
+        in_features, out_features = ALL_SHAPES[name]
         weight = torch.randn(out_features, in_features) * 0.02
-        if name == "lm_head":
+        if name.endswith("lm_head"):
             packed = quant_gemm.pack_int8(*quantize_int8_per_channel(weight))
             call = partial(quant_gemm.int8_gemm, extension, out_features=out_features)
         else:
