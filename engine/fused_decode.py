@@ -44,10 +44,10 @@ from engine.quant.primitives import quantize_int4_groupwise, quantize_int8_per_c
 log = structlog.get_logger(__name__)
 
 # Decode rows per fused step: with int4/int8 weights the per-operator path runs the same GEMV
-# kernel at any row count; bf16 weights on our GEMV up to bf16_gemm.FUSED_MAX_ROWS (64). Where
-# oneDNN has a bf16 GEMM the per-operator path hands bf16 batches of more than GEMV_MAX_ROWS (16)
-# to it, so between 17 and 64 rows the fused step's bits are our kernel's, not that path's (both
-# round to bf16 once).
+# kernel at any row count; bf16 weights on our GEMV up to bf16_gemm.FUSED_MAX_ROWS (64). Where a
+# layer keeps GEMV_MAX_ROWS (16; linear_choice.py `gemv_max_rows`) the per-operator path hands
+# bf16 batches of more rows to oneDNN, so between 17 and 64 rows the fused step's bits are our
+# kernel's, not that path's (both round to bf16 once).
 MAX_ROWS_QUANT = 64
 
 # A greedy step of at most this many rows takes a bf16 lm_head's argmax through an int8 screen
@@ -140,8 +140,8 @@ def linears_for_the_step(model, mode: str) -> list:
     GEMV runs inside the step's one parallel region, and the lm_head there brings the screen,
     the n-gram lookup and the draft (`speculate`) with it. One call of one layer cannot weigh
     that. On the 2-core Zen 5 the calibration put SmolLM2's lm_head on oneDNN (our kernel 1.5x
-    slower at 64 rows, faster at 1-16), which took the lm_head off the step: W1 bf16 158 tok/s
-    against 298 with it on the step, W2 1117 against 1168 (loadtest/JOURNAL.md, fortieth
+    slower at 64 rows, faster at 1-16), which took the lm_head off the step: with it on the
+    step, W1 bf16 1.78x and W2 0.96x, tree against tree (loadtest/JOURNAL.md, fortieth
     session)."""
     if mode == "off" or _architecture_reason(model) is not None:
         return []

@@ -33,10 +33,10 @@ BLOCK = 16  # output channels per block of the packed layout
 # unpacked copy: prefill chunks are compute-bound (the copy is small beside the GEMM), and
 # this way a prefill rounds exactly as Hugging Face's bf16 model does (tested on the real
 # model: a prompt's logits bit-identical to HF's). Unless the layer's shape was calibrated
-# with our kernel at a prefill's rows no slower than that F.linear (linear_choice.py
+# with our kernel at a prefill's rows no slower than that copy and F.linear (linear_choice.py
 # `gemv_max_rows`): on the 2-core Zen 5 a 39-token prompt's prefill took 143 ms on our kernel
-# against 950 on that path (1B shapes), 31 against 73 (SmolLM2). The fused decode step takes our kernel up to
-# FUSED_MAX_ROWS decode rows (engine/fused_decode.py): measured on the Zen 4 VM
+# against 950 that way (1B shapes), 31 against 73 (SmolLM2). The fused decode step takes our
+# kernel up to FUSED_MAX_ROWS decode rows (engine/fused_decode.py): measured on the Zen 4 VM
 # (`bench_bf16_gemv --rows 1,16,32,64,256 --shapes smol`, load 2-3), at 32-64 rows F.linear on
 # the plain weight took 0.96-1.33x our kernel's time before the fallback's copy, oneDNN on its
 # packed layout 0.92-1.07x; at 1 row those were 2.4-3.4x and 1.8-2.1x.

@@ -35,11 +35,17 @@ the tok/s of all-plain (the rule measured on the Xeon) for 1 stream and 1.67x fo
 packed for every shape (2-2.5x per GEMM at 1 row).
 
 The fused decode step's linears (every projection and the lm_head of a model the step takes,
-engine/fused_decode.py `linears_for_the_step`) are not calibrated: with "auto" they take our
-GEMV wherever it runs, because on it they run inside the step's one parallel region and the
+engine/fused_decode.py `linears_for_the_step`) take our GEMV with "auto" whatever their
+calibration chose, because on it they run inside the step's one parallel region and the
 lm_head brings the step's screen and speculative decoding with it, a gain one call cannot
 measure. On the 2-core Zen 5 the calibration put SmolLM2's bf16 lm_head on oneDNN (faster at
 64 rows only), which kept it off the step: W1 bf16 ran at 158 tok/s against 298.
+
+A layer on our GEMV runs it up to 16 rows and, past them, oneDNN on a copy of its weight (HF's
+rounding of a prompt) where oneDNN has a bf16 GEMM, unless its calibration also timed that
+fallback at 64 rows slower than our kernel (`gemv_max_rows`): then every row count. On the Zen 5
+the copy made it 3-6x slower on every SmolLM2 and 1B shape (a 1B model's 39-token prompt: 950
+against 143 ms).
 
 `EngineConfig.linear_kernel` forces a path ("plain" | "packed" | "gemv"), so each stays tested
 on any CPU. A path this machine cannot run (oneDNN cannot pack fp16 without
@@ -212,10 +218,10 @@ def calibrate_shape(in_features: int, out_features: int, dtype: torch.dtype) -> 
             ),
             # Our kernel itself at every bucket: the fused decode step runs it up to
             # bf16_gemm.FUSED_MAX_ROWS (64) decode rows. (Where oneDNN has a bf16 GEMM, a
-            # prefill chunk past GEMV_MAX_ROWS takes F.linear on an unpacked copy instead, for
-            # HF's rounding: a per-prompt cost this per-token choice does not weigh. Timing
-            # that path at 64 rows chose oneDNN for every SmolLM2 linear, which kept the fused
-            # step off: W1 bf16 33 tok/s against 77.)
+            # prefill chunk past GEMV_MAX_ROWS may take F.linear on an unpacked copy instead,
+            # timed apart below for `gemv_max_rows`. Timing that path in this bucket chose
+            # oneDNN for every SmolLM2 linear, which kept the fused step off: W1 bf16 33 tok/s
+            # against 77.)
             "gemv": lambda x=x: gemv(x, weights["gemv"], None, out_features, isa, None),
         }
         samples[rows] = calibration.timed_rounds({name: calls[name] for name in paths}, _ROUNDS)
