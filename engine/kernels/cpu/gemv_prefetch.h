@@ -17,14 +17,20 @@ namespace gemv_prefetch {
 
 constexpr int64_t kDefaultBytes = 2048;
 
-// static: each library keeps its own (no symbol shared between the two libraries).
-static inline int64_t distance() {
-  static const int64_t d = [] {
-    const char* e = std::getenv("MINI_INFER_GEMV_PREFETCH_BYTES");
-    return e != nullptr && *e != '\0' ? std::max<int64_t>(0, std::atoll(e)) : kDefaultBytes;
-  }();
-  return d;
+static inline int64_t read_distance() {
+  const char* e = std::getenv("MINI_INFER_GEMV_PREFETCH_BYTES");
+  return e != nullptr && *e != '\0' ? std::max<int64_t>(0, std::atoll(e)) : kDefaultBytes;
 }
+
+// Read once, when the library loads. static: each library keeps its own (no symbol shared
+// between the two libraries). Not a function-local static: its first-use guard has a call on
+// its slow path, and the kernels call `ahead` inside their loops, so GCC kept their
+// accumulators in memory around it (every zmm register is caller-saved): on the 2-core Zen 5
+// the int4 VNNI GEMV took 1.05-1.26x this one's time at 4-64 rows, the bf16 GEMM's two-block
+// tiles 1.03-1.13x at 32-64 (loadtest/JOURNAL.md, fortieth session).
+static const int64_t kDistance = read_distance();
+
+static inline int64_t distance() { return kDistance; }
 
 // One prefetch per cache line of the `bytes` that lie distance() past `p`.
 static inline void ahead(const void* p, int64_t bytes) {
