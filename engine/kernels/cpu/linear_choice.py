@@ -3,8 +3,8 @@
 Three GEMM paths exist on CPU: `F.linear` on the checkpoint layout (MKL for fp32; for bf16/fp16
 torch repacks the weight inside every call), oneDNN's `_linear_pointwise` on a weight packed
 once into its blocked layout, and, for bf16, our own GEMV / small GEMM on weights packed in
-pairs along K (engine/kernels/cpu/bf16_gemm.py; a layer runs it up to 16 rows and oneDNN on a
-transient unpacked copy beyond, which is what the calibration times for it). Which is faster depends on the CPU, the dtype, the shape and the
+pairs along K (engine/kernels/cpu/bf16_gemm.py; timed as itself at every rows bucket, and a
+layer's rows decided below). Which is faster depends on the CPU, the dtype, the shape and the
 number of rows, and a rule measured on one CPU family was wrong on the other:
 
     fp32, [M, 576] x [576, 3072]      plain F.linear   packed oneDNN
@@ -150,7 +150,9 @@ def choose_linears(
                 "linear.kernel_unavailable", requested=requested, using=chosen,
                 dtype=str(dtype), cpu=cpu_info().model_name,
             )  # fmt: skip
-        return dict.fromkeys(distinct, LinearChoice(chosen, gemv_max_rows(None)))
+        return dict.fromkeys(
+            distinct, LinearChoice(chosen, gemv_max_rows(None) if chosen == "gemv" else None)
+        )
     if paths == ("plain",):
         if dtype != torch.float32:
             log.warning(
