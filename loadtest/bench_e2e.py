@@ -79,9 +79,34 @@ def _by_thread_name(pid: int, file: str, read) -> dict[str, float]:
     return totals
 
 
+def _clocks_by_thread(pid: int, field: int) -> dict[str, float] | None:
+    """Field `field` of each thread's /proc/<pid>/task/<tid>/schedstat in seconds (0: its time
+    on a CPU, 1: its time runnable but waiting for one; the kernel counts both in nanoseconds),
+    summed by thread name (`comm`); None where the kernel keeps no schedstat."""
+    totals: dict[str, float] = {}
+    for tid in thread_ids(pid):
+        task = Path(f"/proc/{pid}/task/{tid}")
+        try:
+            name = (task / "comm").read_text().rstrip("\n")
+            value = int((task / "schedstat").read_text().split()[field]) / 1e9
+        except FileNotFoundError as error:
+            if error.filename.endswith("schedstat"):
+                return None
+            continue  # the thread ended meanwhile
+        except (OSError, IndexError, ValueError):  # ended meanwhile, or an unknown format
+            continue
+        totals[name] = totals.get(name, 0) + value
+    return totals
+
+
 def cpu_seconds_by_thread(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of each thread of `pid`, summed by thread name (the engine's
-    thread is "engine"; the event loop runs on the main thread, named after the program)."""
+    """CPU seconds of each thread of `pid`, summed by thread name (the engine's thread is
+    "engine"; the event loop runs on the main thread, named after the program). From the
+    scheduler's nanosecond clock (schedstat) where the kernel keeps it, else from /proc's
+    user + system ticks (10 ms: too coarse for one stream's 128 tokens)."""
+    clocks = _clocks_by_thread(pid, 0)
+    if clocks is not None:
+        return clocks
     ticks = os.sysconf("SC_CLK_TCK")
 
     def read(stat: str) -> tuple[str, float]:
@@ -90,6 +115,13 @@ def cpu_seconds_by_thread(pid: int) -> dict[str, float]:
         return stat[stat.index("(") + 1 : name_end], (int(fields[11]) + int(fields[12])) / ticks
 
     return _by_thread_name(pid, "stat", read)
+
+
+def run_wait_seconds_by_thread(pid: int) -> dict[str, float]:
+    """Seconds each thread of `pid` was runnable but waited for a core (schedstat), summed by
+    thread name; empty where the kernel keeps no schedstat. For the engine's threads on cores
+    they would otherwise fill, the time other work took from their steps."""
+    return _clocks_by_thread(pid, 1) or {}
 
 
 def wakeups_by_thread(pid: int) -> dict[str, int]:
@@ -167,7 +199,7 @@ def cpu_split(before: dict[str, dict[str, float]], after: dict[str, dict[str, fl
     seconds, or wake-ups."""
     return {
         process: {
-            name: round(seconds - before.get(process, {}).get(name, 0.0), 2)
+            name: round(seconds - before.get(process, {}).get(name, 0.0), 6)
             for name, seconds in sorted(threads.items())
         }
         for process, threads in after.items()
@@ -249,6 +281,7 @@ async def run_e2e(
         steps_before, gil_wait_before_s = worker_counters(metrics_url)
         cpu_before = {name: cpu_seconds_by_thread(pid) for name, pid in pids.items()}
         wakeups_before = {name: wakeups_by_thread(pid) for name, pid in pids.items()}
+        waits_before = {name: run_wait_seconds_by_thread(pid) for name, pid in pids.items()}
         start = time.perf_counter()
         results = await asyncio.gather(*(one(i) for i in range(n)))
         elapsed = time.perf_counter() - start
@@ -258,12 +291,21 @@ async def run_e2e(
         wakeups = cpu_split(
             wakeups_before, {name: wakeups_by_thread(pid) for name, pid in pids.items()}
         )
+        waits = cpu_split(
+            waits_before, {name: run_wait_seconds_by_thread(pid) for name, pid in pids.items()}
+        )
         steps_after, gil_wait_after_s = worker_counters(metrics_url)
     stats = summarize(sum(k for _, k, _, _ in results), elapsed, [t for t, _, _, _ in results])
     stats["cpu_s"] = cpu
     stats["cpu_beside_engine_us_per_token"] = beside_engine_us_per_token(
         cpu, stats["output_tokens"]
     )
+    # How long each side's threads were ready to run but found no core free, per token: for
+    # the engine's threads, what the work beside them took out of its steps.
+    stats["run_wait_us_per_token"] = {
+        side: round(seconds / max(stats["output_tokens"], 1) * 1e6, 1)
+        for side, seconds in by_side(waits).items()
+    }
     stats["wakeups_per_token"] = {
         process: {name: round(k / max(stats["output_tokens"], 1), 2) for name, k in threads.items()}
         for process, threads in wakeups.items()
@@ -552,16 +594,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"choice): {steps.get('one', 0)} of {steps.get('one', 0) + steps.get('all', 0)}; "
                   f"its engine thread waited {p['e2e'].get('gil_wait_ms', 0.0)} ms for the GIL "
                   f"after them")  # fmt: skip
-    print("CPU beside the engine per token, us (worker: its threads but the engine's; /proc's 10 "
-          "ms ticks, coarse for one stream); wake-ups per token (voluntary context switches: the "
-          "engine's threads, the worker's others, the broker, the client)")  # fmt: skip
-    print(f"{'pair':>4} {'worker':>7} {'broker':>7} {'client':>7} {'total':>7}   "
+    print("CPU beside the engine per token, us (worker: its threads but the engine's; the "
+          "scheduler's clocks, or /proc's 10 ms ticks where it keeps none); the engine's threads' "
+          "wait for a core per token, us (e:wait); wake-ups per token (voluntary context "
+          "switches: the engine's threads, the worker's others, the broker, the client)")  # fmt: skip
+    print(f"{'pair':>4} {'worker':>7} {'broker':>7} {'client':>7} {'total':>7} {'e:wait':>7}   "
           f"{'w:engine':>8} {'w:worker':>8} {'w:broker':>8} {'w:client':>8}")  # fmt: skip
     for i, p in enumerate(pairs):
         if c := p["e2e"].get("cpu_beside_engine_us_per_token"):
             w = by_side(p["e2e"].get("wakeups_per_token", {}))
+            wait = p["e2e"].get("run_wait_us_per_token", {}).get("engine", float("nan"))
             print(f"{i + 1:>4} {c['worker']:>7.0f} {c['broker']:>7.0f} {c['client']:>7.0f} "
-                  f"{c['total']:>7.0f}   {w['engine']:>8.2f} {w['worker']:>8.2f} "
+                  f"{c['total']:>7.0f} {wait:>7.0f}   {w['engine']:>8.2f} {w['worker']:>8.2f} "
                   f"{w['broker']:>8.2f} {w['client']:>8.2f}")  # fmt: skip
     print(f"gaps between a stream's tokens as its reader got them, ms (bunched: within "
           f"{BUNCHED_GAP_S * 1000:g} ms of the one before)")  # fmt: skip

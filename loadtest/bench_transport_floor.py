@@ -27,7 +27,8 @@ Sides (the engine is built once; the sides alternate for `--rounds`, each with a
 Each round reports the engine's mean gap between a stream's tokens after its first and its
 throughput, their ratios to the `none` run of the same round, the messages the consumer read
 (every token's, or the round says so), and the CPU time the broker, producer and consumer took
-per token (/proc's 10 ms ticks; the producer on the `thread` side by its thread's clock).
+per token (the scheduler's per-thread clocks, /proc's 10 ms ticks where it keeps none; the
+producer on the `thread` side by its thread's clock).
 Medians over the rounds, a table, the JSON, and with `--plot` every round's ratios by side.
 `mini-infer bench e2e --floor` runs one round of the `thread` side after each of its pairs.
 

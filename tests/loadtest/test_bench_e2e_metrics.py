@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.server
 import sys
 import threading
+import time
 
 import pytest
 
@@ -86,3 +87,62 @@ def test_wake_ups_are_counted_per_thread_name_and_grouped_by_side() -> None:
          "broker": {"tokio-rt-worker": 2.0}, "client": {"python": 0.25}}
     )  # fmt: skip
     assert sides == {"engine": 3.0, "worker": 2.0, "broker": 2.0, "client": 0.25}
+
+
+def _spin_thread(name: str, cpu_s: float, ready: threading.Event, go: threading.Event,
+                 done: threading.Event, finish: threading.Event) -> threading.Thread:  # fmt: skip
+    """A thread named `name` that, once `go` is set, runs until its own CPU clock has moved
+    `cpu_s`, then stays alive (so that it can be read) until `finish`."""
+    from worker.service.bridge import set_os_thread_name
+
+    def body() -> None:
+        set_os_thread_name(name)
+        ready.set()
+        go.wait(10)
+        start = time.thread_time()
+        while time.thread_time() - start < cpu_s:
+            pass
+        done.set()
+        finish.wait(10)
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/task")
+def test_cpu_time_is_read_finer_than_the_kernels_ticks() -> None:
+    """A thread that uses 3 ms of CPU (by its own clock) shows 3 ms, where /proc's 10 ms ticks
+    would show 0 or 10."""
+    import os
+
+    from loadtest import bench_e2e
+
+    if bench_e2e._clocks_by_thread(os.getpid(), 0) is None:
+        pytest.skip("this kernel keeps no schedstat: the tick fallback is tested below")
+    ready, go, done, finish = (threading.Event() for _ in range(4))
+    thread = _spin_thread("spinner-x", 0.003, ready, go, done, finish)
+    try:
+        assert ready.wait(10)
+        before = bench_e2e.cpu_seconds_by_thread(os.getpid())
+        waits = bench_e2e.run_wait_seconds_by_thread(os.getpid())
+        go.set()
+        assert done.wait(10)
+        after = bench_e2e.cpu_seconds_by_thread(os.getpid())
+    finally:
+        finish.set()
+        thread.join(10)
+    used = after["spinner-x"] - before.get("spinner-x", 0.0)
+    assert 0.003 <= used < 0.009  # ticks would read 0 or 0.01
+    assert all(seconds >= 0.0 for seconds in waits.values())
+
+
+def test_without_schedstat_the_ticks_are_read(monkeypatch) -> None:
+    import os
+
+    from loadtest import bench_e2e
+
+    monkeypatch.setattr(bench_e2e, "_clocks_by_thread", lambda pid, field: None)
+    by_name = bench_e2e.cpu_seconds_by_thread(os.getpid())
+    assert by_name and all(seconds >= 0.0 for seconds in by_name.values())
+    assert bench_e2e.run_wait_seconds_by_thread(os.getpid()) == {}
