@@ -218,6 +218,23 @@ def beside_engine_us_per_token(cpu: dict[str, dict[str, float]], num_tokens: int
     return per_token
 
 
+def cpu_bounds(
+    beside_us_per_token: float, engine_cpus: int, direct_tokens_per_s: float,
+    direct_itl_ms: float | None,
+) -> dict:  # fmt: skip
+    """What the CPU taken beside the engine alone allows the through-Kafka run, were it taken
+    from the engine's `engine_cpus` cores and nothing else lost (no barrier waits, wake-ups or
+    waits for the GIL): each token's `beside_us_per_token` microseconds of other work delay the
+    engine by that over its cores. Throughput: 1 / (1 + c * tokens/s / cores) of the direct
+    engine's; inter-token latency: 1 + c / (cores * the direct mean gap). A run's ratio beyond
+    its bound is what the interleaving itself cost."""
+    per_core_s = beside_us_per_token * 1e-6 / max(engine_cpus, 1)
+    bounds = {"cpu_bound_throughput_ratio": round(1 / (1 + per_core_s * direct_tokens_per_s), 3)}
+    if direct_itl_ms:
+        bounds["cpu_bound_itl_ratio"] = round(1 + per_core_s * 1000 / direct_itl_ms, 3)
+    return bounds
+
+
 def worker_counters(metrics_url: str | None) -> tuple[dict[str, float], float]:
     """From the worker's /metrics so far: its fused decode steps by `threads` ("all", "one": the
     thread choice ran them on one thread), and the seconds its engine thread waited for the GIL
@@ -505,6 +522,14 @@ def run_pair(args, model: str, engine_options: dict) -> dict:
                                         stats["output_tokens"])  # fmt: skip
             pair[f"itl_{side}_ms"] = round(gap_ms, 2)
         pair["itl_ratio_e2e_over_direct"] = round(pair["itl_e2e_ms"] / pair["itl_direct_ms"], 3)
+    if beside := e2e.get("cpu_beside_engine_us_per_token"):
+        # On the engine's cores: everything but the engine's own threads; with --worker-cpus
+        # the broker and the client run on the others, and only the worker's loop counts.
+        engine_cpus = len(args.worker_cpus) if args.worker_cpus else len(os.sched_getaffinity(0))
+        taken = beside["worker"] if args.worker_cpus else beside["total"]
+        pair.update(
+            cpu_bounds(taken, engine_cpus, direct["tokens_per_s"], pair.get("itl_direct_ms"))
+        )
     # How the tokens came: the mean gap above cannot tell a steady stream from bursts.
     for side, stats in (("direct", direct), ("e2e", e2e)):
         gaps = stats.get("token_gaps") or {}
@@ -550,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.floor:
             pairs[-1].update(run_floor(args, model))
     keys = ("floor_throughput_ratio", "floor_itl_ratio", "throughput_ratio_e2e_over_direct", "ttft_overhead_p50_ms", "ttft_overhead_p99_ms",
-            "ttft_transport_p50_ms", "final_transport_p50_ms", "itl_direct_ms", "itl_e2e_ms", "itl_ratio_e2e_over_direct",
+            "ttft_transport_p50_ms", "final_transport_p50_ms", "itl_direct_ms", "itl_e2e_ms", "itl_ratio_e2e_over_direct", "cpu_bound_throughput_ratio", "cpu_bound_itl_ratio",
             *(f"gap_{side}_{k}" for side in ("direct", "e2e") for k in GAP_KEYS))  # fmt: skip
     doc = {
         "workload": f"{args.num_requests} chat prompts x {args.max_tokens} tokens, greedy, no EOS",
@@ -599,14 +624,26 @@ def main(argv: list[str] | None = None) -> int:
           "wait for a core per token, us (e:wait); wake-ups per token (voluntary context "
           "switches: the engine's threads, the worker's others, the broker, the client)")  # fmt: skip
     print(f"{'pair':>4} {'worker':>7} {'broker':>7} {'client':>7} {'total':>7} {'e:wait':>7}   "
-          f"{'w:engine':>8} {'w:worker':>8} {'w:broker':>8} {'w:client':>8}")  # fmt: skip
+          f"{'w:engine':>8} {'w:worker':>8} {'w:broker':>8} {'w:client':>8}   "
+          f"{'ratio':>6} {'bound':>6}")  # fmt: skip
+    key = (
+        "itl_ratio_e2e_over_direct"
+        if args.num_requests == 1
+        else "throughput_ratio_e2e_over_direct"
+    )
+    bound_key = "cpu_bound_itl_ratio" if args.num_requests == 1 else "cpu_bound_throughput_ratio"
     for i, p in enumerate(pairs):
         if c := p["e2e"].get("cpu_beside_engine_us_per_token"):
             w = by_side(p["e2e"].get("wakeups_per_token", {}))
             wait = p["e2e"].get("run_wait_us_per_token", {}).get("engine", float("nan"))
             print(f"{i + 1:>4} {c['worker']:>7.0f} {c['broker']:>7.0f} {c['client']:>7.0f} "
                   f"{c['total']:>7.0f} {wait:>7.0f}   {w['engine']:>8.2f} {w['worker']:>8.2f} "
-                  f"{w['broker']:>8.2f} {w['client']:>8.2f}")  # fmt: skip
+                  f"{w['broker']:>8.2f} {w['client']:>8.2f}   {p[key]:>6.3f} "
+                  f"{p.get(bound_key, float('nan')):>6.3f}")  # fmt: skip
+    print(
+        "bound: the ratio the CPU beside the engine alone allows, were it taken from the "
+        "engine's cores and nothing else lost; past it, the interleaving's own cost"
+    )
     print(f"gaps between a stream's tokens as its reader got them, ms (bunched: within "
           f"{BUNCHED_GAP_S * 1000:g} ms of the one before)")  # fmt: skip
     print(f"{'pair':>4} {'side':>7} {'p50':>8} {'p90':>8} {'p99':>8} {'bunched':>8}")

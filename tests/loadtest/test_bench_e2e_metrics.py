@@ -146,3 +146,18 @@ def test_without_schedstat_the_ticks_are_read(monkeypatch) -> None:
     by_name = bench_e2e.cpu_seconds_by_thread(os.getpid())
     assert by_name and all(seconds >= 0.0 for seconds in by_name.values())
     assert bench_e2e.run_wait_seconds_by_thread(os.getpid()) == {}
+
+
+def test_cpu_bounds_take_the_cpu_beside_from_the_engines_cores() -> None:
+    """500 us a token beside an engine on 2 cores at 400 tokens/s (2.5 ms a token): each token
+    costs 250 us of each core, a tenth of a token's time."""
+    from loadtest.bench_e2e import cpu_bounds
+
+    assert cpu_bounds(500.0, 2, 400.0, 2.5) == {
+        "cpu_bound_throughput_ratio": 0.909,  # 1 / 1.1
+        "cpu_bound_itl_ratio": 1.1,
+    }
+    assert cpu_bounds(500.0, 1, 400.0, None) == {"cpu_bound_throughput_ratio": 0.833}  # 1 / 1.2
+    assert cpu_bounds(0.0, 2, 400.0, 2.5) == {
+        "cpu_bound_throughput_ratio": 1.0, "cpu_bound_itl_ratio": 1.0,
+    }  # fmt: skip
