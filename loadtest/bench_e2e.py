@@ -82,17 +82,16 @@ def _by_thread_name(pid: int, file: str, read) -> dict[str, float]:
 def _clocks_by_thread(pid: int, field: int) -> dict[str, float] | None:
     """Field `field` of each thread's /proc/<pid>/task/<tid>/schedstat in seconds (0: its time
     on a CPU, 1: its time runnable but waiting for one; the kernel counts both in nanoseconds),
-    summed by thread name (`comm`); None where the kernel keeps no schedstat."""
+    summed by thread name (`comm`); None where the kernel keeps no schedstat (decided for the
+    whole machine, never by a thread that ended between two reads)."""
+    if not Path("/proc/self/schedstat").exists():
+        return None
     totals: dict[str, float] = {}
     for tid in thread_ids(pid):
         task = Path(f"/proc/{pid}/task/{tid}")
         try:
             name = (task / "comm").read_text().rstrip("\n")
             value = int((task / "schedstat").read_text().split()[field]) / 1e9
-        except FileNotFoundError as error:
-            if error.filename.endswith("schedstat"):
-                return None
-            continue  # the thread ended meanwhile
         except (OSError, IndexError, ValueError):  # ended meanwhile, or an unknown format
             continue
         totals[name] = totals.get(name, 0) + value
