@@ -110,6 +110,18 @@ def _spin_thread(name: str, cpu_s: float, ready: threading.Event, go: threading.
     return thread
 
 
+def _wait_until_asleep(tid: int) -> None:
+    """Until thread `tid` of this process sleeps: a running thread's schedstat clock is
+    brought up to date only at the scheduler's next tick or switch, a sleeping one's is."""
+    from pathlib import Path
+
+    stat = Path(f"/proc/self/task/{tid}/stat")
+    deadline = time.monotonic() + 10
+    while stat.read_text().rsplit(")", 1)[1].split()[0] not in ("S", "D"):
+        assert time.monotonic() < deadline, "the thread never went to sleep"
+        time.sleep(0.001)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/task")
 def test_cpu_time_is_read_finer_than_the_kernels_ticks() -> None:
     """A thread that uses 3 ms of CPU (by its own clock) shows 3 ms, where /proc's 10 ms ticks
@@ -124,10 +136,12 @@ def test_cpu_time_is_read_finer_than_the_kernels_ticks() -> None:
     thread = _spin_thread("spinner-x", 0.003, ready, go, done, finish)
     try:
         assert ready.wait(10)
+        _wait_until_asleep(thread.native_id)  # in go.wait
         before = bench_e2e.cpu_seconds_by_thread(os.getpid())
         waits = bench_e2e.run_wait_seconds_by_thread(os.getpid())
         go.set()
         assert done.wait(10)
+        _wait_until_asleep(thread.native_id)  # in finish.wait
         after = bench_e2e.cpu_seconds_by_thread(os.getpid())
     finally:
         finish.set()
