@@ -83,9 +83,12 @@ def _clocks_by_thread(pid: int, field: int) -> dict[str, float] | None:
     """Field `field` of each thread's /proc/<pid>/task/<tid>/schedstat in seconds (0: its time
     on a CPU, 1: its time runnable but waiting for one; the kernel counts both in nanoseconds),
     summed by thread name (`comm`); None where the kernel keeps no schedstat (decided for the
-    whole machine, never by a thread that ended between two reads)."""
+    whole machine, never by a thread that ended between two reads). A thread running while it
+    is read shows its time up to its last scheduler tick (one tick late at most); the reading
+    thread's own is brought up to date by a yield first."""
     if not Path("/proc/self/schedstat").exists():
         return None
+    os.sched_yield()
     totals: dict[str, float] = {}
     for tid in thread_ids(pid):
         task = Path(f"/proc/{pid}/task/{tid}")
