@@ -93,17 +93,45 @@ VNNI_TARGET inline __m512 load16(const uint16_t* x) {
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
 }
 
+// ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)): group_sums' final sum of its eight running
+// sums, the same additions (a sum of two is the same bits either way round).
+VNNI_TARGET inline float sum8_as_group_sums(__m256 v) {
+  const __m256 pairs = _mm256_add_ps(v, _mm256_permute_ps(v, 0b10110001));        // v0+v1, v2+v3
+  const __m256 quads = _mm256_add_ps(pairs, _mm256_permute_ps(pairs, 0b01001110));  // (..)+(..)
+  return _mm_cvtss_f32(
+      _mm_add_ss(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
+}
+
+// With `xsum` (int4 weights: [rows, K / group_size], group_size a multiple of kChunk), each
+// group's activation sum as group_sums makes it, bit for bit (eight running sums over the
+// group's inputs in order, then sum8_as_group_sums), from the fp32 values the chunk's
+// quantization has loaded anyway: a W2 step of the 135M model spent 0.3 of its 0.85 ms of
+// preparation in a second pass for them (loadtest/JOURNAL.md, forty-first session).
 template <typename T>  // float or bf16 bits (uint16_t): the same values give the same codes
 VNNI_TARGET void quantize_rows(const T* x, int64_t rows, int64_t k, bool pair_order,
-                               int8_t* xq, float* xd, int32_t* xqsum) {
+                               int8_t* xq, float* xd, int32_t* xqsum, float* xsum = nullptr,
+                               int64_t group_size = 0) {
+  const int64_t chunks_per_group = xsum != nullptr ? group_size / kChunk : 0;
   alignas(32) uint8_t order[32];
   for (int i = 0; i < 32; ++i) order[i] = static_cast<uint8_t>((i & ~7) + ((i & 7) < 4 ? 2 * (i & 7) : 2 * (i & 7) - 7));
   const __m256i permute = _mm256_load_si256(reinterpret_cast<const __m256i*>(order));
   const int64_t num_chunks = k / kChunk;
   for (int64_t r = 0; r < rows; ++r) {
+    __m256 running = _mm256_setzero_ps();
     for (int64_t c = 0; c < num_chunks; ++c) {
       const T* xc = x + r * k + c * kChunk;
       const __m512 a = load16(xc), b = load16(xc + 16);
+      if (chunks_per_group > 0) {
+        running = _mm256_add_ps(running, _mm512_castps512_ps256(a));
+        running = _mm256_add_ps(running, _mm512_extractf32x8_ps(a, 1));
+        running = _mm256_add_ps(running, _mm512_castps512_ps256(b));
+        running = _mm256_add_ps(running, _mm512_extractf32x8_ps(b, 1));
+        if ((c + 1) % chunks_per_group == 0) {
+          xsum[r * (num_chunks / chunks_per_group) + c / chunks_per_group] =
+              sum8_as_group_sums(running);
+          running = _mm256_setzero_ps();
+        }
+      }
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       // Rounded to nearest even (the default MXCSR mode); |q| <= 127, so the narrowing is exact.
@@ -1130,9 +1158,11 @@ struct QuantizedActivations {
   std::vector<float> xd;
   std::vector<int32_t> xqsum;
 
-  // For path `isa` (an int8-activation one); `int4`: the VNNI path's int4 pair order.
+  // For path `isa` (an int8-activation one); `int4`: the VNNI path's int4 pair order. With
+  // `xsum` (where sums_while_quantizing), the groups' activation sums too.
   template <typename T>
-  void quantize(const T* x, int64_t rows, int64_t k, int64_t isa, bool int4, Problem& p) {
+  void quantize(const T* x, int64_t rows, int64_t k, int64_t isa, bool int4, Problem& p,
+                float* xsum = nullptr, int64_t group_size = 0) {
     xq.resize(rows * k);
     xd.resize(rows * (k / kChunk));
     if (isa == kAvx2Int8) {
@@ -1140,7 +1170,7 @@ struct QuantizedActivations {
       p.xqsum = nullptr;
     } else {
       xqsum.resize(rows * (k / kChunk));
-      quantize_rows(x, rows, k, int4, xq.data(), xd.data(), xqsum.data());
+      quantize_rows(x, rows, k, int4, xq.data(), xd.data(), xqsum.data(), xsum, group_size);
       p.xqsum = xqsum.data();
     }
     p.xq = xq.data();
@@ -1166,6 +1196,12 @@ int64_t effective_isa(int64_t isa, bool x_is_bf16, int64_t in_features, int64_t 
   return x_is_bf16 && has_bf16 ? kAvx512Bf16 : kAvx512;
 }
 
+// Whether path `isa`'s quantization of the activations also makes the int4 groups' sums
+// (quantize_rows' `xsum`), in place of group_sums' pass of its own.
+bool sums_while_quantizing(int64_t isa, int64_t group_size) {
+  return is_int8_activation(isa) && isa != kAvx2Int8 && group_size % kChunk == 0;
+}
+
 // Blocks per parallel task: at least ~32 KiB of weights, so tiny layers run on one thread.
 int64_t grain(int64_t block_bytes) { return std::max<int64_t>(1, (32 << 10) / block_bytes); }
 
@@ -1189,18 +1225,21 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                   scale_min.sizes() == at::IntArrayRef({num_blocks, num_groups, 2, kBlock}),
               "quant_gemm: int4 scale_min must be contiguous float16 [", num_blocks, ", ",
               num_groups, ", 2, 16], got ", scale_min.sizes());
-  // Per-group activation sums (the minimum's term), once per call.
-  std::vector<float> xsum(rows * num_groups);
-  group_sums(a.f32, rows, in_features, group_size, xsum.data());
   at::Tensor y = output(x, out_features, out);
   // vdpbf16ps takes bf16 activations as they are; fp32 ones would have to be rounded (not the
   // reference's math), so they take the FMA path.
   if (isa == kAvx512Bf16 && a.bf16 == nullptr) isa = kAvx512;
   isa = effective_isa(isa, a.bf16 != nullptr, in_features, rows);
+  // Per-group activation sums (the minimum's term), once per call.
+  std::vector<float> xsum(rows * num_groups);
+  const bool fused_sums = sums_while_quantizing(isa, group_size);
+  if (!fused_sums) group_sums(a.f32, rows, in_features, group_size, xsum.data());
   Problem p{rows, in_features, out_features, num_blocks, group_size, num_groups,
             a.f32, xsum.data(), a.bf16, y.data_ptr(), y.scalar_type() == at::kBFloat16};
   QuantizedActivations qa;
-  if (is_int8_activation(isa)) qa.quantize(a.f32, rows, in_features, isa, true, p);
+  if (is_int8_activation(isa))
+    qa.quantize(a.f32, rows, in_features, isa, true, p, fused_sums ? xsum.data() : nullptr,
+                group_size);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const auto* sm = reinterpret_cast<const uint16_t*>(scale_min.data_ptr());
   const int64_t block_bytes = in_features / 2 * kBlock + num_groups * 2 * kBlock * 2;
@@ -1291,11 +1330,13 @@ void prepare(const GemvTask& t, int64_t rows) {
   a.widened.resize(needs_f32 ? rows * k : 0);
   for (int64_t i = 0; i < static_cast<int64_t>(a.widened.size()); ++i) a.widened[i] = to_f32(xb[i]);
   a.xsum.resize(rows * num_groups);
-  if (num_groups > 0) group_sums(xb, rows, k, t.group_size, a.xsum.data());
+  const bool fused_sums = num_groups > 0 && sums_while_quantizing(a.isa, t.group_size);
+  if (num_groups > 0 && !fused_sums) group_sums(xb, rows, k, t.group_size, a.xsum.data());
   a.problem = Problem{rows, k, t.out_features, t.num_blocks, t.group_size, num_groups,
                       needs_f32 ? a.widened.data() : nullptr, a.xsum.data(), xb, t.y, true};
   if (is_int8_activation(a.isa))
-    a.quantized.quantize(xb, rows, k, a.isa, t.bits == 4, a.problem);
+    a.quantized.quantize(xb, rows, k, a.isa, t.bits == 4, a.problem,
+                         fused_sums ? a.xsum.data() : nullptr, t.group_size);
   a.task = t.serial;
   a.rows = rows;
 }
@@ -1428,9 +1469,30 @@ py::tuple quantize_activations(const at::Tensor& x, int64_t isa) {
   return py::make_tuple(codes, scales);
 }
 
+// The int4 groups' activation sums [rows, K / group_size] as path `isa` makes them for its
+// GEMV (the tests hold every path's to group_sums' bits).
+at::Tensor activation_group_sums(const at::Tensor& x, int64_t group_size, int64_t isa) {
+  check_isa(isa);
+  const Activations a = activations(x);
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && a.cols % group_size == 0,
+              "quant_gemm: K must be a multiple of group_size, a multiple of 8");
+  at::Tensor sums = at::empty({a.rows, a.cols / group_size}, at::kFloat);
+  if (is_int8_activation(isa) && a.cols % kChunk == 0 && sums_while_quantizing(isa, group_size)) {
+    Problem p{};
+    QuantizedActivations qa;
+    qa.quantize(a.f32, a.rows, a.cols, isa, true, p, sums.data_ptr<float>(), group_size);
+  } else {
+    group_sums(a.f32, a.rows, a.cols, group_size, sums.data_ptr<float>());
+  }
+  return sums;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("activation_group_sums", &activation_group_sums,
+        "the int4 groups' activation sums as a path makes them", py::arg("x"),
+        py::arg("group_size"), py::arg("isa"));
   m.def("int4_gemm", &int4_gemm, "y = x @ W^T, W int4 group-wise (blocked layout)",
         py::arg("x"), py::arg("codes"), py::arg("scale_min"), py::arg("group_size"),
         py::arg("out_features"), py::arg("isa"), py::arg("out") = py::none());

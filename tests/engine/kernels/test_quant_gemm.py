@@ -532,3 +532,52 @@ def test_past_rows_alike_the_grouping_of_the_sums_shows(ext, isa):
     if limit < 8:
         together, alone = _rows_alike_case(ext, isa, 8, x[: limit + 1], codes, torch.ones(16))
         assert not torch.equal(together, alone), f"{isa}: rows_alike could be higher"
+
+
+def _group_sums_reference(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """group_sums' order in fp32 (numpy float32 scalars: one IEEE rounding per addition): eight
+    running sums over each group's inputs in order, then ((s0 + s1) + (s2 + s3)) + ((s4 + s5)
+    + (s6 + s7))."""
+    import numpy as np
+
+    values = x.float().numpy()
+    rows, k = values.shape
+    out = np.zeros((rows, k // group_size), dtype=np.float32)
+    for r in range(rows):
+        for g in range(k // group_size):
+            s = [np.float32(0.0)] * 8
+            for i in range(0, group_size, 8):
+                for j in range(8):
+                    s[j] = np.float32(s[j] + values[r, g * group_size + i + j])
+            pairs = [np.float32(s[2 * j] + s[2 * j + 1]) for j in range(4)]
+            out[r, g] = np.float32(
+                np.float32(pairs[0] + pairs[1]) + np.float32(pairs[2] + pairs[3])
+            )
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 3),
+    group_size=st.sampled_from([32, 64, 128]),
+    num_groups=st.integers(1, 3),
+    dtype=dtypes,
+    seed=seeds,
+)
+def test_every_path_sums_the_int4_groups_in_group_sums_order(
+    ext, isa, rows, group_size, num_groups, dtype, seed
+):
+    """The int4 minimum's term multiplies each group's activation sum: the VNNI path makes them
+    while it quantizes the activations, the others in a pass of their own, and every path must
+    give group_sums' bits (magnitudes 1e-3 to 1e6 in one group, so that another order of the
+    additions shows; signed zeros included)."""
+    _isa(isa)
+    generator = torch.Generator().manual_seed(seed)
+    k = group_size * num_groups
+    magnitudes = 10.0 ** (torch.rand(rows, k, generator=generator) * 9 - 3)
+    x = (torch.randn(rows, k, generator=generator) * magnitudes).to(dtype)
+    x[0, :8] = -0.0
+    sums = ext.activation_group_sums(x, group_size, quant_gemm.isa_code(isa))
+    expected = _group_sums_reference(x, group_size)
+    assert torch.equal(sums.view(torch.int32), expected.view(torch.int32))
