@@ -94,8 +94,9 @@ VNNI_TARGET inline __m512 load16(const uint16_t* x) {
 }
 
 // ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)): group_sums' final sum of its eight running
-// sums, the same additions (a sum of two is the same bits either way round).
-VNNI_TARGET inline float sum8_as_group_sums(__m256 v) {
+// sums, the same additions (a sum of two is the same bits either way round). AVX only: the
+// VNNI and the AVX2 quantizations both call it.
+__attribute__((target("avx"))) inline float sum8_as_group_sums(__m256 v) {
   const __m256 pairs = _mm256_add_ps(v, _mm256_permute_ps(v, 0b10110001));        // v0+v1, v2+v3
   const __m256 quads = _mm256_add_ps(pairs, _mm256_permute_ps(pairs, 0b01001110));  // (..)+(..)
   return _mm_cvtss_f32(
@@ -626,16 +627,28 @@ AVX2_TARGET inline __m256 load8(const uint16_t* x) {
 // division, products rounded to nearest even), in input order; no code sums (the AVX2 int8
 // path needs none). For a chunk with an infinity or a NaN the two make no promise of the
 // same codes.
+// With `xsum`, the int4 groups' activation sums as quantize_rows makes them.
 template <typename T>
-AVX2_TARGET void quantize_rows_avx2(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xd) {
+AVX2_TARGET void quantize_rows_avx2(const T* x, int64_t rows, int64_t k, int8_t* xq, float* xd,
+                                    float* xsum = nullptr, int64_t group_size = 0) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lanes
   const int64_t num_chunks = k / kChunk;
+  const int64_t chunks_per_group = xsum != nullptr ? group_size / kChunk : 0;
   for (int64_t r = 0; r < rows; ++r) {
+    __m256 running = _mm256_setzero_ps();
     for (int64_t c = 0; c < num_chunks; ++c) {
       const T* xc = x + r * k + c * kChunk;
       __m256 v[4];
       for (int i = 0; i < 4; ++i) v[i] = load8(xc + 8 * i);
+      if (chunks_per_group > 0) {
+        for (int i = 0; i < 4; ++i) running = _mm256_add_ps(running, v[i]);
+        if ((c + 1) % chunks_per_group == 0) {
+          xsum[r * (num_chunks / chunks_per_group) + c / chunks_per_group] =
+              sum8_as_group_sums(running);
+          running = _mm256_setzero_ps();
+        }
+      }
       __m256 m = _mm256_andnot_ps(sign, v[0]);
       for (int i = 1; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
       m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
@@ -1166,7 +1179,7 @@ struct QuantizedActivations {
     xq.resize(rows * k);
     xd.resize(rows * (k / kChunk));
     if (isa == kAvx2Int8) {
-      quantize_rows_avx2(x, rows, k, xq.data(), xd.data());
+      quantize_rows_avx2(x, rows, k, xq.data(), xd.data(), xsum, group_size);
       p.xqsum = nullptr;
     } else {
       xqsum.resize(rows * (k / kChunk));
@@ -1197,9 +1210,9 @@ int64_t effective_isa(int64_t isa, bool x_is_bf16, int64_t in_features, int64_t 
 }
 
 // Whether path `isa`'s quantization of the activations also makes the int4 groups' sums
-// (quantize_rows' `xsum`), in place of group_sums' pass of its own.
+// (quantize_rows' or quantize_rows_avx2's `xsum`), in place of group_sums' pass of its own.
 bool sums_while_quantizing(int64_t isa, int64_t group_size) {
-  return is_int8_activation(isa) && isa != kAvx2Int8 && group_size % kChunk == 0;
+  return is_int8_activation(isa) && group_size % kChunk == 0;
 }
 
 // Blocks per parallel task: at least ~32 KiB of weights, so tiny layers run on one thread.
