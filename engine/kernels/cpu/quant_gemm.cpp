@@ -52,6 +52,9 @@ inline bool is_avx512(int64_t isa) {
 // The paths that quantize bf16 activations to int8 per chunk of 32 inputs.
 inline bool is_int8_activation(int64_t isa) { return isa == kAvx512Vnni || isa == kAvx2Int8; }
 constexpr int64_t kChunk = 32;  // activations quantized to int8 per chunk of 32 inputs (int8 paths)
+// Activations per thread's share where a many-row call prepares its activations over torch's
+// threads: below this, waking the second thread cost more than the work.
+constexpr int64_t kSplitRowsElements = 1 << 17;
 
 struct Problem {
   int64_t rows, in_features, out_features, num_blocks, group_size, num_groups;
@@ -1135,7 +1138,9 @@ struct Activations {
   int64_t rows = 0, cols = 0;
 };
 
-Activations activations(const at::Tensor& x) {
+// x as the kernels take it; bf16 x is widened to fp32 only when `widen` (the paths that read
+// fp32: reads_f32), over the threads.
+Activations activations(const at::Tensor& x, bool widen = true) {
   TORCH_CHECK(x.dim() == 2, "quant_gemm: x must be [rows, in_features]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_gemm: x must be float32 or bfloat16, got ", x.scalar_type());
@@ -1148,8 +1153,11 @@ Activations activations(const at::Tensor& x) {
     return a;
   }
   a.bf16 = reinterpret_cast<const uint16_t*>(a.contiguous.data_ptr());
+  if (!widen) return a;
   a.widened.resize(a.rows * a.cols);
-  for (int64_t i = 0; i < a.rows * a.cols; ++i) a.widened[i] = to_f32(a.bf16[i]);
+  at::parallel_for(0, a.rows * a.cols, 1 << 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) a.widened[i] = to_f32(a.bf16[i]);
+  });
   a.f32 = a.widened.data();
   return a;
 }
@@ -1173,19 +1181,28 @@ struct QuantizedActivations {
 
   // For path `isa` (an int8-activation one); `int4`: the VNNI path's int4 pair order. With
   // `xsum` (where sums_while_quantizing), the groups' activation sums too.
+  // With `split_rows`, the rows are shared among torch's threads (not inside a parallel
+  // region: the fused step's threads each prepare for themselves).
   template <typename T>
   void quantize(const T* x, int64_t rows, int64_t k, int64_t isa, bool int4, Problem& p,
-                float* xsum = nullptr, int64_t group_size = 0) {
+                float* xsum = nullptr, int64_t group_size = 0, bool split_rows = false) {
+    const int64_t num_chunks = k / kChunk, num_groups = xsum != nullptr ? k / group_size : 0;
     xq.resize(rows * k);
-    xd.resize(rows * (k / kChunk));
-    if (isa == kAvx2Int8) {
-      quantize_rows_avx2(x, rows, k, xq.data(), xd.data(), xsum, group_size);
-      p.xqsum = nullptr;
-    } else {
-      xqsum.resize(rows * (k / kChunk));
-      quantize_rows(x, rows, k, int4, xq.data(), xd.data(), xqsum.data(), xsum, group_size);
-      p.xqsum = xqsum.data();
-    }
+    xd.resize(rows * num_chunks);
+    if (isa != kAvx2Int8) xqsum.resize(rows * num_chunks);
+    auto some_rows = [&](int64_t r0, int64_t r1) {
+      float* sums = xsum != nullptr ? xsum + r0 * num_groups : nullptr;
+      if (isa == kAvx2Int8)
+        quantize_rows_avx2(x + r0 * k, r1 - r0, k, xq.data() + r0 * k, xd.data() + r0 * num_chunks,
+                           sums, group_size);
+      else
+        quantize_rows(x + r0 * k, r1 - r0, k, int4, xq.data() + r0 * k,
+                      xd.data() + r0 * num_chunks, xqsum.data() + r0 * num_chunks, sums,
+                      group_size);
+    };
+    if (split_rows) at::parallel_for(0, rows, std::max<int64_t>(1, kSplitRowsElements / k), some_rows);
+    else some_rows(0, rows);
+    p.xqsum = isa == kAvx2Int8 ? nullptr : xqsum.data();
     p.xq = xq.data();
     p.xd = xd.data();
   }
@@ -1215,6 +1232,20 @@ bool sums_while_quantizing(int64_t isa, int64_t group_size) {
   return is_int8_activation(isa) && group_size % kChunk == 0;
 }
 
+// Whether path `isa` reads fp32 activations (the FMA paths); the others read the bf16 ones, or
+// their int8 codes, directly.
+bool reads_f32(int64_t isa, int64_t bits) {
+  return !(is_int8_activation(isa) || (isa == kAvx512Bf16 && bits == 4));
+}
+
+// Group sums over rows shared among torch's threads.
+template <typename T>
+void group_sums_split(const T* x, int64_t rows, int64_t k, int64_t group_size, float* out) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSplitRowsElements / k), [&](int64_t r0, int64_t r1) {
+    group_sums(x + r0 * k, r1 - r0, k, group_size, out + r0 * (k / group_size));
+  });
+}
+
 // Blocks per parallel task: at least ~32 KiB of weights, so tiny layers run on one thread.
 int64_t grain(int64_t block_bytes) { return std::max<int64_t>(1, (32 << 10) / block_bytes); }
 
@@ -1222,7 +1253,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      int64_t group_size, int64_t out_features, int64_t isa,
                      const c10::optional<at::Tensor>& out) {
   check_isa(isa);
-  const Activations a = activations(x);
+  Activations a = activations(x, false);
   const int64_t rows = a.rows, in_features = a.cols;
   TORCH_CHECK(group_size > 0 && group_size % 8 == 0 && in_features % group_size == 0,
               "quant_gemm: in_features ", in_features, " must be a multiple of group_size ",
@@ -1243,16 +1274,21 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   // reference's math), so they take the FMA path.
   if (isa == kAvx512Bf16 && a.bf16 == nullptr) isa = kAvx512;
   isa = effective_isa(isa, a.bf16 != nullptr, in_features, rows);
+  if (a.f32 == nullptr && reads_f32(isa, 4)) a = activations(x, true);
   // Per-group activation sums (the minimum's term), once per call.
   std::vector<float> xsum(rows * num_groups);
   const bool fused_sums = sums_while_quantizing(isa, group_size);
-  if (!fused_sums) group_sums(a.f32, rows, in_features, group_size, xsum.data());
   Problem p{rows, in_features, out_features, num_blocks, group_size, num_groups,
             a.f32, xsum.data(), a.bf16, y.data_ptr(), y.scalar_type() == at::kBFloat16};
   QuantizedActivations qa;
-  if (is_int8_activation(isa))
-    qa.quantize(a.f32, rows, in_features, isa, true, p, fused_sums ? xsum.data() : nullptr,
-                group_size);
+  auto prepare = [&](const auto* xs) {
+    if (!fused_sums) group_sums_split(xs, rows, in_features, group_size, xsum.data());
+    if (is_int8_activation(isa))
+      qa.quantize(xs, rows, in_features, isa, true, p, fused_sums ? xsum.data() : nullptr,
+                  group_size, true);
+  };
+  if (a.f32 != nullptr) prepare(a.f32);
+  else prepare(a.bf16);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const auto* sm = reinterpret_cast<const uint16_t*>(scale_min.data_ptr());
   const int64_t block_bytes = in_features / 2 * kBlock + num_groups * 2 * kBlock * 2;
@@ -1270,7 +1306,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                      int64_t out_features, int64_t isa, const c10::optional<at::Tensor>& out) {
   check_isa(isa);
-  const Activations a = activations(x);
+  Activations a = activations(x, false);
   const int64_t rows = a.rows, in_features = a.cols;
   TORCH_CHECK(out_features > 0, "quant_gemm: out_features must be positive");
   const int64_t num_blocks = (out_features + kBlock - 1) / kBlock;
@@ -1282,11 +1318,15 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                   scale.numel() == num_blocks * kBlock,
               "quant_gemm: int8 scale must be contiguous float32 [", num_blocks * kBlock, "]");
   at::Tensor y = output(x, out_features, out);
+  isa = effective_isa(isa, a.bf16 != nullptr, in_features, rows);
+  if (a.f32 == nullptr && reads_f32(isa, 8)) a = activations(x, true);
   Problem p{rows, in_features, out_features, num_blocks, 0,      0,
             a.f32, nullptr,      nullptr,      y.data_ptr(), y.scalar_type() == at::kBFloat16};
-  isa = effective_isa(isa, a.bf16 != nullptr, in_features, rows);
   QuantizedActivations qa;
-  if (is_int8_activation(isa)) qa.quantize(a.f32, rows, in_features, isa, false, p);
+  if (is_int8_activation(isa)) {
+    if (a.f32 != nullptr) qa.quantize(a.f32, rows, in_features, isa, false, p, nullptr, 0, true);
+    else qa.quantize(a.bf16, rows, in_features, isa, false, p, nullptr, 0, true);
+  }
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
   at::parallel_for(0, num_blocks, grain(in_features * kBlock), [&](int64_t b0, int64_t b1) {
@@ -1339,7 +1379,7 @@ void prepare(const GemvTask& t, int64_t rows) {
   // Only the FMA paths read fp32 activations; the others read the bf16 ones (or their int8
   // codes) directly. Measured: widening all rows and summing the groups with a division per
   // input cost 14.8 of a 46.7 ms W2 step, every thread doing it for every GEMV.
-  const bool needs_f32 = !(is_int8_activation(a.isa) || (a.isa == kAvx512Bf16 && t.bits == 4));
+  const bool needs_f32 = reads_f32(a.isa, t.bits);
   a.widened.resize(needs_f32 ? rows * k : 0);
   for (int64_t i = 0; i < static_cast<int64_t>(a.widened.size()); ++i) a.widened[i] = to_f32(xb[i]);
   a.xsum.resize(rows * num_groups);
