@@ -50,6 +50,12 @@ log = structlog.get_logger(__name__)
 # kernel's, not that path's (both round to bf16 once).
 MAX_ROWS_QUANT = 64
 
+# From this many rows a quantized GEMV's int8 activations are prepared once, the rows shared
+# out over the threads, with a barrier after (quant_gemm.cpp's `shares_preparation`); below it
+# every thread prepares every row for itself, with none. SmolLM2's W2 step (32 rows, int4):
+# the preparation 0.70 -> 0.45 ms a step (loadtest/JOURNAL.md, forty-first session).
+SHARED_PREPARE_ROWS = 8
+
 # A greedy step of at most this many rows takes a bf16 lm_head's argmax through an int8 screen
 # (`HeadScreen`): at one row the bf16 lm_head is a fifth of the weights a step streams (SmolLM2:
 # 57 of 269 MB), the screen half of that. With more rows the GEMV is no longer bound by the
@@ -213,6 +219,12 @@ class FusedDecode:
         self.context_lens = torch.ones(m, dtype=i64)
         self.slot_mapping = torch.zeros(m, dtype=i64)
         self.input_ids = torch.zeros(m, dtype=i64)
+        # The quantized GEMVs' shared preparation (codes, scales and sums of m rows of the
+        # widest input), one GEMV at a time: they run one after another.
+        widest = max(
+            (q.in_features for q in model.modules() if isinstance(q, QuantLinear)), default=0
+        )
+        self.gemv_scratch = torch.zeros(m * widest * 3 // 2 + 512, dtype=torch.uint8)
         self.positions = torch.zeros(m, dtype=i64)
         # The step's inputs are written through numpy views of these buffers: no torch
         # dispatch per input (each op cost 15-20 us a step after the weights had streamed
@@ -375,15 +387,18 @@ class FusedDecode:
 
         def quant_gemv(name, x, y, codes, scales, bits, group_size, out_features, isa, multiplier):
             args, blocks = qg.make_gemv_task(
-                x, y, codes, scales, bits, group_size, out_features, isa
-            )
-            # Each thread prepares the activations for itself (no barrier), then the threads
-            # take the blocks in chunks from a shared counter, at the end in smaller ones, of
-            # no fewer than ~64 KiB of weights (decode_step.cpp's run_share).
-            every, dynamic = decode_step.TASK_EVERY_THREAD, decode_step.TASK_DYNAMIC
+                x, y, codes, scales, bits, group_size, out_features, isa,
+                self.gemv_scratch, SHARED_PREPARE_ROWS,
+            )  # fmt: skip
+            # Below SHARED_PREPARE_ROWS rows each thread prepares the activations for itself
+            # (no barrier), from it the threads prepare them once, sharing the rows (a
+            # barrier); then the threads take the blocks in chunks from a shared counter, at
+            # the end in smaller ones, of no fewer than ~64 KiB of weights (decode_step.cpp's
+            # run_share).
+            every, dynamic = decode_step.TASK_EVERY_THEN_SPLIT, decode_step.TASK_DYNAMIC
             block_bytes = (codes.nbytes + scales.nbytes) // blocks
             least = max(1, -(-decode_step.LEAST_TAKE_BYTES // block_bytes))
-            tasks.append((prepare_fn, args, 1, 0, False, multiplier, every))
+            tasks.append((prepare_fn, args, 0, 1, False, multiplier, every, SHARED_PREPARE_ROWS))
             tasks.append((blocks_fn, args, blocks, 0, True, multiplier, dynamic, least))
             self.task_names += ["gemv_prepare", name]
             return args

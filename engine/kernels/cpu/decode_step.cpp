@@ -46,8 +46,11 @@ using TaskFn = void (*)(const void* args, int64_t rows, int64_t begin, int64_t e
 // is ahead (its core less busy, its share of the last task done sooner) does more;
 // kDynamicMany, kSplit in steps of fewer than kTailRows rows and kDynamic from it (row-wise
 // tasks: attention's items, whose cost follows each row's context, and the norms, RoPE and
-// SiLU * up, whose shares a partner preempted by other work holds up at their barrier).
-enum Mode : int64_t { kSplit = 0, kEvery = 1, kDynamic = 2, kDynamicMany = 3 };
+// SiLU * up, whose shares a partner preempted by other work holds up at their barrier);
+// kEveryThenSplit, kEvery below `least` rows and kSplit from it, with a barrier after it there
+// (a GEMV's activations: each thread prepares its own at few rows, where a barrier costs more
+// than the work, and the threads prepare them once, shared, at many).
+enum Mode : int64_t { kSplit = 0, kEvery = 1, kDynamic = 2, kDynamicMany = 3, kEveryThenSplit = 4 };
 
 struct Task {
   TaskFn fn;
@@ -56,8 +59,14 @@ struct Task {
   bool barrier_after;
   const int64_t* row_multiplier;  // the items are multiplied by *row_multiplier, if set
   int64_t mode;
-  int64_t least;  // kDynamic below kTailRows rows: the smallest take (a GEMV's ~64 KiB)
+  int64_t least;  // kDynamic below kTailRows rows: the smallest take (a GEMV's ~64 KiB);
+                  // kEveryThenSplit: the rows from which it splits
 };
+
+// Whether a step of `rows` rows waits for every thread after task `t`.
+inline bool waits_after(const Task& t, int64_t rows) {
+  return t.barrier_after || (t.mode == kEveryThenSplit && rows >= t.least);
+}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -376,7 +385,7 @@ class Plan {
       const int64_t mode = entry.size() >= 7 ? entry[6].cast<int64_t>() : kSplit;
       const int64_t least = entry.size() == 8 ? entry[7].cast<int64_t>() : 1;
       TORCH_CHECK(least >= 1, "decode_step: a task's least take is at least one item");
-      TORCH_CHECK(mode >= kSplit && mode <= kDynamicMany, "decode_step: unknown task mode ",
+      TORCH_CHECK(mode >= kSplit && mode <= kEveryThenSplit, "decode_step: unknown task mode ",
                   mode);
       tasks_.push_back(Task{reinterpret_cast<TaskFn>(fn.get_pointer()), args.get_pointer(),
                             entry[2].cast<int64_t>(), entry[3].cast<int64_t>(),
@@ -447,11 +456,11 @@ class Plan {
         const int64_t started = timed ? now_ns() : 0;
         run_share(t, i, rows, total, me, n);
         if (!timed) {
-          if (t.barrier_after) barrier.wait();
+          if (waits_after(t, rows)) barrier.wait();
           continue;
         }
         const int64_t worked = now_ns();
-        if (t.barrier_after) barrier.wait();
+        if (waits_after(t, rows)) barrier.wait();
         work_ns_[i * kMaxTimedThreads + me] += worked - started;
         wait_ns_[i * kMaxTimedThreads + me] += now_ns() - worked;
       }
@@ -521,7 +530,7 @@ class Plan {
 
   // Thread `me` of `n` does its items of task `t` (the index `i` of the plan).
   void run_share(const Task& t, size_t i, int64_t rows, int64_t total, int64_t me, int64_t n) {
-    if (t.mode == kEvery) {
+    if (t.mode == kEvery || (t.mode == kEveryThenSplit && rows < t.least)) {
       t.fn(t.args, rows, 0, total);
     } else if (t.mode == kDynamic || (t.mode == kDynamicMany && rows >= kTailRows)) {
       // Chunks of about a quarter of a fair share (few enough that the counter costs nothing),

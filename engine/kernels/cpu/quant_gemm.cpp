@@ -1354,7 +1354,49 @@ struct GemvTask {
   // Which task a thread's preparation is for: a task made where a freed one lay has its
   // address, never its serial.
   uint64_t serial;
+  // From split_from_rows rows, an int8-activation path's activations are prepared once, the
+  // rows shared out over the threads (gemv_prepare_task, then a barrier: decode_step.cpp's
+  // kEveryThenSplit), into `scratch` (the plan's, shared by its GEMVs, which run one after
+  // another); below it each thread prepares every row for itself, with no barrier.
+  uint8_t* scratch = nullptr;
+  int64_t scratch_bytes = 0, split_from_rows = 0;
 };
+
+// Where a shared preparation of `rows` rows lies in a task's scratch (64-byte aligned parts).
+struct SharedActivations {
+  int8_t* xq;
+  float* xd;
+  int32_t* xqsum;
+  float* xsum;
+  int64_t bytes;
+};
+
+SharedActivations shared_activations(const GemvTask& t, int64_t rows) {
+  const int64_t k = t.in_features, num_chunks = k / kChunk;
+  const int64_t num_groups = t.bits == 4 ? k / t.group_size : 0;
+  int64_t offset = 0;
+  auto take = [&](int64_t bytes) {
+    uint8_t* at = t.scratch + offset;
+    offset += (bytes + 63) / 64 * 64;
+    return at;
+  };
+  SharedActivations a;
+  a.xq = reinterpret_cast<int8_t*>(take(rows * k));
+  a.xd = reinterpret_cast<float*>(take(rows * num_chunks * 4));
+  a.xqsum = reinterpret_cast<int32_t*>(take(rows * num_chunks * 4));
+  a.xsum = reinterpret_cast<float*>(take(rows * num_groups * 4));
+  a.bytes = offset;
+  return a;
+}
+
+// Whether a step of `rows` rows prepares this task's activations once, shared (see GemvTask).
+bool shares_preparation(const GemvTask& t, int64_t rows) {
+  if (t.scratch == nullptr || rows < t.split_from_rows) return false;
+  const int64_t isa = effective_isa(t.isa, true, t.in_features, rows);
+  if (!is_int8_activation(isa) || t.in_features % kChunk != 0) return false;
+  if (t.bits == 4 && !sums_while_quantizing(isa, t.group_size)) return false;
+  return shared_activations(t, rows).bytes <= t.scratch_bytes;
+}
 
 std::atomic<uint64_t> next_gemv_task_serial{1};
 
@@ -1394,9 +1436,7 @@ void prepare(const GemvTask& t, int64_t rows) {
   a.rows = rows;
 }
 
-void run_blocks(const GemvTask& t, int64_t b0, int64_t b1) {
-  const Problem& p = prepared.problem;
-  const int64_t isa = prepared.isa;
+void run_blocks(const GemvTask& t, const Problem& p, int64_t isa, int64_t b0, int64_t b1) {
   if (t.bits == 4) {
     const auto* c = static_cast<const uint8_t*>(t.codes);
     const auto* sm = static_cast<const uint16_t*>(t.scales);
@@ -1420,21 +1460,53 @@ void run_blocks(const GemvTask& t, int64_t b0, int64_t b1) {
 // Task functions (fn(args, rows, begin, end)): gemv_prepare_task (every thread, items ignored)
 // then gemv_blocks_task (any shares of blocks, e.g. taken dynamically): one preparation per
 // thread and GEMV.
-void gemv_prepare_task(const void* raw, int64_t rows, int64_t, int64_t) {
-  prepare(*static_cast<const GemvTask*>(raw), rows);
+// Rows [r0, r1) of a shared preparation (the same per-row work as prepare, so the same bits).
+void prepare_shared_rows(const GemvTask& t, int64_t rows, int64_t r0, int64_t r1) {
+  const SharedActivations a = shared_activations(t, rows);
+  const int64_t k = t.in_features, num_chunks = k / kChunk;
+  const int64_t num_groups = t.bits == 4 ? k / t.group_size : 0;
+  const int64_t isa = effective_isa(t.isa, true, k, rows);
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(t.x) + r0 * k;
+  float* sums = t.bits == 4 ? a.xsum + r0 * num_groups : nullptr;
+  if (isa == kAvx2Int8)
+    quantize_rows_avx2(xb, r1 - r0, k, a.xq + r0 * k, a.xd + r0 * num_chunks, sums, t.group_size);
+  else
+    quantize_rows(xb, r1 - r0, k, t.bits == 4, a.xq + r0 * k, a.xd + r0 * num_chunks,
+                  a.xqsum + r0 * num_chunks, sums, t.group_size);
+}
+
+// Below the task's split_from_rows (items ignored) each thread prepares every row for itself;
+// from it, the items are rows and the threads share them (a barrier follows).
+void gemv_prepare_task(const void* raw, int64_t rows, int64_t r0, int64_t r1) {
+  const GemvTask& t = *static_cast<const GemvTask*>(raw);
+  if (shares_preparation(t, rows)) prepare_shared_rows(t, rows, r0, r1);
+  else prepare(t, rows);
 }
 
 void gemv_blocks_task(const void* raw, int64_t rows, int64_t b0, int64_t b1) {
   const GemvTask& t = *static_cast<const GemvTask*>(raw);
+  if (shares_preparation(t, rows)) {
+    const SharedActivations a = shared_activations(t, rows);
+    const int64_t isa = effective_isa(t.isa, true, t.in_features, rows);
+    const int64_t num_groups = t.bits == 4 ? t.in_features / t.group_size : 0;
+    Problem p{rows, t.in_features, t.out_features, t.num_blocks, t.group_size, num_groups,
+              nullptr, a.xsum, reinterpret_cast<const uint16_t*>(t.x), t.y, true};
+    p.xq = a.xq;
+    p.xd = a.xd;
+    p.xqsum = isa == kAvx2Int8 ? nullptr : a.xqsum;
+    run_blocks(t, p, isa, b0, b1);
+    return;
+  }
   if (prepared.task != t.serial || prepared.rows != rows) prepare(t, rows);  // not prepared yet
-  run_blocks(t, b0, b1);
+  run_blocks(t, prepared.problem, prepared.isa, b0, b1);
 }
 
 // (task arguments capsule, number of blocks): y = x @ W^T for the rows of each run, x and y
 // buffers of the step (bf16, contiguous, at least as many rows as any run uses).
 py::tuple make_gemv_task(const at::Tensor& x, const at::Tensor& y, const at::Tensor& codes,
                          const at::Tensor& scales, int64_t bits, int64_t group_size,
-                         int64_t out_features, int64_t isa) {
+                         int64_t out_features, int64_t isa,
+                         const c10::optional<at::Tensor>& scratch, int64_t split_from_rows) {
   check_isa(isa);
   TORCH_CHECK(bits == 4 || bits == 8, "quant_gemm: bits must be 4 or 8");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16 &&
@@ -1453,6 +1525,14 @@ py::tuple make_gemv_task(const at::Tensor& x, const at::Tensor& y, const at::Ten
                             in_features, out_features, num_blocks, isa,
                             x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(),
                             next_gemv_task_serial.fetch_add(1)};
+  if (scratch.has_value()) {
+    TORCH_CHECK(scratch->scalar_type() == at::kByte && scratch->is_contiguous(),
+                "quant_gemm task: the scratch must be a contiguous uint8 tensor");
+    TORCH_CHECK(split_from_rows >= 1, "quant_gemm task: split_from_rows must be positive");
+    task->scratch = scratch->data_ptr<uint8_t>();
+    task->scratch_bytes = scratch->numel();
+    task->split_from_rows = split_from_rows;
+  }
   py::capsule args(task, "mini_infer.task_args",
                    [](void* p) { delete static_cast<GemvTask*>(p); });
   return py::make_tuple(args, num_blocks);
@@ -1560,7 +1640,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_blocks_task_fn", [] {
     return py::capsule(reinterpret_cast<void*>(&gemv_blocks_task), "mini_infer.task_fn");
   }, "a GEMV's blocks, on the activations the thread prepared");
-  m.def("make_gemv_task", &make_gemv_task, "(task arguments, blocks) for one GEMV of a fused step");
+  m.def("make_gemv_task", &make_gemv_task, "(task arguments, blocks) for one GEMV of a fused step",
+        py::arg("x"), py::arg("y"), py::arg("codes"), py::arg("scales"), py::arg("bits"),
+        py::arg("group_size"), py::arg("out_features"), py::arg("isa"),
+        py::arg("scratch") = py::none(), py::arg("split_from_rows") = 0);
   m.def("gather_rows_task_fn", [] {
     return py::capsule(reinterpret_cast<void*>(&gather_rows_task), "mini_infer.task_fn");
   });
