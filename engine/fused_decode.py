@@ -53,7 +53,8 @@ MAX_ROWS_QUANT = 64
 # From this many rows a quantized GEMV's int8 activations are prepared once, the rows shared
 # out over the threads, with a barrier after (quant_gemm.cpp's `shares_preparation`); below it
 # every thread prepares every row for itself, with none. SmolLM2's W2 step (32 rows, int4):
-# the preparation 0.70 -> 0.45 ms a step (loadtest/JOURNAL.md, forty-first session).
+# the preparation 0.78 -> 0.33 ms a step, W2 1.010-1.025x in one process (loadtest/JOURNAL.md,
+# forty-first session).
 SHARED_PREPARE_ROWS = 8
 
 # A greedy step of at most this many rows takes a bf16 lm_head's argmax through an int8 screen

@@ -1,11 +1,13 @@
-"""Two engines in one process, built with a module constant set two ways, W1 alternating.
+"""Two engines in one process, built with a module constant set two ways, W1 (or `--num-requests`
+prompts together) alternating.
 
 A change of a few percent is below what tree-against-tree runs resolve on a noisy 2-core host
 (each process lands its weights on other pages and meets another minute of the host's pace).
 Here both sides share the process, the minute and the machine: two `LLMEngine`s are built, side
 A's after its `--set-a` assignments and side B's after `--set-b`'s (each a constant read when the
 engine is built, e.g. `engine.kernels.cpu.decode_step.LEAST_TAKE_BYTES=65536`; restored after),
-then each round runs W1 (the chat prompt, `--max-tokens` greedy tokens, no EOS) on both, the
+then each round runs W1 (the chat prompt, `--max-tokens` greedy tokens, no EOS; with
+`--num-requests N`, N distinct chat prompts together, W2's shape at 32) on both, the
 order flipped every round. `--load-order b,a` builds B first, to take the build order out of a
 result (run it both ways). Prints each round, the medians and the pairwise median of A/B, and the
 JSON.
@@ -70,7 +72,8 @@ def run(args) -> dict:
     from engine.loader import load_tokenizer, resolve_model
     from loadtest.workloads import chat_prompts
 
-    prompt = chat_prompts(load_tokenizer(resolve_model(args.model)), 1)[0]
+    prompts = chat_prompts(load_tokenizer(resolve_model(args.model)), args.num_requests)
+    prompt = prompts[0]
     options = json.loads(args.options)
     settings = {"a": args.set_a, "b": args.set_b}
     order = args.load_order.split(",")
@@ -91,7 +94,8 @@ def run(args) -> dict:
     for r in range(args.rounds):
         for side in order if r % 2 == 0 else order[::-1]:
             eng = engines[side]
-            eng.add_request(f"r{r}", prompt, params)
+            for i, each in enumerate(prompts):
+                eng.add_request(f"r{r}-{i}", each, params)
             start = time.perf_counter()
             if args.task_clocks:
                 num_tokens, spans = _timed(eng)
@@ -103,11 +107,12 @@ def run(args) -> dict:
               f"B {speeds['b'][-1]:.1f}", flush=True)  # fmt: skip
     medians = {side: statistics.median(v) for side, v in speeds.items()}
     pairwise = statistics.median(a / b for a, b in zip(speeds["a"], speeds["b"], strict=True))
-    print(f"\nW1 1x{args.max_tokens}, tok/s medians of {args.rounds}: A {medians['a']:.1f}, "
+    print(f"\n{args.num_requests}x{args.max_tokens}, tok/s medians of {args.rounds}: A {medians['a']:.1f}, "
           f"B {medians['b']:.1f}; A/B pairwise median {pairwise:.3f}, ratio of medians "
           f"{medians['a'] / medians['b']:.3f}")  # fmt: skip
     result = {
         "model": args.model, "options": options, "max_tokens": args.max_tokens,
+        "num_requests": args.num_requests,
         "set_a": args.set_a, "set_b": args.set_b, "load_order": order,
         "tokens_per_s": speeds, "medians": medians,
         "a_over_b_pairwise_median": round(pairwise, 3),
@@ -162,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-order", default="a,b", help="a,b or b,a: which is built first")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--num-requests", type=int, default=1,
+        help="distinct chat prompts run together each round (1: W1; 32: W2's shape)",
+    )  # fmt: skip
     parser.add_argument(
         "--task-clocks",
         action="store_true",

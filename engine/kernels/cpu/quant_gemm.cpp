@@ -1401,8 +1401,9 @@ bool shares_preparation(const GemvTask& t, int64_t rows) {
 std::atomic<uint64_t> next_gemv_task_serial{1};
 
 // The activations of one GEMV as this thread's kernels take them: widened, group sums and (VNNI)
-// int8 codes. Prepared by each thread for itself (cheaper than a barrier), once per GEMV of a
-// step (gemv_prepare_task), then used by every share of blocks the thread takes.
+// int8 codes. Prepared by each thread for itself (cheaper than a barrier at few rows), once per
+// GEMV of a step (gemv_prepare_task), then used by every share of blocks the thread takes; from
+// a task's split_from_rows, an int8-activation path's are prepared once, shared (GemvTask).
 struct PreparedActivations {
   uint64_t task = 0;  // the serial of the GemvTask prepared for
   int64_t rows = 0, isa = 0;
