@@ -458,17 +458,21 @@ def test_a_plan_refuses_unknown_modes_and_empty_takes(step_ext):
     assert torch.equal(y, quant_gemm.int4_gemm(qg, x, packed, scale_min, 32, 64))
 
 
+@pytest.mark.parametrize("isa", quant_gemm.INT8_ACTIVATION_ISAS + ("avx512",))
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("scratch", [True, False], ids=["scratch", "no-scratch"])
 @settings(max_examples=10, deadline=None)
 @given(rows=st.integers(1, 9), threads=st.integers(1, 12), split_from=st.integers(1, 6))
 def test_a_gemvs_activations_prepared_per_thread_or_shared_give_the_same_bits(
-    step_ext, bits, scratch, rows, threads, split_from
+    step_ext, isa, bits, scratch, rows, threads, split_from
 ):
     """A quantized GEMV's prepare task in kEveryThenSplit: below `split_from` rows every thread
     prepares every row for itself; from it the threads share the rows (into the scratch, then a
     barrier), or, without room in a scratch, each prepares for itself as below. Any thread count
-    (more threads than rows included) gives the entry point's bits."""
+    (more threads than rows included) gives the entry point's bits, on each int8-activation path
+    and on an exact one (which never shares)."""
+    if not quant_gemm.can_run(isa):
+        pytest.skip(f"this CPU cannot run the {isa} path")
     qg = quant_gemm.load()
     generator = torch.Generator().manual_seed(rows * 100 + threads)
     in_features, out_features = 128, 80
@@ -477,14 +481,14 @@ def test_a_gemvs_activations_prepared_per_thread_or_shared_give_the_same_bits(
     weight = torch.randn(out_features, in_features, generator=generator)
     if bits == 4:
         codes, scales = quant_gemm.pack_int4(*quantize_int4_groupwise(weight, 32))
-        expected = quant_gemm.int4_gemm(qg, x, codes, scales, 32, out_features)
+        expected = quant_gemm.int4_gemm(qg, x, codes, scales, 32, out_features, isa)
     else:
         codes, scales = quant_gemm.pack_int8(*quantize_int8_per_channel(weight))
-        expected = quant_gemm.int8_gemm(qg, x, codes, scales, out_features)
+        expected = quant_gemm.int8_gemm(qg, x, codes, scales, out_features, isa)
     room = torch.zeros(rows * in_features * 2 + 512, dtype=torch.uint8) if scratch else None
     args, blocks = qg.make_gemv_task(
-        x, y, codes, scales, bits, 32 if bits == 4 else 0, out_features, quant_gemm.isa_code(),
-        room, split_from,
+        x, y, codes, scales, bits, 32 if bits == 4 else 0, out_features,
+        quant_gemm.isa_code(isa), room, split_from,
     )  # fmt: skip
     plan = step_ext.Plan([
         (qg.gemv_prepare_task_fn(), args, 0, 1, False, None, decode_step.TASK_EVERY_THEN_SPLIT,
