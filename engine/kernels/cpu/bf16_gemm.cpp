@@ -170,8 +170,9 @@ AVX512BF16_TARGET void block_avx512bf16(const Problem& p, int64_t b, int64_t row
 // rows: 1.15-1.37x and 1.16-1.19x the one-block tiles, even with oneDNN; its other shapes
 // 0.97-1.04x; at 8 and 16 rows, where the weights' bytes bound the call, two weight streams
 // were slower (0.77-0.98x, `loadtest/JOURNAL.md`, fortieth session). Three or four blocks, or
-// 12 rows, were 2-3x slower: the accumulators did not stay in registers. One accumulator per
-// row and block, as block_avx512bf16 keeps from 8 rows: the same sums.
+// 12 rows, were 2-3x slower while the accumulators did not stay in registers (gemv_prefetch.h),
+// and no faster once they did: 0.87-1.02x (forty-first session). One accumulator per row and
+// block, as block_avx512bf16 keeps from 8 rows: the same sums.
 constexpr int64_t kWideMinRows = 32;
 constexpr int kWideRows = 8;
 constexpr int kWideBlocks = 2;

@@ -106,6 +106,19 @@ __attribute__((target("avx"))) inline float sum8_as_group_sums(__m256 v) {
       _mm_add_ss(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
 }
 
+// Chunk `c` of a row (its 32 inputs as four 8-float slices, in input order) into the row's
+// running group sums; at a group's last chunk, the group's sum (group_sums' bits) into
+// row_sums[group], and the next group starts from zero. chunks_per_group = group_size / kChunk.
+__attribute__((target("avx"))) inline void add_chunk_to_group_sums(
+    __m256& running, const __m256 (&slices)[4], int64_t c, int64_t chunks_per_group,
+    float* row_sums) {
+  for (int i = 0; i < 4; ++i) running = _mm256_add_ps(running, slices[i]);
+  if ((c + 1) % chunks_per_group == 0) {
+    row_sums[c / chunks_per_group] = sum8_as_group_sums(running);
+    running = _mm256_setzero_ps();
+  }
+}
+
 // With `xsum` (int4 weights: [rows, K / group_size], group_size a multiple of kChunk), each
 // group's activation sum as group_sums makes it, bit for bit (eight running sums over the
 // group's inputs in order, then sum8_as_group_sums), from the fp32 values the chunk's
@@ -126,15 +139,10 @@ VNNI_TARGET void quantize_rows(const T* x, int64_t rows, int64_t k, bool pair_or
       const T* xc = x + r * k + c * kChunk;
       const __m512 a = load16(xc), b = load16(xc + 16);
       if (chunks_per_group > 0) {
-        running = _mm256_add_ps(running, _mm512_castps512_ps256(a));
-        running = _mm256_add_ps(running, _mm512_extractf32x8_ps(a, 1));
-        running = _mm256_add_ps(running, _mm512_castps512_ps256(b));
-        running = _mm256_add_ps(running, _mm512_extractf32x8_ps(b, 1));
-        if ((c + 1) % chunks_per_group == 0) {
-          xsum[r * (num_chunks / chunks_per_group) + c / chunks_per_group] =
-              sum8_as_group_sums(running);
-          running = _mm256_setzero_ps();
-        }
+        const __m256 slices[4] = {_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1),
+                                  _mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1)};
+        add_chunk_to_group_sums(running, slices, c, chunks_per_group,
+                                xsum + r * (num_chunks / chunks_per_group));
       }
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
@@ -644,14 +652,9 @@ AVX2_TARGET void quantize_rows_avx2(const T* x, int64_t rows, int64_t k, int8_t*
       const T* xc = x + r * k + c * kChunk;
       __m256 v[4];
       for (int i = 0; i < 4; ++i) v[i] = load8(xc + 8 * i);
-      if (chunks_per_group > 0) {
-        for (int i = 0; i < 4; ++i) running = _mm256_add_ps(running, v[i]);
-        if ((c + 1) % chunks_per_group == 0) {
-          xsum[r * (num_chunks / chunks_per_group) + c / chunks_per_group] =
-              sum8_as_group_sums(running);
-          running = _mm256_setzero_ps();
-        }
-      }
+      if (chunks_per_group > 0)
+        add_chunk_to_group_sums(running, v, c, chunks_per_group,
+                                xsum + r * (num_chunks / chunks_per_group));
       __m256 m = _mm256_andnot_ps(sign, v[0]);
       for (int i = 1; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
       m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
@@ -1173,6 +1176,21 @@ at::Tensor output(const at::Tensor& x, int64_t out_features, const c10::optional
   return y;
 }
 
+// Rows [r0, r1) of x ([rows, k]) quantized for int8-activation path `isa` into the row-major
+// buffers of all the rows: codes xq, scales xd, code sums xqsum (VNNI only), and with `xsum`
+// the int4 groups' activation sums.
+template <typename T>
+void quantize_row_range(int64_t isa, const T* x, int64_t r0, int64_t r1, int64_t k, bool int4,
+                        int8_t* xq, float* xd, int32_t* xqsum, float* xsum, int64_t group_size) {
+  const int64_t num_chunks = k / kChunk;
+  float* sums = xsum != nullptr ? xsum + r0 * (k / group_size) : nullptr;
+  if (isa == kAvx2Int8)
+    quantize_rows_avx2(x + r0 * k, r1 - r0, k, xq + r0 * k, xd + r0 * num_chunks, sums, group_size);
+  else
+    quantize_rows(x + r0 * k, r1 - r0, k, int4, xq + r0 * k, xd + r0 * num_chunks,
+                  xqsum + r0 * num_chunks, sums, group_size);
+}
+
 // The VNNI path's int8 activations (quantize_rows), owned by the caller.
 struct QuantizedActivations {
   std::vector<int8_t> xq;
@@ -1186,19 +1204,12 @@ struct QuantizedActivations {
   template <typename T>
   void quantize(const T* x, int64_t rows, int64_t k, int64_t isa, bool int4, Problem& p,
                 float* xsum = nullptr, int64_t group_size = 0, bool split_rows = false) {
-    const int64_t num_chunks = k / kChunk, num_groups = xsum != nullptr ? k / group_size : 0;
     xq.resize(rows * k);
-    xd.resize(rows * num_chunks);
-    if (isa != kAvx2Int8) xqsum.resize(rows * num_chunks);
+    xd.resize(rows * (k / kChunk));
+    if (isa != kAvx2Int8) xqsum.resize(rows * (k / kChunk));
     auto some_rows = [&](int64_t r0, int64_t r1) {
-      float* sums = xsum != nullptr ? xsum + r0 * num_groups : nullptr;
-      if (isa == kAvx2Int8)
-        quantize_rows_avx2(x + r0 * k, r1 - r0, k, xq.data() + r0 * k, xd.data() + r0 * num_chunks,
-                           sums, group_size);
-      else
-        quantize_rows(x + r0 * k, r1 - r0, k, int4, xq.data() + r0 * k,
-                      xd.data() + r0 * num_chunks, xqsum.data() + r0 * num_chunks, sums,
-                      group_size);
+      quantize_row_range(isa, x, r0, r1, k, int4, xq.data(), xd.data(), xqsum.data(), xsum,
+                         group_size);
     };
     if (split_rows) at::parallel_for(0, rows, std::max<int64_t>(1, kSplitRowsElements / k), some_rows);
     else some_rows(0, rows);
@@ -1458,23 +1469,16 @@ void run_blocks(const GemvTask& t, const Problem& p, int64_t isa, int64_t b0, in
   }
 }
 
-// Task functions (fn(args, rows, begin, end)): gemv_prepare_task (every thread, items ignored)
-// then gemv_blocks_task (any shares of blocks, e.g. taken dynamically): one preparation per
-// thread and GEMV.
 // Rows [r0, r1) of a shared preparation (the same per-row work as prepare, so the same bits).
 void prepare_shared_rows(const GemvTask& t, int64_t rows, int64_t r0, int64_t r1) {
   const SharedActivations a = shared_activations(t, rows);
-  const int64_t k = t.in_features, num_chunks = k / kChunk;
-  const int64_t num_groups = t.bits == 4 ? k / t.group_size : 0;
-  const int64_t isa = effective_isa(t.isa, true, k, rows);
-  const uint16_t* xb = reinterpret_cast<const uint16_t*>(t.x) + r0 * k;
-  float* sums = t.bits == 4 ? a.xsum + r0 * num_groups : nullptr;
-  if (isa == kAvx2Int8)
-    quantize_rows_avx2(xb, r1 - r0, k, a.xq + r0 * k, a.xd + r0 * num_chunks, sums, t.group_size);
-  else
-    quantize_rows(xb, r1 - r0, k, t.bits == 4, a.xq + r0 * k, a.xd + r0 * num_chunks,
-                  a.xqsum + r0 * num_chunks, sums, t.group_size);
+  quantize_row_range(effective_isa(t.isa, true, t.in_features, rows),
+                     reinterpret_cast<const uint16_t*>(t.x), r0, r1, t.in_features, t.bits == 4,
+                     a.xq, a.xd, a.xqsum, t.bits == 4 ? a.xsum : nullptr, t.group_size);
 }
+
+// Task functions (fn(args, rows, begin, end)): gemv_prepare_task, then gemv_blocks_task (any
+// shares of blocks, e.g. taken dynamically).
 
 // Below the task's split_from_rows (items ignored) each thread prepares every row for itself;
 // from it, the items are rows and the threads share them (a barrier follows).
